@@ -1,0 +1,32 @@
+# Two entry points, each bootstrapping its own virtual environment:
+#   make demo  - set up, compile a demo model with kiln, run it, compare with eager
+#   make test  - set up, run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch is pinned to the CPU build first so nothing pulls CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q --timeout=900
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" --timeout=900
+
+bench: $(STAMP)
+	$(PY) benchmarks/latency.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
