@@ -1,0 +1,63 @@
+"""Engines that turn a device partition into executable code.
+
+The contract is deliberately small so an engine is one file:
+
+* ``supports(node) -> str | None``: ``None`` if the engine can run this fx node,
+  otherwise the reason it cannot (shown in analysis reports).
+* ``compile(partition, example_inputs, options) -> bytes``: a self-contained,
+  fully optimised blob for one partition (a GraphModule of core ATen ops).
+* ``load(blob, runtime_options) -> callable``: a function from a list of input
+  tensors to a list of output tensors. It must be safe to call from several
+  threads at once.
+
+``available()`` and ``version()`` let kiln skip missing engines with a clear
+message and record versions in the artifact.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..errors import EngineUnavailableError
+
+_ENGINES = {
+    "onnxruntime": "kiln.backends.onnxruntime:OnnxRuntimeBackend",
+}
+_instances: dict = {}
+
+
+class Backend:
+    name: str = ""
+    blob_suffix: str = ".bin"
+
+    def available(self) -> bool:
+        raise NotImplementedError
+
+    def version(self) -> str:
+        raise NotImplementedError
+
+    def supports(self, node) -> str | None:
+        raise NotImplementedError
+
+    def compile(self, partition, example_inputs, options) -> bytes:
+        raise NotImplementedError
+
+    def load(self, blob: bytes, runtime_options):
+        raise NotImplementedError
+
+
+def names() -> list:
+    return list(_ENGINES)
+
+
+def get(name: str) -> Backend:
+    if name not in _ENGINES:
+        raise EngineUnavailableError(f"unknown engine {name!r}; kiln has: {', '.join(_ENGINES)}")
+    if name not in _instances:
+        module, _, cls = _ENGINES[name].partition(":")
+        _instances[name] = getattr(importlib.import_module(module), cls)()
+    backend = _instances[name]
+    if not backend.available():
+        raise EngineUnavailableError(
+            f"engine {name!r} is not installed in this environment; install it "
+            f"(pip install {name}) or choose another engine")
+    return backend

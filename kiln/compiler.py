@@ -1,0 +1,166 @@
+"""The compiler driver: capture → analyze → partition → compile → artifact → validate."""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import warnings
+
+import torch
+
+from . import __version__, backends, specs
+from . import target as target_mod
+from .analyze import AnalysisReport, report as make_report
+from .artifact import FORMAT, FORMAT_VERSION, Artifact
+from .capture import capture
+from .errors import CompileError, KilnError, UnsupportedOpError
+from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
+from .partition import place, split
+from .program import build
+from .progress import Progress
+from .runtime import HOST_CONSTANTS, CompiledModel
+from .validate import compare
+
+log = logging.getLogger("kiln")
+
+
+def make_options(compiler_args=None, **overrides) -> CompileOptions:
+    fields = parse_compiler_args(compiler_args)
+    for key, value in overrides.items():
+        if value is not None:
+            if key == "ops_on_host":
+                value = frozenset(value)
+            fields[key] = value
+    opts = CompileOptions(**fields)
+    check_supported(opts)
+    return opts
+
+
+def _plan(model, example_inputs, example_kwargs, opts, progress):
+    with progress.phase("capture"):
+        captured = capture(model, example_inputs, example_kwargs)
+    backend = backends.get(opts.engine)
+    with progress.phase("analyze"):
+        placement = place(captured.graph_module, backend, opts)
+        rep = make_report(captured.graph_module, placement, captured.model_name, backend.name)
+    if not placement.partitions:
+        rep.notes.append(f"No operator is placed on the {backend.name} engine; the whole model "
+                         "runs on the host with PyTorch")
+    return captured, backend, placement, rep
+
+
+def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, compiler_args=None,
+            min_partition_size=None, ops_on_host=None, quiet=None) -> AnalysisReport:
+    """Report op support and the partitioning a trace would use, without compiling."""
+    opts = make_options(compiler_args, engine=engine, min_partition_size=min_partition_size,
+                        ops_on_host=ops_on_host)
+    _, _, _, rep = _plan(model, example_inputs, example_kwargs, opts, Progress(quiet=quiet))
+    return rep
+
+
+def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None, engine=None,
+          optlevel=None, target=None, fallback=None, min_partition_size=None, ops_on_host=None,
+          validate=None, atol=None, rtol=None, threads=None, name=None, quiet=None) -> CompiledModel:
+    """Compile ``model`` ahead of time for this machine and return the loaded result.
+
+    ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of
+    keyword inputs (``example_kwargs`` adds keywords to positional ones).
+    """
+    opts = make_options(compiler_args, engine=engine, optlevel=optlevel, target=target,
+                        fallback=fallback, min_partition_size=min_partition_size,
+                        ops_on_host=ops_on_host, validate=validate, atol=atol, rtol=rtol)
+    progress = Progress(quiet=quiet)
+    started = time.perf_counter()
+    captured, backend, placement, rep = _plan(model, example_inputs, example_kwargs, opts, progress)
+    if name:
+        captured.model_name = rep.model_name = name
+
+    unsupported = [u for u in rep.unsupported_ops if not u["reason"].startswith(("in a device partition",
+                                                                                  "placed on the host"))]
+    if unsupported and not opts.fallback:
+        lines = [f"  {u['op']} (x{u['count']}): {u['reason']}" +
+                 "".join(f"\n      at {loc}" for loc in u["locations"]) for u in unsupported]
+        raise UnsupportedOpError(
+            f"{captured.model_name} uses {len(unsupported)} operator(s) the {backend.name} engine "
+            "cannot run and fallback is disabled:\n" + "\n".join(lines) +
+            "\nEnable fallback=True to run them on the host with PyTorch, or rewrite those lines.")
+    if not placement.partitions:
+        warnings.warn(f"kiln: no operator of {captured.model_name} is placed on the {backend.name} "
+                      "engine; returning a model that runs entirely on the host with PyTorch",
+                      stacklevel=2)
+
+    fused = split(captured.graph_module, placement)
+    program, constants, submodules = build(fused)
+    part_inputs, part_outputs = _partition_io(fused, captured.example_inputs)
+
+    blobs, partitions = {}, []
+    for i, sub in enumerate(submodules):
+        with progress.phase(f"compile partition {i + 1}/{len(submodules)} ({backend.name})"):
+            t0 = time.perf_counter()
+            try:
+                blob = backend.compile(sub, part_inputs[i], opts)
+            except KilnError:
+                raise
+            except Exception as e:
+                raise CompileError(f"{backend.name} failed to compile device partition {i} of "
+                                   f"{captured.model_name} ({rep.partitions[i]['num_ops']} ops): "
+                                   f"{type(e).__name__}: {str(e).strip()[:2000]}") from e
+            seconds = time.perf_counter() - t0
+        blob_name = f"partitions/{i}{backend.blob_suffix}"
+        blobs[blob_name] = blob
+        partitions.append({
+            "id": i, "engine": backend.name, "engine_version": backend.version(), "blob": blob_name,
+            "num_ops": rep.partitions[i]["num_ops"], "compile_seconds": round(seconds, 3),
+            "inputs": [_spec(f"in{j}", t) for j, t in enumerate(part_inputs[i])],
+            "outputs": [_spec(f"out{j}", t) for j, t in enumerate(part_outputs[i])],
+        })
+    if constants:
+        from safetensors.torch import save as st_save
+        blobs[HOST_CONSTANTS] = st_save(constants)
+
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model_name": captured.model_name,
+        "engine": {"name": backend.name, "version": backend.version()},
+        "target": target_mod.describe(opts.target),
+        "compile_options": opts.to_dict(),
+        "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
+                   "tensors": [s.to_dict() for s in captured.input_specs]},
+        "outputs": {"structure": captured.output_structure,
+                    "tensors": [s.to_dict() for s in captured.output_specs]},
+        "program": program,
+        "partitions": partitions,
+        "report": rep.to_dict(),
+    }
+    compiled = CompiledModel(Artifact(manifest, blobs), RuntimeOptions(threads=threads))
+    if opts.validate:
+        with progress.phase("validate"):
+            actual = compiled.run_flat(captured.example_inputs)
+            manifest["validation"] = compare(captured.eager_outputs, actual,
+                                             [s.name for s in captured.output_specs], opts.atol, opts.rtol)
+    manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
+    manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
+    return compiled
+
+
+def _spec(name, t):
+    return specs.TensorSpec(name, tuple(t.shape), t.dtype).to_dict()
+
+
+def _partition_io(fused, example_inputs):
+    """Run the split graph once in PyTorch to get each partition's example inputs/outputs."""
+    ins, outs = {}, {}
+
+    class Recorder(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            result = super().call_module(target, args, kwargs)
+            ins[target] = [a for a in args]
+            outs[target] = list(result) if isinstance(result, (tuple, list)) else [result]
+            return result
+
+    with torch.no_grad():
+        Recorder(fused).run(*example_inputs)
+    order = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return [ins[t] for t in order], [outs[t] for t in order]

@@ -1,0 +1,230 @@
+"""The host program: how partitions and fallback ops are wired together.
+
+After partitioning, the top-level graph is a short list of steps: run device
+partition k, or run one host ATen op. It is stored as JSON (op names and value
+slots, never code) plus a safetensors file for the host ops' constant tensors,
+so loading an artifact cannot execute anything from the file. Ops are resolved
+by name in ``torch.ops``; a custom op must be registered (its library
+imported) before loading, and the error says so.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from .errors import ArtifactError, KilnError
+from .partition import op_name
+from .specs import dtype_from_name, dtype_name
+
+
+# ---- build (compile time) --------------------------------------------------
+
+def build(fused: torch.fx.GraphModule):
+    """Return (program dict, host constants dict, partition submodules in step order)."""
+    slots: dict = {}
+    constants: dict = {}
+    steps, partitions = [], []
+    num_inputs = 0
+
+    def slot(node):
+        if node not in slots:
+            slots[node] = len(slots)
+        return slots[node]
+
+    def ref(a):
+        if isinstance(a, torch.fx.Node):
+            if a not in slots:
+                raise KilnError(f"internal: value {a.name} used before it is produced")
+            return {"slot": slots[a]}
+        if isinstance(a, (list, tuple)):
+            return {"list": [ref(v) for v in a]}
+        return _encode_arg(a)
+
+    outputs = None
+    for node in fused.graph.nodes:
+        if node.op == "placeholder":
+            slot(node)
+            num_inputs += 1
+        elif node.op == "get_attr":
+            value = _fetch(fused, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise KilnError(f"host constant {node.target} is a {type(value).__name__}, not a tensor")
+            name = f"c{len(constants)}"
+            constants[name] = value.detach().contiguous()
+            steps.append({"const": name, "out": [slot(node)]})
+        elif node.op == "call_module":
+            sub = fused.get_submodule(node.target)
+            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            multi = isinstance(out_node.args[0], (tuple, list))
+            n_out = len(out_node.args[0]) if multi else 1
+            outs = [None] * n_out
+            if multi:
+                for user in node.users:
+                    if user.op == "call_function" and user.target is operator.getitem:
+                        outs[user.args[1]] = slot(user)
+                    else:
+                        raise KilnError(f"internal: partition output used without unpacking by {user}")
+            else:
+                outs[0] = slot(node)
+            steps.append({"partition": len(partitions), "in": [ref(a) for a in node.args], "out": outs})
+            partitions.append(sub)
+        elif node.op == "call_function":
+            if node.target is operator.getitem and node.args[0].op == "call_module":
+                continue  # handled by the partition step
+            if node.target is operator.getitem:
+                steps.append({"getitem": node.args[1], "in": [ref(node.args[0])], "out": [slot(node)]})
+                continue
+            if not isinstance(node.target, torch._ops.OpOverload):
+                raise KilnError(f"host op {node.target} is not a torch operator and cannot be stored")
+            steps.append({
+                "op": f"{op_name(node.target)}.{node.target._overloadname}",
+                "args": [ref(a) for a in node.args],
+                "kwargs": {k: ref(v) for k, v in node.kwargs.items()},
+                "out": [slot(node)],
+            })
+        elif node.op == "output":
+            outputs = [ref(a) for a in _flat(node.args[0])]
+    program = {"num_inputs": num_inputs, "num_slots": len(slots), "steps": steps, "outputs": outputs}
+    return program, constants, partitions
+
+
+def _flat(x):
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _flat(v)
+    else:
+        yield x
+
+
+def _fetch(module, target):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _encode_arg(a):
+    if a is None or isinstance(a, (bool, int, str)):
+        return {"v": a}
+    if isinstance(a, float):
+        return {"v": a} if math.isfinite(a) else {"float": repr(a)}
+    if isinstance(a, torch.dtype):
+        return {"dtype": dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).removeprefix("torch.")}
+    raise KilnError(f"cannot store an argument of type {type(a).__name__} for a host op")
+
+
+# ---- run (load time) -------------------------------------------------------
+
+def _decode_arg(a):
+    """Decode a stored argument; value references become :class:`_Slot` markers."""
+    if "slot" in a:
+        return _Slot(a["slot"])
+    if "list" in a:
+        return [_decode_arg(v) for v in a["list"]]
+    if "v" in a:
+        return a["v"]
+    if "float" in a:
+        return float(a["float"])
+    if "dtype" in a:
+        return dtype_from_name(a["dtype"])
+    if "device" in a:
+        return torch.device(a["device"])
+    if "layout" in a:
+        return getattr(torch, a["layout"])
+    if "memory_format" in a:
+        return getattr(torch, a["memory_format"])
+    raise ArtifactError(f"unknown argument encoding {sorted(a)} in artifact program")
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+
+def _resolve(x, env):
+    if isinstance(x, _Slot):
+        return env[x.i]
+    if isinstance(x, list):
+        return [_resolve(v, env) for v in x]
+    return x
+
+
+def resolve_op(qualified: str):
+    """``aten::sort.default`` → torch.ops.aten.sort.default, by attribute lookup only."""
+    name, _, overload = qualified.rpartition(".")
+    ns, _, op = name.partition("::")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise KilnError(
+            f"the artifact runs operator {ns}::{op} on the host, but it is not registered in this "
+            f"process; import the library that defines it (e.g. the module with its "
+            f"torch.library definition) before loading") from None
+
+
+class Program:
+    """Executes the wiring: inputs → steps (partitions, host ops) → outputs."""
+
+    def __init__(self, spec: dict, constants: dict, partitions: list):
+        self.num_inputs = spec["num_inputs"]
+        self.num_slots = spec["num_slots"]
+        self.partitions = partitions
+        self.steps = []
+        for step in spec["steps"]:
+            outs = step["out"]
+            if "partition" in step:
+                ins = [_decode_arg(a) for a in step["in"]]
+                self.steps.append(("partition", step["partition"], ins, outs))
+            elif "const" in step:
+                self.steps.append(("const", constants[step["const"]], None, outs))
+            elif "getitem" in step:
+                self.steps.append(("getitem", step["getitem"], [_decode_arg(step["in"][0])], outs))
+            else:
+                fn = resolve_op(step["op"])
+                args = [_decode_arg(a) for a in step["args"]]
+                kwargs = {k: _decode_arg(v) for k, v in step["kwargs"].items()}
+                self.steps.append(("op", fn, (args, kwargs), outs))
+        self.outputs = [_decode_arg(o) for o in spec["outputs"]]
+        # A single partition fed by the inputs in order is the common, fast case.
+        self.direct = None
+        if (len(self.steps) == 1 and self.steps[0][0] == "partition"
+                and all(isinstance(a, _Slot) for a in self.steps[0][2])
+                and [a.i for a in self.steps[0][2]] == list(range(self.num_inputs))
+                and all(isinstance(o, _Slot) for o in self.outputs)):
+            outs = self.steps[0][3]
+            self.direct = (partitions[self.steps[0][1]], [outs.index(o.i) for o in self.outputs])
+
+    def host_ops(self):
+        return [s for s in self.steps if s[0] == "op"]
+
+    def __call__(self, inputs, on_step=None):
+        if self.direct is not None:
+            fn, order = self.direct
+            res = fn(inputs)
+            return res if order == list(range(len(res))) else [res[i] for i in order]
+        env = list(inputs) + [None] * (self.num_slots - len(inputs))
+        for kind, what, ins, outs in self.steps:
+            if kind == "partition":
+                res = self.partitions[what]([_resolve(a, env) for a in ins])
+                for o, r in zip(outs, res):
+                    if o is not None:
+                        env[o] = r
+            elif kind == "op":
+                args, kwargs = ins
+                res = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+                env[outs[0]] = res
+            elif kind == "getitem":
+                env[outs[0]] = _resolve(ins[0], env)[what]
+            else:
+                env[outs[0]] = what
+        return [_resolve(o, env) for o in self.outputs]

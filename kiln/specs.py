@@ -1,0 +1,169 @@
+"""Input/output structure of a compiled model, as plain JSON.
+
+The artifact must describe nested inputs and outputs (tuples, lists, dicts,
+Hugging Face ``ModelOutput``) without pickling Python objects, so a structure
+is encoded as a small JSON tree whose leaves index a flat list of tensors.
+Decoding never imports anything: a ``ModelOutput`` class is reused only when
+its module is already loaded, otherwise the result is a :class:`Output`, which
+behaves the same for attribute, key and index access.
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InputError, KilnError
+
+
+class Output(OrderedDict):
+    """Mapping output that also allows ``out.name`` and ``out[0]``, like ModelOutput."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, slice)):
+            return tuple(self.values())[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self):
+        return tuple(self.values())
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+    def to_dict(self):
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(d["name"], tuple(d["shape"]), dtype_from_name(d["dtype"]))
+
+    def describe(self):
+        return f"{tuple(self.shape)} {dtype_name(self.dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise KilnError(f"unknown dtype {name!r} in artifact")
+    return dtype
+
+
+def _is_model_output(value) -> bool:
+    return any(c.__name__ == "ModelOutput" for c in type(value).__mro__)
+
+
+def encode(value, name: str, leaves: list, specs: list):
+    """Return the JSON structure of ``value``; append its tensors to ``leaves``."""
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        specs.append(TensorSpec(name, tuple(value.shape), value.dtype))
+        return {"t": len(leaves) - 1}
+    if value is None:
+        return {"none": True}
+    if _is_model_output(value) or isinstance(value, dict):
+        kind = "dict"
+        cls = None
+        if _is_model_output(value):
+            kind, cls = "model_output", f"{type(value).__module__}:{type(value).__qualname__}"
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise KilnError(f"{name}: dict keys must be strings, got {type(k).__name__}")
+            items.append([k, encode(v, f"{name}.{k}" if name else k, leaves, specs)])
+        out = {kind: items}
+        if cls:
+            out["class"] = cls
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return {"namedtuple": [[f, encode(v, f"{name}.{f}", leaves, specs)] for f, v in zip(value._fields, value)],
+                "class": type(value).__name__}
+    if isinstance(value, (tuple, list)):
+        kind = "tuple" if isinstance(value, tuple) else "list"
+        return {kind: [encode(v, f"{name}[{i}]", leaves, specs) for i, v in enumerate(value)]}
+    if isinstance(value, (bool, int, float, str)):
+        return {"const": value}
+    raise KilnError(
+        f"{name or 'value'}: values of type {type(value).__name__} are not supported as model "
+        "inputs or outputs; use tensors, tuples, lists, dicts or ModelOutput")
+
+
+def decode(structure, leaves):
+    """Inverse of :func:`encode` for outputs."""
+    if "t" in structure:
+        return leaves[structure["t"]]
+    if "none" in structure:
+        return None
+    if "const" in structure:
+        return structure["const"]
+    if "tuple" in structure:
+        return tuple(decode(s, leaves) for s in structure["tuple"])
+    if "list" in structure:
+        return [decode(s, leaves) for s in structure["list"]]
+    if "dict" in structure:
+        return {k: decode(s, leaves) for k, s in structure["dict"]}
+    if "namedtuple" in structure:
+        return Output((k, decode(s, leaves)) for k, s in structure["namedtuple"])
+    if "model_output" in structure:
+        values = [(k, decode(s, leaves)) for k, s in structure["model_output"]]
+        cls = _loaded_class(structure.get("class", ""))
+        if cls is not None:
+            return cls(**dict(values))
+        return Output(values)
+    raise KilnError(f"unknown structure node {sorted(structure)} in artifact")
+
+
+def _loaded_class(path: str):
+    """The class named ``module:qualname`` if its module is already imported (never imports)."""
+    module_name, _, qualname = path.partition(":")
+    obj = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+def flatten_inputs(structure, values, path, out):
+    """Flatten call-time ``values`` following the traced ``structure``, checking it matches."""
+    if "t" in structure:
+        if not isinstance(values, torch.Tensor):
+            raise InputError(f"input '{path}': expected a tensor, got {type(values).__name__}")
+        out.append(values)
+    elif "none" in structure:
+        if values is not None:
+            raise InputError(f"input '{path}': the model was compiled with None here")
+    elif "const" in structure:
+        if values != structure["const"]:
+            raise InputError(f"input '{path}': the model was compiled with the constant "
+                             f"{structure['const']!r}, got {values!r}; recompile to change it")
+    elif "tuple" in structure or "list" in structure:
+        subs = structure.get("tuple", structure.get("list"))
+        if not isinstance(values, (tuple, list)) or len(values) != len(subs):
+            raise InputError(f"input '{path}': expected a sequence of {len(subs)} items")
+        for i, (s, v) in enumerate(zip(subs, values)):
+            flatten_inputs(s, v, f"{path}[{i}]", out)
+    elif "dict" in structure:
+        if not isinstance(values, dict):
+            raise InputError(f"input '{path}': expected a dict")
+        keys = [k for k, _ in structure["dict"]]
+        if sorted(values) != sorted(keys):
+            raise InputError(f"input '{path}': expected keys {keys}, got {list(values)}")
+        for k, s in structure["dict"]:
+            flatten_inputs(s, values[k], f"{path}.{k}", out)
+    else:
+        raise InputError(f"input '{path}': unsupported structure")

@@ -1,0 +1,60 @@
+"""The host's CPU instruction-set features, recorded in artifacts and checked at load.
+
+Engines specialise code for the CPU they compile on (ONNX Runtime's full graph
+optimisations pick AVX2 or AVX-512 blocked layouts, for example), so an
+artifact records which of these features it was built with and refuses, with
+a message naming them, to run where they are missing.
+"""
+from __future__ import annotations
+
+import functools
+import platform
+
+# Features that change which kernels an engine picks. Order is for display.
+X86_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+                "amx_tile", "amx_bf16", "amx_int8")
+ARM_FEATURES = ("asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16", "i8mm")
+
+
+def arch() -> str:
+    return platform.machine().lower()
+
+
+@functools.lru_cache(maxsize=1)
+def host_features() -> frozenset:
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags.update(value.split())
+                    break
+    except OSError:
+        pass
+    known = X86_FEATURES + ARM_FEATURES
+    return frozenset(f for f in flags if f in known)
+
+
+def describe(target: str = "native") -> dict:
+    """Manifest entry: the features compiled code may use.
+
+    ``generic`` artifacts avoid ISA-specific layouts, so they only need the
+    baseline of the architecture.
+    """
+    feats = host_features()
+    if target == "generic":
+        baseline = {"x86_64": {"sse4_2"}, "amd64": {"sse4_2"}}.get(arch(), set())
+        feats = frozenset(feats & baseline)
+    order = X86_FEATURES + ARM_FEATURES
+    return {"target": target, "arch": arch(), "isa": [f for f in order if f in feats]}
+
+
+def missing_features(manifest_target: dict) -> tuple[str | None, list]:
+    """What this host lacks to run code built for ``manifest_target``: (arch mismatch, features)."""
+    wrong_arch = None
+    if manifest_target.get("arch") and manifest_target["arch"] != arch():
+        wrong_arch = manifest_target["arch"]
+    have = host_features()
+    return wrong_arch, [f for f in manifest_target.get("isa", []) if f not in have]
