@@ -20,6 +20,12 @@ from .errors import CaptureError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
+# Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
+# every input's shape and dtype before a call, so these are redundant.
+_CHECK_OPS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+              torch.ops.aten.sym_constrain_range_for_size.default,
+              torch.ops.aten.sym_constrain_range.default}
+
 
 @dataclass
 class Captured:
@@ -122,6 +128,8 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Ca
     if decompose:
         ep = ep.run_decompositions()
     gm = ep.module()
+    # Plain calling convention: flat tensors in, flat tensors out (kiln owns the pytree I/O).
+    gm.graph._codegen = torch.fx.graph.CodeGen()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
@@ -137,9 +145,17 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Ca
                 raise CaptureError(f"input '{node.name}' is a non-tensor value the graph depends on; "
                                    "pass it as a tensor or bake it into the model")
             gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _CHECK_OPS and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    graph_outputs = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    # The graph returns one value per flat tensor output, in pytree order; constants
+    # (None, ints) live in the output structure instead.
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    graph_outputs = [v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, torch.fx.Node)]
+    out_node.args = (tuple(graph_outputs),)
+    gm.recompile()
     if len(graph_outputs) != len(out_leaves):
         raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
                            "produce; return only tensors (in tuples, lists or dicts)")

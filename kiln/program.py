@@ -42,11 +42,15 @@ def build(fused: torch.fx.GraphModule):
             return {"list": [ref(v) for v in a]}
         return _encode_arg(a)
 
-    outputs = None
+    # Inputs occupy the first slots, in order, whatever else the graph lists first.
     for node in fused.graph.nodes:
         if node.op == "placeholder":
             slot(node)
             num_inputs += 1
+    outputs = None
+    for node in fused.graph.nodes:
+        if node.op == "placeholder":
+            continue
         elif node.op == "get_attr":
             value = _fetch(fused, node.target)
             if not isinstance(value, torch.Tensor):

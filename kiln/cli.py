@@ -1,0 +1,227 @@
+"""The ``kiln`` command line: analyze, compile, run, inspect.
+
+A model is named ``package.module:factory``; the factory returns
+``(model, example_inputs)`` where example_inputs is a tensor, a tuple of
+positional inputs or a dict of keyword inputs. ``--path DIR`` (default: the
+current directory) is put on ``sys.path`` so local modules can be named.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+def load_factory(spec: str, path: str | None):
+    from .errors import KilnError
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise KilnError(f"model must be named package.module:factory, got {spec!r}")
+    sys.path.insert(0, os.path.abspath(path or os.getcwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise KilnError(f"cannot import {module_name}: {e}") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise KilnError(f"{module_name} has no attribute {attr!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise KilnError(f"{spec} must return (model, example_inputs)")
+    return made
+
+
+def _split(example):
+    return (None, example) if isinstance(example, dict) else (example, None)
+
+
+def cmd_analyze(a, console):
+    import kiln
+    model, example = load_factory(a.model, a.path)
+    args, kwargs = _split(example)
+    rep = kiln.analyze(model, args, kwargs, engine=a.engine, compiler_args=a.compiler_args,
+                       min_partition_size=a.min_partition_size, ops_on_host=a.ops_on_host or None)
+    if a.json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return 0
+    console.print(f"[bold]{rep.model_name}[/] on {rep.engine}: {rep.support_percentage:.1f}% of all "
+                  f"operations ({sum(rep.supported_ops.values())} of {rep.total_ops}) are supported")
+    t = Table("placement", "op", "count", "reason / location")
+    for op, n in sorted(rep.supported_ops.items(), key=lambda kv: (-kv[1], kv[0])):
+        t.add_row("device", op, str(n), "")
+    for u in rep.unsupported_ops:
+        t.add_row("[red]host[/]", u["op"], str(u["count"]), u["reason"] + "".join(
+            f"\n at {loc}" for loc in u["locations"][:3]))
+    console.print(t)
+    for p in rep.partitions:
+        console.print(f"partition {p['id']}: {p['num_ops']} ops")
+    for n in rep.notes:
+        console.print(f"[yellow]note:[/] {n}")
+    return 0
+
+
+def cmd_compile(a, console):
+    import kiln
+    model, example = load_factory(a.model, a.path)
+    args, kwargs = _split(example)
+    flags = list(a.compiler_args or [])
+    compiled = kiln.trace(model, args, kwargs, engine=a.engine, compiler_args=flags or None,
+                          fallback=not a.no_fallback, min_partition_size=a.min_partition_size,
+                          ops_on_host=a.ops_on_host or None, validate=not a.no_validate,
+                          atol=a.atol, rtol=a.rtol, name=a.name)
+    out = a.output or (a.model.split(":")[-1] + ".kiln")
+    compiled.save(out)
+    v = compiled.manifest.get("validation")
+    console.print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB) in "
+                  f"{compiled.manifest['compile_seconds']:.1f}s; "
+                  f"{compiled.report['support_percentage']:.1f}% of ops on {compiled.manifest['engine']['name']}")
+    if v:
+        console.print(f"validation: max abs error {v['max_abs_error']:.3g}, "
+                      f"cosine {v['min_cosine_similarity']:.6f} (atol {v['atol']}, rtol {v['rtol']})")
+    return 0
+
+
+def cmd_run(a, console):
+    import numpy as np
+    import torch
+    import kiln
+    model = kiln.load(a.artifact, threads=a.threads)
+    inputs = []
+    for path in a.input:
+        arr = np.load(path, allow_pickle=False)
+        inputs.append(torch.from_numpy(arr))
+    flat = inputs
+    model.check(flat)
+    start = time.perf_counter()
+    for _ in range(max(1, a.repeat)):
+        outs = model.run_flat(flat)
+    elapsed = (time.perf_counter() - start) / max(1, a.repeat)
+    if a.output:
+        paths = a.output
+        if len(paths) == 1 and len(outs) > 1:
+            stem, ext = os.path.splitext(paths[0])
+            paths = [f"{stem}{i}{ext or '.npy'}" for i in range(len(outs))]
+        if len(paths) != len(outs):
+            raise kiln.KilnError(f"the model has {len(outs)} outputs but {len(paths)} --output paths were given")
+        for p, o in zip(paths, outs):
+            np.save(p, o.numpy(), allow_pickle=False)
+            console.print(f"wrote {p}: {tuple(o.shape)} {o.dtype}")
+    else:
+        for spec, o in zip(model.output_specs, outs):
+            console.print(f"{spec.name}: {tuple(o.shape)} {o.dtype}")
+    console.print(f"latency: {elapsed * 1e3:.3f} ms per call")
+    return 0
+
+
+def cmd_inspect(a, console):
+    from .artifact import Artifact
+    art = Artifact.load(a.artifact)
+    m = art.manifest
+    if a.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    t = Table(title=f"{a.artifact}", show_header=False)
+    for key in ("model_name", "format_version", "kiln_version", "torch_version", "created", "compile_seconds"):
+        t.add_row(key, str(m.get(key)))
+    t.add_row("engine", f"{m['engine']['name']} {m['engine']['version']}")
+    t.add_row("target", f"{m['target']['target']} {m['target']['arch']}: {' '.join(m['target']['isa'])}")
+    opts = m["compile_options"]
+    t.add_row("options", ", ".join(f"{k}={v}" for k, v in opts.items()))
+    rep = m.get("report", {})
+    t.add_row("support", f"{rep.get('support_percentage')}% of {rep.get('total_ops')} ops on device")
+    val = m.get("validation")
+    if val:
+        t.add_row("validation", f"max abs {val['max_abs_error']:.3g}, max rel {val['max_rel_error']:.3g}, "
+                                f"cosine {val['min_cosine_similarity']:.6f}")
+    console.print(t)
+    for title, key in (("inputs", "inputs"), ("outputs", "outputs")):
+        io = Table("name", "shape", "dtype", title=title)
+        for s in m[key]["tensors"]:
+            io.add_row(s["name"], str(tuple(s["shape"])), s["dtype"])
+        console.print(io)
+    pt = Table("id", "engine", "ops", "inputs", "outputs", "compile s", "blob", "size", "sha256", title="partitions")
+    for p in m["partitions"]:
+        blob = m["blobs"][p["blob"]]
+        pt.add_row(str(p["id"]), f"{p['engine']} {p['engine_version']}", str(p["num_ops"]),
+                   str(len(p["inputs"])), str(len(p["outputs"])), str(p["compile_seconds"]),
+                   p["blob"], f"{blob['size'] / 1e6:.2f} MB", blob["sha256"][:16])
+    console.print(pt)
+    host = [s for s in m["program"]["steps"] if "op" in s]
+    if host:
+        ht = Table("op", title="host (fallback) ops")
+        for s in host:
+            ht.add_row(s["op"])
+        console.print(ht)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="kiln", description="Compile PyTorch models ahead of time and run them.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(sp):
+        sp.add_argument("model", help="package.module:factory returning (model, example_inputs)")
+        sp.add_argument("--path", help="directory to import the model's module from (default: cwd)")
+        sp.add_argument("--engine", default=None)
+        sp.add_argument("--min-partition-size", type=int, default=None)
+        sp.add_argument("--ops-on-host", nargs="*", default=None, help="ops forced to the host, e.g. aten::sort")
+        sp.add_argument("--compiler-args", default=None,
+                        help="Neuron-style flags, e.g. \"-O2 --target native\"")
+
+    sp = sub.add_parser("analyze", help="report op support and partitioning without compiling")
+    model_args(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_analyze)
+
+    sp = sub.add_parser("compile", help="compile a model to a .kiln artifact")
+    model_args(sp)
+    sp.add_argument("-o", "--output")
+    sp.add_argument("--name")
+    sp.add_argument("--no-fallback", action="store_true", help="fail on unsupported ops")
+    sp.add_argument("--no-validate", action="store_true")
+    sp.add_argument("--atol", type=float, default=None)
+    sp.add_argument("--rtol", type=float, default=None)
+    sp.set_defaults(fn=cmd_compile)
+
+    sp = sub.add_parser("run", help="run an artifact on .npy inputs")
+    sp.add_argument("artifact")
+    sp.add_argument("--input", nargs="+", default=[], help=".npy files, one per input tensor in order")
+    sp.add_argument("--output", nargs="*", default=None, help=".npy file(s) to write the outputs to")
+    sp.add_argument("--threads", type=int, default=None)
+    sp.add_argument("--repeat", type=int, default=1)
+    sp.set_defaults(fn=cmd_run)
+
+    sp = sub.add_parser("inspect", help="print an artifact's manifest")
+    sp.add_argument("artifact")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv=None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        # Compiler flags may be given bare after the model: kiln compile m:f -O3 --target generic
+        if args.cmd in ("compile", "analyze"):
+            args.compiler_args = (args.compiler_args.split() if args.compiler_args else []) + extra
+        else:
+            build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    elif args.cmd in ("compile", "analyze") and args.compiler_args:
+        args.compiler_args = args.compiler_args.split()
+    console = Console(stderr=False)
+    from .errors import KilnError
+    try:
+        return args.fn(args, console)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("KILN_QUIET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def run_py(code: str, *, cwd=None, timeout=300, env=None):
+    """Run Python code in a fresh interpreter; returns CompletedProcess (text)."""
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd or ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=e)
+
+
+def assert_close(actual, expected, atol=1e-4, rtol=1e-4):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+@pytest.fixture(scope="session")
+def kiln_cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "kiln")
+    assert os.path.exists(exe), "kiln console script not installed (pip install -e .)"
+    return exe

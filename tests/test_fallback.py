@@ -1,0 +1,80 @@
+"""Partitioning with host fallback, and its options."""
+import warnings
+
+import pytest
+import torch
+
+import kiln
+from tests import models
+from tests.conftest import assert_close
+
+
+def test_custom_op_falls_back_to_host_and_matches_eager():
+    model, x = models.custom_op()
+    compiled = kiln.trace(model, x)
+    assert_close(compiled(x), model(x).detach())
+    program = compiled.manifest["program"]
+    host = [s["op"] for s in program["steps"] if "op" in s]
+    assert host == ["kilntest::odd_scale.default"]
+    assert len(compiled.manifest["partitions"]) == 2   # before and after the host op
+    assert_close(compiled(x * 3), model(x * 3).detach())
+
+
+def test_fallback_false_names_op_and_line():
+    model, x = models.custom_op()
+    with pytest.raises(kiln.UnsupportedOpError) as info:
+        kiln.trace(model, x, fallback=False)
+    msg = str(info.value)
+    assert "kilntest::odd_scale" in msg
+    assert "models.py" in msg and "odd_scale(h)" in msg
+
+
+def test_min_partition_size_moves_small_partitions_to_host():
+    model, x = models.custom_op()
+    compiled = kiln.trace(model, x, min_partition_size=3)
+    # partition after the host op has 2 ops (permute, addmm): now on the host too
+    assert len(compiled.manifest["partitions"]) == 1
+    unsupported = {u["op"]: u for u in compiled.report["unsupported_ops"]}
+    assert "aten::addmm" in unsupported
+    assert "min_partition_size=3" in unsupported["aten::addmm"]["reason"]
+    assert_close(compiled(x), model(x).detach())
+
+
+def test_ops_on_host():
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, ops_on_host={"aten::relu"})
+    host = [s["op"] for s in compiled.manifest["program"]["steps"] if "op" in s]
+    assert host == ["aten::relu.default"]
+    assert len(compiled.manifest["partitions"]) == 2
+    assert_close(compiled(x), model(x).detach())
+
+
+def test_nothing_on_device_warns_and_still_runs():
+    class OnlyCustom(torch.nn.Module):
+        def forward(self, x):
+            return models.odd_scale(x)
+
+    x = torch.randn(3)
+    with pytest.warns(UserWarning, match="no operator .* is placed on the onnxruntime engine"):
+        compiled = kiln.trace(OnlyCustom(), x)
+    assert compiled.manifest["partitions"] == []
+    assert_close(compiled(x), x * 2 + 1)
+    assert compiled.report["notes"]
+
+
+def test_host_constants_survive_save_load(tmp_path):
+    class HostWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5))
+
+        def forward(self, x):
+            return models.odd_scale(self.w) + x
+
+    model = HostWeight().eval()
+    x = torch.randn(5)
+    compiled = kiln.trace(model, x, ops_on_host={"aten::add"})
+    path = tmp_path / "hw.kiln"
+    compiled.save(path)
+    loaded = kiln.load(path)
+    assert_close(loaded(x), model(x).detach())

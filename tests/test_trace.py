@@ -1,0 +1,108 @@
+"""kiln.trace on tiny models: compiled outputs match eager PyTorch."""
+import pytest
+import torch
+
+import kiln
+from tests import models
+from tests.conftest import assert_close
+
+
+def test_mlp_matches_eager():
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    assert isinstance(compiled, kiln.CompiledModel)
+    assert_close(compiled(x), model(x).detach())
+    # a different input of the same shape gives the model's answer, not a cached one
+    x2 = torch.randn_like(x)
+    assert_close(compiled(x2), model(x2).detach())
+    m = compiled.manifest
+    assert m["report"]["support_percentage"] == 100.0
+    assert len(m["partitions"]) == 1 and m["partitions"][0]["engine"] == "onnxruntime"
+    assert m["validation"]["passed"] and m["validation"]["max_abs_error"] < 1e-5
+
+
+def test_cnn_matches_eager():
+    model, x = models.cnn()
+    compiled = kiln.trace(model, x)
+    assert_close(compiled(x), model(x).detach())
+
+
+def test_tiny_bert_with_mask_returns_model_output():
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+    model = models.tiny_bert()
+    inputs = models.bert_inputs()
+    compiled = kiln.trace(model, inputs)
+    out = compiled(**inputs)
+    ref = model(**inputs)
+    assert isinstance(out, BaseModelOutputWithPoolingAndCrossAttentions)
+    assert_close(out.last_hidden_state, ref.last_hidden_state.detach())
+    assert_close(out["pooler_output"], ref.pooler_output.detach())
+    assert_close(out[0], ref[0].detach())
+    # positional call, and the attention mask is really used (masked tokens change nothing)
+    out_pos = compiled(inputs["input_ids"], inputs["attention_mask"])
+    assert_close(out_pos.last_hidden_state, out.last_hidden_state)
+    ids = inputs["input_ids"].clone()
+    ids[-1, 12:] = 7  # only masked positions change
+    changed = compiled(input_ids=ids, attention_mask=inputs["attention_mask"]).last_hidden_state
+    assert_close(changed[-1, :8], out.last_hidden_state[-1, :8])
+    assert not torch.allclose(changed[-1, 12:], out.last_hidden_state[-1, 12:])
+
+
+def test_tiny_resnet():
+    model = models.tiny_resnet()
+    x = torch.randn(2, 3, 32, 32)
+    compiled = kiln.trace(model, x)
+    out, ref = compiled(x), model(x)
+    assert_close(out.pooler_output, ref.pooler_output.detach())
+    assert_close(out.last_hidden_state, ref.last_hidden_state.detach())
+
+
+def test_pytree_inputs_and_outputs():
+    torch.manual_seed(0)
+    model = models.Pytree().eval()
+    a, b, w = torch.randn(2, 4), torch.randn(2, 4), torch.randn(4)
+    compiled = kiln.trace(model, ((a, b), {"w": w}))
+    out = compiled((a, b), {"w": w})
+    ref = model((a, b), {"w": w})
+    assert set(out) == {"y", "stats", "none"} and out["none"] is None
+    assert isinstance(out["stats"], list) and len(out["stats"]) == 2
+    assert_close(out["y"], ref["y"].detach())
+    assert_close(out["stats"][1], ref["stats"][1].detach())
+    names = [s.name for s in compiled.input_specs]
+    assert names == ["pair[0]", "pair[1]", "extras.w"]
+    with pytest.raises(kiln.InputError, match=r"extras.*expected keys"):
+        compiled((a, b), {"v": w})
+
+
+def test_validation_gate_fails_beyond_tolerance():
+    """An impossible tolerance fails the gate with the error numbers in the message."""
+    model = models.tiny_bert()
+    with pytest.raises(kiln.ValidationError, match=r"max abs error .* cosine similarity") as info:
+        kiln.trace(model, models.bert_inputs(), atol=0.0, rtol=0.0)
+    assert info.value.metrics["passed"] is False
+
+
+def test_threads_and_concurrent_calls():
+    from concurrent.futures import ThreadPoolExecutor
+    model, _ = models.mlp()
+    compiled = kiln.trace(model, torch.randn(2, 16), threads=1)
+    xs = [torch.randn(2, 16) for _ in range(32)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(compiled, xs))
+    for x, y in zip(xs, outs):
+        assert_close(y, model(x).detach())
+    assert compiled.calls >= 32
+
+
+def test_capture_error_points_at_user_line():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:   # data-dependent control flow
+                return x * 2
+            return x
+
+    with pytest.raises(kiln.CaptureError) as info:
+        kiln.trace(Branchy(), torch.randn(3))
+    msg = str(info.value)
+    assert "data-dependent" in msg
+    assert "test_trace.py" in msg and "x.sum() > 0" in msg
