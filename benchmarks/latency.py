@@ -221,6 +221,51 @@ def machine_info(threads: int) -> dict:
     return info
 
 
+def background_load(seconds: float = 1.0) -> dict:
+    """CPU used by *other* processes while this one sleeps: timings on a busy machine are noisy.
+
+    Returns the machine-wide busy percentage (100 = every CPU busy), the load average and the
+    busiest other processes (name, pid, % of one CPU).
+    """
+    out: dict = {"loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+    try:
+        import psutil
+        me = os.getpid()
+        procs = []
+        for pr in psutil.process_iter(["name"]):
+            if pr.pid == me:
+                continue
+            try:
+                pr.cpu_percent(None)
+                procs.append(pr)
+            except psutil.Error:
+                pass
+        psutil.cpu_percent(None)
+        time.sleep(seconds)
+        out["busy_pct_of_all_cpus"] = round(psutil.cpu_percent(None), 1)
+        top = []
+        for pr in procs:
+            try:
+                c = pr.cpu_percent(None)
+            except psutil.Error:
+                continue
+            if c >= 5:
+                top.append({"name": pr.info.get("name"), "pid": pr.pid, "cpu_pct": round(c, 1)})
+        out["busy_processes"] = sorted(top, key=lambda d: -d["cpu_pct"])[:5]
+    except Exception as e:  # noqa: BLE001
+        out["error"] = short_error(e, 120)
+    return out
+
+
+def load_warning(load: dict) -> str | None:
+    busy = load.get("busy_pct_of_all_cpus")
+    if busy is None or busy < 10:
+        return None
+    who = ", ".join(f"{p['name']}({p['pid']}) {p['cpu_pct']:.0f}%" for p in load.get("busy_processes", []))
+    return (f"other processes kept {busy:.0f}% of the CPUs busy" + (f" [{who}]" if who else "")
+            + "; timings are noisy, rerun on an idle machine")
+
+
 # ---------------------------------------------------------------------------------------------
 # models
 
@@ -231,6 +276,8 @@ class Case:
     model: torch.nn.Module
     args: tuple
     kwargs: dict
+    load_before: dict | None = None
+    load_after: dict | None = None
 
     @property
     def example(self):
@@ -523,6 +570,10 @@ def measure(case: Case, runners: list, args) -> None:
     live = [r for r in live if r.fn is not None]
     rounds = max(1, args.rounds)
     order_rng = random.Random(args.seed)
+    case.load_before = background_load()
+    warn = load_warning(case.load_before)
+    if warn:
+        log(f"{case.name}: WARNING: {warn}")
     gc.collect()
     for rnd in range(rounds):
         order = list(live)
@@ -544,6 +595,10 @@ def measure(case: Case, runners: list, args) -> None:
                 if gc_was_enabled:
                     gc.enable()
         log(f"{case.name}: round {rnd + 1}/{rounds} done")
+    case.load_after = background_load()
+    warn = load_warning(case.load_after)
+    if warn:
+        log(f"{case.name}: WARNING (after timing): {warn}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,11 +635,17 @@ def summarize(case: Case, runners: list, args) -> dict:
         res["runners"][r.key] = d
     rk, ro = res["runners"].get("kiln", {}), res["runners"].get("ort-direct", {})
     speedup = rk.get("speedup_vs_eager")
-    overhead = None
+    overhead = overhead_us = None
     if rk.get("median_ms") and ro.get("median_ms"):
         overhead = round((rk["median_ms"] / ro["median_ms"] - 1) * 100, 3)
+        overhead_us = round((rk["median_ms"] - ro["median_ms"]) * 1e3, 1)
     res["kiln_speedup_vs_eager"] = speedup
     res["kiln_overhead_vs_ort_direct_pct"] = overhead
+    res["kiln_overhead_vs_ort_direct_us"] = overhead_us
+    res["background_load"] = {"before_timing": case.load_before, "after_timing": case.load_after}
+    warns = [w for w in (load_warning(case.load_before or {}), load_warning(case.load_after or {})) if w]
+    if warns:
+        res["warning"] = warns[0]
     res["kiln_compile_seconds"] = rk.get("compile_seconds")
     res["targets"] = {
         "kiln_speedup_vs_eager": {"target": f">= {TARGET_SPEEDUP}x", "value": speedup,
@@ -641,11 +702,15 @@ def render(results: dict, console) -> None:
         comp_s = "-" if comp is None else f"{comp:.1f} s"
         sp_s = "-" if sp["value"] is None else f"{sp['value']:.2f}x"
         ov_s = "-" if ov["value"] is None else f"{ov['value']:+.2f}%"
+        if res.get("kiln_overhead_vs_ort_direct_us") is not None:
+            ov_s += f" ({res['kiln_overhead_vs_ort_direct_us']:+.0f} us/call)"
         console.print(f"  kiln compile time: {comp_s}   |   kiln speedup vs eager: {sp_s} "
                       f"(target {sp['target']}: {pass_text(sp['pass'])})   |   kiln overhead over ORT direct: "
                       f"{ov_s} (target {ov['target']}: {pass_text(ov['pass'])})")
         if res.get("error"):
             console.print(f"  [red]error: {res['error']}[/red]")
+        if res.get("warning"):
+            console.print(f"  [yellow]warning: {res['warning']}[/yellow]")
     s = results["summary"]
     console.print(f"\nall targets: {pass_text(s['all_targets_pass'])}   JSON: {results['json_path']}\n")
 

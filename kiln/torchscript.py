@@ -58,10 +58,11 @@ class _Wrapper(torch.nn.Module):
 
 
 def _scriptable(value):
-    """TorchScript has no ModelOutput and only homogeneous dicts: keep tensor-valued
-    dicts as dicts, turn other mappings into tuples (what HF's torchscript mode returns)."""
+    """TorchScript has no ModelOutput and only homogeneous dicts: keep plain tensor-valued
+    dicts as dicts, turn ModelOutputs and other mappings into tuples, as HF's own
+    ``torchscript=True`` mode does."""
     if isinstance(value, dict):
-        if all(isinstance(v, torch.Tensor) for v in value.values()):
+        if type(value) is dict and all(isinstance(v, torch.Tensor) for v in value.values()):
             return dict(value)
         return tuple(_scriptable(v) for v in value.values())
     if isinstance(value, (tuple, list)):

@@ -1,0 +1,210 @@
+"""The .kiln file: round trip, integrity checks, target checks, atomic writes."""
+import json
+import os
+import zipfile
+
+import pytest
+import torch
+
+import kiln
+from kiln.artifact import Artifact, FORMAT_VERSION, write_atomic
+from tests import models
+from tests.conftest import assert_close, run_py
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(tmp_path_factory):
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    path = tmp_path_factory.mktemp("art") / "mlp.kiln"
+    compiled.save(path)
+    return path, model, x
+
+
+def _rewrite(src, dst, edit_manifest=None, edit_blob=None):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.namelist():
+            data = zin.read(item)
+            if item == "manifest.json" and edit_manifest:
+                m = json.loads(data)
+                edit_manifest(m)
+                data = json.dumps(m).encode()
+            elif item != "manifest.json" and edit_blob:
+                data = edit_blob(item, data)
+            zout.writestr(item, data)
+
+
+def test_manifest_contents(mlp_artifact):
+    path, _, _ = mlp_artifact
+    with zipfile.ZipFile(path) as z:
+        m = json.loads(z.read("manifest.json"))
+        names = z.namelist()
+    assert m["format"] == "kiln-artifact" and m["format_version"] == FORMAT_VERSION
+    assert m["kiln_version"] == kiln.__version__
+    assert m["engine"]["name"] == "onnxruntime" and m["engine"]["version"]
+    assert m["target"]["arch"] and isinstance(m["target"]["isa"], list)
+    assert m["compile_options"]["optlevel"] == 2
+    assert m["inputs"]["tensors"] == [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
+    assert m["outputs"]["tensors"][0]["shape"] == [2, 4]
+    for name, meta in m["blobs"].items():
+        assert name in names and len(meta["sha256"]) == 64
+    assert not any(n.endswith((".pkl", ".pt")) for n in names)  # nothing pickled
+
+
+def test_round_trip(mlp_artifact):
+    path, model, x = mlp_artifact
+    loaded = kiln.load(path)
+    assert_close(loaded(x), model(x).detach())
+    assert_close(kiln.load(path.read_bytes())(x), model(x).detach())
+
+
+def test_load_in_fresh_process_without_model_code(mlp_artifact):
+    path, model, x = mlp_artifact
+    torch.save(x, path.parent / "x.pt")
+    torch.save(model(x).detach(), path.parent / "y.pt")
+    code = f"""
+import sys, torch, kiln
+m = kiln.load({str(path)!r})
+x = torch.load({str(path.parent / 'x.pt')!r}); y = torch.load({str(path.parent / 'y.pt')!r})
+torch.testing.assert_close(m(x), y, atol=1e-4, rtol=1e-4)
+assert not any(k.startswith('tests') for k in sys.modules), 'model code was imported'
+print('OK')
+"""
+    r = run_py(code, cwd=str(path.parent))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_truncated_artifact(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    data = path.read_bytes()
+    bad = tmp_path / "trunc.kiln"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(kiln.ArtifactError, match="truncated"):
+        kiln.load(bad)
+
+
+def test_corrupted_blob(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    bad = tmp_path / "corrupt.kiln"
+
+    def flip(name, data):
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF
+        return bytes(b)
+
+    _rewrite(path, bad, edit_blob=flip)
+    with pytest.raises(kiln.ArtifactError, match="checksum mismatch"):
+        kiln.load(bad)
+
+
+def test_flipped_byte_in_file(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    bad = tmp_path / "flip.kiln"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(kiln.ArtifactError):
+        kiln.load(bad)
+
+
+def test_foreign_files(tmp_path):
+    notzip = tmp_path / "a.kiln"
+    notzip.write_text("hello")
+    with pytest.raises(kiln.ArtifactError, match="not a kiln artifact"):
+        kiln.load(notzip)
+    other = tmp_path / "b.kiln"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("data.txt", "x")
+    with pytest.raises(kiln.ArtifactError, match="without manifest.json"):
+        kiln.load(other)
+    with pytest.raises(kiln.ArtifactError, match="no such file"):
+        kiln.load(tmp_path / "missing.kiln")
+
+
+def test_newer_format_version(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    bad = tmp_path / "future.kiln"
+    _rewrite(path, bad, edit_manifest=lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    with pytest.raises(kiln.ArtifactError, match=r"format 2 .*Upgrade kiln"):
+        kiln.load(bad)
+
+
+def test_missing_isa_features_named(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    bad = tmp_path / "amx.kiln"
+
+    def needs_more(m):
+        m["target"]["isa"] = m["target"]["isa"] + ["amx_tile", "sve2"]
+
+    _rewrite(path, bad, edit_manifest=needs_more)
+    from kiln.target import host_features
+    missing = [f for f in ("amx_tile", "sve2") if f not in host_features()]
+    with pytest.raises(kiln.TargetMismatchError) as info:
+        kiln.load(bad)
+    for f in missing:
+        assert f in str(info.value)
+
+
+def test_missing_engine(mlp_artifact, tmp_path):
+    path, _, _ = mlp_artifact
+    bad = tmp_path / "engine.kiln"
+
+    def other_engine(m):
+        for p in m["partitions"]:
+            p["engine"] = "tensorrt"
+
+    _rewrite(path, bad, edit_manifest=other_engine)
+    with pytest.raises(kiln.EngineUnavailableError, match="tensorrt"):
+        kiln.load(bad)
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    target = tmp_path / "out.kiln"
+    target.write_bytes(b"previous good artifact")
+
+    def dies_halfway(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(str(target), dies_halfway)
+    assert target.read_bytes() == b"previous good artifact"
+    assert os.listdir(tmp_path) == ["out.kiln"]
+
+
+def test_killed_writer_leaves_previous_artifact(mlp_artifact, tmp_path):
+    """A process killed mid-save never exposes a half-written file under the real name."""
+    path, model, x = mlp_artifact
+    dst = tmp_path / "m.kiln"
+    dst.write_bytes(path.read_bytes())
+    code = f"""
+import os, signal, kiln.artifact as a
+def writer(f):
+    f.write(b"x" * 1000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)
+a.write_atomic({str(dst)!r}, writer)
+"""
+    r = run_py(code)
+    assert r.returncode != 0
+    assert_close(kiln.load(dst)(x), model(x).detach())
+
+
+def test_wrong_input_shape_and_dtype(mlp_artifact):
+    path, _, x = mlp_artifact
+    m = kiln.load(path)
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(2, 16\) float32, got \(3, 16\) float32"):
+        m(torch.randn(3, 16))
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(2, 16\) float32, got \(2, 16\) float64"):
+        m(x.double())
+    with pytest.raises(kiln.InputError, match="takes 1 input"):
+        m(x, x)
+    with pytest.raises(kiln.InputError, match="unexpected input 'y'"):
+        m(x=x, y=x)
+    with pytest.raises(kiln.InputError, match="missing input 'x'"):
+        m()
+
+
+def test_artifact_api_bytes_round_trip(mlp_artifact):
+    path, _, _ = mlp_artifact
+    art = Artifact.load(path)
+    again = Artifact.from_bytes(art.to_bytes())
+    assert again.manifest["blobs"] == art.manifest["blobs"]

@@ -1,0 +1,45 @@
+"""torch.jit.save / torch.jit.load of compiled models, as Neuron scripts do."""
+import io
+
+import torch
+
+import kiln
+from tests import models
+from tests.conftest import assert_close, run_py
+
+
+def test_jit_save_and_load_in_fresh_process(tmp_path):
+    model = models.tiny_bert()
+    inputs = models.bert_inputs()
+    compiled = kiln.trace(model, inputs)
+    pt = tmp_path / "bert.pt"
+    torch.jit.save(compiled, str(pt))
+    ref = model(**inputs)
+    torch.save({"inputs": inputs, "last": ref.last_hidden_state.detach(),
+                "pooled": ref.pooler_output.detach()}, tmp_path / "io.pt")
+    code = f"""
+import sys, torch, kiln
+m = torch.jit.load({str(pt)!r})
+d = torch.load({str(tmp_path / 'io.pt')!r})
+out = m(d["inputs"]["input_ids"], d["inputs"]["attention_mask"])
+last, pooled = out[0], out[1]
+torch.testing.assert_close(last, d["last"], atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(pooled, d["pooled"], atol=1e-4, rtol=1e-4)
+assert "transformers" not in sys.modules
+print("OK")
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_jit_save_to_buffer_and_without_kiln_import_fails_clearly(tmp_path):
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    buf = io.BytesIO()
+    torch.jit.save(compiled, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    assert_close(loaded(x), model(x).detach())
+    (tmp_path / "m.pt").write_bytes(buf.getvalue())
+    r = run_py(f"import torch; torch.jit.load({str(tmp_path / 'm.pt')!r})", cwd=str(tmp_path))
+    assert r.returncode != 0 and "kiln" in r.stderr
