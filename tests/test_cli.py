@@ -1,0 +1,72 @@
+"""The kiln command line, end to end as subprocesses."""
+import json
+import subprocess
+
+import numpy as np
+import torch
+
+from tests import models
+from tests.conftest import ROOT
+
+
+def kiln_run(cli, *args, cwd=ROOT, timeout=300):
+    return subprocess.run([cli, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_analyze_compile_inspect_run(kiln_cli, tmp_path):
+    r = kiln_run(kiln_cli, "analyze", "tests.models:custom_op", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["unsupported_ops"][0]["op"] == "kilntest::odd_scale"
+
+    r = kiln_run(kiln_cli, "analyze", "tests.models:custom_op")
+    assert r.returncode == 0 and "kilntest::odd_scale" in r.stdout and "host" in r.stdout
+
+    art = tmp_path / "mlp.kiln"
+    r = kiln_run(kiln_cli, "compile", "tests.models:mlp", "-o", art, "-O1")
+    assert r.returncode == 0, r.stderr
+    assert art.exists() and "validation" in r.stdout
+
+    r = kiln_run(kiln_cli, "inspect", art)
+    assert r.returncode == 0, r.stderr
+    for text in ("onnxruntime", "partitions", "(2, 16)", "float32", "optlevel=1"):
+        assert text in r.stdout
+    r = kiln_run(kiln_cli, "inspect", art, "--json")
+    assert json.loads(r.stdout)["compile_options"]["optlevel"] == 1
+
+    model, x = models.mlp()
+    np.save(tmp_path / "x.npy", x.numpy())
+    r = kiln_run(kiln_cli, "run", art, "--input", tmp_path / "x.npy", "--output", tmp_path / "y.npy",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    y = np.load(tmp_path / "y.npy")
+    np.testing.assert_allclose(y, model(x).detach().numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_cli_errors_are_clear(kiln_cli, tmp_path):
+    art = tmp_path / "x.kiln"
+    r = kiln_run(kiln_cli, "compile", "tests.models:custom_op", "-o", art, "--no-fallback")
+    assert r.returncode == 2
+    assert "kilntest::odd_scale" in r.stderr and "Traceback" not in r.stderr
+    assert not art.exists()
+
+    r = kiln_run(kiln_cli, "compile", "tests.models:mlp", "--auto-cast", "all", "-o", art)
+    assert r.returncode == 2 and "not supported yet" in r.stderr
+
+    r = kiln_run(kiln_cli, "compile", "tests.models:mlp", "--frobnicate", "-o", art)
+    assert r.returncode == 2 and "unknown compiler flag '--frobnicate'" in r.stderr
+
+    r = kiln_run(kiln_cli, "compile", "tests.models:nope")
+    assert r.returncode == 2 and "no attribute 'nope'" in r.stderr
+
+    bad = tmp_path / "bad.kiln"
+    bad.write_bytes(b"garbage")
+    r = kiln_run(kiln_cli, "inspect", bad)
+    assert r.returncode == 2 and "not a kiln artifact" in r.stderr
+
+    model, x = models.mlp()
+    good = tmp_path / "good.kiln"
+    assert kiln_run(kiln_cli, "compile", "tests.models:mlp", "-o", good).returncode == 0
+    np.save(tmp_path / "wrong.npy", np.zeros((3, 16), dtype=np.float32))
+    r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "wrong.npy")
+    assert r.returncode == 2 and "expected (2, 16) float32, got (3, 16) float32" in r.stderr

@@ -1,0 +1,100 @@
+"""Neuron spellings: kiln.neuronx / kiln.neuron and compiler flags."""
+import pytest
+import torch
+
+import kiln
+import kiln.neuron as torch_neuron
+import kiln.neuronx as torch_neuronx
+from kiln.options import parse_compiler_args
+from tests import models
+from tests.conftest import assert_close
+
+
+def test_neuronx_trace_defaults_to_no_fallback():
+    model, x = models.custom_op()
+    with pytest.raises(kiln.UnsupportedOpError, match="kilntest::odd_scale"):
+        torch_neuronx.trace(model, x)
+
+
+def test_neuronx_partitioner_config_enables_fallback(tmp_path):
+    model, x = models.custom_op()
+    cfg = torch_neuronx.PartitionerConfig()
+    traced = torch_neuronx.trace(model, x, partitioner_config=cfg, compiler_args=["-O2"],
+                                 compiler_workdir=str(tmp_path))
+    assert_close(traced(x), model(x).detach())
+    assert (tmp_path / "model.kiln").exists() and (tmp_path / "report.json").exists()
+    strict = torch_neuronx.PartitionerConfig(max_subgraph_count=1)
+    with pytest.raises(kiln.UnsupportedOpError, match="max_subgraph_count=1"):
+        torch_neuronx.trace(model, x, partitioner_config=strict)
+
+
+def test_neuronx_seed_script_after_import_swap(tmp_path):
+    """The seed documents' script, with torchvision's ResNet replaced by a transformers one."""
+    model = models.tiny_resnet()
+    image = torch.rand(1, 3, 32, 32)
+    trace = torch_neuronx.trace(model, image)
+    torch.jit.save(trace, str(tmp_path / "model.pt"))
+    loaded = torch.jit.load(str(tmp_path / "model.pt"))
+    assert_close(loaded(image)[1], model(image).pooler_output.detach())
+
+
+def test_neuronx_analyze_dict():
+    model, x = models.custom_op()
+    d = torch_neuronx.analyze(model, x)
+    assert d["support_percentage"].endswith("%")
+    assert d["supported_operators"]["aten::addmm"] == 2
+    (u,) = d["unsupported_operators"]
+    assert u["kind"] == "kilntest::odd_scale" and "models.py" in u["call"]
+
+
+def test_neuron_trace_falls_back_with_minimum_segment_size():
+    model, x = models.custom_op()
+    traced = torch_neuron.trace(model, x)          # fallback=True, minimum_segment_size=2
+    assert_close(traced(x), model(x).detach())
+    traced = torch_neuron.trace(model, x, minimum_segment_size=3)
+    assert len(traced.manifest["partitions"]) == 1
+    with pytest.raises(kiln.UnsupportedOpError):
+        torch_neuron.trace(model, x, fallback=False)
+
+
+def test_neuron_analyze_model_prints(capsys):
+    model, x = models.custom_op()
+    torch_neuron.analyze_model(model, x)
+    out = capsys.readouterr().out
+    assert "83.33% of all operations (5 of 6) are supported" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-O1"], {"optlevel": 1}),
+    ("--optlevel 3", {"optlevel": 3}),
+    (["--optlevel=2", "--target", "generic"], {"optlevel": 2, "target": "generic"}),
+    (["--auto-cast", "none", "--auto-cast-type=fp32"], {"auto_cast": "none", "auto_cast_type": "fp32"}),
+])
+def test_compiler_args_parse(args, expected):
+    assert parse_compiler_args(args) == expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unknown compiler flag '--bogus'"),
+    (["--optlevel", "7"], "expected 1, 2 or 3"),
+    (["--target", "inf2"], "names a Neuron chip"),
+    (["--auto-cast"], "needs a value"),
+    (["--neuroncore-pipeline-cores", "4"], "not supported yet"),
+])
+def test_compiler_args_errors(args, message):
+    with pytest.raises(kiln.CompilerArgsError, match=message):
+        parse_compiler_args(args)
+
+
+def test_unimplemented_auto_cast_is_an_error_not_ignored():
+    model, x = models.mlp()
+    with pytest.raises(kiln.CompilerArgsError, match="not supported yet"):
+        kiln.trace(model, x, compiler_args=["--auto-cast", "matmult", "--auto-cast-type", "bf16"])
+
+
+def test_generic_target_and_o1_compile():
+    model, x = models.mlp()
+    generic = kiln.trace(model, x, compiler_args="--target generic -O1")
+    assert generic.manifest["target"]["target"] == "generic"
+    assert set(generic.manifest["target"]["isa"]) <= {"sse4_2"}
+    assert_close(generic(x), model(x).detach())
