@@ -86,6 +86,8 @@ def test_threads_and_concurrent_calls():
     from concurrent.futures import ThreadPoolExecutor
     model, _ = models.mlp()
     compiled = kiln.trace(model, torch.randn(2, 16), threads=1)
+    session = compiled.program.partitions[0].session
+    assert session.get_session_options().intra_op_num_threads == 1
     xs = [torch.randn(2, 16) for _ in range(32)]
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(compiled, xs))
