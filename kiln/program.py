@@ -206,7 +206,9 @@ class Program:
                 and [a.i for a in self.steps[0][2]] == list(range(self.num_inputs))
                 and all(isinstance(o, _Slot) for o in self.outputs)):
             outs = self.steps[0][3]
-            self.direct = (partitions[self.steps[0][1]], [outs.index(o.i) for o in self.outputs])
+            order = [outs.index(o.i) for o in self.outputs]
+            self.direct = (partitions[self.steps[0][1]],
+                           None if order == list(range(len(outs))) else order)
 
     def host_ops(self):
         return [s for s in self.steps if s[0] == "op"]
@@ -215,7 +217,7 @@ class Program:
         if self.direct is not None:
             fn, order = self.direct
             res = fn(inputs)
-            return res if order == list(range(len(res))) else [res[i] for i in order]
+            return res if order is None else [res[i] for i in order]
         env = list(inputs) + [None] * (self.num_slots - len(inputs))
         for kind, what, ins, outs in self.steps:
             if kind == "partition":
