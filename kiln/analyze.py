@@ -64,8 +64,10 @@ def report(gm, placement, model_name, engine) -> AnalysisReport:
             supported[name] += 1
             continue
         reason = placement.reasons.get(node, "runs on the host")
-        entry = unsupported.setdefault((name, reason), {"op": name, "count": 0, "reason": reason,
-                                                        "locations": []})
+        entry = unsupported.setdefault((name, reason), {
+            "op": name, "count": 0, "reason": reason, "locations": [],
+            # False: the engine could run it, but options or partition size kept it on the host
+            "engine_unsupported": node in placement.unsupported})
         entry["count"] += 1
         loc = describe_node(node)["location"]
         if loc and loc not in entry["locations"]:

@@ -99,8 +99,18 @@ class _Positional(torch.nn.Module):
 
 
 def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Captured:
-    if isinstance(model, torch.nn.Module) and model.training:
+    """Capture in eval mode (inference graphs), leaving the user's module as it was."""
+    was_training = isinstance(model, torch.nn.Module) and model.training
+    if was_training:
         model.eval()
+    try:
+        return _capture(model, example_inputs, example_kwargs, decompose)
+    finally:
+        if was_training:
+            model.train()
+
+
+def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     named = bind_inputs(model, example_inputs, example_kwargs)
     names = list(named)
     var_positional = {n for n in names if n.endswith("]")}

@@ -75,8 +75,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
     if name:
         captured.model_name = rep.model_name = name
 
-    unsupported = [u for u in rep.unsupported_ops if not u["reason"].startswith(("in a device partition",
-                                                                                  "placed on the host"))]
+    unsupported = [u for u in rep.unsupported_ops if u["engine_unsupported"]]
     if unsupported and not opts.fallback:
         lines = [f"  {u['op']} (x{u['count']}): {u['reason']}" +
                  "".join(f"\n      at {loc}" for loc in u["locations"]) for u in unsupported]

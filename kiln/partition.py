@@ -33,6 +33,7 @@ class Placement:
     """Where each op goes and why; the basis of analysis reports and partitioning."""
     on_device: dict = field(default_factory=dict)     # node -> True/False
     reasons: dict = field(default_factory=dict)       # node -> reason it is on the host
+    unsupported: set = field(default_factory=set)     # nodes the engine cannot run at all
     partitions: list = field(default_factory=list)    # list of lists of nodes, graph order
 
 
@@ -63,6 +64,7 @@ def place(gm: torch.fx.GraphModule, backend, options) -> Placement:
         placement.on_device[node] = reason is None
         if reason is not None:
             placement.reasons[node] = reason
+            placement.unsupported.add(node)
     # getitem of a host op stays on the host with it.
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:

@@ -108,3 +108,12 @@ def test_capture_error_points_at_user_line():
     msg = str(info.value)
     assert "data-dependent" in msg
     assert "test_trace.py" in msg and "x.sum() > 0" in msg
+
+
+def test_training_mode_model_compiled_in_eval_and_left_untouched():
+    model, x = models.cnn()
+    model.train()
+    compiled = kiln.trace(model, x)
+    assert model.training  # the user's module is left as it was
+    model.eval()
+    assert_close(compiled(x), model(x).detach())   # BatchNorm used running stats
