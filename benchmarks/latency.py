@@ -723,7 +723,7 @@ def render(results: dict, console) -> None:
         t.add_column("setup s", justify="right")
         t.add_column("max|diff|", justify="right")
         t.add_column("note", overflow="fold", max_width=60)
-        for key, d in res["runners"].items():
+        for d in res["runners"].values():
             if "median_ms" in d:
                 sp = d.get("speedup_vs_eager")
                 t.add_row(d["label"], fmt_ms(d["median_ms"]), fmt_ms(d["p90_ms"]),

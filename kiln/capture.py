@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -131,13 +132,16 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     module = model if isinstance(model, torch.nn.Module) else _FunctionModule(model)
     wrapper = _Positional(module, names, var_positional)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecations
             ep = torch.export.export(wrapper, tuple(named.values()), strict=False)
     except Exception as e:  # torch raises many unrelated types here
         raise CaptureError(explain_export_failure(e, _name(model))) from e
-    if decompose:
-        ep = ep.run_decompositions()
-    gm = ep.module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if decompose:
+            ep = ep.run_decompositions()
+        gm = ep.module()
     # Plain calling convention: flat tensors in, flat tensors out (kiln owns the pytree I/O).
     gm.graph._codegen = torch.fx.graph.CodeGen()
     for node in list(gm.graph.nodes):

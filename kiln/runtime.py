@@ -7,8 +7,6 @@ NumPy views, not copies. Several threads may call one model at once.
 """
 from __future__ import annotations
 
-import io
-import json
 import threading
 
 import torch

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

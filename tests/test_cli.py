@@ -3,7 +3,6 @@ import json
 import subprocess
 
 import numpy as np
-import torch
 
 from tests import models
 from tests.conftest import ROOT

@@ -1,5 +1,4 @@
 """Partitioning with host fallback, and its options."""
-import warnings
 
 import pytest
 import torch
