@@ -47,12 +47,9 @@ Results are printed as a table and written as JSON (default
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
-import io
 import json
-import logging
 import math
 import os
 import platform
@@ -109,21 +106,10 @@ def seed_everything(seed: int):
     torch.manual_seed(seed)
 
 
-@contextlib.contextmanager
 def quiet():
     """Silence exporter / compiler chatter (stdout, warnings, chatty loggers)."""
-    loggers = [logging.getLogger(n) for n in ("onnxscript", "torch.onnx", "onnx_ir", "torch._inductor",
-                                              "torch._dynamo", "torch.export", "transformers")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    from kiln.quiet import EXPORTER_LOGGERS, quiet as kiln_quiet
+    return kiln_quiet(EXPORTER_LOGGERS + ("torch._inductor", "torch._dynamo", "torch.export", "transformers"))
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:

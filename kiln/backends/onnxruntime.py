@@ -9,16 +9,14 @@ Which ATen ops are supported is read from the exporter's own registry of ATen
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import logging
 import os
 import tempfile
-import warnings
 
 import torch
 
+from ..quiet import quiet
 from . import Backend
 
 
@@ -64,7 +62,7 @@ class OnnxRuntimeBackend(Backend):
 
     def compile(self, partition, example_inputs, options) -> bytes:
         import onnxruntime as ort
-        with torch.no_grad(), _quiet_exporter():
+        with torch.no_grad(), quiet():
             program = torch.onnx.export(partition, tuple(example_inputs), dynamo=True,
                                         optimize=True, verbose=False, report=False)
         proto = program.model_proto
@@ -89,22 +87,6 @@ class OnnxRuntimeBackend(Backend):
         so.log_severity_level = 3
         session = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
         return OrtRunner(session)
-
-
-@contextlib.contextmanager
-def _quiet_exporter():
-    """The exporter and onnxscript's optimiser log progress chatter; keep compiles quiet."""
-    loggers = [logging.getLogger(n) for n in ("onnxscript", "torch.onnx", "onnx_ir")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def _level(options) -> str:
