@@ -8,17 +8,18 @@ import warnings
 
 import torch
 
-from . import __version__, backends, specs
+from . import __version__, specs
 from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
 from .capture import capture
-from .errors import CompileError, KilnError, UnsupportedOpError
+from .errors import UnsupportedOpError
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
 from .partition import place, split
 from .program import build
 from .progress import Progress
 from .runtime import HOST_CONSTANTS, CompiledModel
+from .select import compile_partition, primary
 from .validate import compare
 
 log = logging.getLogger("kiln")
@@ -39,10 +40,11 @@ def make_options(compiler_args=None, **overrides) -> CompileOptions:
 def _plan(model, example_inputs, example_kwargs, opts, progress):
     with progress.phase("capture"):
         captured = capture(model, example_inputs, example_kwargs)
-    backend = backends.get(opts.engine)
+    backend, notes = primary(opts)
     with progress.phase("analyze"):
         placement = place(captured.graph_module, backend, opts)
         rep = make_report(captured.graph_module, placement, captured.model_name, backend.name)
+    rep.notes.extend(notes)
     if not placement.partitions:
         rep.notes.append(f"No operator is placed on the {backend.name} engine; the whole model "
                          "runs on the host with PyTorch")
@@ -92,24 +94,15 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
     program, constants, submodules = build(fused)
     part_inputs, part_outputs = _partition_io(fused, captured.example_inputs)
 
+    runtime_opts = RuntimeOptions(threads=threads)
     blobs, partitions = {}, []
     for i, sub in enumerate(submodules):
-        with progress.phase(f"compile partition {i + 1}/{len(submodules)} ({backend.name})"):
-            t0 = time.perf_counter()
-            try:
-                blob = backend.compile(sub, part_inputs[i], opts)
-            except KilnError:
-                raise
-            except Exception as e:
-                raise CompileError(f"{backend.name} failed to compile device partition {i} of "
-                                   f"{captured.model_name} ({rep.partitions[i]['num_ops']} ops): "
-                                   f"{type(e).__name__}: {str(e).strip()[:2000]}") from e
-            seconds = time.perf_counter() - t0
-        blob_name = f"partitions/{i}{backend.blob_suffix}"
+        label = f"partition {i + 1}/{len(submodules)}"
+        engine, blob, record = compile_partition(i, sub, part_inputs[i], opts, runtime_opts, progress, label)
+        blob_name = f"partitions/{i}{engine.blob_suffix}"
         blobs[blob_name] = blob
         partitions.append({
-            "id": i, "engine": backend.name, "engine_version": backend.version(), "blob": blob_name,
-            "num_ops": rep.partitions[i]["num_ops"], "compile_seconds": round(seconds, 3),
+            "id": i, "blob": blob_name, "num_ops": rep.partitions[i]["num_ops"], **record,
             "inputs": [_spec(f"in{j}", t) for j, t in enumerate(part_inputs[i])],
             "outputs": [_spec(f"out{j}", t) for j, t in enumerate(part_outputs[i])],
         })
@@ -123,6 +116,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model_name": captured.model_name,
         "engine": {"name": backend.name, "version": backend.version()},
+        "engines": sorted({(p["engine"], p["engine_version"]) for p in partitions}),
         "target": target_mod.describe(opts.target),
         "compile_options": opts.to_dict(),
         "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
@@ -133,7 +127,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
         "partitions": partitions,
         "report": rep.to_dict(),
     }
-    compiled = CompiledModel(Artifact(manifest, blobs), RuntimeOptions(threads=threads))
+    compiled = CompiledModel(Artifact(manifest, blobs), runtime_opts)
     if opts.validate:
         with progress.phase("validate"):
             actual = compiled.run_flat(captured.example_inputs)

@@ -12,12 +12,9 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import CompilerArgsError
 
-DEFAULT_ENGINE = "onnxruntime"
-
-
 @dataclass
 class CompileOptions:
-    engine: str = DEFAULT_ENGINE
+    engine: str | None = None         # None: default rules (-O1/-O2) or measurement (-O3)
     optlevel: int = 2                 # 1: fastest compile, 2: best engine rules, 3: most optimisation
     target: str = "native"            # native: this CPU's ISA; generic: portable baseline
     auto_cast: str = "none"

@@ -21,6 +21,8 @@ from ..errors import EngineUnavailableError
 
 _ENGINES = {
     "onnxruntime": "kiln.backends.onnxruntime:OnnxRuntimeBackend",
+    "openvino": "kiln.backends.openvino:OpenVinoBackend",
+    "inductor": "kiln.backends.inductor:InductorBackend",
 }
 _instances: dict = {}
 
@@ -54,7 +56,10 @@ def get(name: str) -> Backend:
         raise EngineUnavailableError(f"unknown engine {name!r}; kiln has: {', '.join(_ENGINES)}")
     if name not in _instances:
         module, _, cls = _ENGINES[name].partition(":")
-        _instances[name] = getattr(importlib.import_module(module), cls)()
+        try:
+            _instances[name] = getattr(importlib.import_module(module), cls)()
+        except ImportError as e:
+            raise EngineUnavailableError(f"engine {name!r} cannot be imported: {e}") from None
     backend = _instances[name]
     if not backend.available():
         raise EngineUnavailableError(

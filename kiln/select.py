@@ -1,0 +1,105 @@
+"""Engine selection per device partition: default rules, fallback, and -O3 measurement.
+
+-O1/-O2 take the first engine of the default order that compiles the
+partition (an engine that rejects it is skipped with a note, TorchInductor
+last: it runs anything torch can). -O3 compiles the partition with every
+available engine, times each on this machine with the same inputs (warm-up,
+then median of N) and keeps the fastest. Every attempt is recorded in the
+manifest so the choice can be checked against its own numbers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from . import backends
+from .errors import CompileError, EngineUnavailableError, KilnError
+
+# Measured on our CPUs (docs/performance.md): ONNX Runtime is at least as fast as
+# OpenVINO on ResNet-50 and BERT-base in fp32 and compiles fastest; TorchInductor
+# compiles C++ and is slowest to build, so it is the last resort on CPU.
+CPU_ORDER = ("onnxruntime", "openvino", "inductor")
+WARMUP, ITERS, MAX_SECONDS = 3, 10, 2.0
+
+
+def default_order(opts) -> list:
+    if opts.engine:
+        rest = [e for e in ("inductor",) if e != opts.engine]
+        return [opts.engine] + rest
+    return list(CPU_ORDER)
+
+
+def primary(opts):
+    """The engine whose op support decides partitioning."""
+    notes = []
+    for name in default_order(opts):
+        try:
+            return backends.get(name), notes
+        except EngineUnavailableError as e:
+            if opts.engine == name:
+                raise
+            notes.append(str(e))
+    raise EngineUnavailableError("no engine is installed: install onnxruntime, openvino or a C++ compiler")
+
+
+def time_runner(runner, inputs) -> float:
+    """Median latency in ms: warm-up, then up to ITERS calls or MAX_SECONDS."""
+    for _ in range(WARMUP):
+        runner(inputs)
+    samples, deadline = [], time.perf_counter() + MAX_SECONDS
+    while len(samples) < ITERS and (len(samples) < 3 or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        runner(inputs)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label):
+    """Return (backend, blob, record) for one partition."""
+    measure = opts.optlevel >= 3
+    order = list(default_order(opts))
+    if measure and not opts.engine:
+        order = list(CPU_ORDER)
+    attempts, best = [], None
+    for name in order:
+        try:
+            backend = backends.get(name)
+        except EngineUnavailableError as e:
+            attempts.append({"engine": name, "status": "unavailable", "note": str(e)})
+            continue
+        with progress.phase(f"compile {label} ({name})"):
+            t0 = time.perf_counter()
+            try:
+                blob = backend.compile(sub, inputs, opts)
+            except KilnError:
+                raise
+            except Exception as e:
+                attempts.append({"engine": name, "status": "failed",
+                                 "compile_seconds": round(time.perf_counter() - t0, 3),
+                                 "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
+                continue
+            seconds = time.perf_counter() - t0
+        attempt = {"engine": name, "engine_version": backend.version(), "status": "ok",
+                   "compile_seconds": round(seconds, 3)}
+        attempts.append(attempt)
+        if not measure:
+            best = (backend, blob, attempt)
+            break
+        with progress.phase(f"time {label} ({name})"):
+            attempt["latency_ms"] = round(time_runner(backend.load(blob, runtime_opts), inputs), 4)
+        if best is None or attempt["latency_ms"] < best[2]["latency_ms"]:
+            best = (backend, blob, attempt)
+    if best is None:
+        detail = "; ".join(f"{a['engine']}: {a.get('note', a['status'])}" for a in attempts)
+        raise CompileError(f"no engine could compile {label}: {detail}")
+    backend, blob, chosen = best
+    if measure:
+        reason = "fastest measured latency (-O3)"
+    elif len(attempts) > 1:
+        reason = "first engine that compiled it, after " + ", ".join(
+            f"{a['engine']} {a['status']}" for a in attempts[:-1])
+    else:
+        reason = "default engine (-O1/-O2)" if not opts.engine else "engine chosen by the user"
+    record = {"engine": backend.name, "engine_version": backend.version(),
+              "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": attempts}
+    return backend, blob, record
