@@ -12,7 +12,7 @@ from . import __version__, specs
 from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
-from .capture import capture
+from .capture import bind_inputs, capture
 from .errors import UnsupportedOpError
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
 from .partition import place, split
@@ -20,7 +20,7 @@ from .program import build
 from .progress import Progress
 from .runtime import HOST_CONSTANTS, CompiledModel
 from .select import compile_partition, primary
-from .validate import compare
+from .validate import compare, quality_gate
 
 log = logging.getLogger("kiln")
 
@@ -62,15 +62,26 @@ def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, com
 
 def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None, engine=None,
           optlevel=None, target=None, fallback=None, min_partition_size=None, ops_on_host=None,
-          validate=None, atol=None, rtol=None, threads=None, name=None, quiet=None) -> CompiledModel:
+          validate=None, atol=None, rtol=None, threads=None, name=None, quiet=None,
+          quantize=None, quantize_mode=None, calibration_data=None, min_cosine=None,
+          min_top1=None) -> CompiledModel:
     """Compile ``model`` ahead of time for this machine and return the loaded result.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of
     keyword inputs (``example_kwargs`` adds keywords to positional ones).
+    ``quantize="int8"`` quantizes weights (``quantize_mode="dynamic"``, the
+    default without data) or weights and activations calibrated on
+    ``calibration_data``, an iterable of example inputs (``"static"``, the
+    default with data); the result must pass ``min_cosine``/``min_top1``.
     """
+    calibration_data = list(calibration_data) if calibration_data is not None else []
+    if quantize and quantize_mode is None:
+        quantize_mode = "static" if calibration_data else "dynamic"
     opts = make_options(compiler_args, engine=engine, optlevel=optlevel, target=target,
                         fallback=fallback, min_partition_size=min_partition_size,
-                        ops_on_host=ops_on_host, validate=validate, atol=atol, rtol=rtol)
+                        ops_on_host=ops_on_host, validate=validate, atol=atol, rtol=rtol,
+                        quantize=quantize, quantize_mode=quantize_mode, min_cosine=min_cosine,
+                        min_top1=min_top1)
     progress = Progress(quiet=quiet)
     started = time.perf_counter()
     captured, backend, placement, rep = _plan(model, example_inputs, example_kwargs, opts, progress)
@@ -94,11 +105,14 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
     program, constants, submodules = build(fused)
     part_inputs, part_outputs = _partition_io(fused, captured.example_inputs)
 
+    samples = [_flat_sample(model, captured, s) for s in calibration_data]
+    calibration = [_partition_io(fused, flat)[0] for flat, _ in samples] or [part_inputs]
     runtime_opts = RuntimeOptions(threads=threads)
     blobs, partitions = {}, []
     for i, sub in enumerate(submodules):
         label = f"partition {i + 1}/{len(submodules)}"
-        engine, blob, record = compile_partition(i, sub, part_inputs[i], opts, runtime_opts, progress, label)
+        engine, blob, record = compile_partition(i, sub, part_inputs[i], opts, runtime_opts, progress,
+                                                 label, calibration=[c[i] for c in calibration])
         blob_name = f"partitions/{i}{engine.blob_suffix}"
         blobs[blob_name] = blob
         partitions.append({
@@ -128,7 +142,13 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
         "report": rep.to_dict(),
     }
     compiled = CompiledModel(Artifact(manifest, blobs), runtime_opts)
-    if opts.validate:
+    if opts.quantize:
+        with progress.phase("accuracy gate"):
+            pairs = [(captured.eager_outputs, compiled.run_flat(captured.example_inputs))]
+            pairs += [(ref, compiled.run_flat(flat)) for flat, ref in samples]
+            manifest["validation"] = quality_gate(pairs, opts.min_cosine, opts.min_top1,
+                                                  f"{captured.model_name} quantized to {opts.quantize}")
+    elif opts.validate:
         with progress.phase("validate"):
             actual = compiled.run_flat(captured.example_inputs)
             manifest["validation"] = compare(captured.eager_outputs, actual,
@@ -157,3 +177,16 @@ def _partition_io(fused, example_inputs):
         Recorder(fused).run(*example_inputs)
     order = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     return [ins[t] for t in order], [outs[t] for t in order]
+
+
+def _flat_sample(model, captured, sample):
+    """Flatten one calibration input like the example inputs, with its eager outputs."""
+    args, kwargs = (None, sample) if isinstance(sample, dict) else (sample, None)
+    named = bind_inputs(model, args, kwargs)
+    flat: list = []
+    for name, structure in captured.input_structure["dict"]:
+        specs.flatten_inputs(structure, named.get(name), name, flat)
+    with torch.no_grad():
+        ref_leaves: list = []
+        specs.encode(model(**named), "", ref_leaves, [])
+    return flat, [t.detach() for t in ref_leaves]

@@ -25,6 +25,10 @@ class CompileOptions:
     validate: bool = True
     atol: float = 1e-3
     rtol: float = 1e-3
+    quantize: str | None = None       # "int8"
+    quantize_mode: str = "dynamic"    # dynamic: weights only; static: calibrated activations too
+    min_cosine: float = 0.99          # accuracy gate for quantized / auto-cast models
+    min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
 
     def to_dict(self):
         d = asdict(self)
@@ -126,5 +130,9 @@ def check_supported(opts: CompileOptions):
         raise CompilerArgsError(
             f"--auto-cast {opts.auto_cast} --auto-cast-type {opts.auto_cast_type} is not supported yet: "
             "kiln currently compiles in fp32 (use --auto-cast none)")
+    if opts.quantize not in (None, "int8"):
+        raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8'")
+    if opts.quantize_mode not in ("dynamic", "static"):
+        raise CompilerArgsError(f"quantize_mode={opts.quantize_mode!r}: expected 'dynamic' or 'static'")
     if opts.min_partition_size < 1:
         raise CompilerArgsError("min_partition_size must be at least 1")

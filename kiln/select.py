@@ -20,6 +20,7 @@ from .errors import CompileError, EngineUnavailableError, KilnError
 # compiles C++ and is slowest to build, so it is the last resort on CPU.
 CPU_ORDER = ("onnxruntime", "openvino", "inductor")
 WARMUP, ITERS, MAX_SECONDS = 3, 10, 2.0
+QUANTIZING = ("onnxruntime",)  # engines whose compile() implements quantize="int8"
 
 
 def default_order(opts) -> list:
@@ -54,12 +55,17 @@ def time_runner(runner, inputs) -> float:
     return statistics.median(samples)
 
 
-def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label):
+def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, calibration=None):
     """Return (backend, blob, record) for one partition."""
     measure = opts.optlevel >= 3
     order = list(default_order(opts))
     if measure and not opts.engine:
         order = list(CPU_ORDER)
+    extra = {}
+    if opts.quantize:
+        # A quantized artifact must never silently become an fp32 one on another engine.
+        extra["calibration"] = calibration
+        order = [e for e in order if e in QUANTIZING]
     attempts, best = [], None
     for name in order:
         try:
@@ -70,7 +76,7 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label):
         with progress.phase(f"compile {label} ({name})"):
             t0 = time.perf_counter()
             try:
-                blob = backend.compile(sub, inputs, opts)
+                blob = backend.compile(sub, inputs, opts, **extra)
             except KilnError:
                 raise
             except Exception as e:

@@ -47,3 +47,43 @@ def compare(expected: list, actual: list, names: list, atol: float, rtol: float)
             "Loosen atol/rtol if this precision is acceptable, or pass validate=False".format(
                 atol, rtol, "\n  ".join(failures)), summary)
     return summary
+
+
+def quality_gate(samples: list, min_cosine: float, min_top1: float, label: str) -> dict:
+    """Gate for lossy compilation (int8, reduced precision) over several inputs.
+
+    ``samples`` is a list of (expected outputs, actual outputs) pairs. Cosine
+    similarity is taken per sample over all float outputs together; top-1
+    agreement is checked for classifier-shaped outputs (the first float output
+    being [batch, classes]).
+    """
+    cosines, agree, total = [], 0, 0
+    for expected, actual in samples:
+        fe = [e.double().flatten() for e in expected if e.is_floating_point()]
+        fa = [a.double().flatten() for e, a in zip(expected, actual) if e.is_floating_point()]
+        if not fe:
+            continue
+        cosines.append(torch.nn.functional.cosine_similarity(torch.cat(fe), torch.cat(fa), dim=0).item())
+        first = next(i for i, e in enumerate(expected) if e.is_floating_point())
+        e, a = expected[first], actual[first]
+        if e.dim() == 2 and e.shape[1] > 1:
+            agree += int((e.argmax(1) == a.argmax(1)).sum())
+            total += e.shape[0]
+    result = {"samples": len(cosines), "min_cosine": min(cosines, default=1.0),
+              "mean_cosine": sum(cosines) / max(1, len(cosines)), "min_cosine_threshold": min_cosine}
+    failures = []
+    if result["min_cosine"] < min_cosine:
+        failures.append(f"cosine similarity {result['min_cosine']:.6f} < {min_cosine} "
+                        f"(mean {result['mean_cosine']:.6f} over {len(cosines)} inputs)")
+    if total:
+        result["top1_agreement"] = agree / total
+        result["min_top1_threshold"] = min_top1
+        if agree / total < min_top1:
+            failures.append(f"top-1 agreement {agree / total:.4f} < {min_top1} ({agree}/{total})")
+    result["passed"] = not failures
+    if failures:
+        raise ValidationError(f"{label} fails the accuracy gate against fp32 eager: "
+                              + "; ".join(failures) + ". Lower min_cosine/min_top1 if this is "
+                              "acceptable, calibrate with more representative data, or compile "
+                              "without it", result)
+    return result

@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from ..quiet import quiet
+from ..quiet import EXPORTER_LOGGERS, quiet
 from . import Backend
 
 
@@ -60,21 +60,22 @@ class OnnxRuntimeBackend(Backend):
                 return f"dtype {v.dtype} is not supported by ONNX Runtime's CPU kernels"
         return None
 
-    def compile(self, partition, example_inputs, options) -> bytes:
+    def compile(self, partition, example_inputs, options, calibration=None) -> bytes:
         import onnxruntime as ort
         with torch.no_grad(), quiet():
             program = torch.onnx.export(partition, tuple(example_inputs), dynamo=True,
                                         optimize=True, verbose=False, report=False)
-        proto = program.model_proto
-        raw = proto.SerializeToString()
-        so = ort.SessionOptions()
-        so.graph_optimization_level = _ORT_LEVEL[_level(options)]
-        so.log_severity_level = 3
         with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
-            path = os.path.join(tmp, "optimized.onnx")
-            so.optimized_model_filepath = path
-            ort.InferenceSession(raw, so, providers=["CPUExecutionProvider"])
-            with open(path, "rb") as f:
+            model = os.path.join(tmp, "model.onnx")
+            program.save(model)
+            if options.quantize:
+                model = _quantize(model, tmp, options, calibration or [list(example_inputs)])
+            so = ort.SessionOptions()
+            so.graph_optimization_level = _ORT_LEVEL[_level(options)]
+            so.log_severity_level = 3
+            so.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+            ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+            with open(so.optimized_model_filepath, "rb") as f:
                 return f.read()
 
     def load(self, blob: bytes, runtime_options):
@@ -87,6 +88,103 @@ class OnnxRuntimeBackend(Backend):
         so.log_severity_level = 3
         session = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
         return OrtRunner(session)
+
+
+def _quantize(model: str, tmp: str, options, calibration) -> str:
+    """int8 through ONNX Runtime's own quantization tools.
+
+    dynamic: weights to int8 ahead of time, activations quantized per call (no data).
+    static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
+    a list of partition input lists.
+    """
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+    prepared, out = os.path.join(tmp, "prepared.onnx"), os.path.join(tmp, "int8.onnx")
+    with quiet(EXPORTER_LOGGERS + ("root",)):
+        quant_pre_process(model, prepared, skip_symbolic_shape=True)
+        nodes = _weight_nodes(prepared)
+        if options.quantize_mode == "dynamic":
+            nodes = _gemm_to_matmul(prepared, nodes)
+            quantize_dynamic(prepared, out, weight_type=QuantType.QInt8, per_channel=True,
+                             nodes_to_quantize=nodes)
+        else:
+            quantize_static(prepared, out, _Calibration(prepared, calibration),
+                            quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            nodes_to_quantize=nodes)
+    return out
+
+
+def _weight_nodes(path: str) -> list:
+    """MatMul/Gemm/Conv nodes whose weight is a constant: the ones int8 pays off for.
+
+    Products of two activations (attention scores) stay in fp32: quantizing them
+    costs accuracy for little speed.
+    """
+    import onnx
+    graph = onnx.load(path).graph
+    rank = {i.name: len(i.dims) for i in graph.initializer}
+
+    def weight(n):
+        r = rank.get(n.input[1]) if len(n.input) > 1 else None
+        # per-channel int8 needs a plain [K, N] matrix (or a conv kernel)
+        return r is not None and (r == 2 or n.op_type == "Conv")
+
+    return [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm", "Conv") and weight(n)]
+
+
+def _gemm_to_matmul(path: str, nodes: list) -> list:
+    """Rewrite plain weight Gemms as MatMul + Add, in place; return the new node names.
+
+    ORT's dynamic quantizer handles MatMul but not Gemm, and torch's exporter
+    emits Gemm for every linear layer.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+    model = onnx.load(path)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    wanted, renamed, new_nodes = set(nodes), [], []
+    for n in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        plain = (attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+                 and not attrs.get("transA", 0))
+        if n.op_type != "Gemm" or n.name not in wanted or not plain:
+            new_nodes.append(n)
+            if n.name in wanted:
+                renamed.append(n.name)
+            continue
+        weight = n.input[1]
+        if attrs.get("transB", 0):
+            w = inits[weight]
+            t = numpy_helper.to_array(w).T.copy()
+            weight = f"{w.name}__kiln_t"
+            graph.initializer.append(numpy_helper.from_array(t, weight))
+        mm_out = n.output[0] if len(n.input) < 3 else f"{n.output[0]}__kiln_mm"
+        new_nodes.append(helper.make_node("MatMul", [n.input[0], weight], [mm_out], name=n.name))
+        if len(n.input) >= 3:
+            new_nodes.append(helper.make_node("Add", [mm_out, n.input[2]], [n.output[0]],
+                                              name=f"{n.name}__kiln_bias"))
+        renamed.append(n.name)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    onnx.save(model, path)
+    return renamed
+
+
+class _Calibration:
+    """ORT CalibrationDataReader over kiln's per-partition calibration inputs."""
+
+    def __init__(self, model_path, samples):
+        import onnx
+        names = [i.name for i in onnx.load(model_path, load_external_data=False).graph.input]
+        self._feeds = iter([{n: t.numpy() for n, t in zip(names, sample)} for sample in samples])
+
+    def get_next(self):
+        return next(self._feeds, None)
+
+    def rewind(self):
+        pass
 
 
 def _level(options) -> str:
