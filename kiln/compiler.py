@@ -41,6 +41,7 @@ def _plan(model, example_inputs, example_kwargs, opts, progress):
     with progress.phase("capture"):
         captured = capture(model, example_inputs, example_kwargs)
     backend, notes = primary(opts)
+    precision = _apply_auto_cast(captured, opts, notes)
     with progress.phase("analyze"):
         placement = place(captured.graph_module, backend, opts)
         rep = make_report(captured.graph_module, placement, captured.model_name, backend.name)
@@ -48,7 +49,7 @@ def _plan(model, example_inputs, example_kwargs, opts, progress):
     if not placement.partitions:
         rep.notes.append(f"No operator is placed on the {backend.name} engine; the whole model "
                          "runs on the host with PyTorch")
-    return captured, backend, placement, rep
+    return captured, backend, placement, rep, precision
 
 
 def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, compiler_args=None,
@@ -56,7 +57,7 @@ def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, com
     """Report op support and the partitioning a trace would use, without compiling."""
     opts = make_options(compiler_args, engine=engine, min_partition_size=min_partition_size,
                         ops_on_host=ops_on_host)
-    _, _, _, rep = _plan(model, example_inputs, example_kwargs, opts, Progress(quiet=quiet))
+    _, _, _, rep, _ = _plan(model, example_inputs, example_kwargs, opts, Progress(quiet=quiet))
     return rep
 
 
@@ -84,7 +85,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
                         min_top1=min_top1)
     progress = Progress(quiet=quiet)
     started = time.perf_counter()
-    captured, backend, placement, rep = _plan(model, example_inputs, example_kwargs, opts, progress)
+    captured, backend, placement, rep, precision = _plan(model, example_inputs, example_kwargs, opts, progress)
     if name:
         captured.model_name = rep.model_name = name
 
@@ -142,12 +143,17 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
         "report": rep.to_dict(),
     }
     compiled = CompiledModel(Artifact(manifest, blobs), runtime_opts)
-    if opts.quantize:
+    if precision:
+        manifest["precision"] = precision
+    if opts.quantize or (precision and precision["emulated"]):
         with progress.phase("accuracy gate"):
             pairs = [(captured.eager_outputs, compiled.run_flat(captured.example_inputs))]
             pairs += [(ref, compiled.run_flat(flat)) for flat, ref in samples]
+            what = (f"quantized to {opts.quantize}" if opts.quantize else
+                    f"auto-cast {opts.auto_cast} to {opts.auto_cast_type} (emulated)")
             manifest["validation"] = quality_gate(pairs, opts.min_cosine, opts.min_top1,
-                                                  f"{captured.model_name} quantized to {opts.quantize}")
+                                                  f"{captured.model_name} {what}")
+            manifest["validation"].update(_errors(pairs[0]))
     elif opts.validate:
         with progress.phase("validate"):
             actual = compiled.run_flat(captured.example_inputs)
@@ -190,3 +196,27 @@ def _flat_sample(model, captured, sample):
         ref_leaves: list = []
         specs.encode(model(**named), "", ref_leaves, [])
     return flat, [t.detach() for t in ref_leaves]
+
+
+def _apply_auto_cast(captured, opts, notes):
+    """Apply --auto-cast before partitioning; returns the manifest's precision record."""
+    if opts.auto_cast == "none" or opts.auto_cast_type == "fp32":
+        return None
+    from . import precision
+    if precision.native(opts.auto_cast_type) and opts.engine == "openvino":
+        return {"auto_cast": opts.auto_cast, "type": opts.auto_cast_type, "emulated": False,
+                "note": "computed natively by the engine"}
+    n = precision.emulate(captured.graph_module, opts.auto_cast, opts.auto_cast_type)
+    note = (f"{opts.auto_cast_type} is emulated: inputs of {n} op(s) are rounded to "
+            f"{opts.auto_cast_type} and computed in fp32, to show its accuracy, not to gain speed")
+    notes.append(note)
+    warnings.warn(f"kiln: {note}", stacklevel=3)
+    return {"auto_cast": opts.auto_cast, "type": opts.auto_cast_type, "emulated": True,
+            "ops_rounded": n, "note": note}
+
+
+def _errors(pair):
+    expected, actual = pair
+    diffs = [(e.double() - a.double()).abs().max().item() for e, a in zip(expected, actual)
+             if e.is_floating_point() and e.numel()]
+    return {"max_abs_error": max(diffs, default=0.0)}

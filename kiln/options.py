@@ -126,10 +126,9 @@ def parse_compiler_args(args) -> dict:
 
 def check_supported(opts: CompileOptions):
     """Reject option values that parse but are not implemented yet."""
-    if opts.auto_cast != "none" and opts.auto_cast_type != "fp32":
+    if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32"):
         raise CompilerArgsError(
-            f"--auto-cast {opts.auto_cast} --auto-cast-type {opts.auto_cast_type} is not supported yet: "
-            "kiln currently compiles in fp32 (use --auto-cast none)")
+            f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs: use bf16, fp16 or fp32")
     if opts.quantize not in (None, "int8"):
         raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8'")
     if opts.quantize_mode not in ("dynamic", "static"):
