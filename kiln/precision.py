@@ -48,10 +48,9 @@ def emulate(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
                 up = gm.graph.call_function(aten._to_copy.default, (down,), {"dtype": torch.float32})
                 up.meta["val"] = val
             rounded[arg] = up
-        if rounded:
-            node.args = torch.fx.map_arg(node.args, lambda a: rounded.get(a, a))
-            node.kwargs = torch.fx.map_arg(node.kwargs, lambda a: rounded.get(a, a))
-            count += 1
+        for arg, up in rounded.items():
+            node.replace_input_with(arg, up)
+        count += bool(rounded)
     gm.graph.lint()
     gm.recompile()
     return count
