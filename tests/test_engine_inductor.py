@@ -1,0 +1,178 @@
+"""The inductor engine (AOTInductor): compiled partitions match eager, travel, and run from threads.
+
+Each AOTInductor compile runs g++ for 15-30 s here, so every model is compiled
+once per module and the tests share it.
+"""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends import inductor
+from tests import models
+from tests.conftest import assert_close, run_py
+
+pytestmark = pytest.mark.skipif(
+    inductor.compiler() is None,
+    reason="the inductor engine needs a C++ compiler (g++) to compile; none found on PATH")
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, engine="inductor")
+    return model, x, compiled
+
+
+def _runner(compiled, i=0):
+    return compiled.program.partitions[i]
+
+
+def test_mlp_matches_eager(mlp):
+    model, x, compiled = mlp
+    assert_close(compiled(x), model(x).detach(), **TOL)
+    x2 = torch.randn_like(x)
+    assert_close(compiled(x2), model(x2).detach(), **TOL)
+    m = compiled.manifest
+    assert m["engine"] == {"name": "inductor", "version": torch.__version__}
+    assert m["report"]["support_percentage"] == 100.0
+    assert [p["engine"] for p in m["partitions"]] == ["inductor"]
+    assert m["partitions"][0]["blob"].endswith(".pt2")
+    assert m["validation"]["passed"] and m["validation"]["max_abs_error"] < 1e-5
+    # the library is driven through its C interface, which releases the GIL
+    assert type(_runner(compiled).model).__name__ == "ContainerModel"
+
+
+def test_non_contiguous_input(mlp):
+    """Inductor specialises on strides; a transposed view of the right shape still gives the right answer."""
+    model, _, compiled = mlp
+    xt = torch.randn(16, 2).t()
+    assert not xt.is_contiguous()
+    assert_close(compiled(xt), model(xt).detach(), **TOL)
+
+
+def test_load_in_fresh_process_without_model_code_or_compiler(mlp, tmp_path):
+    model, x, compiled = mlp
+    path = tmp_path / "mlp.kiln"
+    compiled.save(path)
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(model(x).detach(), tmp_path / "y.pt")
+    code = f"""
+import sys, torch, kiln
+m = kiln.load({str(path)!r})
+x = torch.load({str(tmp_path / 'x.pt')!r}); y = torch.load({str(tmp_path / 'y.pt')!r})
+torch.testing.assert_close(m(x), y, atol=1e-4, rtol=1e-4)
+assert m.manifest['partitions'][0]['engine'] == 'inductor'
+assert not any(k.startswith('tests') for k in sys.modules), 'model code was imported'
+assert 'torch._inductor' not in sys.modules, 'loading imported torch._inductor (seconds of dynamo imports)'
+from kiln.backends import inductor
+assert inductor.compiler() is None, 'a C++ compiler is visible'
+print('OK')
+"""
+    # No compiler on PATH: loading a compiled library must not need one.
+    r = run_py(code, cwd=str(tmp_path), env={"PATH": str(tmp_path / "empty"), "CXX": ""})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_concurrent_calls_from_threads(mlp):
+    model, _, compiled = mlp
+    loaded = kiln.load(compiled.to_bytes(), threads=1)   # reuses the compiled library
+    xs = [torch.randn(2, 16) for _ in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(loaded, xs))
+    for x, y in zip(xs, outs):
+        assert_close(y, model(x).detach(), **TOL)
+    assert loaded.calls >= 64
+
+
+class _RecordingOpenMP:
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def omp_get_max_threads(self):
+        return self.real.omp_get_max_threads()
+
+    def omp_set_num_threads(self, n):
+        self.calls.append((threading.get_ident(), n))
+        self.real.omp_set_num_threads(n)
+
+
+def test_threads_option_applies_per_call_and_is_restored(mlp):
+    model, x, compiled = mlp
+    loaded = kiln.load(compiled.to_bytes(), threads=1)
+    runner = _runner(loaded)
+    assert runner.threads == 1 and runner._omp is not None, "torch's OpenMP runtime was not found"
+    recorder = runner._omp = _RecordingOpenMP(runner._omp)
+    before = torch.get_num_threads()
+
+    def call():
+        assert_close(loaded(x), model(x).detach(), **TOL)
+        return threading.get_ident(), torch.get_num_threads()
+
+    me = call()
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(call).result()
+    assert torch.get_num_threads() == before == me[1]    # nothing process-wide changed
+    assert [n for _, n in recorder.calls][0::2] == [1, 1]   # 1 thread during each call...
+    assert {t for t, _ in recorder.calls} == {me[0], other[0]}   # ...set on the calling thread only
+    assert recorder.calls[1] == (me[0], before)            # and restored after
+
+
+def test_other_torch_version_is_refused(mlp, monkeypatch):
+    _, _, compiled = mlp
+    data = compiled.to_bytes()
+    monkeypatch.setattr(torch, "__version__", "9.1.0")
+    with pytest.raises(kiln.ArtifactError, match=r"compiled with torch 2\.\d+.*this process has torch 9\.1\.0"):
+        kiln.load(data)
+
+
+def test_custom_ops_stay_on_host():
+    model, x = models.custom_op()
+    rep = kiln.analyze(model, x, engine="inductor")
+    (op,) = [u for u in rep.unsupported_ops if u["engine_unsupported"]]
+    assert op["op"] == "kilntest::odd_scale" and "custom operator" in op["reason"]
+    assert len(rep.partitions) == 2 and rep.host_ops == 1   # the linears either side still compile
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(inductor, "compiler", lambda: None)
+    model, x = models.mlp()
+    with pytest.raises(kiln.CompileError, match="needs a C\\+\\+ compiler"):
+        kiln.trace(model, x, engine="inductor")
+
+
+@pytest.mark.slow
+def test_tiny_bert_matches_eager():
+    model = models.tiny_bert()
+    inputs = models.bert_inputs()
+    compiled = kiln.trace(model, inputs, engine="inductor")
+    assert {p["engine"] for p in compiled.manifest["partitions"]} == {"inductor"}
+    out, ref = compiled(**inputs), model(**inputs)
+    assert_close(out.last_hidden_state, ref.last_hidden_state.detach(), **TOL)
+    assert_close(out.pooler_output, ref.pooler_output.detach(), **TOL)
+    ids = inputs["input_ids"].clone()
+    ids[-1, 12:] = 7  # only masked positions change
+    changed = compiled(input_ids=ids, attention_mask=inputs["attention_mask"]).last_hidden_state
+    assert_close(changed[-1, :8], out.last_hidden_state[-1, :8], **TOL)
+
+
+@pytest.mark.slow
+def test_op_without_c_shim_runs_through_torch_loader():
+    """linalg.det has no AOTInductor C shim: it needs torch's proxy executor, so torch's package loader."""
+    class Det(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.det(x.reshape(-1, 2, 2) + 3) * 2
+
+    model, x = Det(), torch.randn(4, 8)
+    compiled = kiln.trace(model, x, engine="inductor")
+    assert type(_runner(compiled).model).__name__ == "PackageModel"
+    assert_close(compiled(x), model(x), **TOL)
+    loaded = kiln.load(compiled.to_bytes(), threads=1)
+    xs = [torch.randn(4, 8) for _ in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        for x2, y in zip(xs, pool.map(loaded, xs)):
+            assert_close(y, model(x2), **TOL)

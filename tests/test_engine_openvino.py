@@ -1,0 +1,214 @@
+"""The OpenVINO engine: compiled models match eager PyTorch, save/load, threads, host fallback."""
+import pytest
+
+pytest.importorskip("openvino")
+
+import torch  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln import backends  # noqa: E402
+from tests import models  # noqa: E402
+from tests.conftest import assert_close, run_py  # noqa: E402
+
+ATOL = RTOL = 1e-4
+
+
+def _check_manifest(compiled, partitions=1):
+    import openvino
+    parts = compiled.manifest["partitions"]
+    assert len(parts) == partitions
+    for p in parts:
+        assert p["engine"] == "openvino"
+        assert p["engine_version"] == openvino.__version__
+        assert p["blob"].endswith(".ovblob")
+    assert compiled.manifest["validation"]["passed"]
+
+
+@pytest.fixture(scope="module")
+def mlp_ov():
+    model, x = models.mlp()
+    return model, x, kiln.trace(model, x, engine="openvino")
+
+
+def test_mlp_matches_eager(mlp_ov):
+    model, x, compiled = mlp_ov
+    assert_close(compiled(x), model(x).detach(), atol=ATOL, rtol=RTOL)
+    x2 = torch.randn_like(x)
+    assert_close(compiled(x2), model(x2).detach(), atol=ATOL, rtol=RTOL)
+    _check_manifest(compiled)
+    assert compiled.report["support_percentage"] == 100.0
+
+
+def test_outputs_are_not_reused_between_calls(mlp_ov):
+    """An infer request reuses its output buffers; results handed out must not change."""
+    model, x, compiled = mlp_ov
+    first = compiled(x)
+    kept = first.clone()
+    compiled(torch.randn_like(x) * 10)
+    assert torch.equal(first, kept)
+
+
+def test_cnn_matches_eager():
+    model, x = models.cnn()
+    compiled = kiln.trace(model, x, engine="openvino")
+    assert_close(compiled(x), model(x).detach(), atol=ATOL, rtol=RTOL)
+    _check_manifest(compiled)
+
+
+@pytest.fixture(scope="module")
+def bert_ov():
+    model, inputs = models.tiny_bert(), models.bert_inputs()
+    return model, inputs, kiln.trace(model, inputs, engine="openvino")
+
+
+def test_tiny_bert_matches_eager_with_int64_inputs(bert_ov):
+    model, inputs, compiled = bert_ov
+    ref = model(**inputs)
+    out = compiled(**inputs)
+    assert_close(out.last_hidden_state, ref.last_hidden_state.detach(), atol=ATOL, rtol=RTOL)
+    assert_close(out.pooler_output, ref.pooler_output.detach(), atol=ATOL, rtol=RTOL)
+    # the whole model, int64 index bookkeeping included, is one OpenVINO partition
+    _check_manifest(compiled)
+    assert compiled.report["support_percentage"] == 100.0
+
+
+def test_multi_input_multi_output_order_and_dtypes():
+    """Inputs and outputs reach OpenVINO in the partition's order, with their dtypes."""
+
+    class MIMO(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, b, ids, a, flag):
+            h = self.lin(a)
+            return {"diff": a - b, "ids": ids.flip(-1), "sum": h + b, "pos": h > 0,
+                    "mean": h.mean(), "pick": torch.where(flag, a, b), "count": flag.sum(-1)}
+
+    torch.manual_seed(0)
+    model = MIMO().eval()
+    args = (torch.randn(2, 4), torch.randint(-2**31, 2**31, (2, 4)), torch.randn(2, 4),
+            torch.rand(2, 4) > 0.5)
+    compiled = kiln.trace(model, args, engine="openvino")
+    _check_manifest(compiled)
+    args2 = (torch.randn(2, 4), torch.randint(0, 9, (2, 4)), torch.randn(2, 4), torch.rand(2, 4) > 0.5)
+    for call in (args, args2):
+        out, ref = compiled(*call), model(*call)
+        for k in ref:
+            assert out[k].dtype == ref[k].dtype, k
+            assert_close(out[k], ref[k].detach(), atol=ATOL, rtol=RTOL)
+    # OpenVINO's CPU plugin computes int64 in int32: values int32 cannot hold are refused
+    # at call time, not silently wrapped
+    with pytest.raises(kiln.InputError, match="outside int32"):
+        compiled(args[0], args[1] + 2**40, args[2], args[3])
+
+
+def test_ops_openvino_would_change_stay_on_host():
+    """int64 arithmetic that could leave int32, float64 and float16 run on the host."""
+
+    class Dtypes(torch.nn.Module):
+        def forward(self, ids, x):
+            return (ids * 3, ids.flip(-1), torch.arange(4) + 2, torch.exp(x.double()),
+                    torch.relu(x.half()), x * 2)
+
+    report = kiln.analyze(Dtypes(), (torch.randint(0, 100, (2, 4)), torch.randn(2, 4)),
+                          engine="openvino")
+    reasons = {u["op"]: u["reason"] for u in report.unsupported_ops}
+    assert "int64 arithmetic" in reasons["aten::mul.Tensor"]        # ids * 3: ids is unbounded
+    assert "float64" in reasons["aten::exp"]
+    assert "float16" in reasons["aten::relu"]
+    assert report.supported_ops["aten::add.Tensor"] == 1            # arange(4) + 2 fits int32
+    assert report.supported_ops["aten::flip"] == 1                  # moves values, checked at call
+    assert report.supported_ops["aten::mul.Tensor"] == 1            # x * 2 in float32
+
+
+def test_compile_refuses_partitions_drawn_by_another_engine():
+    """-O3 hands every engine the partitions the primary engine drew: OpenVINO must refuse
+    ops it would change (so kiln moves on to the next engine) instead of compiling them."""
+    from kiln.capture import capture
+    from kiln.options import CompileOptions
+
+    class IntMath(torch.nn.Module):
+        def forward(self, ids):
+            return ids * 3 + 1
+
+    captured = capture(IntMath(), (torch.randint(0, 9, (2, 4)),))
+    with pytest.raises(RuntimeError, match="int64 arithmetic"):
+        backends.get("openvino").compile(captured.graph_module, captured.example_inputs,
+                                         CompileOptions(engine="openvino"))
+
+
+def test_custom_op_falls_back_to_host():
+    model, x = models.custom_op()
+    compiled = kiln.trace(model, x, engine="openvino")
+    assert_close(compiled(x), model(x).detach(), atol=ATOL, rtol=RTOL)
+    _check_manifest(compiled, partitions=2)
+    host = [s["op"] for s in compiled.manifest["program"]["steps"] if "op" in s]
+    assert host == ["kilntest::odd_scale.default"]
+    unsupported = compiled.report["unsupported_ops"]
+    assert [u["op"] for u in unsupported] == ["kilntest::odd_scale"]
+    assert "op table" in unsupported[0]["reason"]
+
+
+def test_concurrent_calls(mlp_ov, bert_ov):
+    from concurrent.futures import ThreadPoolExecutor
+    model, _, compiled = mlp_ov
+    xs = [torch.randn(2, 16) for _ in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(compiled, xs))
+    for x, y in zip(xs, outs, strict=True):
+        assert_close(y, model(x).detach(), atol=ATOL, rtol=RTOL)
+    # longer calls, so that they really overlap
+    bert, inputs, compiled = bert_ov
+    calls = [{**inputs, "input_ids": torch.randint(0, 120, inputs["input_ids"].shape)} for _ in range(12)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda kw: compiled(**kw).last_hidden_state, calls))
+    for kw, y in zip(calls, outs, strict=True):
+        assert_close(y, bert(**kw).last_hidden_state.detach(), atol=ATOL, rtol=RTOL)
+
+
+def test_runtime_threads_reach_openvino(mlp_ov):
+    from kiln.options import RuntimeOptions
+    _, _, compiled = mlp_ov
+    blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
+    runner = backends.get("openvino").load(blob, RuntimeOptions(threads=1))
+    assert runner.compiled.get_property("INFERENCE_NUM_THREADS") == 1
+    # pinned, not left to OpenVINO (which picks bf16 on CPUs that have it)
+    import openvino
+    assert runner.compiled.get_property("INFERENCE_PRECISION_HINT") == openvino.Type.f32
+
+
+def test_save_load_in_fresh_process(bert_ov, tmp_path):
+    model, inputs, compiled = bert_ov
+    path = tmp_path / "bert.kiln"
+    compiled.save(path)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    torch.save(model(**inputs).last_hidden_state.detach(), tmp_path / "ref.pt")
+    code = f"""
+import sys, torch, kiln
+m = kiln.load({str(path)!r})
+inputs = torch.load({str(tmp_path / 'inputs.pt')!r}); ref = torch.load({str(tmp_path / 'ref.pt')!r})
+torch.testing.assert_close(m(**inputs).last_hidden_state, ref, atol={ATOL}, rtol={RTOL})
+assert m.manifest["partitions"][0]["engine"] == "openvino"
+assert not any(k.startswith(('tests', 'transformers')) for k in sys.modules), 'model code was imported'
+print('OK')
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_generic_target_stores_portable_ir(tmp_path):
+    """--target generic keeps OpenVINO IR (compiled blobs are ISA-specific) and compiles at load."""
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, engine="openvino", target="generic")
+    blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
+    assert b'"kind": "ir"' in blob[:200]
+    compiled.save(tmp_path / "g.kiln")
+    loaded = kiln.load(tmp_path / "g.kiln")
+    assert_close(loaded(x), model(x).detach(), atol=ATOL, rtol=RTOL)
+
+
+def test_corrupt_blob_header_is_an_artifact_error():
+    from kiln.options import RuntimeOptions
+    with pytest.raises(kiln.ArtifactError, match="bad magic"):
+        backends.get("openvino").load(b"not an openvino blob", RuntimeOptions())
