@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from . import __version__, specs
+from . import __version__, backends, specs
 from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
@@ -40,8 +40,10 @@ def make_options(compiler_args=None, **overrides) -> CompileOptions:
 def _plan(model, example_inputs, example_kwargs, opts, progress):
     with progress.phase("capture"):
         captured = capture(model, example_inputs, example_kwargs)
-    backend, notes = primary(opts)
-    precision = _apply_auto_cast(captured, opts, notes)
+    notes: list = []
+    precision = _apply_auto_cast(captured, opts, notes)   # may pick the engine (native bf16)
+    backend, engine_notes = primary(opts)
+    notes += engine_notes
     with progress.phase("analyze"):
         placement = place(captured.graph_module, backend, opts)
         rep = make_report(captured.graph_module, placement, captured.model_name, backend.name)
@@ -203,9 +205,11 @@ def _apply_auto_cast(captured, opts, notes):
     if opts.auto_cast == "none" or opts.auto_cast_type == "fp32":
         return None
     from . import precision
-    if precision.native(opts.auto_cast_type) and opts.engine == "openvino":
+    if precision.native(opts.auto_cast_type) and opts.engine in (None, "openvino") \
+            and backends.get("openvino", required=False) is not None:
+        opts.engine = "openvino"   # the engine that computes bf16/fp16 natively on CPUs
         return {"auto_cast": opts.auto_cast, "type": opts.auto_cast_type, "emulated": False,
-                "note": "computed natively by the engine"}
+                "note": f"{opts.auto_cast_type} computed natively by OpenVINO"}
     n = precision.emulate(captured.graph_module, opts.auto_cast, opts.auto_cast_type)
     note = (f"{opts.auto_cast_type} is emulated: inputs of {n} op(s) are rounded to "
             f"{opts.auto_cast_type} and computed in fp32, to show its accuracy, not to gain speed")

@@ -56,7 +56,8 @@ def place(gm: torch.fx.GraphModule, backend, options) -> Placement:
         if node.target is operator.getitem:
             placement.on_device[node] = True   # follows its producer (see below)
             continue
-        if name in host_ops or str(node.target) in host_ops:
+        packet = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else name
+        if name in host_ops or packet in host_ops:
             placement.reasons[node] = "placed on the host by ops_on_host"
             placement.on_device[node] = False
             continue

@@ -15,7 +15,6 @@ import operator
 import torch
 
 from .errors import ArtifactError, KilnError
-from .partition import op_name
 from .specs import dtype_from_name, dtype_name
 
 
@@ -83,7 +82,7 @@ def build(fused: torch.fx.GraphModule):
             if not isinstance(node.target, torch._ops.OpOverload):
                 raise KilnError(f"host op {node.target} is not a torch operator and cannot be stored")
             steps.append({
-                "op": f"{op_name(node.target)}.{node.target._overloadname}",
+                "op": f"{node.target._schema.name}.{node.target._overloadname}",
                 "args": [ref(a) for a in node.args],
                 "kwargs": {k: ref(v) for k, v in node.kwargs.items()},
                 "out": [slot(node)],

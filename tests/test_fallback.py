@@ -77,3 +77,22 @@ def test_host_constants_survive_save_load(tmp_path):
     compiled.save(path)
     loaded = kiln.load(path)
     assert_close(loaded(x), model(x).detach())
+
+
+def test_host_ops_with_named_overloads_survive_save_load(tmp_path):
+    """aten::add.Tensor on the host is stored by schema name + overload and resolves on load."""
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, ops_on_host={"aten::addmm"})
+    steps = [s["op"] for s in compiled.manifest["program"]["steps"] if "op" in s]
+    assert steps == ["aten::addmm.default", "aten::addmm.default"]
+
+    class AddMul(torch.nn.Module):
+        def forward(self, a, b):
+            return (a + b) * b
+
+    a, b = torch.randn(4), torch.randn(4)
+    c = kiln.trace(AddMul(), (a, b), ops_on_host={"aten::add", "aten::mul"})
+    ops = [s["op"] for s in c.manifest["program"]["steps"] if "op" in s]
+    assert ops == ["aten::add.Tensor", "aten::mul.Tensor"]
+    c.save(tmp_path / "am.kiln")
+    assert_close(kiln.load(tmp_path / "am.kiln")(a, b), (a + b) * b)

@@ -61,3 +61,16 @@ def test_auto_cast_gate_failure_reports_numbers():
         with pytest.warns(UserWarning):
             kiln.trace(model, torch.randn(64, 16), compiler_args="--auto-cast all --auto-cast-type bf16",
                        min_cosine=0.99999999)
+
+
+def test_native_bf16_hosts_compute_on_openvino(monkeypatch):
+    """On a CPU with native bf16 the work goes to the engine that computes it, unemulated."""
+    pytest.importorskip("openvino")
+    from kiln.backends import openvino as ov_backend
+    monkeypatch.setattr(precision, "native", lambda t: t == "bf16")
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type bf16",
+                          atol=5e-2, rtol=5e-2)
+    assert compiled.manifest["precision"]["emulated"] is False
+    assert {p["engine"] for p in compiled.manifest["partitions"]} == {"openvino"}
+    assert ov_backend._precision(kiln.compiler.make_options("--auto-cast matmult")) == "bf16"

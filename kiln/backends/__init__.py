@@ -51,7 +51,17 @@ def names() -> list:
     return list(_ENGINES)
 
 
-def get(name: str) -> Backend:
+def get(name: str, required: bool = True) -> Backend | None:
+    """The engine ``name``; if it is missing, raise (or return None when not ``required``)."""
+    if not required:
+        try:
+            return get(name)
+        except EngineUnavailableError:
+            return None
+    return _get(name)
+
+
+def _get(name: str) -> Backend:
     if name not in _ENGINES:
         raise EngineUnavailableError(f"unknown engine {name!r}; kiln has: {', '.join(_ENGINES)}")
     if name not in _instances:

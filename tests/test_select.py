@@ -1,0 +1,69 @@
+"""Engine choice: -O3 measurement, default rules, fallback to the next engine, missing engines."""
+import pytest
+
+import kiln
+from kiln import backends, select
+from tests import models
+from tests.conftest import assert_close
+
+
+@pytest.fixture
+def fake_missing_engine(monkeypatch):
+    monkeypatch.setitem(backends._ENGINES, "nosuch", "kiln.backends.nosuch_engine:Nope")
+    monkeypatch.setattr(select, "CPU_ORDER", ("onnxruntime", "openvino", "nosuch"))
+
+
+def test_o3_keeps_the_engine_its_own_timings_say_is_fastest(fake_missing_engine):
+    pytest.importorskip("openvino")
+    model, x = models.cnn()
+    compiled = kiln.trace(model, x, compiler_args="-O3")
+    (part,) = compiled.manifest["partitions"]
+    timed = [c for c in part["candidates"] if c["status"] == "ok"]
+    assert {c["engine"] for c in timed} == {"onnxruntime", "openvino"}
+    fastest = min(timed, key=lambda c: c["latency_ms"])
+    assert part["engine"] == fastest["engine"]
+    assert part["choice"] == "fastest measured latency (-O3)"
+    for c in timed:
+        assert c["compile_seconds"] > 0 and c["latency_ms"] > 0
+    missing = next(c for c in part["candidates"] if c["engine"] == "nosuch")
+    assert missing["status"] == "unavailable" and "cannot be imported" in missing["note"]
+    assert_close(compiled(x), model(x).detach())
+
+
+def test_default_rule_uses_first_engine_without_timing():
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    (part,) = compiled.manifest["partitions"]
+    assert part["engine"] == "onnxruntime" and "latency_ms" not in part["candidates"][0]
+    assert part["choice"].startswith("default engine")
+
+
+def test_engine_that_fails_falls_through_to_the_next(monkeypatch):
+    pytest.importorskip("openvino")
+    ort = backends.get("onnxruntime")
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated exporter failure")
+
+    monkeypatch.setattr(ort, "compile", broken)
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    (part,) = compiled.manifest["partitions"]
+    assert part["engine"] == "openvino"
+    assert "onnxruntime failed" in part["choice"]
+    assert "simulated exporter failure" in part["candidates"][0]["note"]
+    assert_close(compiled(x), model(x).detach())
+
+
+def test_explicit_missing_engine_is_a_clear_error(fake_missing_engine):
+    model, x = models.mlp()
+    with pytest.raises(kiln.EngineUnavailableError, match="nosuch"):
+        kiln.trace(model, x, engine="nosuch")
+
+
+def test_quantize_never_falls_back_to_fp32_engines(monkeypatch):
+    ort = backends.get("onnxruntime")
+    monkeypatch.setattr(ort, "compile", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    model, x = models.mlp()
+    with pytest.raises(kiln.CompileError, match="onnxruntime: RuntimeError: boom"):
+        kiln.trace(model, x, quantize="int8")
