@@ -152,6 +152,17 @@ def cmd_inspect(a, console):
                    str(len(p["inputs"])), str(len(p["outputs"])), str(p["compile_seconds"]),
                    p["blob"], f"{blob['size'] / 1e6:.2f} MB", blob["sha256"][:16])
     console.print(pt)
+    ct = Table("partition", "engine", "status", "compile s", "latency ms", "note", title="engine choice")
+    for p in m["partitions"]:
+        for c in p.get("candidates", []):
+            chosen = c["engine"] == p["engine"] and c["status"] == "ok"
+            ct.add_row(str(p["id"]), ("* " if chosen else "  ") + c["engine"], c["status"],
+                       str(c.get("compile_seconds", "")), str(c.get("latency_ms", "")),
+                       (c.get("note") or (p["choice"] if chosen else ""))[:80])
+    if ct.row_count:
+        console.print(ct)
+    if m.get("precision"):
+        console.print(f"precision: {m['precision']['note']}")
     host = [s for s in m["program"]["steps"] if "op" in s]
     if host:
         ht = Table("op", title="host (fallback) ops")

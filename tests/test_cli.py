@@ -28,7 +28,7 @@ def test_analyze_compile_inspect_run(kiln_cli, tmp_path):
 
     r = kiln_run(kiln_cli, "inspect", art)
     assert r.returncode == 0, r.stderr
-    for text in ("onnxruntime", "partitions", "(2, 16)", "float32", "optlevel=1"):
+    for text in ("onnxruntime", "partitions", "(2, 16)", "float32", "optlevel=1", "engine choice"):
         assert text in r.stdout
     r = kiln_run(kiln_cli, "inspect", art, "--json")
     assert json.loads(r.stdout)["compile_options"]["optlevel"] == 1
