@@ -86,10 +86,10 @@ def test_compiler_args_errors(args, message):
         parse_compiler_args(args)
 
 
-def test_unimplemented_auto_cast_is_an_error_not_ignored():
+def test_auto_cast_type_cpus_lack_is_an_error_not_ignored():
     model, x = models.mlp()
-    with pytest.raises(kiln.CompilerArgsError, match="not supported yet"):
-        kiln.trace(model, x, compiler_args=["--auto-cast", "matmult", "--auto-cast-type", "bf16"])
+    with pytest.raises(kiln.CompilerArgsError, match="tf32 is not supported on CPUs"):
+        kiln.trace(model, x, compiler_args=["--auto-cast", "matmult", "--auto-cast-type", "tf32"])
 
 
 def test_generic_target_and_o1_compile():
