@@ -8,16 +8,31 @@ Models (random weights built from transformers configs; nothing is downloaded):
 
 Runners, all in one process, on the same model object and the same inputs:
 
-* ``eager``          PyTorch eager under ``torch.inference_mode()`` (the baseline of every speedup)
-* ``torchscript``    ``torch.jit.trace`` + ``torch.jit.freeze``
-* ``torch.compile``  default (inductor) backend; a failure is recorded and the runner skipped
-* ``kiln``           ``kiln.trace(...)``, called as ``compiled(...)``, the normal checked path
-* ``ort-direct``     an ``onnxruntime.InferenceSession`` built here from kiln's own stored blob,
-                     with kiln's session options (ORT_DISABLE_ALL: the blob is already
-                     optimised; same thread counts), fed NumPy arrays directly. kiln over this
-                     is kiln's own wrapper overhead over the exact session it wraps.
-* ``ort-export``     an independent ``torch.onnx.export(..., dynamo=True)`` run by ONNX Runtime
-                     with ORT_ENABLE_ALL (optional; skipped with a note if it fails)
+* ``eager``            PyTorch eager under ``torch.inference_mode()`` (the baseline of every speedup)
+* ``torchscript``      ``torch.jit.trace`` + ``torch.jit.freeze``
+* ``torch.compile``    default (inductor) backend
+* ``aotinductor``      ``torch.export`` + ``torch._inductor.aoti_compile_and_package``, loaded with
+                       ``aoti_load_package``
+* ``ort-export``       an independent ``torch.onnx.export(..., dynamo=True)`` run by ONNX Runtime
+                       with ORT_ENABLE_ALL
+* ``openvino-direct``  ``ov.convert_model(torch.export.export(...))`` compiled for CPU with f32
+                       precision, LATENCY hint, one stream; one InferRequest fed NumPy arrays
+* ``kiln``             ``kiln.trace(..., compiler_args="-O2")`` (the default), called as ``compiled(...)``
+* ``ort-direct``       an ``onnxruntime.InferenceSession`` built here from the ``kiln`` runner's own
+                       stored blob, with kiln's session options (ORT_DISABLE_ALL: the blob is
+                       already optimised; same thread counts), fed NumPy arrays directly. kiln
+                       over this is kiln's own wrapper overhead over the exact session it wraps.
+* ``kiln-o3``          ``-O3``: every engine (onnxruntime, openvino, inductor) compiled, timed,
+                       the fastest kept per partition; the candidates are in the JSON
+* ``kiln-int8``        (bert-base only) ``quantize="int8"``: ONNX Runtime dynamic int8 weights; its
+                       cosine vs fp32 eager (all float outputs flattened together) is reported
+
+A runner whose setup fails or takes longer than ``--setup-timeout`` is recorded as an error
+(torch.compile, aotinductor, ort-export, openvino-direct: as skipped). The *peers* are the
+runners that are not kiln (eager ... openvino-direct, and ort-direct); the *best peer* is
+the one with the lowest median. The machine's fp32 GEMM peak is measured in the same run: a 2048^3
+``torch.matmul`` timed as one more unit of every timing round (below), median; every runner's
+achieved GFLOP/s = model FLOPs (``FlopCounterMode``, one eager forward) / its median.
 
 Method: every runner is built and called once (output checked against eager), then warmed
 up (``--warmup`` calls). Timed calls are split into ``--rounds`` blocks; each round runs
@@ -32,12 +47,15 @@ kiln overhead = (kiln median / ort-direct median - 1) * 100 % (plus, in the JSON
 summary line, a per-round paired estimate: the median over rounds of the ratio of the two
 back-to-back blocks). Raw samples are kept in the JSON.
 
-Targets: kiln >= 1.5x eager, kiln overhead over ort-direct <= 3 %.
+Targets (per model): kiln >= 1.5x eager; kiln overhead over ort-direct <= 3 %; kiln -O3
+median <= 0.98x the best peer's; bert-base: kiln int8 >= 1.4x faster than the best (fp32)
+peer, with cosine >= 0.99; resnet50: kiln (the faster of -O2/-O3) at >= 90 % of the GEMM peak.
 
 Usage::
 
-    python benchmarks/latency.py                      # full run (several minutes on 2 cores)
-    python benchmarks/latency.py --quick              # tiny configs, smoke test (~1 minute)
+    python benchmarks/latency.py                      # full run (~20 minutes on 2 cores)
+    python benchmarks/latency.py --quick              # tiny configs, smoke test (~5 minutes)
+    python benchmarks/latency.py --skip aotinductor,kiln-o3   # without the slow compiles
     python benchmarks/latency.py --models bert-base --iters 200 --warmup 20
     python benchmarks/latency.py --json benchmarks/results/latency.json
 
@@ -47,6 +65,7 @@ Results are printed as a table and written as JSON (default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -54,12 +73,15 @@ import math
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,18 +93,30 @@ if str(ROOT) not in sys.path:  # benchmark the working tree, not some installed 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-TARGET_SPEEDUP = 1.5      # kiln median must be at least this much faster than eager
-TARGET_OVERHEAD_PCT = 3.0  # kiln median may be at most this much slower than ORT on its own blob
+TARGET_SPEEDUP = 1.5        # kiln median must be at least this much faster than eager
+TARGET_OVERHEAD_PCT = 3.0   # kiln median may be at most this much slower than ORT on its own blob
+TARGET_O3_VS_BEST = 0.98    # kiln -O3 median at most this times the best peer's median
+TARGET_INT8_SPEEDUP = 1.4   # kiln int8 at least this much faster than the best fp32 peer ...
+TARGET_INT8_COSINE = 0.99   # ... with at least this cosine similarity to fp32 eager
+TARGET_GEMM_FRACTION = 0.9  # ResNet-50 achieved GFLOP/s at least this share of the GEMM peak
+GEMM_N = 2048
 
 RUNNERS = [
     ("eager", "PyTorch eager (inference_mode)"),
     ("torchscript", "TorchScript (jit.trace + freeze)"),
     ("torch.compile", "torch.compile (inductor)"),
-    ("kiln", "kiln"),
-    ("ort-direct", "ONNX Runtime direct (kiln's blob)"),
+    ("aotinductor", "AOTInductor (export + aoti package)"),
     ("ort-export", "onnxruntime (torch.onnx.export + ORT_ENABLE_ALL)"),
+    ("openvino-direct", "OpenVINO direct (export + convert_model, f32)"),
+    ("kiln", "kiln -O2"),
+    ("ort-direct", "ONNX Runtime direct (kiln -O2's blob)"),
+    ("kiln-o3", "kiln -O3"),
+    ("kiln-int8", "kiln int8 (ORT dynamic)"),
 ]
 LABELS = dict(RUNNERS)
+PEERS = ("eager", "torchscript", "torch.compile", "aotinductor", "ort-export", "openvino-direct", "ort-direct")
+OPTIONAL = ("torch.compile", "aotinductor", "ort-export", "openvino-direct")  # a failure skips them
+INT8_MODELS = ("bert-base",)
 MODELS = ("resnet50", "bert-base")
 
 
@@ -123,7 +157,7 @@ def flat_tensors(out) -> list:
         return [out]
     if isinstance(out, np.ndarray):
         return [torch.from_numpy(out)]
-    if isinstance(out, dict):  # ModelOutput is an OrderedDict
+    if isinstance(out, Mapping):  # ModelOutput (an OrderedDict), OpenVINO's OVDict
         return [t for v in out.values() for t in flat_tensors(v)]
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in flat_tensors(v)]
@@ -147,6 +181,61 @@ def max_abs_diff(reference, out) -> float | None:
             return None
         worst = max(worst, min(float((o.float() - r.float()).abs().max()) for o in cands))
     return worst
+
+
+def cosine(reference, out) -> float | None:
+    """Cosine similarity of all float outputs, flattened and concatenated, in output order."""
+    refs = [t for t in flat_tensors(reference) if t.is_floating_point()]
+    outs = [t for t in flat_tensors(out) if t.is_floating_point()]
+    if not refs or [tuple(t.shape) for t in refs] != [tuple(t.shape) for t in outs]:
+        return None
+    a, b = (torch.cat([t.detach().double().flatten() for t in ts]) for ts in (refs, outs))
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, what: str):
+    """Raise TimeoutError in the main thread when the block runs longer than ``seconds``."""
+    if not seconds or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"{what} took longer than {seconds:g} s (--setup-timeout)")
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def make_gemm(n: int = GEMM_N):
+    """One n x n @ n x n fp32 torch.matmul (torch's threads): the machine's GEMM peak."""
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    return lambda: torch.matmul(a, b, out=c)
+
+
+def gemm_summary(samples: list) -> dict:
+    if not samples:
+        return {}
+    med, flop = statistics.median(samples), 2 * GEMM_N ** 3
+    return {"n": GEMM_N, "calls": len(samples), "median_ms": round(med * 1e3, 3),
+            "gflops": round(flop / med / 1e9, 1), "gflops_best_call": round(flop / min(samples) / 1e9, 1)}
+
+
+def model_flops(case) -> int | None:
+    """FLOPs of one eager forward (a multiply-add counts 2), from torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+    try:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            case.model(*case.args, **case.kwargs)
+        return int(counter.get_total_flops()) or None
+    except Exception as e:  # noqa: BLE001
+        log(f"{case.name}: FLOP count failed: {short_error(e)}")
+        return None
 
 
 def display_path(path) -> str:
@@ -201,7 +290,7 @@ def machine_info(threads: int) -> dict:
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except Exception:  # noqa: BLE001
         pass
-    for mod in ("onnxruntime", "onnx", "onnxscript", "transformers", "kiln"):
+    for mod in ("onnxruntime", "onnx", "onnxscript", "openvino", "transformers", "kiln"):
         try:
             info[mod] = __import__(mod).__version__
         except Exception as e:  # noqa: BLE001
@@ -278,6 +367,7 @@ class Case:
     model: torch.nn.Module
     args: tuple
     kwargs: dict
+    flops: int | None = None
     load_before: dict | None = None
     load_after: dict | None = None
 
@@ -288,6 +378,15 @@ class Case:
 
     def flat_inputs(self) -> list:
         return list(self.args) + list(self.kwargs.values())
+
+    def by_names(self, names: list) -> list:
+        """The inputs in the order of an engine's input names (keyword names, else positions)."""
+        if all(n in self.kwargs for n in names):
+            return [self.kwargs[n] for n in names]
+        flat = self.flat_inputs()
+        if len(names) != len(flat):
+            raise RuntimeError(f"the engine takes inputs {names}, cannot map the {len(flat)} model inputs")
+        return flat
 
     def input_desc(self) -> dict:
         names = [f"arg{i}" for i in range(len(self.args))] + list(self.kwargs)
@@ -411,23 +510,34 @@ def make_torch_compile(case: Case, threads: int):
     return run, {"backend": "inductor", "grad_mode": "no_grad"}
 
 
-def make_kiln(case: Case, threads: int):
+def make_kiln(case: Case, threads: int, **options):
     import kiln
-    compiled = kiln.trace(case.model, case.example, quiet=True, threads=threads)
+    compiled = kiln.trace(case.model, case.example, quiet=True, threads=threads, **options)
     args, kwargs = case.args, case.kwargs
 
     def run():
         return compiled(*args, **kwargs)
     m = compiled.manifest
+    parts = m.get("partitions", [])
     extra = {
         "compiled": compiled,
+        "options": options,
         "compile_seconds": m.get("compile_seconds"),
         "phases": m.get("phases"),
-        "partitions": len(m.get("partitions", [])),
+        "partitions": len(parts),
+        "engines": [p.get("engine") for p in parts],
         "host_ops": len([s for s in m.get("program", {}).get("steps", []) if "op" in s]),
         "validation": m.get("validation"),
-        "blob_bytes": sum(len(compiled._artifact.blobs[p["blob"]]) for p in m.get("partitions", [])),
+        "blob_bytes": sum(len(compiled._artifact.blobs[p["blob"]]) for p in parts),
     }
+    note = ", ".join(sorted(set(extra["engines"]))) if parts else "no partition: all on the host"
+    if any(len(p.get("candidates", [])) > 1 for p in parts):  # -O3: what each engine measured
+        extra["candidates"] = [[{k: a.get(k) for k in ("engine", "status", "compile_seconds", "latency_ms")}
+                                for a in p.get("candidates", [])] for p in parts]
+        note += "; timed " + " | ".join(", ".join(
+            a["engine"] + (f" {a['latency_ms']:.2f}" if a.get("latency_ms") is not None else f" {a['status']}")
+            for a in cands) for cands in extra["candidates"]) + " ms"
+    extra["note"] = note
     return run, extra
 
 
@@ -444,10 +554,12 @@ def ort_session(model_bytes: bytes, threads: int, level: str):
 def make_ort_direct(case: Case, threads: int, compiled):
     """A session on kiln's own blob, kiln's session options, NumPy in, NumPy out."""
     if compiled is None:
-        raise RuntimeError("needs the kiln runner, which failed")
+        raise RuntimeError("needs the kiln runner, which failed or was skipped")
     m = compiled.manifest
     parts = m["partitions"]
     steps = m["program"]["steps"]
+    if parts and parts[0].get("engine") != "onnxruntime":
+        raise RuntimeError(f"not comparable: kiln put the model on {parts[0].get('engine')}, not onnxruntime")
     if len(parts) != 1 or len(steps) != 1 or "partition" not in steps[0]:
         raise RuntimeError(f"not comparable: the kiln artifact has {len(parts)} partition(s) and "
                            f"{len(steps)} program step(s); direct ORT needs one partition fed by the inputs")
@@ -473,14 +585,7 @@ def make_ort_export(case: Case, threads: int):
         proto = program.model_proto.SerializeToString()
     session = ort_session(proto, threads, "ORT_ENABLE_ALL")
     names = [i.name for i in session.get_inputs()]
-    flat = case.flat_inputs()
-    by_name = dict(case.kwargs)
-    if all(n in by_name for n in names):
-        feed = {n: np.ascontiguousarray(by_name[n].numpy()) for n in names}
-    elif len(names) == len(flat):
-        feed = {n: np.ascontiguousarray(t.numpy()) for n, t in zip(names, flat)}
-    else:
-        raise RuntimeError(f"exported model takes inputs {names}, cannot map {len(flat)} model inputs")
+    feed = {n: np.ascontiguousarray(t.numpy()) for n, t in zip(names, case.by_names(names))}
 
     def run():
         return session.run(None, feed)
@@ -488,11 +593,55 @@ def make_ort_export(case: Case, threads: int):
                  "inter_op_num_threads": 1, "onnx_bytes": len(proto)}
 
 
-def build_runners(case: Case, threads: int, skip: set, atol: float) -> tuple[list, object]:
+def make_aotinductor(case: Case, threads: int):
+    with torch.no_grad(), quiet(), tempfile.TemporaryDirectory(prefix="kiln-bench-aoti-") as tmp:
+        ep = torch.export.export(case.model, tuple(case.args), dict(case.kwargs))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "model.pt2"))
+        runner = torch._inductor.aoti_load_package(path)  # extracts its own copy: tmp may go
+    args, kwargs = case.args, case.kwargs
+
+    def run():
+        with torch.inference_mode():
+            return runner(*args, **kwargs)  # the package's call spec takes the model's kwargs
+    return run, {"threads": "torch.set_num_threads (OpenMP)"}
+
+
+def make_openvino_direct(case: Case, threads: int):
+    import openvino as ov
+    with torch.no_grad(), quiet():
+        model = ov.convert_model(torch.export.export(case.model, tuple(case.args), dict(case.kwargs)))
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1",
+              "INFERENCE_NUM_THREADS": str(threads)}
+    compiled = ov.Core().compile_model(model, "CPU", config)
+    request = compiled.create_infer_request()
+    names = [next(iter(i.get_names()), f"input{n}") for n, i in enumerate(compiled.inputs)]
+    feed = [np.ascontiguousarray(t.numpy()) for t in case.by_names(names)]
+
+    def run():
+        return request.infer(feed, share_inputs=True)
+    return run, {"openvino": ov.__version__, "config": config}
+
+
+def build_runners(case: Case, threads: int, skip: set, atol: float, setup_timeout: float) -> list:
     runners = []
     reference = None
-    compiled = None
+    compiled = None  # the kiln (-O2) runner's model, whose blob ort-direct loads
+    makers = {
+        "eager": lambda: make_eager(case, threads),
+        "torchscript": lambda: make_torchscript(case, threads),
+        "torch.compile": lambda: make_torch_compile(case, threads),
+        "aotinductor": lambda: make_aotinductor(case, threads),
+        "ort-export": lambda: make_ort_export(case, threads),
+        "openvino-direct": lambda: make_openvino_direct(case, threads),
+        "kiln": lambda: make_kiln(case, threads, compiler_args="-O2"),
+        "ort-direct": lambda: make_ort_direct(case, threads, compiled),
+        "kiln-o3": lambda: make_kiln(case, threads, compiler_args="-O3"),
+        # min_cosine/min_top1 0: never raise here; the benchmark checks the cosine itself
+        "kiln-int8": lambda: make_kiln(case, threads, quantize="int8", min_cosine=0.0, min_top1=0.0),
+    }
     for key, label in RUNNERS:
+        if key == "kiln-int8" and case.name not in INT8_MODELS:
+            continue
         r = Runner(key, label)
         runners.append(r)
         if key in skip:
@@ -501,30 +650,18 @@ def build_runners(case: Case, threads: int, skip: set, atol: float) -> tuple[lis
         log(f"{case.name}: setting up {label} ...")
         t0 = time.perf_counter()
         try:
-            if key == "eager":
-                fn, extra = make_eager(case, threads)
-            elif key == "torchscript":
-                fn, extra = make_torchscript(case, threads)
-            elif key == "torch.compile":
-                fn, extra = make_torch_compile(case, threads)
-            elif key == "kiln":
-                fn, extra = make_kiln(case, threads)
-                compiled = extra.pop("compiled")
-            elif key == "ort-direct":
-                fn, extra = make_ort_direct(case, threads, compiled)
-            elif key == "ort-export":
-                fn, extra = make_ort_export(case, threads)
-            else:  # pragma: no cover
-                raise AssertionError(key)
-            with quiet():
-                out = fn()
-            r.fn, r.extra = fn, extra
+            with time_limit(setup_timeout, f"setting up {label}"):
+                fn, extra = makers[key]()
+                with quiet():
+                    out = fn()
+            r.fn, r.note, r.extra = fn, extra.pop("note", None), extra
+            model = extra.pop("compiled", None)  # the kiln runners' model: not for the JSON
+            if key == "kiln":
+                compiled = model
         except Exception as e:  # noqa: BLE001
-            r.fail(e, status="skipped" if key in ("torch.compile", "ort-export") else "error")
-            if key == "torch.compile":
-                r.note = "torch.compile failed; runner skipped"
-            elif key == "ort-export":
-                r.note = "torch.onnx.export/ORT baseline failed; runner skipped"
+            r.fail(e, status="skipped" if key in OPTIONAL else "error")
+            if key in OPTIONAL:
+                r.note = f"{label} failed; runner skipped"
             log(f"{case.name}: {label} failed: {r.error}")
             continue
         r.setup_seconds = round(time.perf_counter() - t0, 3)
@@ -532,11 +669,17 @@ def build_runners(case: Case, threads: int, skip: set, atol: float) -> tuple[lis
             reference = out
         elif reference is not None:
             r.max_abs_diff = max_abs_diff(reference, out)
-            if r.max_abs_diff is not None and r.max_abs_diff > atol:
-                r.note = f"output differs from eager by {r.max_abs_diff:.2e} (> {atol:g})"
+            extra_note = None
+            if key == "kiln-int8":
+                r.extra["cosine_vs_fp32_eager"] = cos = cosine(reference, out)
+                extra_note = None if cos is None else f"cosine vs fp32 {cos:.5f}"
+            elif r.max_abs_diff is not None and r.max_abs_diff > atol:
+                extra_note = f"output differs from eager by {r.max_abs_diff:.2e} (> {atol:g})"
+            r.note = "; ".join(filter(None, [r.note, extra_note])) or None
         log(f"{case.name}: {label} ready in {r.setup_seconds:.1f}s"
-            + (f" (max |diff| vs eager {r.max_abs_diff:.1e})" if r.max_abs_diff is not None else ""))
-    return runners, compiled
+            + (f" (max |diff| vs eager {r.max_abs_diff:.1e})" if r.max_abs_diff is not None else "")
+            + (f" ({r.note})" if r.note else ""))
+    return runners
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,8 +761,16 @@ def measure(case: Case, runners: list, args) -> None:
 # ---------------------------------------------------------------------------------------------
 # results
 
-def summarize(case: Case, runners: list, args) -> dict:
-    res = {"description": case.description, "inputs": case.input_desc(), "runners": {}}
+def target(label: str, op: str, limit: float, value, text: str, kiln_failed: bool, unit: str = "") -> dict:
+    """One target: pass is None when it could not be measured, False when kiln itself failed."""
+    passed = (False if kiln_failed else None) if value is None else (
+        value >= limit if op == ">=" else value <= limit)
+    shown = f"{limit:.0%}" if unit == "share" else f"{limit:g}{unit}"  # a share is shown as a percentage
+    return {"label": label, "target": f"{op} {shown}", "value": value, "text": text, "pass": passed}
+
+
+def summarize(case: Case, runners: list) -> dict:
+    res = {"description": case.description, "inputs": case.input_desc(), "flops": case.flops, "runners": {}}
     eager = next((r for r in runners if r.key == "eager" and r.samples and r.fn is not None), None)
     eager_med = statistics.median(eager.samples) if eager else None
     for r in runners:
@@ -634,6 +785,7 @@ def summarize(case: Case, runners: list, args) -> dict:
                 "stdev_ms": round(statistics.pstdev(r.samples) * 1e3, 4),
                 "iters": len(r.samples),
                 "speedup_vs_eager": round(eager_med / med, 3) if eager_med else None,
+                "gflops": round(case.flops / med / 1e9, 1) if case.flops else None,
                 "samples_ms": [round(x * 1e3, 4) for x in r.samples],
             })
         elif r.status == "ok":
@@ -648,12 +800,18 @@ def summarize(case: Case, runners: list, args) -> dict:
                 d[k] = getattr(r, k)
         d.update({k: v for k, v in r.extra.items() if k != "traceback"})
         res["runners"][r.key] = d
-    rk, ro = res["runners"].get("kiln", {}), res["runners"].get("ort-direct", {})
-    speedup = rk.get("speedup_vs_eager")
+    runs = res["runners"]
+    med = {k: d["median_ms"] for k, d in runs.items() if d.get("median_ms")}
+    failed = {k for k, d in runs.items() if d["status"] == "error"}
+    best = min((k for k in PEERS if k in med), key=med.get, default=None)
+    res["best_peer"] = best and {"runner": best, "label": LABELS[best], "median_ms": med[best]}
+    for d in runs.values():
+        d["speedup_vs_best_peer"] = round(med[best] / d["median_ms"], 3) if best and d.get("median_ms") else None
+    speedup = runs.get("kiln", {}).get("speedup_vs_eager")
     overhead = overhead_us = None
-    if rk.get("median_ms") and ro.get("median_ms"):
-        overhead = round((rk["median_ms"] / ro["median_ms"] - 1) * 100, 3)
-        overhead_us = round((rk["median_ms"] - ro["median_ms"]) * 1e3, 1)
+    if "kiln" in med and "ort-direct" in med:
+        overhead = round((med["kiln"] / med["ort-direct"] - 1) * 100, 3)
+        overhead_us = round((med["kiln"] - med["ort-direct"]) * 1e3, 1)
     res["kiln_speedup_vs_eager"] = speedup
     res["kiln_overhead_vs_ort_direct_pct"] = overhead
     res["kiln_overhead_vs_ort_direct_us"] = overhead_us
@@ -671,17 +829,46 @@ def summarize(case: Case, runners: list, args) -> dict:
     warns = [w for w in (load_warning(case.load_before or {}), load_warning(case.load_after or {})) if w]
     if warns:
         res["warning"] = warns[0]
-    res["kiln_compile_seconds"] = rk.get("compile_seconds")
-    kiln_failed = rk.get("status") != "ok"  # kiln itself failing misses both targets
-    res["targets"] = {
-        "kiln_speedup_vs_eager": {
-            "target": f">= {TARGET_SPEEDUP}x", "value": speedup,
-            "pass": (False if kiln_failed else None) if speedup is None else speedup >= TARGET_SPEEDUP},
-        "kiln_overhead_vs_ort_direct_pct": {
-            "target": f"<= {TARGET_OVERHEAD_PCT}%", "value": overhead,
-            "pass": (False if kiln_failed else None) if overhead is None else overhead <= TARGET_OVERHEAD_PCT},
+
+    ov_text = "-" if overhead is None else f"{overhead:+.2f}% ({overhead_us:+.0f} us/call" + (
+        "" if paired is None else f"; per-round paired: {paired:+.2f}%") + ")"
+    tg = {
+        "kiln_speedup_vs_eager": target(
+            "kiln -O2 speedup vs eager", ">=", TARGET_SPEEDUP, speedup,
+            "-" if speedup is None else f"{speedup:.2f}x", "kiln" in failed, "x"),
+        "kiln_overhead_vs_ort_direct_pct": target(
+            "kiln -O2 overhead over ORT direct", "<=", TARGET_OVERHEAD_PCT, overhead, ov_text, "kiln" in failed,
+            "%"),
     }
+    o3 = round(med["kiln-o3"] / med[best], 4) if best and "kiln-o3" in med else None
+    tg["kiln_o3_vs_best_peer"] = target(
+        "kiln -O3 / best peer (median)", "<=", TARGET_O3_VS_BEST, o3,
+        "-" if o3 is None else f"{o3:.3f}x ({med['kiln-o3']:.2f} ms vs {LABELS[best]} {med[best]:.2f} ms)",
+        "kiln-o3" in failed, "x")
+    if case.name in INT8_MODELS:
+        sp8 = round(med[best] / med["kiln-int8"], 3) if best and "kiln-int8" in med else None
+        cos = runs.get("kiln-int8", {}).get("cosine_vs_fp32_eager")
+        tg["kiln_int8_speedup_vs_best_peer"] = target(
+            "kiln int8 speedup vs best fp32 peer", ">=", TARGET_INT8_SPEEDUP, sp8,
+            "-" if sp8 is None else f"{sp8:.2f}x ({med['kiln-int8']:.2f} ms vs {LABELS[best]} {med[best]:.2f} ms)",
+            "kiln-int8" in failed, "x")
+        tg["kiln_int8_cosine"] = target(
+            "kiln int8 cosine vs fp32 eager", ">=", TARGET_INT8_COSINE, None if cos is None else round(cos, 6),
+            "-" if cos is None else f"{cos:.5f}", "kiln-int8" in failed)
+    res["targets"] = tg
     return res
+
+
+def gemm_target(res: dict, peak: float | None) -> dict:
+    """kiln's achieved GFLOP/s (the faster of -O2/-O3) as a share of the measured GEMM peak."""
+    runs = res["runners"]
+    fast = min((k for k in ("kiln", "kiln-o3") if runs.get(k, {}).get("gflops")),
+               key=lambda k: runs[k]["median_ms"], default=None)
+    got = runs[fast]["gflops"] if fast else None
+    frac = round(got / peak, 4) if got and peak else None
+    return target("kiln share of fp32 GEMM peak", ">=", TARGET_GEMM_FRACTION, frac,
+                  "-" if frac is None else f"{frac:.1%} ({LABELS[fast]} {got:.1f} of {peak:.1f} GFLOP/s)",
+                  any(runs.get(k, {}).get("status") == "error" for k in ("kiln", "kiln-o3")), "share")
 
 
 def fmt_ms(v):
@@ -695,50 +882,49 @@ def pass_text(p):
 def render(results: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
-    m = results["machine"]
+    m, gemm = results["machine"], results.get("gemm_peak") or {}
     console.print(f"\n[bold]kiln latency benchmark[/bold]  {m['cpu_model']}, {m['cpus_in_affinity']} CPU(s) in "
-                  f"affinity, {m['threads_used']} thread(s); torch {m['torch']}, onnxruntime {m['onnxruntime']}"
+                  f"affinity, {m['threads_used']} thread(s); torch {m['torch']}, onnxruntime {m['onnxruntime']}, "
+                  f"openvino {m['openvino']}"
                   + ("  [yellow](--quick: tiny configs)[/yellow]" if results["settings"]["quick"] else ""))
+    if gemm.get("gflops"):
+        console.print(f"fp32 GEMM peak: {gemm['gflops']:.1f} GFLOP/s (torch.matmul {gemm['n']}^3, median of "
+                      f"{gemm['calls']} calls timed in the models' rounds; best call {gemm['gflops_best_call']:.1f})")
     for name, res in results["models"].items():
-        t = Table(title=f"{name}: {res['description']}", title_justify="left", show_lines=False)
-        t.add_column("runner", no_wrap=True)
-        t.add_column("median ms", justify="right")
-        t.add_column("p90 ms", justify="right")
-        t.add_column("vs eager", justify="right")
-        t.add_column("n", justify="right")
-        t.add_column("setup s", justify="right")
-        t.add_column("max|diff|", justify="right")
-        t.add_column("note", overflow="fold", max_width=60)
-        for d in res["runners"].values():
+        best = res.get("best_peer")
+        t = Table(title=f"{name}: {res['description']}"
+                  + (f"; {res['flops'] / 1e9:.3g} GFLOP/call" if res.get("flops") else ""),
+                  title_justify="left", show_lines=False)
+        for col in ("runner", "median ms", "p90 ms", "vs eager", "vs best peer", "GFLOP/s", "n", "setup s",
+                    "max|diff|"):
+            t.add_column(col, no_wrap=col == "runner", justify="left" if col == "runner" else "right")
+        t.add_column("note", overflow="fold", max_width=64)
+        for key, d in res["runners"].items():
+            label = d["label"] + (" *" if best and key == best["runner"] else "")
             if "median_ms" in d:
-                sp = d.get("speedup_vs_eager")
-                t.add_row(d["label"], fmt_ms(d["median_ms"]), fmt_ms(d["p90_ms"]),
-                          "-" if sp is None else f"{sp:.2f}x", str(d["iters"]),
+                sp, sb = d.get("speedup_vs_eager"), d.get("speedup_vs_best_peer")
+                t.add_row(label, fmt_ms(d["median_ms"]), fmt_ms(d["p90_ms"]),
+                          "-" if sp is None else f"{sp:.2f}x", "-" if sb is None else f"{sb:.2f}x",
+                          "-" if d.get("gflops") is None else f"{d['gflops']:.1f}", str(d["iters"]),
                           "-" if d.get("setup_seconds") is None else f"{d['setup_seconds']:.1f}",
                           "-" if d.get("max_abs_diff") is None else f"{d['max_abs_diff']:.1e}",
                           escape(d.get("note") or ""))
             else:
                 what = escape(d.get("error") or d.get("note") or d["status"])
                 prefix = "skipped" if d["status"] == "skipped" else "error"
-                t.add_row(d["label"], "-", "-", "-", "-", "-", "-",
+                t.add_row(label, *["-"] * 8,
                           f"[red]{prefix}: {what}[/red]" if prefix == "error" else f"{prefix}: {what}")
         console.print(t)
-        tg = res.get("targets") or {}
-        sp = tg.get("kiln_speedup_vs_eager") or {"value": None, "target": f">= {TARGET_SPEEDUP}x", "pass": None}
-        ov = tg.get("kiln_overhead_vs_ort_direct_pct") or {"value": None, "target": f"<= {TARGET_OVERHEAD_PCT}%",
-                                                           "pass": None}
-        comp = res.get("kiln_compile_seconds")
-        comp_s = "-" if comp is None else f"{comp:.1f} s"
-        sp_s = "-" if sp["value"] is None else f"{sp['value']:.2f}x"
-        ov_s = "-" if ov["value"] is None else f"{ov['value']:+.2f}%"
-        if res.get("kiln_overhead_vs_ort_direct_us") is not None:
-            ov_s += f" ({res['kiln_overhead_vs_ort_direct_us']:+.0f} us/call"
-            if res.get("kiln_overhead_vs_ort_direct_paired_pct") is not None:
-                ov_s += f"; per-round paired: {res['kiln_overhead_vs_ort_direct_paired_pct']:+.2f}%"
-            ov_s += ")"
-        console.print(f"  kiln compile time:              {comp_s}")
-        console.print(f"  kiln speedup vs eager:          {sp_s}  (target {sp['target']}: {pass_text(sp['pass'])})")
-        console.print(f"  kiln overhead over ORT direct:  {ov_s}  (target {ov['target']}: {pass_text(ov['pass'])})")
+        if best:
+            console.print(f"  best peer (*): {best['label']}, {fmt_ms(best['median_ms'])} ms")
+        if res.get("gemm_during_timing"):
+            console.print(f"  fp32 GEMM while timing this model: {res['gemm_during_timing']['gflops']:.1f} GFLOP/s")
+        comp = [f"{d['label']} {d['compile_seconds']:.1f} s" for d in res["runners"].values()
+                if d.get("compile_seconds") is not None]
+        console.print(f"  kiln compile time: {', '.join(comp) or '-'}")
+        for tg in res.get("targets", {}).values():
+            console.print(f"  {pass_text(tg['pass']):4}  {tg['label']:<38} {escape(tg['text'])}  "
+                          f"(target {tg['target']})")
         if res.get("error"):
             console.print(f"  [red]error: {escape(res['error'])}[/red]")
         if res.get("warning"):
@@ -768,6 +954,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch and ONNX Runtime (default: CPUs in this process's affinity)")
     p.add_argument("--skip", default="", help=f"comma-separated runners to skip, from {', '.join(LABELS)}")
+    p.add_argument("--setup-timeout", type=float, default=1200,
+                   help="seconds a runner's setup (compile) may take before it is given up (default 1200)")
     p.add_argument("--quick", action="store_true", help="tiny model configs, few iterations: a smoke test")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=1e-3, help="output check tolerance vs eager (note only)")
@@ -800,7 +988,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     from rich.console import Console
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 200)
 
     threads = args.threads or available_cpus()
     torch.set_num_threads(threads)
@@ -812,14 +1000,22 @@ def main(argv=None) -> int:
         "settings": {"models": args.model_list, "iters": args.iters, "seconds_per_runner": args.seconds,
                      "warmup": args.warmup, "rounds": args.rounds, "block_discard": args.block_discard,
                      "threads": threads, "seed": args.seed, "quick": args.quick, "batch": 1, "dtype": "float32",
-                     "skip": sorted(args.skip_set)},
+                     "skip": sorted(args.skip_set), "setup_timeout_s": args.setup_timeout},
         "machine": machine_info(threads),
         "targets": {"kiln_speedup_vs_eager_min": TARGET_SPEEDUP,
-                    "kiln_overhead_vs_ort_direct_max_pct": TARGET_OVERHEAD_PCT},
+                    "kiln_overhead_vs_ort_direct_max_pct": TARGET_OVERHEAD_PCT,
+                    "kiln_o3_vs_best_peer_max": TARGET_O3_VS_BEST,
+                    "kiln_int8_speedup_vs_best_peer_min": TARGET_INT8_SPEEDUP,
+                    "kiln_int8_cosine_min": TARGET_INT8_COSINE,
+                    "kiln_gemm_peak_fraction_min": TARGET_GEMM_FRACTION},
         "runners": LABELS,
+        "peers": list(PEERS),
         "models": {},
         "json_path": display_path(args.json),
     }
+    # The GEMM peak is timed as one more unit of every model's timing rounds, so it sees the
+    # same drift of this (shared) machine as the models it is compared with.
+    gemm = Runner("gemm", f"fp32 GEMM {GEMM_N}^3 (torch.matmul)", fn=make_gemm())
     for name in args.model_list:
         try:
             case = build_case(name, args.quick, args.seed)
@@ -829,11 +1025,18 @@ def main(argv=None) -> int:
                                        "targets": {}}
             continue
         log(f"{name}: {case.description}")
-        runners, compiled = build_runners(case, threads, args.skip_set, args.atol)
-        measure(case, runners, args)
-        results["models"][name] = summarize(case, runners, args)
-        del runners, compiled, case
+        case.flops = model_flops(case)
+        runners = build_runners(case, threads, args.skip_set, args.atol, args.setup_timeout)
+        before = len(gemm.samples)
+        measure(case, runners + [gemm], args)
+        results["models"][name] = summarize(case, runners)
+        results["models"][name]["gemm_during_timing"] = gemm_summary(gemm.samples[before:])
+        del runners, case
         gc.collect()
+    results["gemm_peak"] = gemm_summary(gemm.samples) or {"error": gemm.error or "not measured"}
+    if "resnet50" in results["models"] and "runners" in results["models"]["resnet50"]:
+        results["models"]["resnet50"]["targets"]["kiln_gemm_peak_fraction"] = gemm_target(
+            results["models"]["resnet50"], results["gemm_peak"].get("gflops"))
 
     passes = [t["pass"] for res in results["models"].values() for t in res.get("targets", {}).values()]
     if any(p is False for p in passes):
