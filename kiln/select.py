@@ -3,8 +3,8 @@
 -O1/-O2 take the first engine of the default order that compiles the
 partition (an engine that rejects it is skipped with a note, TorchInductor
 last: it runs anything torch can). -O3 compiles the partition with every
-available engine, times each on this machine with the same inputs (warm-up,
-then median of N) and keeps the fastest. Every attempt is recorded in the
+available engine, times them on this machine with the same inputs (warm-up,
+then interleaved rounds, median per engine) and keeps the fastest. Every attempt is recorded in the
 manifest so the choice can be checked against its own numbers.
 """
 from __future__ import annotations
@@ -44,16 +44,25 @@ def primary(opts):
     raise EngineUnavailableError("no engine is installed: install onnxruntime, openvino or a C++ compiler")
 
 
-def time_runner(runner, inputs) -> float:
-    """Median latency in ms: warm-up, then up to ITERS calls or MAX_SECONDS."""
-    for _ in range(WARMUP):
-        runner(inputs)
-    samples, deadline = [], time.perf_counter() + MAX_SECONDS
-    while len(samples) < ITERS and (len(samples) < 3 or time.perf_counter() < deadline):
-        t0 = time.perf_counter()
-        runner(inputs)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+def time_runners(runners: dict, inputs) -> dict:
+    """Median latency in ms per runner: warm-up, then rounds that take turns.
+
+    Interleaving matters on shared machines: a burst of background load hits
+    every candidate alike instead of deciding the winner on its own.
+    """
+    for runner in runners.values():
+        for _ in range(WARMUP):
+            runner(inputs)
+    samples: dict = {name: [] for name in runners}
+    deadline = time.perf_counter() + MAX_SECONDS * len(runners)
+    for i in range(ITERS):
+        if i >= 3 and time.perf_counter() > deadline:
+            break
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            runner(inputs)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, calibration=None):
@@ -67,7 +76,7 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
         # A quantized artifact must never silently become an fp32 one on another engine.
         extra["calibration"] = calibration
         order = [e for e in order if e in QUANTIZING]
-    attempts, best = [], None
+    attempts, best, compiled = [], None, {}
     for name in order:
         try:
             backend = backends.get(name)
@@ -92,10 +101,13 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
         if not measure:
             best = (backend, blob, attempt)
             break
-        with progress.phase(f"time {label} ({name})"):
-            attempt["latency_ms"] = round(time_runner(backend.load(blob, runtime_opts), inputs), 4)
-        if best is None or attempt["latency_ms"] < best[2]["latency_ms"]:
-            best = (backend, blob, attempt)
+        compiled[name] = (backend, blob, attempt)
+    if measure and compiled:
+        with progress.phase(f"time {label} ({', '.join(compiled)})"):
+            runners = {n: b.load(blob, runtime_opts) for n, (b, blob, _) in compiled.items()}
+            for n, ms in time_runners(runners, inputs).items():
+                compiled[n][2]["latency_ms"] = round(ms, 4)
+        best = min(compiled.values(), key=lambda c: c[2]["latency_ms"])
     if best is None:
         detail = "; ".join(f"{a['engine']}: {a.get('note', a['status'])}" for a in attempts)
         raise CompileError(f"no engine could compile {label}: {detail}")
