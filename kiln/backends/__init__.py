@@ -30,12 +30,25 @@ _instances: dict = {}
 class Backend:
     name: str = ""
     blob_suffix: str = ".bin"
+    modules: tuple = ()        # Python packages the engine needs; the first names its version
 
     def available(self) -> bool:
-        raise NotImplementedError
+        try:
+            for module in self.modules:
+                importlib.import_module(module)
+        except ImportError:
+            return False
+        return True
 
     def version(self) -> str:
-        raise NotImplementedError
+        return importlib.import_module(self.modules[0]).__version__
+
+    @staticmethod
+    def not_an_op(node) -> str | None:
+        """Reason a non-operator node cannot be compiled (tuple unpacking is fine)."""
+        if getattr(node.target, "__name__", "") == "getitem":
+            return None
+        return f"{node.target} is not an ATen operator"
 
     def supports(self, node) -> str | None:
         raise NotImplementedError

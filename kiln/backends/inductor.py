@@ -79,7 +79,7 @@ class InductorBackend(Backend):
     def supports(self, node) -> str | None:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
-            return None if getattr(target, "__name__", "") == "getitem" else f"{target} is not an ATen operator"
+            return self.not_an_op(node)
         if target.namespace != "aten":
             # Compiled in, it would be called back through the dispatcher; on
             # the host it runs the same kernel and a missing library is named.

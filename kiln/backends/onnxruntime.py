@@ -34,23 +34,12 @@ _UNSUPPORTED_DTYPES = {torch.complex64, torch.complex128, torch.float8_e4m3fn, t
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     blob_suffix = ".onnx"
-
-    def available(self) -> bool:
-        try:
-            import onnxruntime  # noqa: F401
-            import onnxscript  # noqa: F401
-        except ImportError:
-            return False
-        return True
-
-    def version(self) -> str:
-        import onnxruntime
-        return onnxruntime.__version__
+    modules = ("onnxruntime", "onnxscript")
 
     def supports(self, node) -> str | None:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
-            return None if node.target.__name__ == "getitem" else f"{target} is not an ATen operator"
+            return self.not_an_op(node)
         if not _registry().is_registered(target):
             return "no ONNX translation in torch's exporter registry"
         val = node.meta.get("val")

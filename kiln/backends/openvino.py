@@ -89,22 +89,12 @@ def _config(precision: str, **extra) -> dict:
 class OpenVinoBackend(Backend):
     name = "openvino"
     blob_suffix = ".ovblob"
-
-    def available(self) -> bool:
-        try:
-            import openvino  # noqa: F401
-        except ImportError:
-            return False
-        return True
-
-    def version(self) -> str:
-        import openvino
-        return openvino.__version__
+    modules = ("openvino",)
 
     def supports(self, node) -> str | None:
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
-            return None if getattr(target, "__name__", "") == "getitem" else f"{target} is not an ATen operator"
+            return self.not_an_op(node)
         if not _op_table().is_node_supported({}, node):
             return "not in OpenVINO's PyTorch frontend op table"
         return _dtype_reason(node)
