@@ -935,6 +935,14 @@ def render(results: dict, console) -> None:
 
 # ---------------------------------------------------------------------------------------------
 
+def write_json(results: dict, path: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1033,6 +1041,7 @@ def main(argv=None) -> int:
         results["models"][name]["gemm_during_timing"] = gemm_summary(gemm.samples[before:])
         del runners, case
         gc.collect()
+        write_json(results | {"partial": True}, args.json)  # something to read if a later model dies
     results["gemm_peak"] = gemm_summary(gemm.samples) or {"error": gemm.error or "not measured"}
     if "resnet50" in results["models"] and "runners" in results["models"]["resnet50"]:
         results["models"]["resnet50"]["targets"]["kiln_gemm_peak_fraction"] = gemm_target(
@@ -1050,11 +1059,7 @@ def main(argv=None) -> int:
         "per_model": {n: {k: t["pass"] for k, t in res.get("targets", {}).items()}
                       for n, res in results["models"].items()},
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    os.replace(tmp, out)
+    write_json(results, args.json)
     render(results, console)
     if args.fail_on_miss and results["summary"]["all_targets_pass"] is not True:
         return 1
