@@ -10,6 +10,13 @@ The package reads as the pipeline::
     program.py    the host program wiring partitions and fallback ops
     runtime.py    CompiledModel: checks inputs, runs the program
     compiler.py   the driver tying them together: kiln.trace / kiln.analyze
+
+and around it, shapes and cores::
+
+    shapes.py     bucketing and dynamic batch over static-shape graphs
+    placement.py  kiln cores: CPUs grouped into units a model is pinned to
+    parallel.py   DataParallel: one worker process per core, shared-memory tensors
+    pipeline.py   one graph split into stages over cores, requests streamed
 """
 __version__ = "0.1.0"
 
@@ -17,10 +24,14 @@ from .errors import (ArtifactError, CaptureError, CompileError, CompilerArgsErro
                      EngineUnavailableError, InputError, KilnError, TargetMismatchError,
                      UnsupportedOpError, ValidationError)
 from .compiler import analyze, trace  # noqa: E402
-from .runtime import CompiledModel, load  # noqa: E402
+from .runtime import CompiledModel, Model, load  # noqa: E402
+from .placement import cores, PlacementError  # noqa: E402
+from .shapes import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
+from .parallel import DataParallel  # noqa: E402
 from .specs import Output  # noqa: E402
 from . import torchscript as _torchscript  # noqa: E402,F401  (registers the kiln::run op)
 
-__all__ = ["trace", "analyze", "load", "CompiledModel", "Output", "KilnError", "ArtifactError",
+__all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores",
+           "dynamic_batch", "Bucketed", "DynamicBatch", "DataParallel", "PlacementError", "KilnError", "ArtifactError",
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
            "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError"]

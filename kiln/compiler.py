@@ -13,7 +13,7 @@ from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
 from .capture import bind_inputs, capture
-from .errors import UnsupportedOpError
+from .errors import CompilerArgsError, UnsupportedOpError
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
 from .partition import place, split
 from .program import build
@@ -63,11 +63,9 @@ def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, com
     return rep
 
 
-def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None, engine=None,
-          optlevel=None, target=None, fallback=None, min_partition_size=None, ops_on_host=None,
-          validate=None, atol=None, rtol=None, threads=None, name=None, quiet=None,
-          quantize=None, quantize_mode=None, calibration_data=None, min_cosine=None,
-          min_top1=None) -> CompiledModel:
+def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_values=None,
+          output_dims=None, dynamic_batch=False, pipeline_cores=None, compiler_args=None,
+          quiet=None, **options):
     """Compile ``model`` ahead of time for this machine and return the loaded result.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of
@@ -76,7 +74,50 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
     default without data) or weights and activations calibrated on
     ``calibration_data``, an iterable of example inputs (``"static"``, the
     default with data); the result must pass ``min_cosine``/``min_top1``.
+
+    Shapes and cores: ``buckets`` (``{input: {dim: [sizes]}}`` or a list of
+    example inputs) compiles one variant per size, padded with ``pad_values``
+    (``{input: value}``, default 0) and sliced back along ``output_dims``
+    (inferred unless given); ``dynamic_batch=True`` accepts any batch size on
+    dim 0; ``pipeline_cores=N`` splits the graph into N stages on N kiln cores.
+    Other keywords are compile options (``engine``, ``optlevel``, ``target``,
+    ``fallback``, ``threads``, ``name``, ...).
     """
+    if pipeline_cores is None:
+        pipeline_cores = parse_compiler_args(compiler_args).get("pipeline_cores", 1)
+    progress = Progress(quiet=quiet)
+
+    def trace_one(m, args, kwargs, label=None):
+        return _trace_graph(m, args, kwargs, compiler_args=compiler_args, quiet=quiet,
+                            progress=progress, label=label, **options)
+
+    if pipeline_cores and pipeline_cores > 1:
+        if buckets is not None:
+            raise CompilerArgsError("pipeline_cores and buckets cannot be combined yet; "
+                                    "compile one pipeline per shape")
+        from .pipeline import trace_pipeline
+        compiled = trace_pipeline(model, example_inputs, example_kwargs, pipeline_cores, trace_one,
+                                  progress)
+    elif buckets is not None:
+        from .shapes import trace_buckets
+        compiled = trace_buckets(model, example_inputs, example_kwargs, buckets, pad_values,
+                                 output_dims, trace_one)
+    else:
+        if pad_values or output_dims:
+            raise CompilerArgsError("pad_values and output_dims apply to buckets; pass buckets= too")
+        compiled = trace_one(model, example_inputs, example_kwargs)
+    if dynamic_batch:
+        from .shapes import DynamicBatch
+        compiled = DynamicBatch(compiled)
+    return compiled
+
+
+def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_args=None,
+                 engine=None, optlevel=None, target=None, fallback=None, min_partition_size=None,
+                 ops_on_host=None, validate=None, atol=None, rtol=None, threads=None, name=None,
+                 quiet=None, quantize=None, quantize_mode=None, calibration_data=None,
+                 min_cosine=None, min_top1=None, progress=None, label=None) -> CompiledModel:
+    """Compile one graph at one set of shapes (``trace`` without shape adapters)."""
     calibration_data = list(calibration_data) if calibration_data is not None else []
     if quantize and quantize_mode is None:
         quantize_mode = "static" if calibration_data else "dynamic"
@@ -85,7 +126,9 @@ def trace(model, example_inputs=None, example_kwargs=None, *, compiler_args=None
                         ops_on_host=ops_on_host, validate=validate, atol=atol, rtol=rtol,
                         quantize=quantize, quantize_mode=quantize_mode, min_cosine=min_cosine,
                         min_top1=min_top1)
-    progress = Progress(quiet=quiet)
+    progress = progress or Progress(quiet=quiet)
+    progress.timings = {}
+    progress.label = f"kiln {label}" if label else "kiln"
     started = time.perf_counter()
     captured, backend, placement, rep, precision = _plan(model, example_inputs, example_kwargs, opts, progress)
     if name:

@@ -7,9 +7,12 @@ Neuron's defaults are kept: CPU fallback on, ``minimum_segment_size=2``.
 """
 from __future__ import annotations
 
-from . import compiler
+from . import compiler, placement as cores
 from .errors import CompilerArgsError
 from .neuronx import _split_inputs
+from .parallel import DataParallel  # noqa: F401  (dynamic batching on; .disable_dynamic_batching())
+
+cores.neuron_env = True   # honour NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES
 
 
 def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, compiler_workdir=None,
@@ -17,7 +20,7 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
           fallback=True, dynamic_batch_size=False, optimizations=None, separate_weights=False,
           **kiln_options):
     if dynamic_batch_size:
-        raise CompilerArgsError("dynamic_batch_size=True is not supported yet (planned with bucketing)")
+        kiln_options["dynamic_batch"] = True
     if subgraph_builder_function is not None:
         raise CompilerArgsError("subgraph_builder_function is not supported; use "
                                 "kiln.trace(..., ops_on_host={...}) to keep ops on the CPU")

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import compiler
+from . import compiler, placement as cores
 from .errors import CompilerArgsError, UnsupportedOpError
+from .parallel import DataParallel as _DataParallel
+
+cores.neuron_env = True   # honour NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES
+
+
+def DataParallel(module, device_ids=None, dim=0, set_dynamic_batching=True, **kwargs):  # noqa: N802
+    """Neuron's ``torch_neuronx.DataParallel``: one replica per kiln core."""
+    return _DataParallel(module, device_ids=device_ids, dim=dim,
+                         dynamic_batching=set_dynamic_batching, **kwargs)
 
 
 @dataclass
@@ -92,4 +101,6 @@ def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=
 
 
 def dynamic_batch(traced):
-    raise CompilerArgsError("dynamic_batch is not supported yet (planned with bucketing)")
+    """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks."""
+    from .shapes import dynamic_batch as _dynamic_batch
+    return _dynamic_batch(traced)

@@ -29,6 +29,7 @@ class CompileOptions:
     quantize_mode: str = "dynamic"    # dynamic: weights only; static: calibrated activations too
     min_cosine: float = 0.99          # accuracy gate for quantized / auto-cast models
     min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
+    pipeline_cores: int = 1           # split the graph into this many stages, one per kiln core
 
     def to_dict(self):
         d = asdict(self)
@@ -38,7 +39,8 @@ class CompileOptions:
 
 @dataclass
 class RuntimeOptions:
-    threads: int | None = None        # engine threads; None = CPUs in this process's affinity
+    threads: int | None = None        # engine threads; None = the CPUs the model may run on
+    cpus: tuple | None = None         # the CPUs of the model's kiln core(s); None = the process's
 
     def resolved_threads(self) -> int:
         if self.threads:
@@ -46,7 +48,7 @@ class RuntimeOptions:
         env = os.environ.get("KILN_NUM_THREADS")
         if env:
             return int(env)
-        return available_cpus()
+        return len(self.cpus) if self.cpus else available_cpus()
 
 
 def available_cpus() -> int:
@@ -62,7 +64,6 @@ _AUTO_CAST_TYPES = ("bf16", "fp16", "fp32", "tf32", "fp8_e4m3")
 _TARGETS = ("native", "generic")
 _NEURON_TARGETS = ("inf1", "inf2", "trn1", "trn2", "trn1n")
 _NOT_YET = {
-    "--neuroncore-pipeline-cores": "pipeline execution over cores is not implemented yet",
     "--model-type": "model-type specific optimisation is not implemented yet",
     "--enable-fast-loading-neuron-binaries": "not applicable: kiln artifacts always load fast",
 }
@@ -114,12 +115,17 @@ def parse_compiler_args(args) -> dict:
             if v not in _TARGETS:
                 raise CompilerArgsError(f"--target {v}: expected native or generic")
             out["target"] = v
+        elif flag == "--neuroncore-pipeline-cores":
+            v = value(flag)
+            if not v.isdigit() or int(v) < 1:
+                raise CompilerArgsError(f"{flag} {v}: expected a number of cores, at least 1")
+            out["pipeline_cores"] = int(v)
         elif flag in _NOT_YET:
             raise CompilerArgsError(f"compiler flag {flag} is not supported yet: {_NOT_YET[flag]}")
         else:
             raise CompilerArgsError(
                 f"unknown compiler flag {tok!r}; kiln understands -O1/-O2/-O3, --optlevel, "
-                "--auto-cast, --auto-cast-type and --target")
+                "--auto-cast, --auto-cast-type, --target and --neuroncore-pipeline-cores")
         i += 1
     return out
 

@@ -4,30 +4,152 @@ Calls are checked against the compiled input specs, flattened, run through the
 host program (device partitions on their engine, fallback ops in PyTorch) and
 rebuilt into the traced output structure. Tensors cross into engines as shared
 NumPy views, not copies. Several threads may call one model at once.
+
+``Model`` is what every kiln model offers (call, ``submit``, ``map``, save,
+core placement); ``CompiledModel`` is one compiled graph. Shape adapters
+(buckets, dynamic batch) and pipelines wrap compiled models and are saved as
+artifacts that nest theirs; ``load`` picks the class from the manifest's kind.
 """
 from __future__ import annotations
 
+import collections
 import threading
+from concurrent.futures import Future
 
 import torch
 
-from . import backends, specs
-from .artifact import Artifact
+from . import backends, placement as cores, specs
+from .artifact import Artifact, write_atomic
 from .errors import ArtifactError, InputError, KilnError
 from .options import RuntimeOptions
 from .program import Program
 
 HOST_CONSTANTS = "host_constants.safetensors"
+DEFAULT = object()   # placement: the ``kiln.cores`` context or the process's visible cores
 
 
-class CompiledModel(torch.nn.Module):
-    """A compiled kiln model. Call it like the original model."""
+class Model(torch.nn.Module):
+    """Call it like the original model; ``submit``/``map`` for asynchronous work.
+
+    Subclasses provide ``flatten``, ``check``, ``run_flat``, ``output_structure``,
+    ``input_specs``, ``manifest``, ``to_bytes`` and ``_place``.
+    """
+
+    _async_worker = None
+    core = None
+
+    def forward(self, *args, **kwargs):
+        flat = self.flatten(args, kwargs)
+        self.check(flat)
+        return specs.decode(self.output_structure, self.run_flat(flat))
+
+    # -- asynchronous calls -------------------------------------------------------
+    def _executor(self) -> "cores.Worker":
+        if self._async_worker is None:
+            with _worker_lock:
+                if self._async_worker is None:
+                    object.__setattr__(self, "_async_worker", cores.Worker(name=f"kiln-{self.name}"))
+        return self._async_worker
+
+    def submit(self, *args, **kwargs) -> Future:
+        """Start a call and return its ``concurrent.futures.Future``.
+
+        Calls submitted to one model run in submission order; bad inputs fail
+        the future with the same error a direct call raises.
+        """
+        try:
+            flat = self.flatten(args, kwargs)
+            self.check(flat)
+        except KilnError as e:
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+        return self._executor().submit(
+            lambda: specs.decode(self.output_structure, self.run_flat(flat)))
+
+    def map(self, inputs, max_in_flight: int = 4):
+        """Run every item of ``inputs`` (a tensor, a tuple of positional inputs or
+        a dict of keyword inputs), yielding results in order with at most
+        ``max_in_flight`` calls submitted and not yet consumed."""
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        pending: collections.deque = collections.deque()
+        for item in inputs:
+            if isinstance(item, dict):
+                pending.append(self.submit(**item))
+            elif isinstance(item, (tuple, list)):
+                pending.append(self.submit(*item))
+            else:
+                pending.append(self.submit(item))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    # -- placement -----------------------------------------------------------------
+    def to_core(self, core_id: int):
+        """Run this model only on kiln core ``core_id``'s CPUs; returns the model."""
+        self._place(cores.get(core_id))
+        return self
+
+    # -- persistence ------------------------------------------------------------------
+    def save(self, f, _extra_files=None):
+        """Write the ``.kiln`` artifact (atomically).
+
+        ``torch.jit.save(compiled, path)`` calls this with ``_extra_files``;
+        then a TorchScript archive is written instead, whose module runs the
+        embedded artifact through the ``kiln::run`` op.
+        """
+        if _extra_files is not None:
+            from .torchscript import to_torchscript
+            return to_torchscript(self).save(f, _extra_files=_extra_files)
+        data = self.to_bytes()
+        if hasattr(f, "write"):
+            f.write(data)
+            return None
+        path = str(f)
+        write_atomic(path, lambda out: out.write(data))
+        return path
+
+    def save_to_buffer(self, _extra_files=None) -> bytes:
+        """TorchScript bytes (``torch.jit.save`` to a file object calls this)."""
+        from .torchscript import to_torchscript
+        return to_torchscript(self).save_to_buffer(_extra_files=_extra_files or {})
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("model_name", "model")
+
+    @property
+    def report(self):
+        return self.manifest.get("report")
+
+    def close(self):
+        """Stop this model's worker threads (also done when it is garbage-collected)."""
+        for attr in ("_async_worker", "_worker"):
+            worker = self.__dict__.get(attr)
+            if worker is not None:
+                worker.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_worker_lock = threading.Lock()
+
+
+class CompiledModel(Model):
+    """One compiled graph: device partitions on engines, fallback ops on the host."""
 
     def __init__(self, artifact: Artifact, runtime_options: RuntimeOptions | None = None,
-                 source: str = "artifact"):
+                 source: str = "artifact", core=DEFAULT, worker=None):
         super().__init__()
         artifact.check_host(source)
         self._artifact = artifact
+        self._source = source
         self.runtime_options = runtime_options or RuntimeOptions()
         m = artifact.manifest
         self.manifest = m
@@ -37,22 +159,19 @@ class CompiledModel(torch.nn.Module):
         self.output_structure = m["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in m["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
-        runners = []
-        for part in m["partitions"]:
-            backend = backends.get(part["engine"])
-            try:
-                runners.append(backend.load(artifact.blobs[part["blob"]], self.runtime_options))
-            except KilnError:
-                raise
-            except Exception as e:
-                raise ArtifactError(f"{source}: engine {part['engine']} could not load partition "
-                                    f"{part['id']}: {e}") from e
-        constants = {}
+        self._worker = None
+        self._constants = {}
         if HOST_CONSTANTS in artifact.blobs:
             from safetensors.torch import load as st_load
-            constants = st_load(artifact.blobs[HOST_CONSTANTS])
-        self.program = Program(m["program"], constants, runners)
-        self._host_ops = bool(self.program.host_ops() or not runners)
+            self._constants = st_load(artifact.blobs[HOST_CONSTANTS])
+        self.program = None
+        if core is DEFAULT:
+            core = resolve_placement()
+        if core is not None:
+            self._place(core, worker)
+        else:
+            self.program = self._build_program(self.runtime_options)
+        self._host_ops = bool(self.program.host_ops() or not m["partitions"])
         self._stats = [0]
         self._lock = threading.Lock()
 
@@ -90,8 +209,48 @@ class CompiledModel(torch.nn.Module):
             if t.device.type != "cpu":
                 raise InputError(f"input '{name}': expected a CPU tensor, got one on {t.device}")
 
+    def _build_program(self, runtime_options) -> Program:
+        runners = []
+        for part in self.manifest["partitions"]:
+            backend = backends.get(part["engine"])
+            try:
+                runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options))
+            except KilnError:
+                raise
+            except Exception as e:
+                raise ArtifactError(f"{self._source}: engine {part['engine']} could not load "
+                                    f"partition {part['id']}: {e}") from e
+        return Program(self.manifest["program"], self._constants, runners)
+
+    def _place(self, core, worker=None):
+        """Reload the engines on a worker pinned to ``core``'s CPUs (their thread
+        pools inherit the pin), with one engine thread per CPU."""
+        worker = worker or cores.Worker(core.cpus, name=f"kiln-core{core.id}")
+        opts = RuntimeOptions(threads=self.runtime_options.threads, cpus=core.cpus)
+        program = worker.call(self._build_program, opts)
+        old = self._worker
+        object.__setattr__(self, "program", program)
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "core", core)
+        if old is not None and old is not worker:
+            old.close()
+
+    def _executor(self):
+        return self._worker or super()._executor()
+
+    @property
+    def worker(self):
+        """The pinned worker thread running this model, when it is placed on a core."""
+        return self._worker
+
     def run_flat(self, flat: list) -> list:
         """Run on flat, already checked input tensors; returns flat outputs."""
+        worker = self._worker
+        if worker is not None:
+            return worker.call(self._run_flat, flat)
+        return self._run_flat(flat)
+
+    def _run_flat(self, flat: list) -> list:
         if self._host_ops:
             with torch.no_grad():
                 outs = self.program(flat)
@@ -106,43 +265,14 @@ class CompiledModel(torch.nn.Module):
         """Completed calls so far."""
         return self._stats[0]
 
-    def forward(self, *args, **kwargs):
-        flat = self.flatten(args, kwargs)
-        self.check(flat)
-        return specs.decode(self.output_structure, self.run_flat(flat))
-
     # -- persistence -------------------------------------------------------------
     def save(self, f, _extra_files=None):
-        """Write the ``.kiln`` artifact (atomically).
-
-        ``torch.jit.save(compiled, path)`` calls this with ``_extra_files``;
-        then a TorchScript archive is written instead, whose module runs the
-        embedded artifact through the ``kiln::run`` op.
-        """
-        if _extra_files is not None:
-            from .torchscript import to_torchscript
-            return to_torchscript(self).save(f, _extra_files=_extra_files)
-        if hasattr(f, "write"):
-            f.write(self._artifact.to_bytes())
-            return None
-        return self._artifact.save(f)
-
-    def save_to_buffer(self, _extra_files=None) -> bytes:
-        """TorchScript bytes (``torch.jit.save`` to a file object calls this)."""
-        from .torchscript import to_torchscript
-        return to_torchscript(self).save_to_buffer(_extra_files=_extra_files or {})
+        if _extra_files is None and not hasattr(f, "write"):
+            return self._artifact.save(f)
+        return super().save(f, _extra_files)
 
     def to_bytes(self) -> bytes:
         return self._artifact.to_bytes()
-
-    # -- description ----------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.manifest.get("model_name", "model")
-
-    @property
-    def report(self):
-        return self.manifest.get("report")
 
     def __repr__(self):
         parts = self.manifest["partitions"]
@@ -152,10 +282,38 @@ class CompiledModel(torch.nn.Module):
                 f"on {', '.join(sorted({p['engine'] for p in parts})) or 'none'}, {host} host op(s))")
 
 
-def load(path_or_bytes, threads: int | None = None) -> CompiledModel:
+def resolve_placement():
+    """Where a new model runs: the ``kiln.cores`` context's core; else, with
+    KILN_VISIBLE_CORES/KILN_NUM_CORES set, the union of the visible cores' CPUs;
+    else wherever the process runs (None)."""
+    core = cores.default_placement()
+    if core is not None or not cores.restricted():
+        return core
+    return cores.Core(-1, -1, cores.union(cores.visible()))
+
+
+# Artifact kinds other than a single compiled graph: kind -> loader(artifact, options, source).
+KINDS: dict = {}
+
+
+def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
+                  core=DEFAULT, worker=None) -> Model:
+    kind = art.manifest.get("kind", "model")
+    if kind == "model":
+        return CompiledModel(art, opts, source=source, core=core, worker=worker)
+    if not KINDS:
+        from . import pipeline, shapes  # noqa: F401  (register their kinds)
+    if kind not in KINDS:
+        raise ArtifactError(f"{source}: artifact kind {kind!r} is not known to this kiln; "
+                            "upgrade kiln or recompile the model")
+    art.check_host(source)
+    return KINDS[kind](art, opts, source, core=core, worker=worker)
+
+
+def load(path_or_bytes, threads: int | None = None) -> Model:
     """Load a ``.kiln`` artifact (path or bytes). No model source is needed."""
     opts = RuntimeOptions(threads=threads)
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        return CompiledModel(Artifact.from_bytes(bytes(path_or_bytes)), opts)
+        return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>")
     art = Artifact.load(path_or_bytes)
-    return CompiledModel(art, opts, source=str(path_or_bytes))
+    return from_artifact(art, opts, source=str(path_or_bytes))
