@@ -1,0 +1,118 @@
+"""DataParallel: replicas in worker processes pinned to kiln cores."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import kiln
+import kiln.neuronx
+from kiln import placement
+from kiln.errors import InputError, KilnError
+from kiln.parallel import WorkerDiedError
+
+from . import models
+from .conftest import assert_close
+
+CPUS = placement.process_cpus()
+pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_per_core():
+    old = {k: os.environ.pop(k, None) for k in ("KILN_VISIBLE_CORES", "KILN_NUM_CORES")}
+    os.environ["KILN_CPUS_PER_CORE"] = "1"
+    yield
+    os.environ.pop("KILN_CPUS_PER_CORE")
+    os.environ.update({k: v for k, v in old.items() if v is not None})
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    model, x = models.mlp()          # compiled at batch 2
+    return model, kiln.trace(model, x)
+
+
+@pytest.fixture(scope="module")
+def dp(mlp):
+    with kiln.DataParallel(mlp[1]) as parallel:
+        yield parallel
+
+
+def test_replicas_are_pinned_one_per_core(dp):
+    assert dp.num_workers == 2
+    assert [os.sched_getaffinity(pid) for pid in dp.worker_pids] == [{CPUS[0]}, {CPUS[1]}]
+    assert "core 0" in repr(dp) and "core 1" in repr(dp)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 16])
+def test_ragged_batches_equal_eager_in_order(dp, mlp, n):
+    model, _ = mlp
+    x = torch.randn(n, 16)
+    assert_close(dp(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_futures_from_many_callers_match_their_inputs(dp, mlp):
+    model, _ = mlp
+    xs = [torch.randn(1 + i % 4, 16) for i in range(16)]
+    futures = [dp.submit(x) for x in xs]
+    for f, x in zip(futures, xs):
+        assert_close(f.result(timeout=60), model(x).detach(), atol=1e-5, rtol=1e-5)
+    results = list(dp.map(xs, max_in_flight=4))
+    for got, x in zip(results, xs):
+        assert_close(got, model(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_clear_errors(dp):
+    with pytest.raises(InputError, match=r"only dim 0 may differ.*got \(2, 17\)"):
+        dp(torch.randn(4, 17))
+    assert dp.submit(torch.randn(4, 17)).exception(timeout=10) is not None
+
+
+def test_large_outputs_grow_the_shared_memory(dp, mlp):
+    model, _ = mlp
+    x = torch.randn(100_000, 16)          # 6.4 MB in, 1.6 MB out per replica: beyond 1 MiB
+    assert_close(dp(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_without_dynamic_batching_chunks_are_the_compiled_size(mlp):
+    model, compiled = mlp
+    with kiln.neuronx.DataParallel(compiled, device_ids=[1], set_dynamic_batching=False) as dp:
+        assert [os.sched_getaffinity(p) for p in dp.worker_pids] == [{CPUS[1]}]
+        x = torch.randn(6, 16)
+        assert_close(dp(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+        with pytest.raises(InputError, match="compiled batch size 2 along dim 0; got 5"):
+            dp(torch.randn(5, 16))
+
+
+def test_killed_worker_fails_its_call_and_is_restarted(mlp):
+    model, compiled = mlp
+    with kiln.DataParallel(compiled, device_ids=[0]) as dp:
+        (old_pid,) = dp.worker_pids
+        # 60k rows in chunks of 2 keep the replica busy for seconds: the call is in flight
+        fut = dp.submit(torch.randn(60_000, 16))
+        time.sleep(0.5)
+        assert not fut.done()
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match=r"died with exit code -9 while running a call"):
+            fut.result(timeout=120)
+        x = torch.randn(3, 16)
+        assert_close(dp(x), model(x).detach(), atol=1e-5, rtol=1e-5)   # restarted, serving
+        assert dp.replicas[0].restarts == 1 and dp.worker_pids != [old_pid]
+
+
+def test_close_stops_the_workers(mlp):
+    dp = kiln.DataParallel(mlp[1], device_ids=[0])
+    pids = dp.worker_pids
+    dp.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(KilnError, match="closed"):
+        dp(torch.randn(2, 16))
+
+
+def test_rejects_what_it_cannot_run():
+    with pytest.raises(KilnError, match="takes a kiln model"):
+        kiln.DataParallel(torch.nn.Linear(2, 2))
