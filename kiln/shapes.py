@@ -77,6 +77,7 @@ class Bucketed(_Wrapper):
         self._init_common(manifest or {}, first)
         self.input_specs = first.input_specs
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
+        self._cache: dict = {}
         # smallest first, so the first variant that fits is the cheapest
         self._order = sorted(range(len(variants)),
                              key=lambda k: (_volume(self.variant_sizes[k]), self.variant_sizes[k]))
@@ -92,7 +93,20 @@ class Bucketed(_Wrapper):
         return "; ".join(parts)
 
     def _select(self, flat):
-        """(variant index, actual size per axis) for these inputs, or InputError."""
+        """(variant index, actual size per axis) for these inputs, or InputError.
+
+        Serving sees the same few shapes again and again: the answer is cached
+        per (shapes, dtypes, devices), so a call pays a dict lookup, not a scan."""
+        key = tuple((t.shape, t.dtype, t.device.type) for t in flat)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        found = self._scan(flat)
+        if len(self._cache) < 1024:
+            self._cache[key] = found
+        return found
+
+    def _scan(self, flat):
         specs0 = self.input_specs
         if len(flat) != len(specs0):
             raise InputError(f"expected {len(specs0)} input tensors, got {len(flat)}")
@@ -136,6 +150,8 @@ class Bucketed(_Wrapper):
     def run_flat(self, flat):
         k, sizes = self._select(flat)
         target = self.variant_sizes[k]
+        if sizes == target:     # an exact bucket: nothing to pad or slice
+            return self.variants[k].run_flat(flat)
         padded = []
         for i, t in enumerate(flat):
             pads = []
