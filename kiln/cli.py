@@ -122,11 +122,46 @@ def cmd_run(a, console):
 def cmd_inspect(a, console):
     from .artifact import Artifact
     art = Artifact.load(a.artifact)
-    m = art.manifest
     if a.json:
-        print(json.dumps(m, indent=1))
+        print(json.dumps(art.manifest, indent=1))
         return 0
-    t = Table(title=f"{a.artifact}", show_header=False)
+    _inspect(art, a.artifact, console)
+    return 0
+
+
+_NESTED = {"bucketed": ("buckets", "variants"), "pipeline": ("pipeline", "stages")}
+
+
+def _inspect(art, title, console):
+    """Print one artifact; shape adapters and pipelines print their record, then each
+    nested artifact (bucket variants, pipeline stages, the dynamic-batch inner model)."""
+    from .artifact import Artifact
+    m = art.manifest
+    kind = m.get("kind", "model")
+    if kind == "model":
+        return _inspect_model(m, title, console)
+    t = Table(title=f"{title} ({kind})", show_header=False)
+    for key in ("model_name", "format_version", "kiln_version", "created"):
+        t.add_row(key, str(m.get(key)))
+    if kind == "dynamic_batch":
+        t.add_row("compiled batch", str(m["dynamic_batch"]["batch_size"]))
+    console.print(t)
+    nested = sorted(name for name in art.blobs if name.endswith(".kiln"))
+    if kind in _NESTED:
+        record = m.get(_NESTED[kind][0], {})
+        rows = record.get(_NESTED[kind][1], [])
+        if rows:
+            keys = [k for k in rows[0] if k not in ("inputs",)]
+            rt = Table(*keys, title=_NESTED[kind][1])
+            for row in rows:
+                rt.add_row(*(str(row.get(k)) for k in keys))
+            console.print(rt)
+    for name in nested:
+        _inspect(Artifact.from_bytes(art.blobs[name], f"{title}:{name}"), f"{title}:{name}", console)
+
+
+def _inspect_model(m, title, console):
+    t = Table(title=f"{title}", show_header=False)
     for key in ("model_name", "format_version", "kiln_version", "torch_version", "created", "compile_seconds"):
         t.add_row(key, str(m.get(key)))
     t.add_row("engine", f"{m['engine']['name']} {m['engine']['version']}")
@@ -169,7 +204,6 @@ def cmd_inspect(a, console):
         for s in host:
             ht.add_row(s["op"])
         console.print(ht)
-    return 0
 
 
 def build_parser():

@@ -95,6 +95,10 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         if buckets is not None:
             raise CompilerArgsError("pipeline_cores and buckets cannot be combined yet; "
                                     "compile one pipeline per shape")
+        if options.get("calibration_data") is not None:
+            raise CompilerArgsError("static quantization (calibration_data=) cannot be combined "
+                                    "with pipeline_cores yet: the samples are the model's inputs, "
+                                    "not each stage's; use quantize_mode='dynamic'")
         from .pipeline import trace_pipeline
         compiled = trace_pipeline(model, example_inputs, example_kwargs, pipeline_cores, trace_one,
                                   progress)

@@ -197,6 +197,7 @@ class Worker:
         self.cpus = tuple(cpus) if cpus else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.native_id = None
+        self._closed = False
         started = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(started,), name=name, daemon=True)
         self._thread.start()
@@ -228,6 +229,8 @@ class Worker:
                 fut.set_exception(e)
 
     def submit(self, fn, *args) -> Future:
+        if self._closed:
+            raise KilnError("this kiln model was closed; load it again to use it")
         fut: Future = Future()
         self._queue.put((fut, fn, args))
         return fut
@@ -242,6 +245,7 @@ class Worker:
         return set(os.sched_getaffinity(self.native_id))
 
     def close(self):
+        self._closed = True
         self._queue.put(None)
 
     def __del__(self):

@@ -301,7 +301,7 @@ def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
     kind = art.manifest.get("kind", "model")
     if kind == "model":
         return CompiledModel(art, opts, source=source, core=core, worker=worker)
-    if not KINDS:
+    if kind not in KINDS:
         from . import pipeline, shapes  # noqa: F401  (register their kinds)
     if kind not in KINDS:
         raise ArtifactError(f"{source}: artifact kind {kind!r} is not known to this kiln; "

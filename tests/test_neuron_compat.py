@@ -79,7 +79,6 @@ def test_compiler_args_parse(args, expected):
     (["--optlevel", "7"], "expected 1, 2 or 3"),
     (["--target", "inf2"], "names a Neuron chip"),
     (["--auto-cast"], "needs a value"),
-    (["--neuroncore-pipeline-cores", "4"], "not supported yet"),
 ])
 def test_compiler_args_errors(args, message):
     with pytest.raises(kiln.CompilerArgsError, match=message):
