@@ -182,4 +182,4 @@ def test_cli_inspects_nested_artifacts(tmp_path, kiln_cli):
                        env={**__import__("os").environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "(bucketed)" in r.stdout and "variants" in r.stdout
-    assert r.stdout.count("partitions") == 2          # both variants' partition tables
+    assert r.stdout.count("sha256") == 2              # both variants' partition tables
