@@ -160,7 +160,7 @@ def run_model(name, args):
             m["latencies"] += lat
         log(f"{name}: round {r + 1}/{args.rounds} done")
     res["load_after"] = latency.background_load()
-    for mode, m in res["modes"].items():
+    for m in res["modes"].values():
         if "error" in m:
             continue
         lat = sorted(m.pop("latencies"))
