@@ -13,7 +13,7 @@ from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
 from .capture import bind_inputs, capture
-from .errors import CompilerArgsError, UnsupportedOpError
+from .errors import CompileError, CompilerArgsError, KilnError, UnsupportedOpError, ValidationError
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
 from .partition import place, split
 from .program import build
@@ -37,9 +37,10 @@ def make_options(compiler_args=None, **overrides) -> CompileOptions:
     return opts
 
 
-def _plan(model, example_inputs, example_kwargs, opts, progress):
-    with progress.phase("capture"):
-        captured = capture(model, example_inputs, example_kwargs)
+def _plan(model, example_inputs, example_kwargs, opts, progress, captured=None):
+    if captured is None:
+        with progress.phase("capture"):
+            captured = capture(model, example_inputs, example_kwargs)
     notes: list = []
     precision = _apply_auto_cast(captured, opts, notes)   # may pick the engine (native bf16)
     backend, engine_notes = primary(opts)
@@ -65,7 +66,7 @@ def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, com
 
 def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_values=None,
           output_dims=None, dynamic_batch=False, pipeline_cores=None, compiler_args=None,
-          quiet=None, **options):
+          quiet=None, cache=None, retry_failed=False, **options):
     """Compile ``model`` ahead of time for this machine and return the loaded result.
 
     ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of
@@ -82,14 +83,25 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     dim 0; ``pipeline_cores=N`` splits the graph into N stages on N kiln cores.
     Other keywords are compile options (``engine``, ``optlevel``, ``target``,
     ``fallback``, ``threads``, ``name``, ...).
+
+    Compiled graphs are kept in the persistent cache (``cache``: None for
+    ``KILN_CACHE_URL`` or ``~/.cache/kiln``, an fsspec URL, a ``kiln.cache.Cache``,
+    or False); a graph that failed before fails again from the cache unless
+    ``retry_failed=True``.
     """
+    from . import cache as cache_mod
+    store = cache_mod.open_cache(cache)
     if pipeline_cores is None:
         pipeline_cores = parse_compiler_args(compiler_args).get("pipeline_cores", 1)
     progress = Progress(quiet=quiet)
 
     def trace_one(m, args, kwargs, label=None):
-        return _trace_graph(m, args, kwargs, compiler_args=compiler_args, quiet=quiet,
-                            progress=progress, label=label, **options)
+        def compile_(captured=None):
+            return _trace_graph(m, args, kwargs, compiler_args=compiler_args, quiet=quiet,
+                                progress=progress, label=label, captured=captured, **options)
+        if store is None or options.get("calibration_data") is not None:
+            return compile_()
+        return _cached(store, m, args, kwargs, compiler_args, options, retry_failed, compile_, progress)
 
     if pipeline_cores and pipeline_cores > 1:
         if buckets is not None:
@@ -120,7 +132,8 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
                  engine=None, optlevel=None, target=None, fallback=None, min_partition_size=None,
                  ops_on_host=None, validate=None, atol=None, rtol=None, threads=None, name=None,
                  quiet=None, quantize=None, quantize_mode=None, calibration_data=None,
-                 min_cosine=None, min_top1=None, progress=None, label=None) -> CompiledModel:
+                 min_cosine=None, min_top1=None, progress=None, label=None,
+                 captured=None) -> CompiledModel:
     """Compile one graph at one set of shapes (``trace`` without shape adapters)."""
     calibration_data = list(calibration_data) if calibration_data is not None else []
     if quantize and quantize_mode is None:
@@ -134,7 +147,8 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
     progress.timings = {}
     progress.label = f"kiln {label}" if label else "kiln"
     started = time.perf_counter()
-    captured, backend, placement, rep, precision = _plan(model, example_inputs, example_kwargs, opts, progress)
+    captured, backend, placement, rep, precision = _plan(model, example_inputs, example_kwargs, opts,
+                                                         progress, captured)
     if name:
         captured.model_name = rep.model_name = name
 
@@ -211,6 +225,86 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
     manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
     return compiled
+
+
+_KEY_OPTIONS = ("engine", "optlevel", "target", "fallback", "min_partition_size", "ops_on_host",
+                "validate", "atol", "rtol", "quantize", "quantize_mode", "min_cosine", "min_top1")
+# Failures that come from the graph and the options, so they recur on every machine
+# with the same key; a missing engine or a killed process is not remembered.
+_DETERMINISTIC = (CompileError, UnsupportedOpError, ValidationError)
+
+
+def _cached(store, model, args, kwargs, compiler_args, options, retry_failed, compile_, progress):
+    """Compile through the cache: fingerprint alias → entry; else capture → key → entry;
+    else compile under the key's lock, store, and alias the fingerprint."""
+    from . import cache as cache_mod
+    from .artifact import Artifact
+    opts = make_options(compiler_args, **{k: options.get(k) for k in _KEY_OPTIONS})
+    extra = {"name": options.get("name")}
+    threads = options.get("threads")
+
+    def from_cache(key):
+        found = store.lookup(key)
+        if found is None:
+            return None
+        status, payload, meta = found
+        if status == "failed":
+            if retry_failed:
+                store.forget(key)
+                return None
+            store._count("failed_hits")
+            raise cache_mod.CachedFailure(
+                f"{meta.get('model_name', 'this model')} failed to compile on {meta.get('created', '?')[:19]} "
+                f"with these options (cache key {key[:16]}): {payload}\nkiln does not retry known "
+                "failures; pass retry_failed=True (kiln compile --retry-failed) to try again")
+        try:
+            compiled = CompiledModel(Artifact.from_bytes(payload, f"cache entry {key[:16]}"),
+                                     RuntimeOptions(threads=threads))
+        except KilnError as e:
+            log.warning("kiln cache: entry %s cannot be loaded (%s); recompiling", key[:16], e)
+            store.forget(key)
+            return None
+        store.touch(key, meta)
+        store._count("hits")
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
+        return compiled
+
+    with progress.phase("cache lookup"):
+        named = bind_inputs(model, args, kwargs)
+        fp = cache_mod.fingerprint(model, named, opts, extra)
+        key = store.alias(fp) if fp else None
+        if key is not None:
+            hit = from_cache(key)
+            if hit is not None:
+                store._count("alias_hits")
+                return hit
+    with progress.phase("capture"):
+        captured = capture(model, args, kwargs)
+    key = cache_mod.graph_key(captured, opts, extra)
+    hit = from_cache(key)
+    if hit is None:
+        with store.lock(key, wait_for=lambda: from_cache(key)) as ready:
+            hit = ready or from_cache(key)
+            if hit is None:
+                store._count("misses")
+                store._count("compiles")
+                info = {"model_name": captured.model_name, "kiln_version": __version__,
+                        "options": compiler_args if isinstance(compiler_args, str) else
+                        " ".join(compiler_args or [])}
+                try:
+                    compiled = compile_(captured)
+                except _DETERMINISTIC as e:
+                    store.store_failure(key, e, info)
+                    raise
+                compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
+                engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
+                store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
+                if fp:
+                    store.set_alias(fp, key)
+                return compiled
+    if fp:
+        store.set_alias(fp, key)
+    return hit
 
 
 def _spec(name, t):

@@ -7,6 +7,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KILN_QUIET", "1")
+# Tests compile fresh unless they test the cache (with a cache of their own).
+os.environ["KILN_CACHE_URL"] = "off"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
