@@ -74,13 +74,17 @@ def cmd_compile(a, console):
     compiled = kiln.trace(model, args, kwargs, engine=a.engine, compiler_args=flags or None,
                           fallback=not a.no_fallback, min_partition_size=a.min_partition_size,
                           ops_on_host=a.ops_on_host or None, validate=not a.no_validate,
-                          atol=a.atol, rtol=a.rtol, name=a.name)
+                          atol=a.atol, rtol=a.rtol, name=a.name,
+                          cache=False if a.no_cache else a.cache, retry_failed=a.retry_failed)
     out = a.output or (a.model.split(":")[-1] + ".kiln")
     compiled.save(out)
     v = compiled.manifest.get("validation")
     console.print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB) in "
                   f"{compiled.manifest['compile_seconds']:.1f}s; "
                   f"{compiled.report['support_percentage']:.1f}% of ops on {compiled.manifest['engine']['name']}")
+    if compiled.manifest.get("cache"):
+        c = compiled.manifest["cache"]
+        console.print(f"cache: {'hit' if c['hit'] else 'miss, stored'} {c['key'][:16]} in {c['url']}")
     if v:
         console.print(f"validation: max abs error {v['max_abs_error']:.3g}, "
                       f"cosine {v['min_cosine_similarity']:.6f} (atol {v['atol']}, rtol {v['rtol']})")
@@ -116,6 +120,53 @@ def cmd_run(a, console):
         for spec, o in zip(model.output_specs, outs):
             console.print(f"{spec.name}: {tuple(o.shape)} {o.dtype}")
     console.print(f"latency: {elapsed * 1e3:.3f} ms per call")
+    return 0
+
+
+def cmd_cache(a, console):
+    from . import cache as cache_mod
+    url = a.url or cache_mod.resolve_url(None) or cache_mod.default_url()
+    store = cache_mod.Cache(url)
+    entries = sorted(store.entries(), key=lambda e: e.get("last_used", ""), reverse=True)
+    if a.action == "ls":
+        if a.json:
+            print(json.dumps(entries, indent=1))
+            return 0
+        print(f"kiln cache {url}: {len(entries)} entries, "
+              f"{sum(int(e.get('size', 0)) for e in entries) / 1e6:.1f} MB")
+        if not entries:
+            return 0
+        t = Table("model", "key", "size", "engine", "status", "created", "last used", "uses")
+        for e in entries:
+            t.add_row(str(e.get("model_name")), e["key"][:16], f"{int(e.get('size', 0)) / 1e6:.2f} MB",
+                      str(e.get("engine", "")), e.get("status", "?"), str(e.get("created", ""))[:19],
+                      str(e.get("last_used", ""))[:19], str(e.get("uses", 0)))
+        console.print(t)
+        return 0
+    if a.action == "info":
+        if not a.key:
+            print(json.dumps({"url": url, "entries": len(entries),
+                              "bytes": sum(int(e.get("size", 0)) for e in entries),
+                              "max_bytes": store.max_bytes}, indent=1))
+            return 0
+        match = [e for e in entries if e["key"].startswith(a.key)]
+        if len(match) != 1:
+            from .errors import KilnError
+            raise KilnError(f"{len(match)} cache entries match key {a.key!r}; give more of the key")
+        print(json.dumps(match[0], indent=1))
+        return 0
+    if a.action == "prune":
+        if a.max_bytes or store.max_bytes is not None:
+            removed = store.evict(cache_mod._parse_size(a.max_bytes) if a.max_bytes else None)
+        else:
+            removed = [e for e in entries if e.get("status") != "ok"]
+            for e in removed:
+                store.forget(e["key"])
+        console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, "
+                      f"{sum(int(e.get('size', 0)) for e in removed) / 1e6:.1f} MB")
+        return 0
+    store.clear()
+    console.print(f"cleared {len(entries)} entries from {url}")
     return 0
 
 
@@ -165,6 +216,8 @@ def _inspect_model(m, title, console):
     for key in ("model_name", "format_version", "kiln_version", "torch_version", "created", "compile_seconds"):
         t.add_row(key, str(m.get(key)))
     t.add_row("engine", f"{m['engine']['name']} {m['engine']['version']}")
+    if m.get("cache"):
+        t.add_row("cache key", m["cache"]["key"])
     t.add_row("target", f"{m['target']['target']} {m['target']['arch']}: {' '.join(m['target']['isa'])}")
     opts = m["compile_options"]
     t.add_row("options", ", ".join(f"{k}={v}" for k, v in opts.items()))
@@ -232,6 +285,9 @@ def build_parser():
     sp.add_argument("--no-validate", action="store_true")
     sp.add_argument("--atol", type=float, default=None)
     sp.add_argument("--rtol", type=float, default=None)
+    sp.add_argument("--cache", default=None, help="compile cache URL (default: KILN_CACHE_URL or ~/.cache/kiln)")
+    sp.add_argument("--no-cache", action="store_true", help="compile without the cache")
+    sp.add_argument("--retry-failed", action="store_true", help="retry a compile the cache remembers as failed")
     sp.set_defaults(fn=cmd_compile)
 
     sp = sub.add_parser("run", help="run an artifact on .npy inputs")
@@ -246,6 +302,15 @@ def build_parser():
     sp.add_argument("artifact")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("cache", help="show and manage the compile cache")
+    sp.add_argument("action", choices=("ls", "info", "prune", "clear"))
+    sp.add_argument("key", nargs="?", help="info: an entry's key (a unique prefix is enough)")
+    sp.add_argument("--url", default=None, help="cache URL (default: KILN_CACHE_URL or ~/.cache/kiln)")
+    sp.add_argument("--max-bytes", default=None, help="prune: evict least-recently-used entries down to "
+                    "this size (e.g. 2G; default KILN_CACHE_MAX_BYTES); without it, prune drops failed entries")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_cache)
     return p
 
 

@@ -124,6 +124,11 @@ class Model(torch.nn.Module):
     def report(self):
         return self.manifest.get("report")
 
+    @property
+    def cache_key(self):
+        """The compile-cache key this model was stored under (None when compiled uncached)."""
+        return (self.manifest.get("cache") or {}).get("key")
+
     def close(self):
         """Stop this model's worker threads (also done when it is garbage-collected)."""
         for attr in ("_async_worker", "_worker"):

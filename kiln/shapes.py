@@ -331,6 +331,8 @@ def _output_dims(first, variants, axes, declared):
         for d in range(len(spec.shape)):
             seq = [v.output_specs[o].shape[d] for v in variants]
             if decl and d in decl:
+                if decl[d] is None:       # declared: depends on the buckets, never sliced
+                    continue
                 a = _axis_of(decl[d], first, axes)
                 out.append([o, d, a])
                 continue
@@ -341,7 +343,7 @@ def _output_dims(first, variants, axes, declared):
                 raise CompilerArgsError(
                     f"output '{spec.name}' dim {d} changes with the buckets ({seq}) but follows no "
                     f"bucketed input dim; declare it with output_dims={{{spec.name!r}: {{{d}: "
-                    "'<input name>'}}}}, or make it independent of the padded dims")
+                    "'<input name>'}}, or {dim: None} to leave it unsliced")
             out.append([o, d, a])
     del names
     return out

@@ -1,0 +1,274 @@
+"""The persistent compile cache: hits, misses, keys, integrity, races, failures, eviction, S3."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kiln
+from kiln import cache as cache_mod
+from kiln.errors import ValidationError
+
+from . import models
+from .conftest import ROOT, assert_close
+
+
+def delta(before):
+    return {k: cache_mod.stats[k] - before[k] for k in before}
+
+
+def snap():
+    return dict(cache_mod.stats)
+
+
+def test_second_trace_hits_the_cache(tmp_path):
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    s = snap()
+    first = kiln.trace(model, x, cache=url)
+    assert delta(s)["misses"] == 1 and delta(s)["compiles"] == 1
+    s = snap()
+    second = kiln.trace(model, x, cache=url)
+    assert delta(s) == dict(delta(s), hits=1, alias_hits=1, misses=0, compiles=0)
+    assert second.manifest["cache"]["hit"] and not first.manifest["cache"]["hit"]
+    assert second.cache_key == first.cache_key and len(first.cache_key) == 64
+    assert_close(second(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    # a different model object with the same weights: same key through the graph
+    clone, _ = models.mlp()
+    s = snap()
+    kiln.trace(clone, x, cache=url)
+    assert delta(s)["hits"] == 1 and delta(s)["compiles"] == 0
+
+
+def test_changed_weights_shapes_or_options_miss(tmp_path):
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    base = kiln.trace(model, x, cache=url).cache_key
+    changed, _ = models.mlp()
+    with torch.no_grad():
+        changed.net[0].bias[3] += 1e-3
+    s = snap()
+    keys = {base,
+            kiln.trace(changed, x, cache=url).cache_key,
+            kiln.trace(model, torch.randn(3, 16), cache=url).cache_key,
+            kiln.trace(model, x, cache=url, compiler_args="-O1").cache_key,
+            kiln.trace(model, x, cache=url, atol=1e-2).cache_key}
+    assert len(keys) == 5 and delta(s)["compiles"] == 4 and delta(s)["hits"] == 0
+
+
+def test_module_settings_are_part_of_the_fingerprint(tmp_path):
+    """Same class, same weights, different non-tensor setting: must not share an entry."""
+    url = str(tmp_path / "cache")
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 4)
+            self.act = act
+
+        def forward(self, x):
+            y = self.lin(x)
+            return torch.relu(y) if self.act == "relu" else torch.tanh(y)
+
+    x = torch.randn(2, 4)
+    a, b = Scaled("relu"), Scaled("tanh")
+    ca, cb = kiln.trace(a, x, cache=url), kiln.trace(b, x, cache=url)
+    assert ca.cache_key != cb.cache_key
+    assert_close(cb(x), b(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+MODEL_SOURCE = textwrap.dedent('''
+    import torch
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(8, 8)
+        def forward(self, x):
+            return torch.sigmoid(self.a(x))
+''')
+
+TRACE_SCRIPT = textwrap.dedent('''
+    import json, sys, torch, kiln
+    from kiln import cache
+    sys.path.insert(0, ".")
+    from netdef import Net
+    m = kiln.trace(Net().eval(), torch.ones(2, 8), cache=sys.argv[1])
+    print(json.dumps({"key": m.cache_key, "stats": cache.stats,
+                      "out": m(torch.ones(2, 8)).sum().item()}))
+''')
+
+
+def _trace_in(directory, url, env=None):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "netdef.py").write_text(MODEL_SOURCE)
+    return subprocess.Popen([sys.executable, "-c", TRACE_SCRIPT, url], cwd=directory, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_same_model_in_two_directories_and_processes_shares_the_key(tmp_path):
+    url = str(tmp_path / "cache")
+    one = _result(_trace_in(tmp_path / "checkout-a", url))
+    two = _result(_trace_in(tmp_path / "elsewhere" / "checkout-b", url))
+    assert one["key"] == two["key"]
+    assert one["stats"]["compiles"] == 1 and two["stats"]["compiles"] == 0
+    assert two["stats"]["alias_hits"] == 1            # found without even capturing
+
+
+def test_truncated_entry_is_discarded_and_recompiled(tmp_path):
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    key = kiln.trace(model, x, cache=url).cache_key
+    path = tmp_path / "cache" / "entries" / key / "artifact.kiln"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    s = snap()
+    again = kiln.trace(model, x, cache=url)
+    assert delta(s)["discarded"] == 1 and delta(s)["compiles"] == 1
+    assert_close(again(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    assert path.stat().st_size > 0 and cache_mod.Cache(url).lookup(key)[0] == "ok"
+
+
+def test_entry_without_meta_is_not_used(tmp_path):
+    """A process killed between writing the artifact and its meta leaves no valid entry."""
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    key = kiln.trace(model, x, cache=url).cache_key
+    (tmp_path / "cache" / "entries" / key / "meta.json").unlink()
+    s = snap()
+    kiln.trace(model, x, cache=url)
+    assert delta(s)["compiles"] == 1
+
+
+def test_two_processes_racing_on_one_key_compile_once(tmp_path):
+    url = str(tmp_path / "cache")
+    procs = [_trace_in(tmp_path / f"p{i}", url) for i in range(2)]
+    results = [_result(p) for p in procs]
+    assert sum(r["stats"]["compiles"] for r in results) == 1
+    assert results[0]["key"] == results[1]["key"]
+    assert results[0]["out"] == pytest.approx(results[1]["out"], abs=1e-5)
+
+
+def test_failed_compile_is_cached_and_retried_on_request(tmp_path):
+    url = str(tmp_path / "cache")
+    model = models.tiny_bert()
+    inputs = models.bert_inputs()
+    with pytest.raises(ValidationError):
+        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url)
+    s = snap()
+    with pytest.raises(cache_mod.CachedFailure, match=r"(?s)ValidationError.*retry_failed=True"):
+        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url)
+    assert delta(s)["compiles"] == 0 and delta(s)["failed_hits"] == 1
+    s = snap()
+    with pytest.raises(ValidationError):
+        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url, retry_failed=True)
+    assert delta(s)["compiles"] == 1
+
+
+def test_lru_eviction_under_a_small_cap(tmp_path):
+    url = str(tmp_path / "cache")
+    store = cache_mod.Cache(url)
+    model, _ = models.mlp()
+    keys = [kiln.trace(model, torch.randn(n, 16), cache=store).cache_key for n in (1, 2)]
+    size = max(e["size"] for e in store.entries())
+    kiln.trace(model, torch.randn(1, 16), cache=store)          # use the first again
+    store.max_bytes = int(size * 2.5)                           # room for two entries
+    third = kiln.trace(model, torch.randn(3, 16), cache=store).cache_key
+    left = {e["key"] for e in store.entries()}
+    assert left == {keys[0], third}                             # the least recently used went
+
+
+def test_memory_url_and_off_switch(tmp_path, monkeypatch):
+    model, x = models.mlp()
+    s = snap()
+    kiln.trace(model, x, cache="memory://kiln-test")
+    kiln.trace(model, x, cache="memory://kiln-test")
+    assert delta(s)["hits"] == 1
+    s = snap()
+    monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "env-cache"))
+    kiln.trace(model, x)
+    kiln.trace(model, x, cache=False)
+    assert delta(s)["compiles"] == 1 and (tmp_path / "env-cache" / "entries").is_dir()
+
+
+def test_cli_cache_commands(tmp_path, kiln_cli):
+    url = str(tmp_path / "cache")
+    env = {**os.environ, "KILN_CACHE_URL": url, "COLUMNS": "200"}
+    out = tmp_path / "m.kiln"
+    r = subprocess.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cache: miss, stored" in r.stdout
+    r = subprocess.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert "cache: hit" in r.stdout
+    r = subprocess.run([kiln_cli, "cache", "ls", "--json"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    (entry,) = json.loads(r.stdout)
+    assert entry["model_name"] == "MLP" and entry["engine"] == "onnxruntime" and entry["uses"] == 1
+    r = subprocess.run([kiln_cli, "inspect", str(out)], env=env, capture_output=True, text=True, timeout=60)
+    assert entry["key"] in r.stdout
+    r = subprocess.run([kiln_cli, "cache", "info", entry["key"][:10]], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert json.loads(r.stdout)["key"] == entry["key"]
+    r = subprocess.run([kiln_cli, "cache", "prune", "--max-bytes", "1"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert "removed 1 entry" in r.stdout
+    r = subprocess.run([kiln_cli, "cache", "ls"], env=env, capture_output=True, text=True, timeout=60)
+    assert "0 entries" in r.stdout
+
+
+# -- an S3-compatible store on loopback ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec.config
+    import s3fs
+    # fsspec reads FSSPEC_* at import: this process needs the setting directly
+    conf_before = dict(fsspec.config.conf.get("s3", {}))
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = env["FSSPEC_S3_ENDPOINT_URL"]
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"])
+    fs.mkdir("kiln-fleet")
+    yield env
+    fsspec.config.conf["s3"] = conf_before
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_s3_cache_hits_and_races(s3, tmp_path):
+    url = "s3://kiln-fleet/cache"
+    model, x = models.mlp()
+    s = snap()
+    first = kiln.trace(model, x, cache=url)
+    second = kiln.trace(model, x, cache=url)
+    assert delta(s)["compiles"] == 1 and delta(s)["hits"] == 1
+    assert second.cache_key == first.cache_key
+    assert_close(second(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    procs = [_trace_in(tmp_path / f"s3p{i}", "s3://kiln-fleet/race", env=s3) for i in range(2)]
+    results = [_result(p) for p in procs]
+    assert sum(r["stats"]["compiles"] for r in results) == 1
+    assert results[0]["key"] == results[1]["key"]
