@@ -41,6 +41,8 @@ class Captured:
     eager_outputs: list                  # flat reference outputs from eager PyTorch
     model_name: str = "model"
     notes: list = field(default_factory=list)
+    exported: object = None              # the ExportedProgram (decomposed) the graph came from
+    tensor_mask: list | None = None      # which pytree input leaves are tensors
 
 
 def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
@@ -141,8 +143,25 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
         warnings.simplefilter("ignore", FutureWarning)
         if decompose:
             ep = ep.run_decompositions()
+    tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
+    gm = graph_module(ep, tensor_mask)
+    graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if len(graph_outputs) != len(out_leaves):
+        raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
+                           "produce; return only tensors (in tuples, lists or dicts)")
+    captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
+                        list(leaves), [t.detach() for t in out_leaves], _name(model))
+    captured.exported, captured.tensor_mask = ep, tensor_mask
+    return captured
+
+
+def graph_module(ep, tensor_mask) -> torch.fx.GraphModule:
+    """The runnable graph of an ExportedProgram in kiln's plain convention: flat tensors
+    in (non-tensor leaves dropped), flat tensors out, no redundant runtime checks.
+    Separate from capture so a saved ExportedProgram (parallel-compile) gets the same graph."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
         gm = ep.module()
-    # Plain calling convention: flat tensors in, flat tensors out (kiln owns the pytree I/O).
     gm.graph._codegen = torch.fx.graph.CodeGen()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
@@ -150,11 +169,10 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     # export keeps a placeholder per pytree leaf; non-tensor leaves (None, ints)
     # were specialised into the graph, so their placeholders must be unused.
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    torch_leaves = pytree.tree_leaves(tuple(named.values()))
-    if len(placeholders) != len(torch_leaves):
-        raise CaptureError(f"internal: graph has {len(placeholders)} inputs for {len(torch_leaves)} leaves")
-    for node, leaf in zip(placeholders, torch_leaves):
-        if not isinstance(leaf, torch.Tensor):
+    if len(placeholders) != len(tensor_mask):
+        raise CaptureError(f"internal: graph has {len(placeholders)} inputs for {len(tensor_mask)} leaves")
+    for node, is_tensor in zip(placeholders, tensor_mask):
+        if not is_tensor:
             if node.users:
                 raise CaptureError(f"input '{node.name}' is a non-tensor value the graph depends on; "
                                    "pass it as a tensor or bake it into the model")
@@ -167,14 +185,9 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     # The graph returns one value per flat tensor output, in pytree order; constants
     # (None, ints) live in the output structure instead.
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    graph_outputs = [v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, torch.fx.Node)]
-    out_node.args = (tuple(graph_outputs),)
+    out_node.args = (tuple(v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, torch.fx.Node)),)
     gm.recompile()
-    if len(graph_outputs) != len(out_leaves):
-        raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
-                           "produce; return only tensors (in tuples, lists or dicts)")
-    return Captured(gm, names, structure, in_specs, out_structure, out_specs,
-                    list(leaves), [t.detach() for t in out_leaves], _name(model))
+    return gm
 
 
 class _FunctionModule(torch.nn.Module):

@@ -170,6 +170,19 @@ def cmd_cache(a, console):
     return 0
 
 
+def cmd_parallel_compile(a, console):
+    from .collect import parallel_compile
+    from .errors import KilnError
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        raise KilnError("kiln parallel-compile needs a command: kiln parallel-compile -- python script.py")
+    summary = parallel_compile(command, workers=a.workers, cache_url=a.cache)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 1 if any(not j["ok"] for j in summary["jobs"]) else 0
+
+
 def cmd_inspect(a, console):
     from .artifact import Artifact
     art = Artifact.load(a.artifact)
@@ -311,6 +324,14 @@ def build_parser():
                     "this size (e.g. 2G; default KILN_CACHE_MAX_BYTES); without it, prune drops failed entries")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_cache)
+
+    sp = sub.add_parser("parallel-compile", help="collect the graphs a script compiles, then compile "
+                        "them in parallel into the cache: kiln parallel-compile -- python train.py ...")
+    sp.add_argument("--workers", type=int, default=None, help="compile processes (default: one per CPU)")
+    sp.add_argument("--cache", default=None, help="cache URL (default: KILN_CACHE_URL or ~/.cache/kiln)")
+    sp.add_argument("--json", default=None, help="write the per-graph results to this file")
+    sp.add_argument("command", nargs=argparse.REMAINDER, help="the script to run, after --")
+    sp.set_defaults(fn=cmd_parallel_compile)
     return p
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 import warnings
 
@@ -238,10 +239,38 @@ def _cached(store, model, args, kwargs, compiler_args, options, retry_failed, co
     """Compile through the cache: fingerprint alias → entry; else capture → key → entry;
     else compile under the key's lock, store, and alias the fingerprint."""
     from . import cache as cache_mod
-    from .artifact import Artifact
     opts = make_options(compiler_args, **{k: options.get(k) for k in _KEY_OPTIONS})
     extra = {"name": options.get("name")}
-    threads = options.get("threads")
+    from_cache = cache_reader(store, retry_failed, options.get("threads"))
+    with progress.phase("cache lookup"):
+        named = bind_inputs(model, args, kwargs)
+        fp = cache_mod.fingerprint(model, named, opts, extra)
+        key = store.alias(fp) if fp else None
+        if key is not None:
+            hit = from_cache(key)
+            if hit is not None:
+                store._count("alias_hits")
+                return hit
+    with progress.phase("capture"):
+        captured = capture(model, args, kwargs)
+    key = cache_mod.graph_key(captured, opts, extra)
+    hit = from_cache(key)
+    if hit is None:
+        collect_dir = os.environ.get("KILN_COLLECT_DIR")
+        if collect_dir:   # kiln parallel-compile's first pass: record, compile later
+            from .collect import record
+            return record(collect_dir, model, captured, key, fp, store.url, compiler_args, options)
+        return compile_into_cache(store, key, fp, captured, compile_, compiler_args, from_cache)
+    if fp:
+        store.set_alias(fp, key)
+    return hit
+
+
+def cache_reader(store, retry_failed, threads):
+    """A function key -> loaded model from the cache, or None (then compile); a remembered
+    failure raises CachedFailure unless ``retry_failed``."""
+    from . import cache as cache_mod
+    from .artifact import Artifact
 
     def from_cache(key):
         found = store.lookup(key)
@@ -269,42 +298,33 @@ def _cached(store, model, args, kwargs, compiler_args, options, retry_failed, co
         compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
         return compiled
 
-    with progress.phase("cache lookup"):
-        named = bind_inputs(model, args, kwargs)
-        fp = cache_mod.fingerprint(model, named, opts, extra)
-        key = store.alias(fp) if fp else None
-        if key is not None:
-            hit = from_cache(key)
-            if hit is not None:
-                store._count("alias_hits")
-                return hit
-    with progress.phase("capture"):
-        captured = capture(model, args, kwargs)
-    key = cache_mod.graph_key(captured, opts, extra)
-    hit = from_cache(key)
-    if hit is None:
-        with store.lock(key, wait_for=lambda: from_cache(key)) as ready:
-            hit = ready or from_cache(key)
-            if hit is None:
-                store._count("misses")
-                store._count("compiles")
-                info = {"model_name": captured.model_name, "kiln_version": __version__,
-                        "options": compiler_args if isinstance(compiler_args, str) else
-                        " ".join(compiler_args or [])}
-                try:
-                    compiled = compile_(captured)
-                except _DETERMINISTIC as e:
-                    store.store_failure(key, e, info)
-                    raise
-                compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
-                engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
-                store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
-                if fp:
-                    store.set_alias(fp, key)
-                return compiled
-    if fp:
-        store.set_alias(fp, key)
-    return hit
+    return from_cache
+
+
+def compile_into_cache(store, key, fp, captured, compile_, compiler_args, from_cache):
+    """Compile ``key`` once across processes: under its lock, unless another process
+    stores it meanwhile (then that result is used), and remember deterministic failures."""
+    with store.lock(key, wait_for=lambda: from_cache(key)) as ready:
+        hit = ready or from_cache(key)
+        if hit is not None:
+            if fp:
+                store.set_alias(fp, key)
+            return hit
+        store._count("misses")
+        store._count("compiles")
+        info = {"model_name": captured.model_name, "kiln_version": __version__,
+                "options": compiler_args if isinstance(compiler_args, str) else " ".join(compiler_args or [])}
+        try:
+            compiled = compile_(captured)
+        except _DETERMINISTIC as e:
+            store.store_failure(key, e, info)
+            raise
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
+        engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
+        store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
+        if fp:
+            store.set_alias(fp, key)
+        return compiled
 
 
 def _spec(name, t):

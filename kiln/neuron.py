@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from . import compiler, placement as cores
 from .errors import CompilerArgsError
-from .neuronx import _split_inputs
+from .neuronx import _split_inputs, neuron_cache_options
 from .parallel import DataParallel  # noqa: F401  (dynamic batching on; .disable_dynamic_batching())
 
 cores.neuron_env = True   # honour NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES
@@ -27,6 +27,8 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
     if optimizations:
         raise CompilerArgsError("optimizations= is not supported; use compiler_args=['-O1'|'-O2'|'-O3']")
     args, kwargs = _split_inputs(example_inputs)
+    for k, v in neuron_cache_options().items():
+        kiln_options.setdefault(k, v)
     compiled = compiler.trace(model, args, kwargs, compiler_args=compiler_args, fallback=fallback,
                               min_partition_size=max(1, int(minimum_segment_size)), **kiln_options)
     if compiler_workdir:

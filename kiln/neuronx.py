@@ -48,7 +48,7 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
         raise CompilerArgsError("inline_weights_to_neff=False (separately replaceable weights) is "
                                 "not supported yet; weights are always stored in the artifact")
     args, kwargs = _split_inputs(example_inputs)
-    options = dict(fallback=False)
+    options = dict(fallback=False, **neuron_cache_options())
     pc = partitioner_config
     if pc is not None:
         options["fallback"] = True
@@ -68,6 +68,29 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
         with open(os.path.join(compiler_workdir, "report.json"), "w") as f:
             json.dump(compiled.report, f, indent=1)
     return compiled
+
+
+def neuron_cache_options() -> dict:
+    """Neuron's cache settings, when kiln's own (KILN_CACHE_URL) are not given:
+    ``NEURON_COMPILE_CACHE_URL``, and ``--cache_dir=`` / ``--retry_failed_compilation``
+    in ``NEURON_CC_FLAGS``."""
+    import os
+    import shlex
+    out: dict = {}
+    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+    if "--retry_failed_compilation" in flags:
+        out["retry_failed"] = True
+    if os.environ.get("KILN_CACHE_URL") is not None:
+        return out
+    url = os.environ.get("NEURON_COMPILE_CACHE_URL")
+    for i, flag in enumerate(flags):
+        if flag.startswith("--cache_dir="):
+            url = flag.split("=", 1)[1]
+        elif flag == "--cache_dir" and i + 1 < len(flags):
+            url = flags[i + 1]
+    if url:
+        out["cache"] = url
+    return out
 
 
 def _check_partitioner(compiled, pc):
