@@ -161,7 +161,32 @@ def _hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+_digests: dict = {}   # id(tensor) -> (weakref, state, digest), this process only
+_digests_lock = threading.Lock()
+
+
 def _tensor_digest(t: torch.Tensor) -> str:
+    """Content digest of a tensor, remembered while the tensor is alive and unchanged, so
+    a second trace in the same process does not rehash hundreds of megabytes of weights.
+    ``_version`` moves on every in-place write and ``data_ptr`` on ``param.data = ...``;
+    the weak reference makes sure a reused id is not taken for the old tensor."""
+    import weakref
+    try:
+        state = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        ref = weakref.ref(t)
+    except (TypeError, RuntimeError):
+        return _compute_digest(t)
+    with _digests_lock:
+        hit = _digests.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == state:
+        return hit[2]
+    digest = _compute_digest(t)
+    with _digests_lock:
+        _digests[id(t)] = (ref, state, digest)
+    return digest
+
+
+def _compute_digest(t: torch.Tensor) -> str:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -251,12 +276,15 @@ def _class_digest(cls) -> list:
         content = _file_digest(path)
     except (TypeError, OSError):
         content = "builtin"
-    top = (cls.__module__ or "").split(".")[0]
+    return [cls.__qualname__, content, _package_version((cls.__module__ or "").split(".")[0])]
+
+
+@functools.lru_cache(maxsize=None)
+def _package_version(top):
     try:
-        version = importlib.metadata.version(top)
+        return importlib.metadata.version(top)
     except (importlib.metadata.PackageNotFoundError, ValueError):
-        version = None
-    return [cls.__qualname__, content, version]
+        return None
 
 
 def _settings(value, depth=0):
@@ -388,7 +416,10 @@ class Cache:
         if meta.get("status") == "failed":
             return "failed", meta.get("error", "unknown error"), meta
         data = self._read(self._path("entries", key, "artifact.kiln")) if meta.get("status") == "ok" else None
-        if data is None or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        # Size here; every blob's SHA-256 is checked when the artifact is parsed (and a
+        # failure there discards the entry too): hashing the whole file again costs a
+        # second per 400 MB for nothing.
+        if data is None or len(data) != meta.get("size"):
             log.warning("kiln cache: entry %s is corrupt or partial; discarding it", key[:16])
             self._count("discarded")
             self._rm(self._path("entries", key), recursive=True)
@@ -416,6 +447,11 @@ class Cache:
                     created=_now(), last_used=_now(), uses=0)
         self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())
         return meta
+
+    def discard(self, key, why):
+        log.warning("kiln cache: entry %s is unusable (%s); discarding it", key[:16], why)
+        self._count("discarded")
+        self.forget(key)
 
     def forget(self, key):
         self._rm(self._path("entries", key), recursive=True)

@@ -290,8 +290,7 @@ def cache_reader(store, retry_failed, threads):
             compiled = CompiledModel(Artifact.from_bytes(payload, f"cache entry {key[:16]}"),
                                      RuntimeOptions(threads=threads))
         except KilnError as e:
-            log.warning("kiln cache: entry %s cannot be loaded (%s); recompiling", key[:16], e)
-            store.forget(key)
+            store.discard(key, e)
             return None
         store.touch(key, meta)
         store._count("hits")

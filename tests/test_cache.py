@@ -272,3 +272,59 @@ def test_s3_cache_hits_and_races(s3, tmp_path):
     results = [_result(p) for p in procs]
     assert sum(r["stats"]["compiles"] for r in results) == 1
     assert results[0]["key"] == results[1]["key"]
+
+
+PARALLEL_SCRIPT = textwrap.dedent('''
+    import json, torch, kiln
+    from kiln import cache
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
+              torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()),
+              torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3), torch.nn.ReLU())]
+    inputs = [torch.randn(2, 8), torch.randn(3, 8), torch.randn(1, 2, 10)]
+    for m, x in zip(models, inputs):
+        c = kiln.trace(m.eval(), x)
+        torch.testing.assert_close(c(x), m(x).detach(), atol=1e-4, rtol=1e-4)
+    print("STATS " + json.dumps(cache.stats))
+''')
+
+
+def _stats(out):
+    return json.loads(next(ln for ln in out.splitlines() if ln.startswith("STATS "))[6:])
+
+
+def test_parallel_compile_fills_the_cache_for_a_script_with_three_models(tmp_path, kiln_cli):
+    script = tmp_path / "serve.py"
+    script.write_text(PARALLEL_SCRIPT)
+    env = {**os.environ, "KILN_CACHE_URL": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    r = subprocess.run([kiln_cli, "parallel-compile", "--workers", "2", "--json", str(tmp_path / "pc.json"),
+                        "--", sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert _stats(r.stdout)["compiles"] == 0              # collect mode: eager stand-ins, nothing compiled
+    assert "3 graph(s): 3 compiled" in r.stderr
+    summary = json.loads((tmp_path / "pc.json").read_text())
+    assert len(summary["jobs"]) == 3 and all(j["ok"] for j in summary["jobs"])
+    assert len({j["key"] for j in summary["jobs"]}) == 3
+    normal = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert normal.returncode == 0, normal.stderr
+    stats = _stats(normal.stdout)
+    assert stats["hits"] == 3 and stats["compiles"] == 0
+
+
+def test_neuron_cache_settings_are_honoured(tmp_path, monkeypatch):
+    import kiln.neuronx
+    monkeypatch.delenv("KILN_CACHE_URL")
+    monkeypatch.setenv("NEURON_CC_FLAGS", f"--cache_dir={tmp_path / 'neuron-cache'}")
+    model, x = models.mlp()
+    s = snap()
+    kiln.neuronx.trace(model, x)
+    kiln.neuronx.trace(model, x)
+    assert delta(s)["compiles"] == 1 and delta(s)["hits"] == 1
+    assert (tmp_path / "neuron-cache" / "entries").is_dir()
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "memory://neuron-url")
+    assert kiln.neuronx.neuron_cache_options() == {"cache": "memory://neuron-url"}
+    monkeypatch.setenv("KILN_CACHE_URL", "off")                 # kiln's own setting wins
+    assert kiln.neuronx.neuron_cache_options() == {}
