@@ -36,6 +36,8 @@ class EagerStandIn(torch.nn.Module):
 
     def __init__(self, model, key):
         super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            model = _Callable(model)
         self.model = model
         self.cache_key = key
         self.manifest = {"cache": {"key": key, "hit": False, "collected": True}}
@@ -62,7 +64,7 @@ def record(directory, model, captured, key, fp, url, compiler_args, options):
                "tensor_mask": captured.tensor_mask}
         write_atomic(path, lambda f: torch.save(job, f))
         log.info("kiln parallel-compile: collected %s (%s)", captured.model_name, key[:16])
-    return EagerStandIn(model if isinstance(model, torch.nn.Module) else _Callable(model), key)
+    return EagerStandIn(model, key)
 
 
 _CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",

@@ -104,6 +104,9 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
             return compile_()
         return _cached(store, m, args, kwargs, compiler_args, options, retry_failed, compile_, progress)
 
+    if store is not None and os.environ.get("KILN_COLLECT_DIR"):
+        return _collect(model, example_inputs, example_kwargs, buckets, pad_values, pipeline_cores,
+                        trace_one)
     if pipeline_cores and pipeline_cores > 1:
         if buckets is not None:
             raise CompilerArgsError("pipeline_cores and buckets cannot be combined yet; "
@@ -127,6 +130,23 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         from .shapes import DynamicBatch
         compiled = DynamicBatch(compiled)
     return compiled
+
+
+def _collect(model, example_inputs, example_kwargs, buckets, pad_values, pipeline_cores, trace_one):
+    """kiln parallel-compile's collect pass: record every graph this trace would compile
+    and hand back the model itself. Pipelines are not collected: their stage cut comes
+    from timings taken at compile time, so they compile in the normal run."""
+    from .collect import EagerStandIn
+    if pipeline_cores and pipeline_cores > 1:
+        log.warning("kiln parallel-compile: pipelines are compiled in the normal run, not collected")
+        return EagerStandIn(model, None)
+    if buckets is not None:
+        from .shapes import bucket_examples
+        for n, (args, kwargs) in enumerate(bucket_examples(model, example_inputs, example_kwargs,
+                                                           buckets, pad_values)):
+            trace_one(model, args, kwargs, label=f"bucket {n + 1}")
+        return EagerStandIn(model, None)
+    return trace_one(model, example_inputs, example_kwargs)   # a cache hit is returned as is
 
 
 def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_args=None,

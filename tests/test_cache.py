@@ -328,3 +328,15 @@ def test_neuron_cache_settings_are_honoured(tmp_path, monkeypatch):
     assert kiln.neuronx.neuron_cache_options() == {"cache": "memory://neuron-url"}
     monkeypatch.setenv("KILN_CACHE_URL", "off")                 # kiln's own setting wins
     assert kiln.neuronx.neuron_cache_options() == {}
+
+
+def test_collect_mode_records_every_bucket_and_returns_the_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_COLLECT_DIR", str(tmp_path / "jobs"))
+    (tmp_path / "jobs").mkdir()
+    model, x = models.mlp()
+    s = snap()
+    stand_in = kiln.trace(model, x, buckets=[torch.randn(1, 16), torch.randn(4, 16)],
+                          cache=str(tmp_path / "cache"))
+    assert delta(s)["compiles"] == 0
+    assert sorted(p.suffix for p in (tmp_path / "jobs").iterdir()) == [".job", ".job", ".pt2", ".pt2"]
+    assert_close(stand_in(x), model(x).detach(), atol=0, rtol=0)     # eager, so the script proceeds
