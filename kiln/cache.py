@@ -312,11 +312,14 @@ def _settings(value, depth=0):
     return [type(value).__qualname__, None if " at 0x" in text else text]
 
 
-_SKIP = {"_parameters", "_buffers", "_modules", "training", "_forward_hooks", "_forward_pre_hooks",
+_SKIP = {"_parameters", "_buffers", "_modules", "training",
          "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
          "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_non_persistent_buffers_set",
          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
          "_is_full_backward_hook", "_compiled_call_impl"}
+# Forward hooks change what the model computes; their dict keys are process-global
+# counters, so only the hooks themselves (in order) go into the fingerprint.
+_HOOKS = {"_forward_hooks", "_forward_pre_hooks"}
 
 
 def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
@@ -326,7 +329,7 @@ def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
         return None
     modules = []
     for name, mod in model.named_modules():
-        state = {k: _settings(v) for k, v in vars(mod).items()
+        state = {k: _settings(list(v.values()) if k in _HOOKS else v) for k, v in vars(mod).items()
                  if k not in _SKIP and not isinstance(v, torch.Tensor)}
         modules.append([name, _class_digest(type(mod)), state])
     tensors = list(model.named_parameters()) + list(model.named_buffers())
