@@ -17,6 +17,8 @@ and around it, shapes and cores::
     placement.py  kiln cores: CPUs grouped into units a model is pinned to
     parallel.py   DataParallel: one worker process per core, shared-memory tensors
     pipeline.py   one graph split into stages over cores, requests streamed
+    cache.py      the persistent compile cache; collect.py: parallel-compile
+    telemetry.py  per-model counters (kiln.metrics); profiler.py: Chrome-trace timelines
 """
 __version__ = "0.1.0"
 
@@ -28,10 +30,13 @@ from .runtime import CompiledModel, Model, load  # noqa: E402
 from .placement import cores, PlacementError  # noqa: E402
 from .shapes import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
 from .parallel import DataParallel  # noqa: E402
+from .telemetry import metrics, metrics_report  # noqa: E402
+from .profiler import profile  # noqa: E402
 from .specs import Output  # noqa: E402
 from . import torchscript as _torchscript  # noqa: E402,F401  (registers the kiln::run op)
 
-__all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores",
+__all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores", "metrics",
+           "metrics_report", "profile",
            "dynamic_batch", "Bucketed", "DynamicBatch", "DataParallel", "PlacementError", "KilnError", "ArtifactError",
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
            "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError"]

@@ -212,24 +212,62 @@ class Program:
     def host_ops(self):
         return [s for s in self.steps if s[0] == "op"]
 
-    def __call__(self, inputs, on_step=None):
+    def labels(self, engines):
+        """A display name per step, for profiles: engine partitions and host ops."""
+        out = []
+        for kind, what, _, _ in self.steps:
+            if kind == "partition":
+                out.append(("device", f"partition {what} ({engines[what]})"))
+            elif kind == "op":
+                out.append(("host", f"host {getattr(what, '__name__', str(what))}"))
+            else:
+                out.append((None, None))
+        return out
+
+    def run_timed(self, inputs, labels, span, scope=None):
+        """``__call__`` that reports each partition and host op to
+        ``span(category, label, start, end)`` and runs it inside ``scope(label)`` when
+        given (torch.profiler ranges); returns (outputs, device s, host s)."""
+        import contextlib
+        import time
+        clock = time.perf_counter
+        device = host = 0.0
+        env = list(inputs) + [None] * (self.num_slots - len(inputs))
+        for (kind, what, ins, outs), (cat, label) in zip(self.steps, labels):
+            start = clock()
+            with scope(label) if scope is not None and cat else contextlib.nullcontext():
+                self._step(kind, what, ins, outs, env)
+            if cat is None:
+                continue
+            end = clock()
+            if cat == "device":
+                device += end - start
+            else:
+                host += end - start
+            if span is not None:
+                span(cat, label, start, end)
+        return [_resolve(o, env) for o in self.outputs], device, host
+
+    def _step(self, kind, what, ins, outs, env):
+        if kind == "partition":
+            res = self.partitions[what]([_resolve(a, env) for a in ins])
+            for o, r in zip(outs, res):
+                if o is not None:
+                    env[o] = r
+        elif kind == "op":
+            args, kwargs = ins
+            env[outs[0]] = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+        elif kind == "getitem":
+            env[outs[0]] = _resolve(ins[0], env)[what]
+        else:
+            env[outs[0]] = what
+
+    def __call__(self, inputs):
         if self.direct is not None:
             fn, order = self.direct
             res = fn(inputs)
             return res if order is None else [res[i] for i in order]
         env = list(inputs) + [None] * (self.num_slots - len(inputs))
         for kind, what, ins, outs in self.steps:
-            if kind == "partition":
-                res = self.partitions[what]([_resolve(a, env) for a in ins])
-                for o, r in zip(outs, res):
-                    if o is not None:
-                        env[o] = r
-            elif kind == "op":
-                args, kwargs = ins
-                res = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
-                env[outs[0]] = res
-            elif kind == "getitem":
-                env[outs[0]] = _resolve(ins[0], env)[what]
-            else:
-                env[outs[0]] = what
+            self._step(kind, what, ins, outs, env)
         return [_resolve(o, env) for o in self.outputs]

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
 
-from . import backends, placement as cores, specs
+from . import backends, placement as cores, profiler, specs
+from .telemetry import ModelMetrics
 from .artifact import Artifact, write_atomic
 from .errors import ArtifactError, InputError, KilnError
 from .options import RuntimeOptions
@@ -177,8 +179,8 @@ class CompiledModel(Model):
         else:
             self.program = self._build_program(self.runtime_options)
         self._host_ops = bool(self.program.host_ops() or not m["partitions"])
-        self._stats = [0]
-        self._lock = threading.Lock()
+        self.metrics = ModelMetrics(self.name)
+        self._labels = self.program.labels([p["engine"] for p in m["partitions"]])
 
     # -- calling ----------------------------------------------------------------
     def flatten(self, args, kwargs) -> list:
@@ -256,19 +258,33 @@ class CompiledModel(Model):
         return self._run_flat(flat)
 
     def _run_flat(self, flat: list) -> list:
-        if self._host_ops:
-            with torch.no_grad():
-                outs = self.program(flat)
-        else:  # engines never record autograd; skip the grad-mode switch
-            outs = self.program([t.detach() if t.requires_grad else t for t in flat])
-        with self._lock:  # a plain list: nn.Module.__setattr__ costs microseconds per call
-            self._stats[0] += 1
+        rec = profiler.active()
+        traced = rec is not None or profiler.torch_profiling()
+        start = time.perf_counter()
+        try:
+            if self._host_ops or traced:
+                # step by step: host fallback time is counted apart, and profiles get spans
+                span = _span_sink(rec, self.name) if rec is not None else None
+                scope = _torch_scope(self.name) if traced and profiler.torch_profiling() else None
+                with torch.no_grad():
+                    outs, device, host = self.program.run_timed(flat, self._labels, span, scope)
+            else:  # engines never record autograd; skip the grad-mode switch
+                outs = self.program([t.detach() if t.requires_grad else t for t in flat])
+                device = host = None
+        except BaseException:
+            self.metrics.record_failure()
+            raise
+        end = time.perf_counter()
+        self.metrics.record_call(end - start, flat, outs, device, host)
+        if rec is not None:
+            core = self.core.id if self.core is not None else None
+            rec.span(f"{self.name}", "call", start, end, {"core": core, "model": self.name})
         return outs
 
     @property
     def calls(self) -> int:
         """Completed calls so far."""
-        return self._stats[0]
+        return self.metrics.completed
 
     # -- persistence -------------------------------------------------------------
     def save(self, f, _extra_files=None):
@@ -285,6 +301,20 @@ class CompiledModel(Model):
         ins = ", ".join(f"{s.name}: {s.describe()}" for s in self.input_specs)
         return (f"kiln.CompiledModel({self.name}; inputs {ins}; {len(parts)} device partition(s) "
                 f"on {', '.join(sorted({p['engine'] for p in parts})) or 'none'}, {host} host op(s))")
+
+
+def _span_sink(rec, model_name):
+    """Per-step callback into kiln's recorder; host fallback steps are flagged."""
+    def span(cat, label, start, end):
+        rec.span(label, cat, start, end, {"model": model_name, "host_fallback": cat == "host"})
+    return span
+
+
+def _torch_scope(model_name):
+    """Under torch.profiler, each step runs inside a ``kiln::<model>::<step>`` range."""
+    def scope(label):
+        return torch.profiler.record_function(f"kiln::{model_name}::{label}")
+    return scope
 
 
 def resolve_placement():

@@ -78,6 +78,8 @@ class Bucketed(_Wrapper):
         self.input_specs = first.input_specs
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
         self._cache: dict = {}
+        from .telemetry import ModelMetrics
+        self.metrics = ModelMetrics(self.name, "bucketed")
         # smallest first, so the first variant that fits is the cheapest
         self._order = sorted(range(len(variants)),
                              key=lambda k: (_volume(self.variant_sizes[k]), self.variant_sizes[k]))
@@ -150,6 +152,7 @@ class Bucketed(_Wrapper):
     def run_flat(self, flat):
         k, sizes = self._select(flat)
         target = self.variant_sizes[k]
+        self.metrics.record_bucket(target)
         if sizes == target:     # an exact bucket: nothing to pad or slice
             return self.variants[k].run_flat(flat)
         padded = []

@@ -10,7 +10,7 @@ import torch
 
 import kiln
 from kiln import cache as cache_mod
-from kiln.errors import ValidationError
+from kiln.errors import UnsupportedOpError
 
 from . import models
 from .conftest import ROOT, assert_close
@@ -161,18 +161,18 @@ def test_two_processes_racing_on_one_key_compile_once(tmp_path):
 
 def test_failed_compile_is_cached_and_retried_on_request(tmp_path):
     url = str(tmp_path / "cache")
-    model = models.tiny_bert()
-    inputs = models.bert_inputs()
-    with pytest.raises(ValidationError):
-        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url)
+    model, x = models.custom_op()          # an op no engine runs; without fallback: an error
+    with pytest.raises(UnsupportedOpError):
+        kiln.trace(model, x, fallback=False, cache=url)
     s = snap()
-    with pytest.raises(cache_mod.CachedFailure, match=r"(?s)ValidationError.*retry_failed=True"):
-        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url)
+    with pytest.raises(cache_mod.CachedFailure, match=r"(?s)UnsupportedOpError.*odd_scale.*retry_failed=True"):
+        kiln.trace(model, x, fallback=False, cache=url)
     assert delta(s)["compiles"] == 0 and delta(s)["failed_hits"] == 1
     s = snap()
-    with pytest.raises(ValidationError):
-        kiln.trace(model, inputs, atol=0.0, rtol=0.0, cache=url, retry_failed=True)
+    with pytest.raises(UnsupportedOpError):
+        kiln.trace(model, x, fallback=False, cache=url, retry_failed=True)
     assert delta(s)["compiles"] == 1
+    kiln.trace(model, x, cache=url)        # other options, other key: compiles fine
 
 
 def test_lru_eviction_under_a_small_cap(tmp_path):

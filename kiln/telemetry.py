@@ -1,0 +1,126 @@
+"""Runtime metrics: what every loaded model has done, readable at any time.
+
+Neuron users find recompilation storms, hidden CPU fallbacks and cold caches
+through a metrics report. Every kiln model keeps counters here: calls
+completed and failed, a latency histogram, time in device partitions vs host
+fallback ops, bytes in and out, and (for bucketed models) hits per bucket.
+``kiln.metrics()`` returns them for every live model plus the compile-cache
+counters; ``kiln.metrics_report()`` is the same as text.
+
+The histogram has fixed log-spaced bins (10 per decade from 1 µs to 1000 s),
+so recording is a constant-time index and percentiles need no stored samples.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import threading
+import weakref
+
+_BOUNDS = [10 ** (e / 10) * 1e-6 for e in range(0, 91)]   # upper bounds, seconds
+_ids = itertools.count(1)
+_registry: "weakref.WeakValueDictionary[int, ModelMetrics]" = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
+
+
+class ModelMetrics:
+    """Counters of one loaded model; ``record_*`` are called by the runtime."""
+
+    def __init__(self, name: str, kind: str = "model"):
+        self.id = next(_ids)
+        self.name, self.kind = name, kind
+        self.lock = threading.Lock()
+        self.completed = self.failed = 0
+        self.device_seconds = self.host_seconds = 0.0
+        self.bytes_in = self.bytes_out = 0
+        self.hist = [0] * (len(_BOUNDS) + 1)
+        self.latency_sum = 0.0
+        self.latency_max = 0.0
+        self.buckets: dict = {}
+        self.core = None
+        with _registry_lock:
+            _registry[self.id] = self
+
+    def record_call(self, seconds, inputs=(), outputs=(), device=None, host=None):
+        i = bisect.bisect_left(_BOUNDS, seconds)
+        nin = sum(t.numel() * t.element_size() for t in inputs)
+        nout = sum(t.numel() * t.element_size() for t in outputs)
+        with self.lock:
+            self.completed += 1
+            self.hist[i] += 1
+            self.latency_sum += seconds
+            self.latency_max = max(self.latency_max, seconds)
+            self.bytes_in += nin
+            self.bytes_out += nout
+            self.device_seconds += seconds if device is None else device
+            self.host_seconds += host or 0.0
+
+    def record_failure(self):
+        with self.lock:
+            self.failed += 1
+
+    def record_bucket(self, sizes):
+        key = "x".join(str(s) for s in sizes)
+        with self.lock:
+            self.buckets[key] = self.buckets.get(key, 0) + 1
+
+    def percentile(self, q: float):
+        with self.lock:
+            total = sum(self.hist)
+            if not total:
+                return None
+            rank = math.ceil(q / 100 * total)
+            seen = 0
+            for i, n in enumerate(self.hist):
+                seen += n
+                if seen >= rank:
+                    return min(_BOUNDS[i] if i < len(_BOUNDS) else self.latency_max, self.latency_max)
+        return self.latency_max
+
+    def snapshot(self) -> dict:
+        pcts = {f"p{q}": _ms(self.percentile(q)) for q in (50, 90, 99)}
+        with self.lock:
+            calls = self.completed
+            return {
+                "name": self.name, "kind": self.kind, "id": self.id, "core": self.core,
+                "calls_completed": calls, "calls_failed": self.failed,
+                "latency_ms": {**pcts, "mean": _ms(self.latency_sum / calls) if calls else None,
+                               "max": _ms(self.latency_max) if calls else None},
+                "device_seconds": round(self.device_seconds, 6), "host_seconds": round(self.host_seconds, 6),
+                "host_share": round(self.host_seconds / (self.device_seconds + self.host_seconds), 4)
+                if self.device_seconds + self.host_seconds else 0.0,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "bucket_hits": dict(self.buckets),
+            }
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1e3, 4)
+
+
+def metrics() -> dict:
+    """Counters of every live kiln model in this process, and the compile cache's."""
+    from . import cache
+    with _registry_lock:
+        live = sorted(_registry.values(), key=lambda m: m.id)
+    return {"models": [m.snapshot() for m in live], "compile_cache": dict(cache.stats)}
+
+
+def metrics_report() -> str:
+    """``metrics()`` as text, in the spirit of torch_xla's ``metrics_report()``."""
+    m = metrics()
+    lines = []
+    for s in m["models"]:
+        lat = s["latency_ms"]
+        lines.append(f"Model {s['name']} [{s['kind']} #{s['id']}]" + (f" on core {s['core']}" if s["core"] is not None else ""))
+        lines.append(f"  Calls: completed={s['calls_completed']} failed={s['calls_failed']}")
+        lines.append(f"  Latency ms: p50={lat['p50']} p90={lat['p90']} p99={lat['p99']} mean={lat['mean']} max={lat['max']}")
+        lines.append(f"  Time: device={s['device_seconds']:.4f}s host fallback={s['host_seconds']:.4f}s "
+                     f"({100 * s['host_share']:.1f}% on host)")
+        lines.append(f"  Bytes: in={s['bytes_in']} out={s['bytes_out']}")
+        if s["bucket_hits"]:
+            lines.append("  Bucket hits: " + ", ".join(f"{k}={v}" for k, v in sorted(s["bucket_hits"].items())))
+    c = m["compile_cache"]
+    lines.append("Compile cache: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+    return "\n".join(lines)
