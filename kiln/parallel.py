@@ -194,7 +194,9 @@ class _Replica:
         ours, theirs = socket.socketpair()
         path, cpus, dynamic = self._args
         config = json.dumps({"artifact": path, "cpus": list(cpus), "dynamic_batching": dynamic})
-        env = {k: v for k, v in os.environ.items() if k not in _CORE_ENV}
+        # the replica owns its core (no core selection inside it) and does not write the
+        # parent's KILN_PROFILE file over it at exit
+        env = {k: v for k, v in os.environ.items() if k not in _CORE_ENV and k != "KILN_PROFILE"}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         self.proc = subprocess.Popen(
