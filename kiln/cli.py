@@ -183,6 +183,41 @@ def cmd_parallel_compile(a, console):
     return 1 if any(not j["ok"] for j in summary["jobs"]) else 0
 
 
+def host_info() -> dict:
+    """What `kiln ls` shows about this host: kiln cores, ISA, memory, engines."""
+    import psutil
+    from . import backends, placement
+    from . import target as target_mod
+    engines = {}
+    for name in backends.names():
+        b = backends.get(name, required=False)
+        engines[name] = b.version() if b is not None else None
+    return {"cores": [{"id": c.id, "host_index": c.host_index, "cpus": list(c.cpus)} for c in placement.visible()],
+            "arch": target_mod.arch(), "isa": target_mod.describe("native")["isa"],
+            "memory_total_bytes": psutil.virtual_memory().total,
+            "memory_available_bytes": psutil.virtual_memory().available, "engines": engines}
+
+
+def cmd_ls(a, console):
+    info = host_info()
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    from .placement import format_cpus
+    t = Table("kiln core", "host core", "CPUs", title=f"{len(info['cores'])} kiln cores")
+    for c in info["cores"]:
+        t.add_row(str(c["id"]), str(c["host_index"]), format_cpus(c["cpus"]))
+    console.print(t)
+    console.print(f"arch {info['arch']}; ISA: {' '.join(info['isa']) or '-'}")
+    console.print(f"memory: {info['memory_available_bytes'] / 2**30:.1f} GiB free of "
+                  f"{info['memory_total_bytes'] / 2**30:.1f} GiB")
+    e = Table("engine", "version", title="engines")
+    for name, version in info["engines"].items():
+        e.add_row(name, version or "not installed")
+    console.print(e)
+    return 0
+
+
 def cmd_inspect(a, console):
     from .artifact import Artifact
     art = Artifact.load(a.artifact)
@@ -315,6 +350,10 @@ def build_parser():
     sp.add_argument("artifact")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("ls", help="this host's kiln cores, ISA, memory and engines")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_ls)
 
     sp = sub.add_parser("cache", help="show and manage the compile cache")
     sp.add_argument("action", choices=("ls", "info", "prune", "clear"))

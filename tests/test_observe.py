@@ -75,3 +75,18 @@ def test_kiln_spans_appear_in_torch_profiler():
     names = {e.name for e in prof.events()}
     assert any(n.startswith("kiln::WithCustomOp::partition") for n in names), sorted(names)[:20]
     assert any(n.startswith("kiln::WithCustomOp::host") for n in names)
+
+
+def test_kiln_ls_lists_cores_isa_and_engines(kiln_cli):
+    import os
+    import subprocess
+    from kiln import placement
+    r = subprocess.run([kiln_cli, "ls", "--json"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KILN_CPUS_PER_CORE": "1"})
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert [c["cpus"] for c in info["cores"]] == [[c] for c in placement.process_cpus()]
+    assert info["engines"]["onnxruntime"] and info["memory_total_bytes"] > 0
+    r = subprocess.run([kiln_cli, "ls"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KILN_VISIBLE_CORES": "0", "KILN_CPUS_PER_CORE": "1"})
+    assert "1 kiln cores" in r.stdout and "onnxruntime" in r.stdout
