@@ -535,17 +535,10 @@ class Pipeline(Model):
         return drops
 
     # -- calling ---------------------------------------------------------------------------
-    def submit(self, *args, **kwargs) -> Future:
-        """Start a call; it enters stage 1 at once and does not wait for earlier
+    def _submit_flat(self, flat) -> Future:
+        """A submitted call enters stage 1 at once and does not wait for earlier
         calls to leave the pipeline. Futures resolve in submission order; a call
         that fails in a stage fails only its own future."""
-        try:
-            flat = self.flatten(args, kwargs)
-            self.check(flat)
-        except KilnError as e:
-            fut: Future = Future()
-            fut.set_exception(e)
-            return fut
         return self._stream(flat, decode=True)
 
     def run_flat(self, flat: list) -> list:

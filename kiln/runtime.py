@@ -66,6 +66,10 @@ class Model(torch.nn.Module):
             fut: Future = Future()
             fut.set_exception(e)
             return fut
+        return self._submit_flat(flat)
+
+    def _submit_flat(self, flat) -> Future:
+        """Start a call on checked flat inputs; models that stream (pipelines) override this."""
         return self._executor().submit(
             lambda: specs.decode(self.output_structure, self.run_flat(flat)))
 
