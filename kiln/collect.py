@@ -37,7 +37,8 @@ class EagerStandIn(torch.nn.Module):
     def __init__(self, model, key):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
-            model = _Callable(model)
+            from .capture import _FunctionModule
+            model = _FunctionModule(model)
         self.model = model
         self.cache_key = key
         self.manifest = {"cache": {"key": key, "hit": False, "collected": True}}
@@ -69,15 +70,6 @@ def record(directory, model, captured, key, fp, url, compiler_args, options):
 
 _CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",
                     "example_inputs", "eager_outputs", "model_name", "notes")
-
-
-class _Callable(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
 
 
 def compile_job(path) -> dict:
