@@ -184,6 +184,7 @@ class CompiledModel(Model):
             self.program = self._build_program(self.runtime_options)
         self._host_ops = bool(self.program.host_ops() or not m["partitions"])
         self.metrics = ModelMetrics(self.name)
+        self.metrics.core = self.core.id if getattr(self, "core", None) is not None else None
         self._labels = self.program.labels([p["engine"] for p in m["partitions"]])
 
     # -- calling ----------------------------------------------------------------
@@ -243,6 +244,8 @@ class CompiledModel(Model):
         object.__setattr__(self, "program", program)
         object.__setattr__(self, "_worker", worker)
         object.__setattr__(self, "core", core)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.core = core.id
         if old is not None and old is not worker:
             old.close()
 

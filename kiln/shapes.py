@@ -55,6 +55,8 @@ class _Wrapper(Model):
         for m in self._inner_models():
             m._place(core, worker)
         object.__setattr__(self, "core", core)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.core = core.id
 
     @property
     def calls(self) -> int:
@@ -80,6 +82,9 @@ class Bucketed(_Wrapper):
         self._cache: dict = {}
         from .telemetry import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
+        self.metrics.core = first.core.id if first.core is not None else None
+        for v in self.variants:   # the variants' own counters are details of this model's
+            v.metrics.parent = self.metrics.id
         # smallest first, so the first variant that fits is the cheapest
         self._order = sorted(range(len(variants)),
                              key=lambda k: (_volume(self.variant_sizes[k]), self.variant_sizes[k]))
@@ -153,6 +158,16 @@ class Bucketed(_Wrapper):
         k, sizes = self._select(flat)
         target = self.variant_sizes[k]
         self.metrics.record_bucket(target)
+        start = time.perf_counter()
+        try:
+            outs = self._run_variant(k, sizes, target, flat)
+        except BaseException:
+            self.metrics.record_failure()
+            raise
+        self.metrics.record_call(time.perf_counter() - start, flat, outs, device=0.0, host=0.0)  # the variant's
+        return outs
+
+    def _run_variant(self, k, sizes, target, flat):
         if sizes == target:     # an exact bucket: nothing to pad or slice
             return self.variants[k].run_flat(flat)
         padded = []

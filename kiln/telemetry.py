@@ -16,6 +16,7 @@ import bisect
 import itertools
 import math
 import threading
+import time
 import weakref
 
 _BOUNDS = [10 ** (e / 10) * 1e-6 for e in range(0, 91)]   # upper bounds, seconds
@@ -39,8 +40,13 @@ class ModelMetrics:
         self.latency_max = 0.0
         self.buckets: dict = {}
         self.core = None
+        self.parent = None          # id of the model this one is a detail of (a bucket variant)
+        self.timed_out = 0
+        self.loaded_at = time.time()
         with _registry_lock:
             _registry[self.id] = self
+        from . import registry
+        registry.announce()
 
     def record_call(self, seconds, inputs=(), outputs=(), device=None, host=None):
         i = bisect.bisect_left(_BOUNDS, seconds)
@@ -60,6 +66,10 @@ class ModelMetrics:
         with self.lock:
             self.failed += 1
 
+    def record_timeout(self):
+        with self.lock:
+            self.timed_out += 1
+
     def record_bucket(self, sizes):
         key = "x".join(str(s) for s in sizes)
         with self.lock:
@@ -67,16 +77,8 @@ class ModelMetrics:
 
     def percentile(self, q: float):
         with self.lock:
-            total = sum(self.hist)
-            if not total:
-                return None
-            rank = math.ceil(q / 100 * total)
-            seen = 0
-            for i, n in enumerate(self.hist):
-                seen += n
-                if seen >= rank:
-                    return min(_BOUNDS[i] if i < len(_BOUNDS) else self.latency_max, self.latency_max)
-        return self.latency_max
+            hist, cap = {i: n for i, n in enumerate(self.hist) if n}, self.latency_max
+        return hist_percentile(hist, q, cap)
 
     def snapshot(self) -> dict:
         pcts = {f"p{q}": _ms(self.percentile(q)) for q in (50, 90, 99)}
@@ -84,7 +86,8 @@ class ModelMetrics:
             calls = self.completed
             return {
                 "name": self.name, "kind": self.kind, "id": self.id, "core": self.core,
-                "calls_completed": calls, "calls_failed": self.failed,
+                "parent": self.parent, "loaded_at": round(self.loaded_at, 3),
+                "calls_completed": calls, "calls_failed": self.failed, "calls_timed_out": self.timed_out,
                 "latency_ms": {**pcts, "mean": _ms(self.latency_sum / calls) if calls else None,
                                "max": _ms(self.latency_max) if calls else None},
                 "device_seconds": round(self.device_seconds, 6), "host_seconds": round(self.host_seconds, 6),
@@ -92,6 +95,7 @@ class ModelMetrics:
                 if self.device_seconds + self.host_seconds else 0.0,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "bucket_hits": dict(self.buckets),
+                "latency_hist": {str(i): n for i, n in enumerate(self.hist) if n},
             }
 
 
@@ -104,7 +108,32 @@ def metrics() -> dict:
     from . import cache
     with _registry_lock:
         live = sorted(_registry.values(), key=lambda m: m.id)
-    return {"models": [m.snapshot() for m in live], "compile_cache": dict(cache.stats)}
+    snaps = [m.snapshot() for m in live]
+    by_id = {s["id"]: s for s in snaps}
+    for s in snaps:   # a wrapper's device/host time is its variants'
+        p = by_id.get(s["parent"])
+        if p is not None:
+            p["device_seconds"] = round(p["device_seconds"] + s["device_seconds"], 6)
+            p["host_seconds"] = round(p["host_seconds"] + s["host_seconds"], 6)
+            busy = p["device_seconds"] + p["host_seconds"]
+            p["host_share"] = round(p["host_seconds"] / busy, 4) if busy else 0.0
+    return {"models": snaps, "compile_cache": dict(cache.stats)}
+
+
+def hist_percentile(hist: dict, q: float, cap: float | None = None):
+    """Percentile (seconds) of a sparse histogram ``{bin: count}`` such as the
+    difference of two snapshots' ``latency_hist``; None when it is empty."""
+    items = sorted((int(k), n) for k, n in hist.items() if n > 0)
+    total = sum(n for _, n in items)
+    if not total:
+        return None
+    rank, seen = max(1, math.ceil(q / 100 * total)), 0
+    for i, n in items:
+        seen += n
+        if seen >= rank:
+            bound = _BOUNDS[i] if i < len(_BOUNDS) else (cap if cap is not None else _BOUNDS[-1])
+            return bound if cap is None else min(bound, cap)
+    return cap
 
 
 def metrics_report() -> str:
@@ -112,6 +141,8 @@ def metrics_report() -> str:
     m = metrics()
     lines = []
     for s in m["models"]:
+        if s["parent"] is not None:
+            continue
         lat = s["latency_ms"]
         lines.append(f"Model {s['name']} [{s['kind']} #{s['id']}]" + (f" on core {s['core']}" if s["core"] is not None else ""))
         lines.append(f"  Calls: completed={s['calls_completed']} failed={s['calls_failed']}")
