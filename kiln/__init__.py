@@ -19,6 +19,8 @@ and around it, shapes and cores::
     pipeline.py   one graph split into stages over cores, requests streamed
     cache.py      the persistent compile cache; collect.py: parallel-compile
     telemetry.py  per-model counters (kiln.metrics); profiler.py: Chrome-trace timelines
+    registry.py   running kiln processes (heartbeat files); monitor.py, top.py: kiln monitor / top
+    benchmark.py  kiln bench: throughput/latency sweeps vs peers (peers.py)
 """
 __version__ = "0.1.0"
 
@@ -32,11 +34,12 @@ from .shapes import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
 from .parallel import DataParallel  # noqa: E402
 from .telemetry import metrics, metrics_report  # noqa: E402
 from .profiler import profile  # noqa: E402
+from .benchmark import bench  # noqa: E402
 from .specs import Output  # noqa: E402
 from . import torchscript as _torchscript  # noqa: E402,F401  (registers the kiln::run op)
 
 __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores", "metrics",
-           "metrics_report", "profile",
+           "metrics_report", "profile", "bench",
            "dynamic_batch", "Bucketed", "DynamicBatch", "DataParallel", "PlacementError", "KilnError", "ArtifactError",
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
            "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError"]

@@ -1,0 +1,72 @@
+"""kiln bench: the JSON report, the plot, peers in the same run, artifacts through dynamic batch."""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+import kiln
+from kiln import peers
+from tests.conftest import ROOT
+
+ROW_FIELDS = {"runner", "batch_size", "copies", "workers", "calls", "inferences", "duration_s", "throughput",
+              "latency_ms", "setup_s", "cost_per_1m"}
+
+
+def _check_row(row, duration):
+    assert ROW_FIELDS <= set(row), row
+    assert row["calls"] > 0 and row["inferences"] == row["calls"] * row["batch_size"]
+    assert row["duration_s"] >= duration * 0.9
+    assert row["throughput"] == pytest.approx(row["inferences"] / row["duration_s"], rel=0.01)
+    lat = row["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    # each worker runs calls back to back: their summed latency fits in the window
+    assert lat["mean"] * row["calls"] <= row["copies"] * row["workers"] * row["duration_s"] * 1e3 * 1.05
+
+
+def test_bench_cli_compares_peers_and_writes_json_and_png(kiln_cli, tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = subprocess.run([kiln_cli, "bench", "tests.models:custom_op", "--duration", "0.4", "--warmup", "0.1",
+                        "--copies", "1", "--workers", "1,2", "--compare", "eager", "--price-per-hour", "1.0",
+                        "--json", str(out_json), "--plot", str(out_png)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert report["baseline"] == "eager" and report["skipped"] == []
+    assert {"host", "config", "compile", "results", "kiln_version", "created"} <= set(report)
+    assert report["compile"][0]["cache"] == "compiled" and "cache_key" in report["compile"][0]   # tests run cache-off
+    rows = {(row["runner"], row["workers"]): row for row in report["results"]}
+    assert set(rows) == {("kiln", 1), ("kiln", 2), ("eager", 1), ("eager", 2)}
+    for row in rows.values():
+        _check_row(row, 0.4)
+        assert row["cost_per_1m"] == pytest.approx(1.0 / 3600 / row["throughput"] * 1e6, rel=0.01)
+        base = rows[("eager", row["workers"])]["throughput"]
+        assert row["throughput_vs_eager"] == pytest.approx(row["throughput"] / base, rel=0.01)
+    # the custom op runs on the host: kiln's rows say so instead of hiding it
+    assert rows[("kiln", 1)]["host_share"] > 0
+    assert "on host fallback ops" in r.stdout and "eager" in r.stdout
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
+
+
+def test_bench_artifact_runs_other_batch_sizes_through_dynamic_batch(tmp_path):
+    torch.manual_seed(0)
+    m = kiln.trace(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()), torch.randn(2, 16), quiet=True)
+    path = str(tmp_path / "mlp.kiln")
+    m.save(path)
+    report = kiln.bench(path, batch_sizes=[3], copies=[2], workers=[1], duration=0.3, warmup=0.1,
+                        compare=["eager"], quiet=True, json_path=str(tmp_path / "b.json"))
+    (row,) = report["results"]
+    _check_row(row, 0.3)
+    assert row["runner"] == "kiln" and row["copies"] == 2 and row["batch_size"] == 3
+    assert "dynamic batch" in row["note"]
+    assert report["skipped"][0]["runner"] == "eager" and "factory" in report["skipped"][0]["reason"]
+    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["calls"] == row["calls"]
+
+
+def test_bench_peer_errors(monkeypatch):
+    with pytest.raises(kiln.KilnError, match="unknown peer 'tensorrt'"):
+        kiln.bench("tests.models:mlp", compare=["tensorrt"], quiet=True)
+    monkeypatch.setitem(peers._MODULE, "openvino", "kiln_no_such_engine")
+    assert "not installed" in peers.unavailable("openvino")
+    assert peers.unavailable("eager") is None and os.path.exists(os.path.join(ROOT, "tests", "models.py"))
