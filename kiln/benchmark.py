@@ -262,9 +262,10 @@ def _write_json(path, report):
 
 def table(report):
     """The report as a rich Table (p90 and the rest are in the JSON)."""
+    from rich import box
     from rich.table import Table
     base = report["baseline"]
-    t = Table(title=f"kiln bench: {report['target']}", header_style="bold", pad_edge=False)
+    t = Table(title=f"kiln bench: {report['target']}", header_style="bold", box=box.SIMPLE_HEAD)
     t.add_column("runner", no_wrap=True)
     for col in ("batch", "copies", "workers", "inf/s", "p50 ms", "p99 ms", "max ms", f"vs {base}"):
         t.add_column(col, justify="right")

@@ -242,6 +242,8 @@ def cmd_bench(a, console):
         duration=a.duration, warmup=a.warmup, compare=[c for c in (a.compare or "").split(",") if c],
         price_per_hour=a.price_per_hour, json_path=a.json, plot_path=a.plot, quiet=a.quiet,
         compile_options=options)
+    if not console.is_terminal:   # a file or pipe: no need to squeeze the table into 80 columns
+        console = Console(width=120)
     console.print(bench.table(report))
     for line in bench.notes(report):
         console.print(line, highlight=False, markup=False)
