@@ -21,6 +21,7 @@ and around it, shapes and cores::
     telemetry.py  per-model counters (kiln.metrics); profiler.py: Chrome-trace timelines
     registry.py   running kiln processes (heartbeat files); monitor.py, top.py: kiln monitor / top
     benchmark.py  kiln bench: throughput/latency sweeps vs peers (peers.py)
+    serve.py      kiln serve: Open Inference Protocol server (Starlette/uvicorn); batcher.py: dynamic batching
 """
 __version__ = "0.1.0"
 

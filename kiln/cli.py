@@ -422,6 +422,9 @@ def build_parser():
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.set_defaults(fn=cmd_bench)
 
+    sub.add_parser("serve", help="serve .kiln artifacts over HTTP (Open Inference Protocol / KServe v2); "
+                   "see kiln serve --help")
+
     sp = sub.add_parser("monitor", help="a neuron-monitor style JSON report on stdout every period")
     sp.add_argument("--period", type=float, default=5.0, help="seconds between reports (default 5)")
     sp.add_argument("--count", type=int, default=None, help="stop after this many reports")
@@ -455,6 +458,10 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:   # its own parser; starlette/uvicorn load only when serving
+        from .serve import main as serve_main
+        return serve_main(argv[1:])
     args, extra = build_parser().parse_known_args(argv)
     if extra:
         # Compiler flags may be given bare after the model: kiln compile m:f -O3 --target generic
