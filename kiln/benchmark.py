@@ -73,7 +73,8 @@ def bench(target, *, path: str | None = None, batch_sizes=(1,), copies=None, wor
               "target": target if isinstance(target, str) else repr(target),
               "host": host_info(), "config": {"batch_sizes": batch_sizes, "copies": copies, "workers": workers,
                                               "duration_s": duration, "warmup_s": warmup,
-                                              "price_per_hour": price_per_hour, "kiln_cores": n_cores},
+                                              "price_per_hour": price_per_hour, "kiln_cores": n_cores,
+                                              "compile_options": compile_options or {}},
               "baseline": "eager" if "eager" in runners else "kiln",
               "compile": [], "results": [], "skipped": skipped}
     cores = placement.visible()
@@ -275,7 +276,7 @@ def table(report):
     for r in report["results"]:
         lat = r["latency_ms"]
         ratio = r.get(f"throughput_vs_{base}")
-        cells = [r["runner"], str(r["batch_size"]), str(r["copies"]), str(r["workers"]), _fmt(r["throughput"]),
+        cells = [_label(report, r["runner"]), str(r["batch_size"]), str(r["copies"]), str(r["workers"]), _fmt(r["throughput"]),
                  *(_fmt(lat[k]) for k in ("p50", "p99", "max")), f"{ratio:.2f}x" if ratio is not None else "-"]
         if priced:
             cells.append(f"{r['cost_per_1m']:.3g}" if r["cost_per_1m"] is not None else "-")
@@ -301,6 +302,11 @@ def notes(report) -> list[str]:
     return out
 
 
+def _label(report, runner) -> str:
+    flags = report["config"].get("compile_options", {}).get("compiler_args")
+    return f"kiln {flags}" if runner == "kiln" and flags else runner
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -317,12 +323,16 @@ def plot(report, path):
         rows = sorted((r for r in report["results"] if r["runner"] == runner), key=lambda r: r["latency_ms"]["p50"])
         xs = [r["latency_ms"]["p50"] for r in rows]
         ys = [r["throughput"] for r in rows]
-        ax.plot(xs, ys, marker="o", label=runner)
+        ax.plot(xs, ys, marker="o", label=_label(report, runner))
         for r, x, y in zip(rows, xs, ys):
             ax.annotate(f"b{r['batch_size']} c{r['copies']} w{r['workers']}", (x, y), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))
+    from matplotlib.ticker import FormatStrFormatter
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):   # plain numbers, not 10^x, on the log axes
+        axis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("latency p50 (ms)")
     ax.set_ylabel("throughput (inferences/s)")
     ax.set_title(f"kiln bench: {os.path.basename(str(report['target']))}")
