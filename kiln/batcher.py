@@ -22,8 +22,12 @@ one per kiln core with ``--instances N``) and a bounded queue:
 Merging. Requests are concatenated along dim 0, the batch dim, which every
 input and output of a batchable model has: a ``DynamicBatch`` model (any batch
 size) or a ``Bucketed`` one bucketed on dim 0 of every input (up to its largest
-batch bucket; a batch is trimmed to the largest batch bucket it fills, so no
-compute goes to padding rows, and the rest waits for the next free instance).
+batch bucket). With a bucketed batch dim, ``n`` waiting rows can run either
+trimmed to the largest batch bucket they fill (no padding rows; the rest waits
+for the next free instance) or padded up to the next bucket. The batcher
+chooses by measurement: it keeps the observed latency of every (group, batch
+bucket) it has run and takes whichever costs less per real row; a bucket not
+yet measured is tried once, so the choice follows this machine's numbers.
 Other models run each request alone. Non-batch dims that vary
 (bucketed axes such as the sequence length) are handled by *bucket grouping*:
 only requests that fall in the same bucket of every such axis are merged; they
@@ -101,6 +105,26 @@ class Layout:
             fits = [s for s in self.batch_sizes if s <= rows]
             return fits[-1] if fits else rows
         return rows
+
+    def bucket_rows(self, rows: int) -> int:
+        """The batch size the model really computes for ``rows`` rows (its bucket)."""
+        if self.batch_sizes:
+            return next((s for s in self.batch_sizes if s >= rows), rows)
+        return rows
+
+    def choose(self, rows: int, cost) -> int:
+        """How many of ``rows`` waiting rows to run now: trimmed to a filled bucket, or all of
+        them padded to the next bucket, whichever ``cost(bucket)`` (seconds, or None when not
+        measured yet; unmeasured is tried) makes cheaper per real row."""
+        down, up = self.fit(rows), self.bucket_rows(rows)
+        if not self.batch_sizes or down == rows or up == rows or down > rows:
+            return down
+        c_up, c_down = cost(up), cost(down)
+        if c_up is None:
+            return rows
+        if c_down is None:
+            return down
+        return rows if c_up / rows < c_down / down else down
 
     def sizes(self, flat) -> tuple:
         """The request's size on every varying non-batch axis."""
@@ -244,6 +268,7 @@ class Batcher:
         self._closing = False
         self._flush = False
         self.depth = 0
+        self._cost: dict = {}    # (group key, batch bucket) -> smoothed seconds per run
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self):
@@ -329,7 +354,9 @@ class Batcher:
             # no padding rows: trim the batch to a size the model runs exactly (the rest
             # stays queued, first in line for the next free instance)
             rows = sum(r.rows for r in self._pending if r.key == head.key and not r.future.done())
-            limit = max(head.rows, self.layout.fit(min(rows, self.max_batch_size)))
+            key = head.key
+            limit = max(head.rows, self.layout.choose(min(rows, self.max_batch_size),
+                                                      lambda b: self._cost.get((key, b))))
         batch, keep, rows = [], collections.deque(), 0
         for r in self._pending:
             if r.future.done():
@@ -398,6 +425,11 @@ class Batcher:
                         results.append(model.run_flat(r.flat))
                     except Exception as e1:  # noqa: BLE001
                         results.append(e1)
-        self._observe("inference_seconds", time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if self.batching and all(not isinstance(r, BaseException) for r in results):
+            k = (batch[0].key, self.layout.bucket_rows(rows))
+            prev = self._cost.get(k)
+            self._cost[k] = elapsed if prev is None else 0.8 * prev + 0.2 * elapsed
+        self._observe("inference_seconds", elapsed)
         self._observe("batch_size", rows)
         return results

@@ -196,9 +196,17 @@ def test_merge_pads_within_a_bucket_and_splits_back(artifacts):
         assert outs[0].shape == tokens.shape
         np.testing.assert_allclose(outs[0].numpy(), tokens, atol=ATOL, rtol=RTOL)
         np.testing.assert_allclose(outs[1].numpy(), pooled, atol=ATOL, rtol=RTOL)
-    # a bucketed batch dim: batches are trimmed to a bucket, never padded with rows
+    # a bucketed batch dim: fit trims to a filled bucket; choose pads up only when measured
+    # latencies say padding costs less per real row (and tries an unmeasured bucket once)
     bucketed_batch = Layout([{0}], [{0}], [True], [True], max_rows=16, batch_sizes=[1, 4, 16])
     assert [bucketed_batch.fit(n) for n in (1, 3, 4, 7, 16)] == [1, 1, 4, 4, 16]
+    assert [bucketed_batch.bucket_rows(n) for n in (1, 3, 4, 7, 16)] == [1, 4, 4, 16, 16]
+    flat_cost = {1: 0.010, 4: 0.020, 16: 0.100}.get        # batching pays: 5 ms/row at 4
+    linear_cost = {1: 0.010, 4: 0.040, 16: 0.160}.get      # no gain from batching
+    assert [bucketed_batch.choose(n, flat_cost) for n in (1, 3, 4, 7, 16)] == [1, 3, 4, 4, 16]
+    assert [bucketed_batch.choose(n, linear_cost) for n in (1, 3, 4, 7, 16)] == [1, 1, 4, 4, 16]
+    assert bucketed_batch.choose(3, lambda b: None) == 3 and bucketed_batch.choose(3, {1: 0.01}.get) == 3
+    assert bucketed_batch.choose(3, {4: 0.05}.get) == 1
     assert layout_of(kiln.load(artifacts["dir"] / "mlp.kiln")).fit(7) == 7
 
 
