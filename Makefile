@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=900
+	$(PY) -m pytest -q --timeout=900 --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --timeout=900
