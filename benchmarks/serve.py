@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 import latency  # noqa: E402  (machine info, load sampling, JSON writing)
+from examples.models import Embedder  # noqa: E402  (masked mean pooling + L2 norm)
 
 import kiln  # noqa: E402
 from kiln import placement  # noqa: E402
@@ -69,20 +70,6 @@ def log(msg):
 
 
 # -- models ------------------------------------------------------------------------------------
-class Embedder(torch.nn.Module):
-    """A sentence embedding: masked mean of the last hidden states, L2-normalised."""
-
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids, attention_mask):
-        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        e = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(e, dim=-1)
-
-
 class Pooled(torch.nn.Module):
     def __init__(self, bert):
         super().__init__()
