@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import gzip
 import json
 import logging
 import math
@@ -649,10 +648,8 @@ async def infer(request):
         try:
             body = await request.body()
             encoding = request.headers.get("content-encoding", "").lower()
-            if encoding == "gzip":
-                body = gzip.decompress(body)
-            elif encoding == "deflate":
-                body = zlib.decompress(body)
+            if encoding in ("gzip", "deflate"):
+                body = _inflate(body, encoding, state.config.max_request_bytes)
             elif encoding not in ("", "identity"):
                 raise BadRequest(f"unsupported Content-Encoding {encoding!r}")
             payload, binary = parse_body(body, request.headers.get("inference-header-content-length"))
@@ -680,6 +677,17 @@ async def infer(request):
     finally:
         gauge.dec()
         state.in_flight -= 1
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """Decompress a request body, refusing one that inflates past ``limit`` (a zip bomb)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    out = d.decompress(body, limit + 1)
+    if len(out) > limit or d.unconsumed_tail:
+        raise BadRequest(f"the {encoding} body inflates past the limit of {limit} bytes")
+    if not d.eof:
+        raise BadRequest(f"the {encoding} body is truncated")
+    return out
 
 
 async def _http_error(request, exc):

@@ -7,6 +7,7 @@ Two server subprocesses on loopback ports, one per fixture:
 * ``slow``: the MLP with a 1.5 s batching delay and a queue of 4, so requests stay
   queued long enough to overload it, time them out and SIGTERM it with work in flight.
 """
+import gzip
 import http.client
 import json
 import os
@@ -342,6 +343,15 @@ def test_bad_requests_get_400_with_a_protocol_error(server):
     status, _, body = server.request("POST", path, header + x.tobytes(),
                                      {"Inference-Header-Content-Length": "99999"})
     assert status == 400 and "outside the body" in json.loads(body)["error"]
+    # compressed bodies: gzip is read; truncated or over-inflating ones are refused
+    good = json.dumps(_mlp_request(x)).encode()
+    status, _, body = server.request("POST", path, gzip.compress(good), {"Content-Encoding": "gzip"})
+    assert status == 200 and json.loads(body)["outputs"][0]["shape"] == [2, 4]
+    status, _, body = server.request("POST", path, gzip.compress(good)[:-12], {"Content-Encoding": "gzip"})
+    assert status == 400 and "truncated" in json.loads(body)["error"]
+    bomb = gzip.compress(b" " * (65 << 20))   # 65 MiB of spaces: over the 64 MiB limit once inflated
+    status, _, body = server.request("POST", path, bomb, {"Content-Encoding": "gzip"})
+    assert status == 400 and "inflates past the limit" in json.loads(body)["error"]
     # a bucketed input longer than the largest bucket
     status, body = server.post_json("/v2/models/seq/infer", {"inputs": [
         {"name": "x", "shape": [1, 9, 8], "datatype": "FP32", "data": [0.0] * 72},
