@@ -97,6 +97,23 @@ def test_corrupted_blob(mlp_artifact, tmp_path):
         kiln.load(bad)
 
 
+def test_artifacts_without_crc32_are_checked_by_sha256(mlp_artifact, tmp_path):
+    """Artifacts written before the manifest recorded crc32 still load, and are still verified."""
+    path, _, x = mlp_artifact
+
+    def drop_crc(m):
+        for meta in m["blobs"].values():
+            del meta["crc32"]
+
+    old = tmp_path / "old.kiln"
+    _rewrite(path, old, edit_manifest=drop_crc)
+    torch.testing.assert_close(kiln.load(old)(x), kiln.load(path)(x), rtol=0, atol=0)
+    bad = tmp_path / "old-corrupt.kiln"
+    _rewrite(path, bad, edit_manifest=drop_crc, edit_blob=lambda name, data: data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(kiln.ArtifactError, match="checksum mismatch"):
+        kiln.load(bad)
+
+
 def test_flipped_byte_in_file(mlp_artifact, tmp_path):
     path, _, _ = mlp_artifact
     data = bytearray(path.read_bytes())
