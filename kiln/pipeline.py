@@ -678,7 +678,7 @@ def _load_pipeline(art, opts, source, core=DEFAULT, worker=None):
     stages = []
     for st, target in zip(meta["stages"], targets):
         where = f"{source}:{st['blob']}"
-        stages.append(from_artifact(Artifact.from_bytes(art.blobs[st["blob"]], where), opts, where,
+        stages.append(from_artifact(art.nested(st["blob"], where), opts, where,
                                     core=target, worker=worker))
     pipe = Pipeline(stages, art.manifest, core=core if isinstance(core, placement.Core) else DEFAULT)
     return pipe

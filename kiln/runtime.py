@@ -174,7 +174,7 @@ class CompiledModel(Model):
         self._constants = {}
         if HOST_CONSTANTS in artifact.blobs:
             from safetensors.torch import load as st_load
-            self._constants = st_load(artifact.blobs[HOST_CONSTANTS])
+            self._constants = st_load(bytes(artifact.blobs[HOST_CONSTANTS]))
         self.program = None
         if core is DEFAULT:
             core = resolve_placement()
@@ -226,7 +226,8 @@ class CompiledModel(Model):
         for part in self.manifest["partitions"]:
             backend = backends.get(part["engine"])
             try:
-                runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options))
+                runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options,
+                                            origin=self._artifact.origin(part["blob"])))
             except KilnError:
                 raise
             except Exception as e:

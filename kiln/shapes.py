@@ -203,7 +203,7 @@ def _volume(sizes):
 def _load_bucketed(art, opts, source, core=DEFAULT, worker=None):
     meta = art.manifest["buckets"]
     worker, core = _shared_worker(core, worker)
-    variants = [from_artifact(Artifact.from_bytes(art.blobs[v["blob"]], f"{source}:{v['blob']}"),
+    variants = [from_artifact(art.nested(v["blob"], f"{source}:{v['blob']}"),
                               opts, f"{source}:{v['blob']}", core=core, worker=worker)
                 for v in meta["variants"]]
     m = Bucketed(variants, meta, art.manifest)
@@ -461,7 +461,7 @@ class DynamicBatch(_Wrapper):
 
 
 def _load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None):
-    inner = from_artifact(Artifact.from_bytes(art.blobs["inner.kiln"], f"{source}:inner"), opts,
+    inner = from_artifact(art.nested("inner.kiln", f"{source}:inner"), opts,
                           f"{source}:inner", core=core, worker=worker)
     return DynamicBatch(inner, art.manifest)
 

@@ -6,9 +6,11 @@ The contract is deliberately small so an engine is one file:
   otherwise the reason it cannot (shown in analysis reports).
 * ``compile(partition, example_inputs, options) -> bytes``: a self-contained,
   fully optimised blob for one partition (a GraphModule of core ATen ops).
-* ``load(blob, runtime_options) -> callable``: a function from a list of input
-  tensors to a list of output tensors. It must be safe to call from several
-  threads at once.
+* ``load(blob, runtime_options, origin=None) -> callable``: a function from a
+  list of input tensors to a list of output tensors. It must be safe to call
+  from several threads at once. ``blob`` may be a read-only view into a mapped
+  artifact; ``origin`` (an ``artifact.Origin``), when given, says where those
+  bytes lie in a file, for engines that can map weights instead of copying.
 
 ``available()`` and ``version()`` let kiln skip missing engines with a clear
 message and record versions in the artifact.
@@ -56,7 +58,7 @@ class Backend:
     def compile(self, partition, example_inputs, options) -> bytes:
         raise NotImplementedError
 
-    def load(self, blob: bytes, runtime_options):
+    def load(self, blob, runtime_options, origin=None):
         raise NotImplementedError
 
 

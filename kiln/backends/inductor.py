@@ -90,7 +90,7 @@ class InductorBackend(Backend):
         _require_compiler()
         return _compile(partition, example_inputs, _inductor_configs(options), torch.device("cpu"))
 
-    def load(self, blob: bytes, runtime_options):
+    def load(self, blob, runtime_options, origin=None):
         return AotiRunner(blob, runtime_options.resolved_threads())
 
 

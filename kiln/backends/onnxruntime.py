@@ -6,18 +6,42 @@ model; that optimised model is the blob, so loading skips optimisation.
 
 Which ATen ops are supported is read from the exporter's own registry of ATen
 → ONNX translations, so the analysis report tracks the installed torch.
+
+Loading is made cheap by keeping the weights out of the protobuf: ORT writes
+the optimised graph with its initializers as *external data* and, for the
+native target, also the weights it has prepacked for its GEMM kernels. At
+load ORT maps that data straight from the ``.kiln`` file (the blob is
+page-aligned inside it), so a 400 MB model is neither parsed, copied nor
+repacked. Prepacked layouts depend on the CPU's kernels and ORT's version;
+where either differs from the compiling host, the prepacked entries are
+dropped and ORT packs the plain weights itself.
+
+Blob layout: ``b"KILNORT2"``, a little-endian uint32 header length, a JSON
+header (``graph``: size of the ONNX graph; ``data_offset``, ``data``: where
+the external data starts, page-aligned, and its size; ``prepacked``;
+``isa``; ``onnxruntime``: the version that wrote it), the graph, zero padding,
+the data. Blobs of older kilns are a plain ONNX model and still load.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import shutil
+import struct
 import tempfile
 
 import torch
 
+from .. import target as target_mod
+from ..errors import ArtifactError
 from ..quiet import EXPORTER_LOGGERS, quiet
 from . import Backend
+
+_MAGIC = b"KILNORT2"
+_ALIGN = 4096
+_DATA = "weights.bin"
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,24 +83,130 @@ class OnnxRuntimeBackend(Backend):
             program.save(model)
             if options.quantize:
                 model = _quantize(model, tmp, options, calibration or [list(example_inputs)])
+            level = _level(options)
             so = ort.SessionOptions()
-            so.graph_optimization_level = _ORT_LEVEL[_level(options)]
+            so.graph_optimization_level = _ORT_LEVEL[level]
             so.log_severity_level = 3
             so.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", _DATA)
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                        "1024")
+            prepacked = level == "all"     # prepacked layouts are this CPU's, not portable
+            if prepacked:
+                so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
             ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
             with open(so.optimized_model_filepath, "rb") as f:
-                return f.read()
+                graph = f.read()
+            data_path = os.path.join(tmp, _DATA)
+            data = b""
+            if os.path.exists(data_path):
+                with open(data_path, "rb") as f:
+                    data = f.read()
+            header = {"graph": len(graph), "data": len(data), "prepacked": prepacked,
+                      "isa": _isa(), "onnxruntime": ort.__version__}
+            return _pack(header, graph, data)
 
-    def load(self, blob: bytes, runtime_options):
+    def load(self, blob, runtime_options, origin=None):
         import onnxruntime as ort
-        so = ort.SessionOptions()
-        # The blob is already optimised for this target; do not redo the work.
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.intra_op_num_threads = runtime_options.resolved_threads()
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        session = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
+        so = _session_options(runtime_options)
+        if bytes(blob[:len(_MAGIC)]) != _MAGIC:   # an older kiln's plain ONNX blob
+            return OrtRunner(ort.InferenceSession(bytes(blob), so, providers=["CPUExecutionProvider"]))
+        header, graph, data_offset = _unpack(blob)
+        keep_prepacked = (header["prepacked"] and header["isa"] == _isa()
+                          and header["onnxruntime"] == ort.__version__)
+        if origin is not None and header["data"] and origin.unchanged():
+            # ORT maps the data where it lies in the artifact. Should the file be replaced
+            # while ORT opens it, ORT may have read the new one: then use a private copy.
+            folder, name = os.path.split(origin.path)
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+            session = ort.InferenceSession(
+                _relocate(graph, name, origin.offset + data_offset, keep_prepacked), so,
+                providers=["CPUExecutionProvider"])
+            if origin.unchanged():
+                return OrtRunner(session)
+            del session
+            so = _session_options(runtime_options)
+        # No file to map (a fresh compile, bytes, an object store): write the data to a
+        # private file for ORT to map, removed as soon as the session has it.
+        tmp = tempfile.mkdtemp(prefix="kiln-ort-")
+        try:
+            with open(os.path.join(tmp, _DATA), "wb") as f:
+                f.write(blob[data_offset:data_offset + header["data"]])
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", tmp)
+            session = ort.InferenceSession(_relocate(graph, _DATA, 0, keep_prepacked), so,
+                                           providers=["CPUExecutionProvider"])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return OrtRunner(session)
+
+
+def _session_options(runtime_options):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    # The blob is already optimised for this target; do not redo the work.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = runtime_options.resolved_threads()
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+def _isa() -> list:
+    return target_mod.describe("native")["isa"]
+
+
+def _pack(header: dict, graph: bytes, data: bytes) -> bytes:
+    """The blob; ``data_offset`` has a fixed width so the header's size does not depend on it."""
+    head = len(_MAGIC) + 4
+    size = len(json.dumps(dict(header, data_offset="0" * 12), sort_keys=True).encode())
+    offset = -(-(head + size + len(graph)) // _ALIGN) * _ALIGN
+    raw = json.dumps(dict(header, data_offset=f"{offset:012d}"), sort_keys=True).encode()
+    padding = offset - (head + len(raw) + len(graph))
+    return b"".join([_MAGIC, struct.pack("<I", len(raw)), raw, graph, bytes(padding), data])
+
+
+def _unpack(blob):
+    view = memoryview(blob)
+    head = len(_MAGIC) + 4
+    try:
+        (size,) = struct.unpack("<I", view[len(_MAGIC):head])
+        header = json.loads(bytes(view[head:head + size]))
+        offset = int(header["data_offset"])
+        graph = bytes(view[head + size:head + size + header["graph"]])
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise ArtifactError(f"kiln ONNX Runtime blob has a corrupt header: {e}") from None
+    if len(graph) != header["graph"] or offset + header["data"] > len(view):
+        raise ArtifactError("kiln ONNX Runtime blob is shorter than its header says")
+    return header, graph, offset
+
+
+def _relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> bytes:
+    """Point the graph's external data at ``location`` + ``base``; drop the prepacked
+    entries unless they were made for this host's kernels."""
+    import onnx
+    model = onnx.ModelProto()
+    model.ParseFromString(graph)
+    for init in model.graph.initializer:
+        if not init.external_data:
+            continue
+        entries = []
+        for e in init.external_data:
+            key, value = e.key, e.value
+            if key == "location":
+                value = location
+            elif key == "offset":
+                value = str(int(value) + base)
+            elif key.startswith("prepacked_"):
+                if not keep_prepacked:
+                    continue
+                kernel, _, span = value.partition("|")
+                offset, _, rest = span.partition(";")
+                value = f"{kernel}|{int(offset) + base};{rest}"
+            entries.append((key, value))
+        del init.external_data[:]
+        for key, value in entries:
+            init.external_data.add(key=key, value=value)
+    return model.SerializeToString()
 
 
 def _quantize(model: str, tmp: str, options, calibration) -> str:

@@ -121,7 +121,7 @@ class OpenVinoBackend(Backend):
             _core().compile_model(model, "CPU", _config(header["precision"])).export_model(out)
         return out.getvalue()
 
-    def load(self, blob: bytes, runtime_options):
+    def load(self, blob, runtime_options, origin=None):
         import openvino as ov
         header, payload = _unpack(blob)
         config = _config(header["precision"],
