@@ -307,8 +307,9 @@ def cache_reader(store, retry_failed, threads):
                 f"with these options (cache key {key[:16]}): {payload}\nkiln does not retry known "
                 "failures; pass retry_failed=True (kiln compile --retry-failed) to try again")
         try:
-            compiled = CompiledModel(Artifact.from_bytes(payload, f"cache entry {key[:16]}"),
-                                     RuntimeOptions(threads=threads))
+            where = f"cache entry {key[:16]}"
+            art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
+            compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
         except KilnError as e:
             store.discard(key, e)
             return None
