@@ -73,8 +73,9 @@ def quality_gate(samples: list, min_cosine: float, min_top1: float, label: str) 
               "mean_cosine": sum(cosines) / max(1, len(cosines)), "min_cosine_threshold": min_cosine}
     failures = []
     if result["min_cosine"] < min_cosine:
-        failures.append(f"cosine similarity {result['min_cosine']:.6f} < {min_cosine} "
-                        f"(mean {result['mean_cosine']:.6f} over {len(cosines)} inputs)")
+        # enough digits that a value just under a strict threshold does not read as 1.000000
+        failures.append(f"cosine similarity {result['min_cosine']:.10g} < {min_cosine} "
+                        f"(mean {result['mean_cosine']:.10g} over {len(cosines)} inputs)")
     if total:
         result["top1_agreement"] = agree / total
         result["min_top1_threshold"] = min_top1

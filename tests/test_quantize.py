@@ -1,15 +1,15 @@
 """int8 quantization through ONNX Runtime's tools, behind an accuracy gate."""
-import onnx
 import pytest
 import torch
 
 import kiln
+from kiln.backends.onnxruntime import graph_of
 from tests import models
 
 
 def _ops(compiled):
     blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
-    return {n.op_type for n in onnx.load_from_string(blob).graph.node}
+    return {n.op_type for n in graph_of(blob).graph.node}
 
 
 def test_dynamic_int8_tiny_bert():
@@ -37,9 +37,10 @@ def test_static_int8_cnn_with_calibration_and_top1():
 
 def test_too_strict_gate_fails_with_numbers():
     model, inputs = models.tiny_bert(), models.bert_inputs()
-    with pytest.raises(kiln.ValidationError, match=r"cosine similarity 0\.\d+ < 0\.99999999 \(mean") as e:
-        kiln.trace(model, inputs, quantize="int8", min_cosine=0.99999999)
-    assert e.value.metrics["min_cosine"] < 0.99999999
+    # int8 error is ~1e-7 in cosine on CPUs with VNNI (more without): no int8 model reaches this
+    with pytest.raises(kiln.ValidationError, match=r"cosine similarity 0\.\d+ < 0\.9999999999 \(mean") as e:
+        kiln.trace(model, inputs, quantize="int8", min_cosine=0.9999999999)
+    assert e.value.metrics["min_cosine"] < 0.9999999999
 
 
 def test_bad_quantize_option():

@@ -140,6 +140,14 @@ class OnnxRuntimeBackend(Backend):
         return OrtRunner(session)
 
 
+def graph_of(blob):
+    """The partition's ONNX graph (weights left external), for inspection and tests."""
+    import onnx
+    if bytes(blob[:len(_MAGIC)]) != _MAGIC:
+        return onnx.load_from_string(bytes(blob))
+    return onnx.load_from_string(_unpack(blob)[1])
+
+
 def _session_options(runtime_options):
     import onnxruntime as ort
     so = ort.SessionOptions()
