@@ -97,21 +97,101 @@ def test_corrupted_blob(mlp_artifact, tmp_path):
         kiln.load(bad)
 
 
-def test_artifacts_without_crc32_are_checked_by_sha256(mlp_artifact, tmp_path):
-    """Artifacts written before the manifest recorded crc32 still load, and are still verified."""
+@pytest.mark.parametrize("dropped", [("xxh3",), ("xxh3", "crc32")], ids=["crc32", "sha256"])
+def test_older_artifacts_are_checked_by_their_digests(mlp_artifact, tmp_path, dropped):
+    """Artifacts written before the manifest recorded xxh3 (or crc32) still load, and are
+    still verified, by CRC-32 (or SHA-256)."""
     path, _, x = mlp_artifact
 
-    def drop_crc(m):
+    def drop(m):
         for meta in m["blobs"].values():
-            del meta["crc32"]
+            for key in dropped:
+                del meta[key]
 
     old = tmp_path / "old.kiln"
-    _rewrite(path, old, edit_manifest=drop_crc)
+    _rewrite(path, old, edit_manifest=drop)
     torch.testing.assert_close(kiln.load(old)(x), kiln.load(path)(x), rtol=0, atol=0)
     bad = tmp_path / "old-corrupt.kiln"
-    _rewrite(path, bad, edit_manifest=drop_crc, edit_blob=lambda name, data: data[:-1] + bytes([data[-1] ^ 1]))
+    _rewrite(path, bad, edit_manifest=drop, edit_blob=lambda name, data: data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(kiln.ArtifactError, match="checksum mismatch"):
         kiln.load(bad)
+
+
+def test_blobs_are_page_aligned_views_of_the_mapped_file(mlp_artifact):
+    path, _, _ = mlp_artifact
+    art = Artifact.load(path)
+    with zipfile.ZipFile(path) as z:
+        for name, data in art.blobs.items():
+            assert isinstance(data, memoryview) and data.readonly
+            origin = art.origin(name)
+            assert origin.offset % 4096 == 0 and origin.unchanged()
+            with open(path, "rb") as f:
+                f.seek(origin.offset)
+                assert f.read(len(data)) == bytes(data) == z.read(name)
+
+
+def test_onnxruntime_maps_weights_and_survives_the_file_being_replaced(tmp_path):
+    """The engine maps weights from the .kiln file; saving another model over the same
+    path (a rename) must not change a model already loaded, nor one re-placed later."""
+    from kiln.backends.onnxruntime import graph_of
+    model, x = models.mlp()
+    path = tmp_path / "m.kiln"
+    kiln.trace(model, x, cache=False).save(path)
+    loaded = kiln.load(path)
+    blob = loaded._artifact.blobs[loaded.manifest["partitions"][0]["blob"]]
+    assert bytes(blob[:8]) == b"KILNORT2"
+    external = [i for i in graph_of(blob).graph.initializer if i.external_data]
+    assert external, "weights should be external data, not inside the protobuf"
+    other = models.MLP().eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(3)
+    kiln.trace(other, x, cache=False).save(path)                 # replaces the file by rename
+    expected = model(x).detach()
+    assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
+    loaded.to_core(0)                                            # reloads the engine: a private copy
+    assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(kiln.load(path)(x), expected, atol=1e-3)
+
+
+def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch):
+    """Prepacked layouts are the compiling CPU's; elsewhere ORT packs the plain weights."""
+    from kiln.backends import onnxruntime as ort_engine
+    path, model, x = mlp_artifact
+    art = Artifact.load(path)
+    header, graph, _ = ort_engine._unpack(art.blobs["partitions/0.onnx"])
+    prepacked = [e for i in graph_of_bytes(graph).graph.initializer for e in i.external_data
+                 if e.key.startswith("prepacked_")]
+    assert header["prepacked"] and prepacked and header["isa"] == ort_engine._isa()
+    seen = []
+    relocate = ort_engine._relocate
+    monkeypatch.setattr(ort_engine, "_relocate", lambda *a: seen.append(a[3]) or relocate(*a))
+    monkeypatch.setattr(ort_engine, "_isa", lambda: ["sse4_2"])       # a different CPU
+    assert_close(kiln.load(path)(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    monkeypatch.undo()
+    assert seen == [False]
+
+
+def graph_of_bytes(graph):
+    import onnx
+    return onnx.load_from_string(graph)
+
+
+def test_plain_onnx_blobs_of_older_kilns_still_load(mlp_artifact, tmp_path):
+    import onnx
+    from kiln.backends import onnxruntime as ort_engine
+    path, model, x = mlp_artifact
+    art = Artifact.load(path)
+    blob = art.blobs["partitions/0.onnx"]
+    header, graph, offset = ort_engine._unpack(blob)
+    (tmp_path / "weights.bin").write_bytes(bytes(blob[offset:offset + header["data"]]))
+    plain = ort_engine._relocate(graph, "weights.bin", 0, keep_prepacked=False)
+    (tmp_path / "model.onnx").write_bytes(plain)
+    embedded = onnx.load(str(tmp_path / "model.onnx"))          # reads the external data in
+    old = Artifact(dict(art.manifest), {**{k: bytes(v) for k, v in art.blobs.items()},
+                                        "partitions/0.onnx": embedded.SerializeToString()})
+    old.save(tmp_path / "old.kiln")
+    assert_close(kiln.load(tmp_path / "old.kiln")(x), model(x).detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_flipped_byte_in_file(mlp_artifact, tmp_path):
