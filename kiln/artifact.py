@@ -14,8 +14,8 @@ so a killed process never leaves a half-written artifact under the real name.
 Reading maps the file instead of copying it: members are stored uncompressed,
 so each blob is a read-only view into the mapping, checked against the
 manifest's XXH3-128 digest (tens of GB/s, where CRC-32 and SHA-256 manage one
-or two). Engines that can use memory in place (ONNX Runtime initializers,
-OpenVINO's import) then load hundreds of megabytes of weights without a copy.
+or two). An engine that can read weights where they lie (ONNX Runtime's
+external data) then loads hundreds of megabytes without a copy.
 Because kiln replaces files by rename, a mapping stays valid while a newer
 artifact is written over the same name.
 """
@@ -140,8 +140,11 @@ class Artifact:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 raise ArtifactError(f"{path}: empty file; not a kiln artifact")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             st = os.fstat(f.fileno())
+            try:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):   # a filesystem that cannot map: read it
+                return cls._read(memoryview(f.read()), path)
         return cls._read(memoryview(mapped), path, (os.path.realpath(path), st.st_dev, st.st_ino, 0))
 
     @classmethod
