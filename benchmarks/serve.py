@@ -23,6 +23,12 @@ PyTorch (cosine similarity).
 
 Target: MiniLM, 16 clients: batching on >= 2x the throughput of batching off, p99 no worse.
 
+Compute ceiling: before the servers start, the same artifact is timed in this process on one
+kiln core (one instance's share) at each sequence bucket, batch 1 and the largest batch. Weighting
+the cost per row by how often each bucket occurs in the request mix gives the throughput gain
+batching could bring if serving cost nothing but the model: the most the on/off ratio can reach
+on this machine.
+
 Usage::
 
     python benchmarks/serve.py               # both models (~10 minutes on 2 cores with compiles;
@@ -105,7 +111,8 @@ def build(name, quick, seed):
 
 
 def bert_vocab(model):
-    return model.bert.config.vocab_size
+    inner = model.encoder if isinstance(model, Embedder) else model.bert
+    return inner.config.vocab_size
 
 
 def make_requests(n, lengths, vocab, seed):
@@ -241,6 +248,38 @@ def summarize(done, errors, elapsed, lat):
     return out
 
 
+def compute_ceiling(path, lengths, seconds=2.0):
+    """Cost per row at batch 1 and the largest batch bucket, per sequence bucket, on one kiln
+    core; and the on/off throughput ratio that pure model time allows for this request mix."""
+    import statistics
+    model = kiln.load(path).to_core(placement.visible()[0].id)
+    shapes = [{spec.name: spec.shape for spec in v.input_specs} for v in model.variants]
+    batches = sorted({int(v["input_ids"][0]) for v in shapes})
+    seqs = sorted({int(v["input_ids"][1]) for v in shapes})
+    per_row = {}
+    for seq in seqs:
+        for b in (batches[0], batches[-1]):
+            ids = torch.randint(1000, 2000, (b, seq))
+            mask = torch.ones(b, seq, dtype=torch.long)
+            for _ in range(3):
+                model(input_ids=ids, attention_mask=mask)
+            times, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end or len(times) < 3:
+                t0 = time.perf_counter()
+                model(input_ids=ids, attention_mask=mask)
+                times.append(time.perf_counter() - t0)
+            per_row[f"seq{seq}/batch{b}"] = statistics.median(times) * 1000 / b
+    share = {seq: 0 for seq in seqs}
+    for n in range(lengths[0], lengths[1] + 1):        # requests are uniform over these lengths
+        share[next(q for q in seqs if q >= n)] += 1
+    one = sum(share[q] * per_row[f"seq{q}/batch{batches[0]}"] for q in seqs)
+    big = sum(share[q] * per_row[f"seq{q}/batch{batches[-1]}"] for q in seqs)
+    model.close()
+    return {"per_row_ms": {k: round(v, 3) for k, v in per_row.items()},
+            "mix": {f"seq{q}": round(share[q] / sum(share.values()), 3) for q in seqs},
+            "ceiling_on_vs_off": round(one / big, 2)}
+
+
 def run_model(name, args, workdir):
     module, example, buckets, batches, lengths, vocab, desc = build(name, args.quick, args.seed)
     res = {"model": name, "description": desc, "clients": args.clients, "instances": args.instances,
@@ -262,6 +301,9 @@ def run_model(name, args, workdir):
         del compiled
         log(f"{name}: compiled {res['buckets']} in {res['compile_seconds']} s")
     seconds = args.seconds if name == "minilm" else args.heavy_seconds
+    if name == "minilm":
+        res["compute_ceiling"] = compute_ceiling(path, lengths)
+        log(f"{name}: compute ceiling {res['compute_ceiling']}")
     common = ["--instances", str(args.instances), "--timeout", "120", "--max-queue", "1024"]
     servers = {
         "on": Server(path, name, common + ["--max-batch-size", str(max(batches)),
@@ -325,6 +367,11 @@ def render(results):
                          f"{m.get('latency_ms_p99', float('nan')):>10.1f}{mb:>12}{m['errors']:>8}"
                          f"{m['min_cosine_vs_eager']:>14.6f}")
         lines.append(f"throughput on/off: {res['speedup_on_vs_off']}x")
+        if res.get("compute_ceiling"):
+            c = res["compute_ceiling"]
+            lines.append("cost per row on one kiln core, ms: " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in c["per_row_ms"].items()))
+            lines.append(f"compute ceiling for on/off with this request mix: {c['ceiling_on_vs_off']}x")
         for key, t in res.get("targets", {}).items():
             lines.append(f"target {key}: {t['value']} (need {t['limit']}): {'met' if t['met'] else 'MISSED'}")
         if res.get("warning"):
