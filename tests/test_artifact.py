@@ -152,6 +152,9 @@ def test_onnxruntime_maps_weights_and_survives_the_file_being_replaced(tmp_path)
     loaded.to_core(0)                                            # reloads the engine: a private copy
     assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(kiln.load(path)(x), expected, atol=1e-3)
+    path.unlink()                                                # e.g. a cache eviction
+    loaded.to_core(0)
+    assert_close(loaded(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch):

@@ -119,10 +119,15 @@ class OnnxRuntimeBackend(Backend):
             # while ORT opens it, ORT may have read the new one: then use a private copy.
             folder, name = os.path.split(origin.path)
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
-            session = ort.InferenceSession(
-                _relocate(graph, name, origin.offset + data_offset, keep_prepacked), so,
-                providers=["CPUExecutionProvider"])
-            if origin.unchanged():
+            try:
+                session = ort.InferenceSession(
+                    _relocate(graph, name, origin.offset + data_offset, keep_prepacked), so,
+                    providers=["CPUExecutionProvider"])
+            except Exception:
+                if origin.unchanged():
+                    raise
+                session = None          # removed meanwhile (a cache eviction): use the copy
+            if session is not None and origin.unchanged():
                 return OrtRunner(session)
             del session
             so = _session_options(runtime_options)
