@@ -14,7 +14,8 @@ from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
 from .capture import bind_inputs, capture
-from .errors import CompileError, CompilerArgsError, KilnError, UnsupportedOpError, ValidationError
+from .errors import (ArtifactError, CompileError, CompilerArgsError, UnsupportedOpError,
+                     ValidationError)
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
 from .partition import place, split
 from .program import build
@@ -310,7 +311,7 @@ def cache_reader(store, retry_failed, threads):
             where = f"cache entry {key[:16]}"
             art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
             compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
-        except KilnError as e:
+        except ArtifactError as e:   # a corrupt entry; a missing engine or bad setting is no reason to drop it
             store.discard(key, e)
             return None
         store.touch(key, meta)

@@ -175,6 +175,22 @@ def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch)
     assert seen == [False]
 
 
+def test_kiln_ort_prepacked_heap_lets_ort_pack(mlp_artifact, monkeypatch):
+    from kiln.backends import onnxruntime as ort_engine
+    path, model, x = mlp_artifact
+    seen = []
+    relocate = ort_engine._relocate
+    monkeypatch.setattr(ort_engine, "_relocate", lambda *a: seen.append(a[3]) or relocate(*a))
+    monkeypatch.setenv("KILN_ORT_PREPACKED", "heap")
+    assert_close(kiln.load(path)(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("KILN_ORT_PREPACKED", "map")
+    kiln.load(path)
+    assert seen == [False, True]
+    monkeypatch.setenv("KILN_ORT_PREPACKED", "sometimes")
+    with pytest.raises(kiln.KilnError, match="KILN_ORT_PREPACKED"):
+        kiln.load(path)
+
+
 def graph_of_bytes(graph):
     import onnx
     return onnx.load_from_string(graph)

@@ -342,3 +342,18 @@ def test_collect_mode_records_every_bucket_and_returns_the_model(tmp_path, monke
     assert delta(s)["compiles"] == 0
     assert sorted(p.suffix for p in (tmp_path / "jobs").iterdir()) == [".job", ".job", ".pt2", ".pt2"]
     assert_close(stand_in(x), model(x).detach(), atol=0, rtol=0)     # eager, so the script proceeds
+
+
+def test_a_bad_setting_at_load_does_not_discard_the_entry(tmp_path, monkeypatch):
+    """Only a corrupt entry is dropped: an engine setting that fails the load is the
+    caller's to fix, and the entry must still be there afterwards."""
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    kiln.trace(model, x, cache=url)
+    monkeypatch.setenv("KILN_ORT_PREPACKED", "sometimes")
+    s = snap()
+    with pytest.raises(kiln.KilnError, match="KILN_ORT_PREPACKED"):
+        kiln.trace(model, x, cache=url)
+    monkeypatch.delenv("KILN_ORT_PREPACKED")
+    kiln.trace(model, x, cache=url)
+    assert delta(s)["discarded"] == 0 and delta(s)["compiles"] == 0 and delta(s)["hits"] == 1
