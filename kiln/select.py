@@ -4,7 +4,7 @@
 partition (an engine that rejects it is skipped with a note, TorchInductor
 last: it runs anything torch can). -O3 compiles the partition with every
 available engine, times them on this machine with the same inputs (warm-up,
-then interleaved rounds, median per engine) and keeps the fastest. Every attempt is recorded in the
+then interleaved rounds of a few calls per engine, median per engine) and keeps the fastest. Every attempt is recorded in the
 manifest so the choice can be checked against its own numbers.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .errors import CompileError, EngineUnavailableError, KilnError
 # vs 138.8 ms); ONNX Runtime covers the most ops, so it leads the default order and
 # -O3 measures. TorchInductor compiles C++ and is slowest to build: last resort on CPU.
 CPU_ORDER = ("onnxruntime", "openvino", "inductor")
-WARMUP, ITERS, MAX_SECONDS = 3, 10, 2.0
+WARMUP, ROUNDS, BLOCK, MAX_SECONDS = 3, 5, 3, 3.0
 QUANTIZING = ("onnxruntime",)  # engines whose compile() implements quantize="int8"
 
 
@@ -45,23 +45,30 @@ def primary(opts):
 
 
 def time_runners(runners: dict, inputs) -> dict:
-    """Median latency in ms per runner: warm-up, then rounds that take turns.
+    """Median latency in ms per runner: warm-up, then rounds that take turns, each
+    runner timing a block of BLOCK calls after one untimed call.
 
     Interleaving matters on shared machines: a burst of background load hits
-    every candidate alike instead of deciding the winner on its own.
+    every candidate alike instead of deciding the winner on its own. The
+    untimed call matters because engines leave their threads busy-waiting for
+    work after a call (ONNX Runtime's spinning, OpenMP's wait policy): the
+    next engine's first call competes with them, which once timed OpenVINO at
+    224 ms for a 133 ms BERT-base when it ran right after ONNX Runtime.
     """
     for runner in runners.values():
         for _ in range(WARMUP):
             runner(inputs)
     samples: dict = {name: [] for name in runners}
     deadline = time.perf_counter() + MAX_SECONDS * len(runners)
-    for i in range(ITERS):
-        if i >= 3 and time.perf_counter() > deadline:
+    for i in range(ROUNDS):
+        if i >= 2 and time.perf_counter() > deadline:
             break
         for name, runner in runners.items():
-            t0 = time.perf_counter()
             runner(inputs)
-            samples[name].append((time.perf_counter() - t0) * 1e3)
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                runner(inputs)
+                samples[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

@@ -1,4 +1,6 @@
 """Engine choice: -O3 measurement, default rules, fallback to the next engine, missing engines."""
+import time
+
 import pytest
 
 import kiln
@@ -28,6 +30,23 @@ def test_o3_keeps_the_engine_its_own_timings_say_is_fastest(fake_missing_engine)
     missing = next(c for c in part["candidates"] if c["engine"] == "nosuch")
     assert missing["status"] == "unavailable" and "cannot be imported" in missing["note"]
     assert_close(compiled(x), model(x).detach())
+
+
+def test_o3_timing_is_not_skewed_by_the_previous_engines_threads():
+    """An engine whose threads keep spinning after a call (ONNX Runtime, OpenMP) slows
+    whichever engine runs next; strict call-by-call alternation would charge that to the
+    other engine every time and pick the slower one."""
+    last = []
+
+    def runner(name, seconds):
+        def run(inputs):
+            spun = last and last[-1] == "spinner" and name != "spinner"
+            time.sleep(seconds + (0.03 if spun else 0.0))
+            last.append(name)
+        return run
+
+    ms = select.time_runners({"spinner": runner("spinner", 0.012), "quiet": runner("quiet", 0.003)}, [])
+    assert ms["quiet"] < ms["spinner"]
 
 
 def test_default_rule_uses_first_engine_without_timing():
