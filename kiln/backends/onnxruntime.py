@@ -139,16 +139,32 @@ class OnnxRuntimeBackend(Backend):
             so = _session_options(runtime_options)
         # No file to map (a fresh compile, bytes, an object store): write the data to a
         # private file for ORT to map, removed as soon as the session has it.
-        tmp = tempfile.mkdtemp(prefix="kiln-ort-")
+        tmp = _private_copy(blob[data_offset:data_offset + header["data"]])
         try:
-            with open(os.path.join(tmp, _DATA), "wb") as f:
-                f.write(blob[data_offset:data_offset + header["data"]])
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", tmp)
             session = ort.InferenceSession(_relocate(graph, _DATA, 0, keep_prepacked), so,
                                            providers=["CPUExecutionProvider"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return OrtRunner(session)
+
+
+def _private_copy(data) -> str:
+    """A fresh directory holding ``data`` as _DATA: in shared memory where there is room
+    (no disk writes of hundreds of MB), else in the temp directory."""
+    for where in ("/dev/shm", None):
+        if where is not None and not os.path.isdir(where):
+            continue
+        tmp = tempfile.mkdtemp(prefix="kiln-ort-", dir=where)
+        try:
+            with open(os.path.join(tmp, _DATA), "wb") as f:
+                f.write(data)
+            return tmp
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if where is None:
+                raise
+    raise AssertionError("unreachable")
 
 
 def graph_of(blob):
