@@ -324,3 +324,26 @@ def test_artifact_api_bytes_round_trip(mlp_artifact):
     art = Artifact.load(path)
     again = Artifact.from_bytes(art.to_bytes())
     assert again.manifest["blobs"] == art.manifest["blobs"]
+
+
+def test_private_copy_falls_back_when_shared_memory_is_unusable(monkeypatch, tmp_path):
+    """A fresh compile hands ORT a private copy of its weights, in /dev/shm when it can."""
+    import tempfile
+    import types
+    from kiln.backends import onnxruntime as ort_engine
+    asked = []
+
+    def mkdtemp(prefix="", dir=None):
+        asked.append(dir)
+        if dir == "/dev/shm":
+            raise PermissionError("read-only /dev/shm")
+        return tempfile.mkdtemp(prefix=prefix, dir=str(tmp_path))
+
+    monkeypatch.setattr(ort_engine, "tempfile", types.SimpleNamespace(
+        mkdtemp=mkdtemp, TemporaryDirectory=tempfile.TemporaryDirectory))
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, cache=False)
+    assert_close(compiled(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    if os.path.isdir("/dev/shm"):
+        assert asked[:2] == ["/dev/shm", None]
+    assert list(tmp_path.iterdir()) == []      # the copy is gone once ORT has it

@@ -155,13 +155,15 @@ def _private_copy(data) -> str:
     for where in ("/dev/shm", None):
         if where is not None and not os.path.isdir(where):
             continue
-        tmp = tempfile.mkdtemp(prefix="kiln-ort-", dir=where)
+        tmp = None
         try:
+            tmp = tempfile.mkdtemp(prefix="kiln-ort-", dir=where)
             with open(os.path.join(tmp, _DATA), "wb") as f:
                 f.write(data)
             return tmp
         except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             if where is None:
                 raise
     raise AssertionError("unreachable")
