@@ -97,9 +97,9 @@ def test_corrupted_blob(mlp_artifact, tmp_path):
         kiln.load(bad)
 
 
-@pytest.mark.parametrize("dropped", [("xxh3",), ("xxh3", "crc32")], ids=["crc32", "sha256"])
+@pytest.mark.parametrize("dropped", [("xxh3c",), ("xxh3c", "crc32")], ids=["crc32", "sha256"])
 def test_older_artifacts_are_checked_by_their_digests(mlp_artifact, tmp_path, dropped):
-    """Artifacts written before the manifest recorded xxh3 (or crc32) still load, and are
+    """Artifacts written before the manifest recorded xxh3c (or crc32) still load, and are
     still verified, by CRC-32 (or SHA-256)."""
     path, _, x = mlp_artifact
 
@@ -347,3 +347,15 @@ def test_private_copy_falls_back_when_shared_memory_is_unusable(monkeypatch, tmp
     if os.path.isdir("/dev/shm"):
         assert asked[:2] == ["/dev/shm", None]
     assert list(tmp_path.iterdir()) == []      # the copy is gone once ORT has it
+
+
+def test_chunked_digest_catches_a_flip_in_any_chunk():
+    from kiln.artifact import CHUNK, xxh3_chunked
+    data = bytearray(range(256)) * ((2 * CHUNK + 1000) // 256)
+    digest = xxh3_chunked(data)
+    assert xxh3_chunked(bytes(data)) == digest
+    for where in (0, CHUNK - 1, CHUNK, 2 * CHUNK + 5):
+        flipped = bytearray(data)
+        flipped[where] ^= 1
+        assert xxh3_chunked(flipped) != digest
+    assert xxh3_chunked(data[:-1]) != digest
