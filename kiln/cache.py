@@ -4,7 +4,7 @@ Storage is any fsspec URL (a local directory by default, ``s3://`` for a fleet,
 ``memory://`` in tests). Layout under the root::
 
     entries/<key>/artifact.kiln    the compiled artifact (absent for a cached failure)
-    entries/<key>/meta.json        written last: model name, engine, size, xxh3,
+    entries/<key>/meta.json        written last: model name, engine, size,
                                    created, last used, status ok|failed (+ error)
     aliases/<fingerprint>.json     fast lookup: model fingerprint -> key
     locks/<key>.lock               held while one process compiles the key
@@ -457,7 +457,8 @@ class Cache:
             log.debug("kiln cache: could not update last-used of %s: %s", key[:16], e)
 
     def store(self, key, data: bytes, info: dict):
-        meta = dict(info, key=key, status="ok", size=len(data), xxh3=xxhash.xxh3_128_hexdigest(data),
+        # No digest of the whole file: every blob's digest is checked when it is read.
+        meta = dict(info, key=key, status="ok", size=len(data),
                     created=_now(), last_used=_now(), uses=0)
         self._write_atomic(self._path("entries", key, "artifact.kiln"), data)
         self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())

@@ -162,9 +162,9 @@ def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch)
     from kiln.backends import onnxruntime as ort_engine
     path, model, x = mlp_artifact
     art = Artifact.load(path)
-    header, graph, _ = ort_engine._unpack(art.blobs["partitions/0.onnx"])
-    prepacked = [e for i in graph_of_bytes(graph).graph.initializer for e in i.external_data
-                 if e.key.startswith("prepacked_")]
+    header, _, _ = ort_engine._unpack(art.blobs["partitions/0.onnx"])
+    prepacked = [e for i in ort_engine.graph_of(art.blobs["partitions/0.onnx"]).graph.initializer
+                 for e in i.external_data if e.key.startswith("prepacked_")]
     assert header["prepacked"] and prepacked and header["isa"] == ort_engine._isa()
     seen = []
     relocate = ort_engine._relocate
@@ -189,11 +189,6 @@ def test_kiln_ort_prepacked_heap_lets_ort_pack(mlp_artifact, monkeypatch):
     monkeypatch.setenv("KILN_ORT_PREPACKED", "sometimes")
     with pytest.raises(kiln.KilnError, match="KILN_ORT_PREPACKED"):
         kiln.load(path)
-
-
-def graph_of_bytes(graph):
-    import onnx
-    return onnx.load_from_string(graph)
 
 
 def test_plain_onnx_blobs_of_older_kilns_still_load(mlp_artifact, tmp_path):
