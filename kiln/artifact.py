@@ -217,6 +217,9 @@ class Artifact:
             raise TargetMismatchError(
                 f"{source} was compiled for CPU features this host lacks: {', '.join(missing)}. "
                 "Recompile on this host, or compile with --target generic for a portable artifact")
+        gpu = target_mod.missing_device(tgt)
+        if gpu:
+            raise TargetMismatchError(f"{source} cannot run here: {gpu}")
 
 
 def _member(view: memoryview, z: zipfile.ZipFile, info: zipfile.ZipInfo):

@@ -256,7 +256,7 @@ def graph_key(captured, opts, extra=None) -> str:
         "inputs": [s.to_dict() for s in captured.input_specs],
         "input_structure": captured.input_structure, "output_structure": captured.output_structure,
         "options": _options_for_key(opts), "extra": extra, "env": _environment(),
-        "target": target_mod.describe(opts.target)})
+        "target": target_mod.describe(opts.target, opts.device)})
 
 
 def _fetch_attr(gm, target):
@@ -349,7 +349,7 @@ def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
         "kind": "fingerprint", "modules": modules, "weights": tensors_digest(tensors),
         "inputs": [s.to_dict() for s in in_specs], "structure": structure,
         "options": _options_for_key(opts), "extra": extra, "env": _environment(),
-        "target": target_mod.describe(opts.target)})
+        "target": target_mod.describe(opts.target, opts.device)})
 
 
 # -- the store ----------------------------------------------------------------------------------------------

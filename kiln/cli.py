@@ -45,7 +45,7 @@ def cmd_analyze(a, console):
     import kiln
     model, example = load_factory(a.model, a.path)
     args, kwargs = _split(example)
-    rep = kiln.analyze(model, args, kwargs, engine=a.engine, compiler_args=a.compiler_args,
+    rep = kiln.analyze(model, args, kwargs, engine=a.engine, device=a.device, compiler_args=a.compiler_args,
                        min_partition_size=a.min_partition_size, ops_on_host=a.ops_on_host or None)
     if a.json:
         print(json.dumps(rep.to_dict(), indent=1))
@@ -71,7 +71,7 @@ def cmd_compile(a, console):
     model, example = load_factory(a.model, a.path)
     args, kwargs = _split(example)
     flags = list(a.compiler_args or [])
-    compiled = kiln.trace(model, args, kwargs, engine=a.engine, compiler_args=flags or None,
+    compiled = kiln.trace(model, args, kwargs, engine=a.engine, device=a.device, compiler_args=flags or None,
                           fallback=not a.no_fallback, min_partition_size=a.min_partition_size,
                           ops_on_host=a.ops_on_host or None, validate=not a.no_validate,
                           atol=a.atol, rtol=a.rtol, name=a.name,
@@ -315,6 +315,10 @@ def _inspect_model(m, title, console):
     if m.get("cache"):
         t.add_row("cache key", m["cache"]["key"])
     t.add_row("target", f"{m['target']['target']} {m['target']['arch']}: {' '.join(m['target']['isa'])}")
+    if m["target"].get("device") == "cuda":
+        gpu = m["target"].get("cuda", {})
+        t.add_row("device", f"cuda: {gpu.get('name')} (compute capability {gpu.get('capability')}, "
+                            f"CUDA {gpu.get('cuda')})")
     opts = m["compile_options"]
     t.add_row("options", ", ".join(f"{k}={v}" for k, v in opts.items()))
     rep = m.get("report", {})
@@ -363,6 +367,8 @@ def build_parser():
         sp.add_argument("model", help="package.module:factory returning (model, example_inputs)")
         sp.add_argument("--path", help="directory to import the model's module from (default: cwd)")
         sp.add_argument("--engine", default=None)
+        sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="where the compiled model runs (default auto: an NVIDIA GPU when torch sees one)")
         sp.add_argument("--min-partition-size", type=int, default=None)
         sp.add_argument("--ops-on-host", nargs="*", default=None, help="ops forced to the host, e.g. aten::sort")
         sp.add_argument("--compiler-args", default=None,

@@ -21,7 +21,7 @@ from .partition import place, split
 from .program import build
 from .progress import Progress
 from .runtime import HOST_CONSTANTS, CompiledModel
-from .select import compile_partition, primary
+from .select import compile_partition, primary, resolve_device
 from .validate import compare, quality_gate
 
 log = logging.getLogger("kiln")
@@ -36,7 +36,7 @@ def make_options(compiler_args=None, **overrides) -> CompileOptions:
             fields[key] = value
     opts = CompileOptions(**fields)
     check_supported(opts)
-    return opts
+    return resolve_device(opts)
 
 
 def _plan(model, example_inputs, example_kwargs, opts, progress, captured=None):
@@ -57,10 +57,10 @@ def _plan(model, example_inputs, example_kwargs, opts, progress, captured=None):
     return captured, backend, placement, rep, precision
 
 
-def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, compiler_args=None,
-            min_partition_size=None, ops_on_host=None, quiet=None) -> AnalysisReport:
+def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, device=None,
+            compiler_args=None, min_partition_size=None, ops_on_host=None, quiet=None) -> AnalysisReport:
     """Report op support and the partitioning a trace would use, without compiling."""
-    opts = make_options(compiler_args, engine=engine, min_partition_size=min_partition_size,
+    opts = make_options(compiler_args, engine=engine, device=device, min_partition_size=min_partition_size,
                         ops_on_host=ops_on_host)
     _, _, _, rep, _ = _plan(model, example_inputs, example_kwargs, opts, Progress(quiet=quiet))
     return rep
@@ -83,6 +83,8 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     (``{input: value}``, default 0) and sliced back along ``output_dims``
     (inferred unless given); ``dynamic_batch=True`` accepts any batch size on
     dim 0; ``pipeline_cores=N`` splits the graph into N stages on N kiln cores.
+    ``device`` is where the model runs: "cpu", "cuda" (TorchInductor's Triton
+    kernels on an NVIDIA GPU) or "auto", the default: the GPU when torch sees one.
     Other keywords are compile options (``engine``, ``optlevel``, ``target``,
     ``fallback``, ``threads``, ``name``, ...).
 
@@ -151,7 +153,7 @@ def _collect(model, example_inputs, example_kwargs, buckets, pad_values, pipelin
 
 
 def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_args=None,
-                 engine=None, optlevel=None, target=None, fallback=None, min_partition_size=None,
+                 engine=None, optlevel=None, target=None, device=None, fallback=None, min_partition_size=None,
                  ops_on_host=None, validate=None, atol=None, rtol=None, threads=None, name=None,
                  quiet=None, quantize=None, quantize_mode=None, calibration_data=None,
                  min_cosine=None, min_top1=None, progress=None, label=None,
@@ -161,7 +163,7 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
     if quantize and quantize_mode is None:
         quantize_mode = "static" if calibration_data else "dynamic"
     opts = make_options(compiler_args, engine=engine, optlevel=optlevel, target=target,
-                        fallback=fallback, min_partition_size=min_partition_size,
+                        device=device, fallback=fallback, min_partition_size=min_partition_size,
                         ops_on_host=ops_on_host, validate=validate, atol=atol, rtol=rtol,
                         quantize=quantize, quantize_mode=quantize_mode, min_cosine=min_cosine,
                         min_top1=min_top1)
@@ -217,7 +219,7 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
         "model_name": captured.model_name,
         "engine": {"name": backend.name, "version": backend.version()},
         "engines": sorted({(p["engine"], p["engine_version"]) for p in partitions}),
-        "target": target_mod.describe(opts.target),
+        "target": target_mod.describe(opts.target, opts.device),
         "compile_options": opts.to_dict(),
         "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
                    "tensors": [s.to_dict() for s in captured.input_specs]},
@@ -230,12 +232,13 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
     compiled = CompiledModel(Artifact(manifest, blobs), runtime_opts)
     if precision:
         manifest["precision"] = precision
-    if opts.quantize or (precision and precision["emulated"]):
+    if opts.quantize or precision:
         with progress.phase("accuracy gate"):
             pairs = [(captured.eager_outputs, compiled.run_flat(captured.example_inputs))]
             pairs += [(ref, compiled.run_flat(flat)) for flat, ref in samples]
             what = (f"quantized to {opts.quantize}" if opts.quantize else
-                    f"auto-cast {opts.auto_cast} to {opts.auto_cast_type} (emulated)")
+                    f"auto-cast {opts.auto_cast} to {opts.auto_cast_type} "
+                    f"({'emulated' if precision['emulated'] else 'native'})")
             manifest["validation"] = quality_gate(pairs, opts.min_cosine, opts.min_top1,
                                                   f"{captured.model_name} {what}")
             manifest["validation"].update(_errors(pairs[0]))
@@ -249,7 +252,7 @@ def _trace_graph(model, example_inputs=None, example_kwargs=None, *, compiler_ar
     return compiled
 
 
-_KEY_OPTIONS = ("engine", "optlevel", "target", "fallback", "min_partition_size", "ops_on_host",
+_KEY_OPTIONS = ("engine", "optlevel", "target", "device", "fallback", "min_partition_size", "ops_on_host",
                 "validate", "atol", "rtol", "quantize", "quantize_mode", "min_cosine", "min_top1")
 # Failures that come from the graph and the options, so they recur on every machine
 # with the same key; a missing engine or a killed process is not remembered.
@@ -387,6 +390,14 @@ def _apply_auto_cast(captured, opts, notes):
     if opts.auto_cast == "none" or opts.auto_cast_type == "fp32":
         return None
     from . import precision
+    if opts.device == "cuda":
+        if not precision.native_on_gpu(opts.auto_cast_type):
+            raise CompilerArgsError(f"--auto-cast-type {opts.auto_cast_type} is not computed natively by "
+                                    f"this GPU ({torch.cuda.get_device_name()}); use fp16, or device='cpu' "
+                                    "to emulate its rounding")
+        n = precision.lower(captured.graph_module, opts.auto_cast, opts.auto_cast_type)
+        return {"auto_cast": opts.auto_cast, "type": opts.auto_cast_type, "emulated": False,
+                "ops_lowered": n, "note": f"{n} op(s) computed in {opts.auto_cast_type} on the GPU"}
     if precision.native(opts.auto_cast_type) and opts.engine in (None, "openvino") \
             and backends.get("openvino", required=False) is not None:
         opts.engine = "openvino"   # the engine that computes bf16/fp16 natively on CPUs

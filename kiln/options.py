@@ -17,6 +17,7 @@ class CompileOptions:
     engine: str | None = None         # None: default rules (-O1/-O2) or measurement (-O3)
     optlevel: int = 2                 # 1: fastest compile, 2: best engine rules, 3: most optimisation
     target: str = "native"            # native: this CPU's ISA; generic: portable baseline
+    device: str = "auto"              # cpu | cuda | auto: cuda when torch sees a GPU and the engine runs there
     auto_cast: str = "none"
     auto_cast_type: str = "bf16"
     fallback: bool = True             # unsupported ops run on the host
@@ -62,6 +63,7 @@ _OPTLEVELS = {"1": 1, "2": 2, "3": 3}
 _AUTO_CAST = ("none", "matmult", "all")
 _AUTO_CAST_TYPES = ("bf16", "fp16", "fp32", "tf32", "fp8_e4m3")
 _TARGETS = ("native", "generic")
+DEVICES = ("auto", "cpu", "cuda")
 _NEURON_TARGETS = ("inf1", "inf2", "trn1", "trn2", "trn1n")
 _NOT_YET = {
     "--model-type": "model-type specific optimisation is not implemented yet",
@@ -139,5 +141,7 @@ def check_supported(opts: CompileOptions):
         raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8'")
     if opts.quantize_mode not in ("dynamic", "static"):
         raise CompilerArgsError(f"quantize_mode={opts.quantize_mode!r}: expected 'dynamic' or 'static'")
+    if opts.device not in DEVICES:
+        raise CompilerArgsError(f"device={opts.device!r}: expected one of {', '.join(DEVICES)}")
     if opts.min_partition_size < 1:
         raise CompilerArgsError("min_partition_size must be at least 1")

@@ -170,6 +170,8 @@ class CompiledModel(Model):
         self.output_structure = m["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in m["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
+        self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
         self._worker = None
         self._constants = {}
         if HOST_CONSTANTS in artifact.blobs:
@@ -218,8 +220,9 @@ class CompiledModel(Model):
                 raise InputError(
                     f"input '{name}': expected {shape} {specs.dtype_name(dtype)}, got "
                     f"{tuple(t.shape)} {specs.dtype_name(t.dtype)}")
-            if t.device.type != "cpu":
-                raise InputError(f"input '{name}': expected a CPU tensor, got one on {t.device}")
+            if t.device.type not in self._devices:
+                where = " or a CUDA" if len(self._devices) > 1 else ""
+                raise InputError(f"input '{name}': expected a CPU{where} tensor, got one on {t.device}")
 
     def _build_program(self, runtime_options) -> Program:
         runners = []

@@ -3,7 +3,7 @@
 -O1/-O2 take the first engine of the default order that compiles the
 partition (an engine that rejects it is skipped with a note, TorchInductor
 last: it runs anything torch can). -O3 compiles the partition with every
-available engine, times them on this machine with the same inputs (warm-up,
+available engine, and every variant an engine offers, times them on this machine with the same inputs (warm-up,
 then interleaved rounds of a few calls per engine, median per engine) and keeps the fastest. Every attempt is recorded in the
 manifest so the choice can be checked against its own numbers.
 """
@@ -12,19 +12,54 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from . import backends
-from .errors import CompileError, EngineUnavailableError, KilnError
+from .errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
 # Measured on our CPUs (docs/performance.md): neither engine wins everywhere. ONNX
 # Runtime is faster on ResNet-50 (39.5 vs 53.2 ms) and OpenVINO on BERT-base (113.6
 # vs 138.8 ms); ONNX Runtime covers the most ops, so it leads the default order and
 # -O3 measures. TorchInductor compiles C++ and is slowest to build: last resort on CPU.
 CPU_ORDER = ("onnxruntime", "openvino", "inductor")
+# On an NVIDIA GPU only TorchInductor generates code (Triton kernels + cuBLAS);
+# the ONNX Runtime and OpenVINO packages kiln depends on are CPU builds.
+CUDA_ORDER = ("inductor",)
 WARMUP, ROUNDS, BLOCK, MAX_SECONDS = 3, 5, 3, 3.0
 QUANTIZING = ("onnxruntime",)  # engines whose compile() implements quantize="int8"
 
 
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_device(opts):
+    """Settle ``opts.device`` ("auto" becomes "cpu" or "cuda") before anything is keyed or compiled.
+
+    "auto" means the GPU when torch sees one and the requested work can run
+    there: an engine named by the user that only runs on CPUs, or int8
+    quantization (a CPU engine feature), keeps the model on the CPU.
+    """
+    if opts.device == "auto":
+        cpu_only = (opts.engine and opts.engine not in CUDA_ORDER) or opts.quantize
+        opts.device = "cuda" if not cpu_only and cuda_available() else "cpu"
+    elif opts.device == "cuda":
+        if opts.engine and opts.engine not in CUDA_ORDER:
+            raise CompilerArgsError(f"engine {opts.engine!r} runs on CPUs only; on device='cuda' kiln "
+                                    f"compiles with {', '.join(CUDA_ORDER)}: drop engine= or use device='cpu'")
+        if opts.quantize:
+            raise CompilerArgsError("int8 quantization runs on CPU engines only: use device='cpu', or "
+                                    "--auto-cast bf16/fp16 for reduced precision on the GPU")
+        if not cuda_available():
+            raise CompilerArgsError(
+                f"device='cuda' but torch {torch.__version__} sees no CUDA device (a CPU-only build, "
+                "no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides it); use device='cpu' or 'auto'")
+    return opts
+
+
 def default_order(opts) -> list:
+    if opts.device == "cuda":
+        return list(CUDA_ORDER)
     if opts.engine:
         rest = [e for e in ("inductor",) if e != opts.engine]
         return [opts.engine] + rest
@@ -76,7 +111,7 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
     """Return (backend, blob, record) for one partition."""
     measure = opts.optlevel >= 3
     order = list(default_order(opts))
-    if measure and not opts.engine:
+    if measure and not opts.engine and opts.device != "cuda":
         order = list(CPU_ORDER)
     extra = {}
     if opts.quantize:
@@ -90,25 +125,31 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
         except EngineUnavailableError as e:
             attempts.append({"engine": name, "status": "unavailable", "note": str(e)})
             continue
-        with progress.phase(f"compile {label} ({name})"):
-            t0 = time.perf_counter()
-            try:
-                blob = backend.compile(sub, inputs, opts, **extra)
-            except KilnError:
-                raise
-            except Exception as e:
-                attempts.append({"engine": name, "status": "failed",
-                                 "compile_seconds": round(time.perf_counter() - t0, 3),
-                                 "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
-                continue
-            seconds = time.perf_counter() - t0
-        attempt = {"engine": name, "engine_version": backend.version(), "status": "ok",
-                   "compile_seconds": round(seconds, 3)}
-        attempts.append(attempt)
-        if not measure:
-            best = (backend, blob, attempt)
+        variants = (None,) + (tuple(backend.variants(opts)) if measure and not opts.quantize else ())
+        for variant in variants:
+            key = name if variant is None else f"{name}:{variant}"
+            kw = dict(extra, **({"variant": variant} if variant else {}))
+            with progress.phase(f"compile {label} ({key})"):
+                t0 = time.perf_counter()
+                try:
+                    blob = backend.compile(sub, inputs, opts, **kw)
+                except KilnError:
+                    raise
+                except Exception as e:
+                    attempts.append({"engine": name, **({"variant": variant} if variant else {}),
+                                     "status": "failed", "compile_seconds": round(time.perf_counter() - t0, 3),
+                                     "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
+                    continue
+                seconds = time.perf_counter() - t0
+            attempt = {"engine": name, **({"variant": variant} if variant else {}),
+                       "engine_version": backend.version(), "status": "ok", "compile_seconds": round(seconds, 3)}
+            attempts.append(attempt)
+            compiled[key] = (backend, blob, attempt)
+            if not measure:
+                break
+        if compiled and not measure:
+            best = next(iter(compiled.values()))
             break
-        compiled[name] = (backend, blob, attempt)
     if measure and compiled:
         with progress.phase(f"time {label} ({', '.join(compiled)})"):
             runners = {n: b.load(blob, runtime_opts) for n, (b, blob, _) in compiled.items()}
@@ -126,6 +167,7 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
             f"{a['engine']} {a['status']}" for a in attempts[:-1])
     else:
         reason = "default engine (-O1/-O2)" if not opts.engine else "engine chosen by the user"
-    record = {"engine": backend.name, "engine_version": backend.version(),
+    record = {"engine": backend.name, **({"variant": chosen["variant"]} if "variant" in chosen else {}),
+              "engine_version": backend.version(),
               "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": attempts}
     return backend, blob, record

@@ -37,18 +37,56 @@ def host_features() -> frozenset:
     return frozenset(f for f in flags if f in known)
 
 
-def describe(target: str = "native") -> dict:
+def describe(target: str = "native", device: str = "cpu") -> dict:
     """Manifest entry: the features compiled code may use.
 
     ``generic`` artifacts avoid ISA-specific layouts, so they only need the
-    baseline of the architecture.
+    baseline of the architecture. CUDA artifacts also record the GPU they
+    were built on: their kernels are machine code for its compute capability.
     """
     feats = host_features()
     if target == "generic":
         baseline = {"x86_64": {"sse4_2"}, "amd64": {"sse4_2"}}.get(arch(), set())
         feats = frozenset(feats & baseline)
     order = X86_FEATURES + ARM_FEATURES
-    return {"target": target, "arch": arch(), "isa": [f for f in order if f in feats]}
+    out = {"target": target, "arch": arch(), "isa": [f for f in order if f in feats]}
+    if device == "cuda":
+        out["device"] = "cuda"
+        out["cuda"] = cuda_device()
+    return out
+
+
+def cuda_device() -> dict:
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    return {"name": torch.cuda.get_device_name(), "capability": f"{major}.{minor}",
+            "cuda": torch.version.cuda}
+
+
+def missing_device(manifest_target: dict) -> str | None:
+    """Why this host cannot run a CUDA artifact's kernels, or None (also for CPU artifacts)."""
+    if manifest_target.get("device", "cpu") != "cuda":
+        return None
+    import torch
+    built = manifest_target.get("cuda", {})
+    what = f"{built.get('name', 'an NVIDIA GPU')} (compute capability {built.get('capability', '?')})"
+    if not torch.cuda.is_available():
+        return (f"it was compiled for CUDA on {what} and torch {torch.__version__} here sees no CUDA "
+                "device. Load it on a host with that GPU, or recompile with device='cpu'")
+    have = cuda_device()
+    if not _binary_compatible(built.get("capability", ""), have["capability"]):
+        return (f"it was compiled for {what} and this GPU, {have['name']}, has compute capability "
+                f"{have['capability']}: its kernels cannot run here. Recompile on this GPU")
+    return None
+
+
+def _binary_compatible(built: str, have: str) -> bool:
+    """GPU machine code runs on the same major architecture at an equal or later minor."""
+    try:
+        (b_major, b_minor), (h_major, h_minor) = (tuple(int(p) for p in c.split(".")) for c in (built, have))
+    except ValueError:
+        return False
+    return b_major == h_major and h_minor >= b_minor
 
 
 def missing_features(manifest_target: dict) -> tuple[str | None, list]:

@@ -13,7 +13,10 @@ The contract is deliberately small so an engine is one file:
   bytes lie in a file, for engines that can map weights instead of copying.
 
 ``available()`` and ``version()`` let kiln skip missing engines with a clear
-message and record versions in the artifact.
+message and record versions in the artifact. ``devices`` names where the
+engine's code runs. ``variants(options)`` names other builds of the same
+partition that -O3 also times (passed back to ``compile`` as ``variant=``),
+for settings that win on some models and lose on others.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Backend:
     name: str = ""
     blob_suffix: str = ".bin"
     modules: tuple = ()        # Python packages the engine needs; the first names its version
+    devices: tuple = ("cpu",)  # where its compiled code runs
 
     def available(self) -> bool:
         try:
@@ -54,6 +58,9 @@ class Backend:
 
     def supports(self, node) -> str | None:
         raise NotImplementedError
+
+    def variants(self, options) -> tuple:
+        return ()
 
     def compile(self, partition, example_inputs, options) -> bytes:
         raise NotImplementedError
