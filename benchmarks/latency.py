@@ -532,10 +532,10 @@ def make_kiln(case: Case, threads: int, **options):
     }
     note = ", ".join(sorted(set(extra["engines"]))) if parts else "no partition: all on the host"
     if any(len(p.get("candidates", [])) > 1 for p in parts):  # -O3: what each engine measured
-        extra["candidates"] = [[{k: a.get(k) for k in ("engine", "status", "compile_seconds", "latency_ms")}
+        extra["candidates"] = [[{k: a.get(k) for k in ("engine", "variant", "status", "compile_seconds", "latency_ms")}
                                 for a in p.get("candidates", [])] for p in parts]
         note += "; timed " + " | ".join(", ".join(
-            a["engine"] + (f" {a['latency_ms']:.2f}" if a.get("latency_ms") is not None else f" {a['status']}")
+            a["engine"] + (f":{a['variant']}" if a.get("variant") else "") + (f" {a['latency_ms']:.2f}" if a.get("latency_ms") is not None else f" {a['status']}")
             for a in cands) for cands in extra["candidates"]) + " ms"
     extra["note"] = note
     return run, extra

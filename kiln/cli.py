@@ -343,8 +343,9 @@ def _inspect_model(m, title, console):
     ct = Table("partition", "engine", "status", "compile s", "latency ms", "note", title="engine choice")
     for p in m["partitions"]:
         for c in p.get("candidates", []):
-            chosen = c["engine"] == p["engine"] and c["status"] == "ok"
-            ct.add_row(str(p["id"]), ("* " if chosen else "  ") + c["engine"], c["status"],
+            chosen = (c["engine"], c.get("variant")) == (p["engine"], p.get("variant")) and c["status"] == "ok"
+            name = c["engine"] + (f":{c['variant']}" if c.get("variant") else "")
+            ct.add_row(str(p["id"]), ("* " if chosen else "  ") + name, c["status"],
                        str(c.get("compile_seconds", "")), str(c.get("latency_ms", "")),
                        (c.get("note") or (p["choice"] if chosen else ""))[:80])
     if ct.row_count:

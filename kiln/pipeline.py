@@ -498,6 +498,7 @@ class Pipeline(Model):
         self.output_structure = manifest["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in manifest["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        self._devices = ("cpu",)            # pipelines run on CPU kiln cores
         self._stage_inputs = [[tuple(r) for r in st["inputs"]] for st in meta["stages"]]
         self._outputs = [tuple(r) for r in meta["outputs"]]
         self._drops = self._release_plan()

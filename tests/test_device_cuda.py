@@ -1,7 +1,7 @@
 """device="cuda": TorchInductor on an NVIDIA GPU, and the checks that guard it everywhere.
 
 The GPU tests run only where torch sees a CUDA device (CI has none; they were
-run on an H100, see docs/engines.md). The rest run on every host: a CUDA
+run on an H100, see docs/performance.md, "NVIDIA GPU"). The rest run on every host: a CUDA
 artifact is refused with a message on a host without the GPU, device="cuda"
 without one is a clear error, and the bf16 lowering used on GPUs is checked
 on the graph itself.

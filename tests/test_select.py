@@ -86,3 +86,43 @@ def test_quantize_never_falls_back_to_fp32_engines(monkeypatch):
     model, x = models.mlp()
     with pytest.raises(kiln.CompileError, match="onnxruntime: RuntimeError: boom"):
         kiln.trace(model, x, quantize="int8")
+
+
+def test_o3_times_each_engine_variant_and_records_which_it_kept(monkeypatch):
+    """Variants are compiled and timed like engines at -O3 only; the manifest names the
+    one kept, and the choice follows the recorded timings."""
+    ort = backends.get("onnxruntime")
+    real_compile, built = ort.compile, []
+
+    def compile(sub, inputs, opts, variant=None, **kw):
+        built.append(variant)
+        return real_compile(sub, inputs, opts, **kw)
+
+    monkeypatch.setattr(ort, "compile", compile)
+    monkeypatch.setattr(ort, "variants", lambda opts: ("twin",))
+    monkeypatch.setattr(select, "CPU_ORDER", ("onnxruntime",))
+    monkeypatch.setattr(select, "time_runners",
+                        lambda runners, inputs: {"onnxruntime": 2.0, "onnxruntime:twin": 1.0})
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, optlevel=3)
+    (part,) = compiled.manifest["partitions"]
+    assert built == [None, "twin"]
+    assert [(c["engine"], c.get("variant"), c["latency_ms"]) for c in part["candidates"]] == [
+        ("onnxruntime", None, 2.0), ("onnxruntime", "twin", 1.0)]
+    assert part["engine"] == "onnxruntime" and part["variant"] == "twin"
+    assert_close(compiled(x), model(x).detach())
+    built.clear()
+    kiln.trace(model, x)                       # -O2: the default build only
+    assert built == [None]
+
+
+def test_o2_compiles_attention_on_openvino_first_and_o1_keeps_the_plain_order():
+    pytest.importorskip("openvino")
+    bert, inputs = models.bert()
+    compiled = kiln.trace(bert, inputs)
+    engines = {(p["engine"], p["choice"]) for p in compiled.manifest["partitions"]}
+    assert ("openvino", "default engine for attention partitions (-O2)") in engines
+    out = compiled(**inputs)
+    assert_close(out.last_hidden_state, bert(**inputs).last_hidden_state.detach(), atol=1e-3, rtol=1e-3)
+    fast = kiln.trace(bert, inputs, optlevel=1)
+    assert {p["engine"] for p in fast.manifest["partitions"]} == {"onnxruntime"}
