@@ -126,3 +126,27 @@ def test_o2_compiles_attention_on_openvino_first_and_o1_keeps_the_plain_order():
     assert_close(out.last_hidden_state, bert(**inputs).last_hidden_state.detach(), atol=1e-3, rtol=1e-3)
     fast = kiln.trace(bert, inputs, optlevel=1)
     assert {p["engine"] for p in fast.manifest["partitions"]} == {"onnxruntime"}
+
+
+@pytest.mark.parametrize("corrupt", ["offset", "nan"])
+def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypatch, corrupt):
+    """Each engine's build is run once on the partition's example inputs and compared with
+    eager; a wrong answer (or NaN where eager has none) passes the partition on, with a note."""
+    pytest.importorskip("openvino")
+    ort = backends.get("onnxruntime")
+    real_load = ort.load
+
+    def load(blob, runtime_options, origin=None):
+        run = real_load(blob, runtime_options, origin)
+        bad = (lambda t: t + 0.5) if corrupt == "offset" else (lambda t: t.masked_fill(t > 0, float("nan")))
+        return lambda inputs: [bad(t) for t in run(inputs)]
+
+    monkeypatch.setattr(ort, "load", load)
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x)
+    (part,) = compiled.manifest["partitions"]
+    first = part["candidates"][0]
+    assert first["engine"] == "onnxruntime" and first["status"] == "inaccurate"
+    assert ("max abs error 0.5" if corrupt == "offset" else "NaN") in first["note"]
+    assert part["engine"] == "openvino" and "onnxruntime inaccurate" in part["choice"]
+    assert_close(compiled(x), model(x).detach())
