@@ -33,9 +33,9 @@ Choices, and why:
   armv8-a) with a matching vector width instead of ``-march=native``.
 * The library is tied to the torch that built it; loading under another
   torch minor version is refused with both versions named.
-
-* On ``device="cuda"`` the same package holds Triton kernels (embedded in the
-  library, ``embed_kernel_binary``) and cuBLAS calls. The runner takes inputs
+* On ``device="cuda"`` the package holds Triton kernels (cubin files beside
+  the library) and cuBLAS calls, and loads through torch's package loader
+  (creating a CUDA container through ctypes crashed). The runner takes inputs
   on the CPU or the GPU, and returns outputs on the device the inputs came
   from: CPU callers see a CPU model, GPU callers pay no copies. The package
   records its device (``kiln_device``); the artifact records the GPU's
@@ -151,12 +151,6 @@ def _inductor_configs(options, device: str = "cpu") -> dict:
     if options.target == "generic":
         configs.update(_generic_isa())
     return configs
-
-
-def _has_config(name: str) -> bool:
-    from torch._inductor import config
-    section, _, key = name.rpartition(".")
-    return hasattr(getattr(config, section) if section else config, key)
 
 
 def _generic_isa() -> dict:
