@@ -13,8 +13,8 @@ The contract is deliberately small so an engine is one file:
   bytes lie in a file, for engines that can map weights instead of copying.
 
 ``available()`` and ``version()`` let kiln skip missing engines with a clear
-message and record versions in the artifact. ``devices`` names where the
-engine's code runs. ``variants(options)`` names other builds of the same
+message and record versions in the artifact (which engines run on a GPU is
+``select.CUDA_ORDER``). ``variants(options)`` names other builds of the same
 partition that -O3 also times (passed back to ``compile`` as ``variant=``),
 for settings that win on some models and lose on others.
 """
@@ -36,7 +36,6 @@ class Backend:
     name: str = ""
     blob_suffix: str = ".bin"
     modules: tuple = ()        # Python packages the engine needs; the first names its version
-    devices: tuple = ("cpu",)  # where its compiled code runs
 
     def available(self) -> bool:
         try:

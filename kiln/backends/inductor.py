@@ -75,7 +75,6 @@ _DEVICE_KEY = "kiln_device"
 class InductorBackend(Backend):
     name = "inductor"
     blob_suffix = ".pt2"
-    devices = ("cpu", "cuda")
 
     def available(self) -> bool:
         # Only compiling needs a C++ compiler (compile() says so when it is
