@@ -36,6 +36,34 @@ def native_on_gpu(cast_type: str) -> bool:
     return cast_type == "fp16"
 
 
+def _affected(gm: torch.fx.GraphModule, mode: str):
+    """The ops --auto-cast applies to: matmuls and convolutions (``matmult``) or every op (``all``)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target in (operator.getitem, aten._to_copy.default):
+            continue
+        if mode == "matmult" and node.target not in MATMULT_OPS:
+            continue
+        yield node
+
+
+def _fp32_inputs(node) -> list:
+    return [a for a in node.all_input_nodes
+            if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
+
+
+def _cast(gm, arg, dtype, val):
+    """A ``_to_copy(arg, dtype)`` node, inserted at the graph's current insertion point."""
+    node = gm.graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
+    node.meta["val"] = val.to(dtype)
+    return node
+
+
+def _finish(gm, count: int) -> int:
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
 def lower(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
     """Run the affected ops in ``cast_type`` itself (for engines that compute it
     natively, like Inductor on a GPU): float32 inputs are cast down, the op runs
@@ -44,60 +72,31 @@ def lower(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
     fp32. Returns how many ops were lowered."""
     dtype = TYPES[cast_type]
     count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        if mode == "matmult" and node.target not in MATMULT_OPS:
-            continue
+    for node in _affected(gm, mode):
         out = node.meta.get("val")
-        if node.target in (aten._to_copy.default,) or not isinstance(out, torch.Tensor) \
-                or out.dtype != torch.float32:
-            continue
-        floats = [a for a in node.all_input_nodes
-                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
-        if not floats:
+        floats = _fp32_inputs(node)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not floats:
             continue
         for arg in floats:
             with gm.graph.inserting_before(node):
-                down = gm.graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
-                down.meta["val"] = arg.meta["val"].to(dtype)
-            node.replace_input_with(arg, down)
+                node.replace_input_with(arg, _cast(gm, arg, dtype, arg.meta["val"]))
         node.meta["val"] = out.to(dtype)
         with gm.graph.inserting_after(node):
-            up = gm.graph.call_function(aten._to_copy.default, (node,), {"dtype": torch.float32})
-            up.meta["val"] = out
+            up = _cast(gm, node, torch.float32, out)
         node.replace_all_uses_with(up, delete_user_cb=lambda user: user is not up)
         count += 1
-    gm.graph.lint()
-    gm.recompile()
-    return count
+    return _finish(gm, count)
 
 
 def emulate(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
     """Round the float32 inputs of the affected ops through ``cast_type``; return how many."""
     dtype = TYPES[cast_type]
     count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        if mode == "matmult" and node.target not in MATMULT_OPS:
-            continue
-        if node.target in (aten._to_copy.default,):
-            continue
-        rounded = {}
-        for arg in node.all_input_nodes:
-            val = arg.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
-                continue
+    for node in _affected(gm, mode):
+        floats = _fp32_inputs(node)
+        for arg in floats:
+            val = arg.meta["val"]
             with gm.graph.inserting_before(node):
-                down = gm.graph.call_function(aten._to_copy.default, (arg,), {"dtype": dtype})
-                down.meta["val"] = val.to(dtype)
-                up = gm.graph.call_function(aten._to_copy.default, (down,), {"dtype": torch.float32})
-                up.meta["val"] = val
-            rounded[arg] = up
-        for arg, up in rounded.items():
-            node.replace_input_with(arg, up)
-        count += bool(rounded)
-    gm.graph.lint()
-    gm.recompile()
-    return count
+                node.replace_input_with(arg, _cast(gm, _cast(gm, arg, dtype, val), torch.float32, val))
+        count += bool(floats)
+    return _finish(gm, count)

@@ -233,7 +233,8 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
             attempts.append(attempt)
             runner = None
             if opts.validate or measure:
-                runner, problem = _try_run(backend, blob, runtime_opts, inputs, reference, opts)
+                with progress.phase(f"check {label} ({key})"):
+                    runner, problem = _try_run(backend, blob, runtime_opts, inputs, reference, opts)
                 if problem:
                     attempt.update(status="inaccurate", note=problem)
                     if runner is not None:

@@ -112,15 +112,16 @@ def on_gpu():
     return out
 
 
+def _first(out):
+    """The first output: last_hidden_state for HF models (an output object, or kiln's dict)."""
+    if isinstance(out, dict) or hasattr(out, "last_hidden_state"):
+        return out["last_hidden_state"]
+    return out
+
+
 def _eager(model, args, kwargs):
     with torch.no_grad():
-        out = model(*args, **kwargs)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
-
-
-def _first(out):
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else (
-        out["last_hidden_state"] if isinstance(out, dict) else out)
+        return _first(model(*args, **kwargs))
 
 
 @needs_gpu
