@@ -27,6 +27,8 @@ import io
 import json
 import mmap
 import os
+import re
+import socket
 import struct
 import tempfile
 import zipfile
@@ -286,10 +288,16 @@ class _ViewFile(io.RawIOBase):
 
 
 def write_atomic(path: str, writer):
-    """Call ``writer(file)`` on a temp file beside ``path``, fsync, then rename over ``path``."""
+    """Call ``writer(file)`` on a temp file beside ``path``, fsync, then rename over ``path``
+    (and fsync the directory, so the rename survives a power cut as well as a kill).
+
+    A process killed mid-write leaves its temp file behind; temp names carry the host and
+    pid, so the next write into the directory removes the files of this host's dead
+    writers (never a live one's, nor another host's on a shared filesystem)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".kiln-", suffix=".tmp", dir=directory)
+    sweep_temps(directory)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             writer(f)
@@ -302,3 +310,53 @@ def write_atomic(path: str, writer):
         except OSError:
             pass
         raise
+    _fsync_dir(directory)
+
+
+def temp_prefix() -> str:
+    return f".kiln-{socket.gethostname()}-{os.getpid()}-"
+
+
+_TEMP = re.compile(r"^\.kiln-(?P<host>.*)-(?P<pid>\d+)-[^-]*\.tmp$")
+
+
+def sweep_temps(directory: str) -> int:
+    """Remove temp files left in ``directory`` by killed writers of this host; returns how many."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    host, removed = socket.gethostname(), 0
+    for name in names:
+        m = _TEMP.match(name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's live process
+        return True
+    return True
+
+
+def _fsync_dir(directory: str):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

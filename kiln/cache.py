@@ -49,7 +49,7 @@ import xxhash
 
 from . import __version__, specs
 from . import target as target_mod
-from .artifact import FORMAT_VERSION
+from .artifact import FORMAT_VERSION, sweep_temps, temp_prefix
 from .errors import KilnError
 
 log = logging.getLogger("kiln")
@@ -388,8 +388,10 @@ class Cache:
             return None
 
     def _write_atomic(self, path, data: bytes):
-        tmp = self._path("tmp", f"{uuid.uuid4().hex}.tmp")
         self.fs.makedirs(self._path("tmp"), exist_ok=True)
+        if self.local:    # temp files of this host's killed writers go before they pile up
+            sweep_temps(self._path("tmp"))
+        tmp = self._path("tmp", f"{temp_prefix()}{uuid.uuid4().hex}.tmp")
         parent = path.rsplit("/", 1)[0] if not self.local else os.path.dirname(path)
         self.fs.makedirs(parent, exist_ok=True)
         if self.local:

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from . import __version__, backends, specs
+from . import __version__, backends, padcheck, specs
 from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
@@ -122,9 +122,14 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         compiled = trace_pipeline(model, example_inputs, example_kwargs, pipeline_cores, trace_one,
                                   progress)
     elif buckets is not None:
-        from .shapes import trace_buckets
+        from .shapes import bucket_examples, trace_buckets
         compiled = trace_buckets(model, example_inputs, example_kwargs, buckets, pad_values,
                                  output_dims, trace_one)
+        tol = _padding_tolerance(compiler_args, options)
+        if tol is not None:
+            with progress.phase("padding check"):
+                examples = bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values)
+                compiled.manifest["padding_check"] = padcheck.check_buckets(model, compiled, examples, tol)
     else:
         if pad_values or output_dims:
             raise CompilerArgsError("pad_values and output_dims apply to buckets; pass buckets= too")
@@ -132,7 +137,28 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     if dynamic_batch:
         from .shapes import DynamicBatch
         compiled = DynamicBatch(compiled)
+        tol = _padding_tolerance(compiler_args, options)
+        if tol is not None:
+            with progress.phase("batch check"):
+                compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(
+                    model, compiled, example_inputs, example_kwargs, tol)
     return compiled
+
+
+def _padding_tolerance(compiler_args, options):
+    """How closely padded and chunked answers must match eager (None: validate=False).
+    Lossy compiles are held to their accuracy gate, not to atol."""
+    fields = parse_compiler_args(compiler_args)
+    if options.get("validate", fields.get("validate", True)) is False:
+        return None
+    lossy = options.get("quantize") or fields.get("quantize") or (
+        fields.get("auto_cast", "none") != "none" and fields.get("auto_cast_type", "bf16") != "fp32")
+    if lossy:
+        cos = options.get("min_cosine")
+        return padcheck.Tolerance(min_cosine=CompileOptions.min_cosine if cos is None else cos)
+    atol, rtol = options.get("atol"), options.get("rtol")
+    return padcheck.Tolerance(CompileOptions.atol if atol is None else atol,
+                              CompileOptions.rtol if rtol is None else rtol)
 
 
 def _collect(model, example_inputs, example_kwargs, buckets, pad_values, pipeline_cores, trace_one):

@@ -48,6 +48,15 @@ class ModelMetrics:
         from . import registry
         registry.announce()
 
+    def reset(self):
+        """Forget the calls so far (kiln's own compile-time checks are not the user's traffic)."""
+        with self.lock:
+            self.completed = self.failed = self.timed_out = 0
+            self.device_seconds = self.host_seconds = self.latency_sum = self.latency_max = 0.0
+            self.bytes_in = self.bytes_out = 0
+            self.hist = [0] * (len(_BOUNDS) + 1)
+            self.buckets = {}
+
     def record_call(self, seconds, inputs=(), outputs=(), device=None, host=None):
         i = bisect.bisect_left(_BOUNDS, seconds)
         nin = sum(t.numel() * t.element_size() for t in inputs)

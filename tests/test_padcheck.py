@@ -1,0 +1,104 @@
+"""Padding and batching never change answers: kiln.trace proves it or refuses (issue 14)."""
+import pytest
+import torch
+
+import kiln
+from kiln.errors import ValidationError
+
+from . import models
+from .conftest import assert_close
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return models.tiny_bert()
+
+
+def test_buckets_that_let_the_model_see_padding_are_refused(bert):
+    # No attention mask: BERT attends to the zero padding, so a 1x5 input padded to 16
+    # would answer for the padded input (0.017 off on 2026-11's kiln, with no warning).
+    ids = torch.randint(1, 120, (1, 64))
+    with pytest.raises(ValidationError) as err:
+        kiln.trace(bert, {"input_ids": ids}, buckets={"input_ids": {1: [16, 32, 64]}})
+    msg = str(err.value)
+    assert "padding changes the answers of BertModel" in msg
+    assert "'input_ids' dim 1" in msg and "max abs error" in msg
+    assert "attention_mask" in msg and "pad_values" in msg
+    assert err.value.metrics["max_abs_error"] > 1e-3
+
+
+def test_masked_buckets_pass_the_check_and_record_it(bert, tmp_path):
+    ids = torch.randint(1, 120, (1, 64))
+    m = kiln.trace(bert, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                   buckets={"input_ids": {1: [16, 32, 64]}}, pad_values={"attention_mask": 0})
+    check = m.manifest["padding_check"]
+    assert check["probes"] == 3 and check["max_abs_error"] < 1e-4 and not check["skipped"]
+    short = ids[:, :5]
+    with torch.no_grad():
+        expected = bert(input_ids=short, attention_mask=torch.ones_like(short))
+    got = m(input_ids=short, attention_mask=torch.ones_like(short))
+    assert_close(got.last_hidden_state, expected.last_hidden_state, atol=1e-4, rtol=1e-4)
+    path = tmp_path / "b.kiln"
+    m.save(path)
+    assert kiln.load(path).manifest["padding_check"] == check
+
+
+class SeqMean(torch.nn.Module):
+    """Averages over the sequence: zero padding shrinks the mean."""
+
+    def forward(self, x):
+        return x.mean(1)
+
+
+def test_a_mean_over_the_padded_axis_is_refused():
+    with pytest.raises(ValidationError, match=r"padding changes the answers of SeqMean.*'x' dim 1"):
+        kiln.trace(SeqMean(), torch.randn(2, 8, 4), buckets={"x": {1: [4, 8]}})
+
+
+def test_padding_the_batch_dim_of_a_row_wise_model_passes():
+    model = models.MLP().eval()
+    m = kiln.trace(model, buckets=[torch.randn(1, 16), torch.randn(4, 16), torch.randn(8, 16)])
+    assert m.manifest["padding_check"]["probes"] == 2     # sizes 2 (bucket 4) and 5 (bucket 8)
+
+
+def test_validate_false_skips_the_check():
+    m = kiln.trace(SeqMean(), torch.randn(2, 8, 4), buckets={"x": {1: [4, 8]}}, validate=False)
+    assert "padding_check" not in m.manifest
+
+
+class RowsInteract(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y - y.mean(0)    # each row depends on the others
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dynamic_batch_of_a_model_whose_rows_interact_is_refused(batch):
+    with pytest.raises(ValidationError, match=r"dynamic batch changes the answers of RowsInteract"):
+        kiln.trace(RowsInteract().eval(), torch.randn(batch, 8), dynamic_batch=True)
+
+
+def test_dynamic_batch_of_a_row_wise_model_records_the_check():
+    model = models.MLP().eval()
+    m = kiln.trace(model, torch.randn(4, 16), dynamic_batch=True)
+    assert m.manifest["batch_check"]["rows"] == 5
+    assert m.manifest["batch_check"]["max_abs_error"] < 1e-4
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        assert_close(m(x), model(x))
+
+
+class FixedBatch(torch.nn.Module):
+    """Hard-wires its batch size: eager cannot run other sizes, so there is nothing to compare."""
+
+    def forward(self, x):
+        return x.reshape(4, -1).sum(1)
+
+
+def test_a_probe_eager_cannot_run_is_recorded_as_skipped():
+    m = kiln.trace(FixedBatch(), torch.randn(4, 3), dynamic_batch=True)
+    assert "eager failed" in m.manifest["batch_check"]["skipped"]
