@@ -7,6 +7,7 @@ The package reads as the pipeline::
     partition.py  device partitions + host (CPU) fallback
     backends/     engines (ONNX Runtime first) behind one small contract
     artifact.py   the .kiln file: manifest + checksummed blobs, atomic writes
+    trust.py      signing keys; native code loads only from trusted signers
     program.py    the host program wiring partitions and fallback ops
     runtime.py    CompiledModel: checks inputs, runs the program
     compiler.py   the driver tying them together: kiln.trace / kiln.analyze
@@ -26,8 +27,9 @@ and around it, shapes and cores::
 __version__ = "0.1.0"
 
 from .errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: E402
-                     EngineUnavailableError, InputError, KilnError, TargetMismatchError,
-                     UnsupportedOpError, ValidationError)
+                     EngineUnavailableError, InputError, KilnError, SignatureError,
+                     TargetMismatchError, UnsupportedOpError, UntrustedArtifactError,
+                     ValidationError)
 from .compiler import analyze, trace  # noqa: E402
 from .runtime import CompiledModel, Model, load  # noqa: E402
 from .placement import cores, PlacementError  # noqa: E402
@@ -43,4 +45,5 @@ __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "core
            "metrics_report", "profile", "bench",
            "dynamic_batch", "Bucketed", "DynamicBatch", "DataParallel", "PlacementError", "KilnError", "ArtifactError",
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
-           "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError"]
+           "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError",
+           "SignatureError", "UntrustedArtifactError"]

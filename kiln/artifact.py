@@ -4,10 +4,14 @@ Layout::
 
     manifest.json          format/kiln/engine versions, target ISA, options,
                            I/O specs, the host program, blob checksums
+    signature.json         Ed25519 signature over the manifest (kiln.trust)
     partitions/N.<ext>     one compiled blob per device partition
     host_constants.safetensors   tensors used by host (fallback) ops
 
-Nothing is pickled, so reading an artifact never runs code from it. Writes go
+Nothing is pickled, so reading an artifact never runs code from it; loading
+runs native code (TorchInductor libraries) only from artifacts ``kiln.trust``
+admits. This module stores and reads the signature member; kiln.trust signs
+and judges it. Writes go
 to a temporary file in the destination directory and are renamed into place,
 so a killed process never leaves a half-written artifact under the real name.
 
@@ -36,12 +40,14 @@ import zlib
 
 import xxhash
 
-from . import target as target_mod
+from . import schema, target as target_mod
 from .errors import ArtifactError, TargetMismatchError
 
 FORMAT = "kiln-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+SIGNATURE = "signature.json"   # kiln.trust: who signed the manifest (absent: unsigned)
+MAX_SIGNATURE = 64 << 10
 ALIGN = 4096          # blob data starts on a page boundary, so engines can map it
 
 
@@ -91,9 +97,17 @@ def xxh3_chunked(data) -> str:
 
 
 class Artifact:
-    def __init__(self, manifest: dict, blobs: dict, file=None, offsets=None):
+    def __init__(self, manifest: dict, blobs: dict, file=None, offsets=None, signature=None,
+                 built=True):
         self.manifest = manifest
         self.blobs = blobs
+        # kiln.trust's state: ``built`` is False for artifacts read from a file or bytes,
+        # whose ``signature.json`` (bytes) is kept as read; ``parent`` is (enclosing
+        # artifact, blob name) for nested ones; ``verdict`` is what loading found.
+        self.signature = signature
+        self.built = built
+        self.parent = None
+        self.verdict = None
         self._file = file                 # (path, dev, ino, base offset) when mapped from a file
         self._offsets = offsets or {}     # blob name -> offset of its data in this artifact
 
@@ -106,12 +120,17 @@ class Artifact:
 
     def nested(self, name, source) -> "Artifact":
         """The artifact stored as blob ``name`` (buckets, pipeline stages), still mapped."""
+        if name not in self.blobs:
+            raise ArtifactError(f"{source}: the nested artifact is missing; the file is corrupt "
+                                "or was edited")
         file = None
         if self._file is not None and name in self._offsets:
             path, dev, ino, base = self._file
             file = (path, dev, ino, base + self._offsets[name])
         # its bytes were checked as this artifact's blob: hashing its blobs again is waste
-        return Artifact._read(memoryview(self.blobs[name]).cast("B"), source, file, verify=False)
+        inner = Artifact._read(memoryview(self.blobs[name]).cast("B"), source, file, verify=False)
+        inner.parent = (self, name)
+        return inner
 
     # -- writing ------------------------------------------------------------
     def seal(self):
@@ -129,9 +148,15 @@ class Artifact:
         return buf.getvalue()
 
     def _write(self, f):
+        from .trust import signature_for
         self.seal()
+        if SIGNATURE in self.blobs:
+            raise ArtifactError(f"a blob may not be named {SIGNATURE}")
+        signature = signature_for(self)
         with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
             z.writestr(MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True))
+            if signature is not None:
+                z.writestr(SIGNATURE, signature)
             for name, data in sorted(self.blobs.items()):
                 info = zipfile.ZipInfo(name)
                 # An extra field of padding puts the data on an ALIGN boundary (0xD935
@@ -169,9 +194,15 @@ class Artifact:
 
     @classmethod
     def _read(cls, view: memoryview, source, file=None, verify=True) -> "Artifact":
+        if not _ends_with_directory(view):
+            # zipfile would take the last end-of-directory record it finds, and a truncated
+            # artifact still holds those of its nested artifacts: it would load one of them
+            raise ArtifactError(f"{source}: not a kiln artifact (no zip directory at its end: "
+                                "truncated, or not a zip archive); recompile the model or copy "
+                                "the file again")
         try:
             z = zipfile.ZipFile(_ViewFile(view))
-        except (zipfile.BadZipFile, OSError, ValueError):
+        except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError):  # (a newer zip version)
             raise ArtifactError(f"{source}: not a kiln artifact (not a zip archive, or truncated); "
                                 "recompile the model or copy the file again") from None
         with z:
@@ -180,7 +211,10 @@ class Artifact:
                 raise ArtifactError(f"{source}: zip archive without {MANIFEST}; not a kiln artifact")
             try:
                 manifest = json.loads(z.read(MANIFEST))
-            except (ValueError, zipfile.BadZipFile, OSError, EOFError) as e:
+            # NotImplementedError, RuntimeError: a compression method or encryption zipfile
+            # cannot read; RecursionError: JSON nested too deep to parse
+            except (ValueError, zipfile.BadZipFile, OSError, EOFError, NotImplementedError,
+                    RuntimeError, RecursionError) as e:
                 raise ArtifactError(f"{source}: manifest is corrupt ({e}); recompile the model") from None
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
                 raise ArtifactError(f"{source}: manifest is not a kiln manifest (format "
@@ -191,6 +225,18 @@ class Artifact:
                     f"{source}: artifact format {version} was written by kiln "
                     f"{manifest.get('kiln_version', '?')}; this kiln reads format {FORMAT_VERSION} "
                     "and older. Upgrade kiln or recompile the model with this version")
+            schema.check_container(manifest, source)
+            signature = None
+            if SIGNATURE in names:
+                try:
+                    info = z.getinfo(SIGNATURE)
+                    if info.file_size > MAX_SIGNATURE:
+                        raise ValueError(f"{info.file_size} bytes")
+                    signature = z.read(info)
+                except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError,
+                        RuntimeError) as e:
+                    raise ArtifactError(f"{source}: {SIGNATURE} cannot be read ({e}); the file is "
+                                        "corrupt or was edited") from None
             blobs, offsets = {}, {}
             for name, meta in manifest.get("blobs", {}).items():
                 if name not in names:
@@ -198,7 +244,8 @@ class Artifact:
                                         "the file is truncated or was edited")
                 try:
                     data, offsets[name] = _member(view, z, z.getinfo(name))
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error) as e:
+                except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error,
+                        NotImplementedError, RuntimeError) as e:
                     raise ArtifactError(f"{source}: blob {name} cannot be read ({e}); the file is "
                                         "corrupt or truncated") from None
                 if not _intact(data, meta, z.getinfo(name), verify):
@@ -206,7 +253,7 @@ class Artifact:
                                         "Recompile the model or copy the file again")
                 blobs[name] = data
         offsets = {k: v for k, v in offsets.items() if v is not None}
-        return cls(manifest, blobs, file, offsets)
+        return cls(manifest, blobs, file, offsets, signature, built=False)
 
     def check_host(self, source: str = "artifact"):
         """Refuse artifacts built for CPU features this host lacks."""
@@ -222,6 +269,30 @@ class Artifact:
         gpu = target_mod.missing_device(tgt)
         if gpu:
             raise TargetMismatchError(f"{source} cannot run here: {gpu}")
+
+
+def _ends_with_directory(view: memoryview) -> bool:
+    """The file ends with a zip end-of-central-directory record (and its comment), right
+    after the central directory it describes, itself at the offset the record gives: so
+    no bytes precede the archive and none of it is cut off."""
+    tail = bytes(view[-(22 + 0xFFFF):])
+    base = len(view) - len(tail)
+    pos = tail.rfind(b"PK\x05\x06")
+    while pos >= 0:
+        if pos + 22 <= len(tail):
+            cd_size, cd_offset, comment = struct.unpack_from("<IIH", tail, pos + 12)
+            if pos + 22 + comment == len(tail):
+                end = base + pos
+                locator = end - 20
+                if locator >= 0 and bytes(view[locator:locator + 4]) == b"PK\x06\x07":  # zip64
+                    (record,) = struct.unpack_from("<Q", view, locator + 8)
+                    if record + 56 > locator or bytes(view[record:record + 4]) != b"PK\x06\x06":
+                        return False
+                    cd_size, cd_offset = struct.unpack_from("<QQ", view, record + 40)
+                    end = record
+                return cd_offset + cd_size == end
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    return False
 
 
 def _member(view: memoryview, z: zipfile.ZipFile, info: zipfile.ZipInfo):

@@ -38,13 +38,19 @@ are sliced back to its own length along the output dims that follow the axis.
 This is correct for the same models bucketing is correct for: padding must not
 change the unpadded part of the result (masked attention, per-position ops),
 and rows of a batch must not interact (no batch norm in training mode, no
-cross-row reductions).
+cross-row reductions, no activation scale per batch).
+
+The server does not assume it: :func:`check_merging` runs a model on merged
+batches of distinct synthetic rows, padded as this module pads them, and
+compares every row with that row run alone; a model that fails it is never
+merged (:meth:`Batcher.disable`).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -227,6 +233,163 @@ def split(outs, requests, layout: Layout, targets):
     return results
 
 
+# -- proving that merging is exact for a model ----------------------------------------------------
+# float tolerances of the merge check: (atol, rtol of the output's largest magnitude)
+_MERGE_TOL = {torch.float16: (1e-3, 1e-2), torch.bfloat16: (1e-2, 2e-2)}
+_MERGE_TOL_DEFAULT = (1e-5, 1e-4)
+
+
+@dataclass
+class MergeCheck:
+    """What :func:`check_merging` found: ``safe`` when every row of every merged batch it
+    tried equals that row run alone."""
+    safe: bool
+    cases: list                  # the merged batches tried, e.g. "4 rows, lengths 8 7 6 5"
+    max_diff: float = 0.0        # largest |merged - alone| over every output compared
+    output: str | None = None    # the first output that differed
+    case: str | None = None      # the merged batch where it differed
+    row: int | None = None       # the row (request) that differed
+    tolerance: str | None = None
+    error: str | None = None     # the merged batch (or a row alone) failed to run
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        if self.safe:
+            return (f"merging checked: {len(self.cases)} merged batches equal their rows run alone "
+                    f"(max diff {self.max_diff:.3g})")
+        if self.error is not None:
+            return f"merging could not be checked: {self.error}"
+        return (f"rows interact: merged into a batch of {self.case}, rows differ from the same rows "
+                f"run alone by up to {self.max_diff:.3g} (first: output '{self.output}' of row "
+                f"{self.row}, beyond {self.tolerance})")
+
+
+def _synthetic_row(spec, i, layout: Layout, lengths, gen) -> torch.Tensor:
+    """One row (batch 1) of flat input ``i``: random floats, or 0/1 for ints and bools (valid
+    ids and masks), the first entry 1 (no all-masked row); bucketed axes at ``lengths``."""
+    shape = [1] + [int(n) for n in spec.shape[1:]]
+    for a, ax in enumerate(layout.axes):
+        for ii, d in ax.inputs:
+            if ii == i:
+                shape[d] = lengths[a]
+    dtype = spec.dtype
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    else:
+        t = torch.randint(0, 2, shape, generator=gen).to(dtype)
+        if t.numel():
+            t.view(-1)[0] = 1
+    return t
+
+
+def _merge_sizes(layout: Layout, max_rows: int) -> list:
+    """Batch sizes to try: two rows, the most rows, and (a bucketed batch dim) a size the
+    model pads up to its next bucket."""
+    sizes = {2, max_rows}
+    if layout.batch_sizes:
+        padded = [n for n in range(2, max_rows + 1) if n not in layout.batch_sizes]
+        if padded:
+            sizes.add(padded[0])
+    return sorted(s for s in sizes if 2 <= s <= max_rows)
+
+
+def _axis_lengths(ax: Axis) -> tuple:
+    """(shortest, longest) lengths of one bucket of ``ax`` that holds at least two lengths
+    (the smallest such bucket), so merged rows are padded to the group's longest."""
+    prev = 0
+    for s in ax.sizes:
+        if s - prev >= 2:
+            return prev + 1, s
+        prev = s
+    return ax.sizes[0], ax.sizes[0]
+
+
+def _row_diff(merged: torch.Tensor, alone: torch.Tensor):
+    """(max |merged - alone|, allowed, tolerance text) of one output of one row."""
+    if merged.shape != alone.shape or merged.dtype != alone.dtype:
+        return math.inf, 0.0, f"shape {list(merged.shape)} vs {list(alone.shape)}"
+    if not (alone.dtype.is_floating_point or alone.dtype.is_complex):
+        if torch.equal(merged, alone):
+            return 0.0, 0.0, "exact"
+        if alone.dtype == torch.bool:
+            return 1.0, 0.0, "exact"
+        return float((merged.long() - alone.long()).abs().max()), 0.0, "exact"
+    atol, rtol = _MERGE_TOL.get(alone.dtype, _MERGE_TOL_DEFAULT)
+    a, b = merged.detach().double(), alone.detach().double()
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return math.inf, 0.0, "NaN in one of them"
+    ok = ~nan_b
+    if not ok.any():
+        return 0.0, atol, f"atol {atol:g}, rtol {rtol:g}"
+    a, b = a[ok], b[ok]
+    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+    diff = (a - b).abs().masked_fill(same_inf, 0.0)
+    finite = b[torch.isfinite(b)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return float(diff.max()), atol + rtol * scale, f"atol {atol:g}, rtol {rtol:g} of {scale:.3g}"
+
+
+MERGE_CHECK_ROWS = 8     # rows of a merged batch compared with the row alone (plus the last one)
+
+
+def check_merging(model, layout: Layout, max_rows: int, seed: int = 0) -> MergeCheck:
+    """Prove on synthetic inputs that the batcher's merging does not change ``model``'s answers.
+
+    Builds ``max_rows`` distinct one-row requests (random floats, 0/1 ints; rows of a bucketed
+    axis at different lengths within one bucket), merges them exactly as the batcher does
+    (concatenated on dim 0, padded to the group's longest, and by the model to its batch bucket
+    or chunk), and compares the rows' outputs (the first ``MERGE_CHECK_ROWS`` and the last, which
+    a chunked batch pads with) with each row run alone. Rows of a model that normalises across
+    the batch, or sees its padding, differ: such a model must not be merged."""
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    specs = list(model.input_specs)
+    spans = [_axis_lengths(ax) for ax in layout.axes]
+    rows = []
+    for r in range(max_rows):
+        lengths = [hi - r % (hi - lo + 1) for lo, hi in spans]    # the longest first, then shorter
+        rows.append([_synthetic_row(s, i, layout, lengths, gen) for i, s in enumerate(specs)])
+    names = [s.name for s in model.output_specs]
+    result = MergeCheck(True, [])
+    alone: dict = {}
+    for n in _merge_sizes(layout, max_rows):
+        reqs = []
+        for flat in rows[:n]:
+            sizes = layout.sizes(flat)
+            reqs.append(Request(flat, 1, sizes, layout.key(sizes), None, 0.0))
+        shown = reqs if n <= 2 * MERGE_CHECK_ROWS else reqs[:MERGE_CHECK_ROWS]
+        case = f"{n} rows" + "".join(
+            f", lengths {' '.join(str(r.sizes[a]) for r in shown)}{' ...' if len(shown) < n else ''}"
+            for a in range(len(layout.axes)))
+        result.cases.append(case)
+        try:
+            flat, targets = merge(reqs, layout)
+            merged = split(model.run_flat(flat), reqs, layout, targets)
+        except Exception as e:  # noqa: BLE001 - a batch the model cannot run is not mergeable
+            result.safe, result.case = False, case
+            result.error = f"the merged batch of {case} failed: {type(e).__name__}: {e}"
+            break
+        for r in sorted(set(range(min(n, MERGE_CHECK_ROWS))) | {n - 1}):
+            if r not in alone:
+                try:
+                    alone[r] = model.run_flat(rows[r])
+                except Exception as e:  # noqa: BLE001 - the model's own failure: nothing proven
+                    result.safe = False
+                    result.error = f"a synthetic row alone failed: {type(e).__name__}: {e}"
+                    break
+            for o, (m, a) in enumerate(zip(merged[r], alone[r])):
+                diff, allowed, tol = _row_diff(m, a)
+                result.max_diff = max(result.max_diff, diff)
+                if diff > allowed and result.safe:
+                    result.safe = False
+                    result.output, result.case, result.row, result.tolerance = names[o], case, r, tol
+        if not result.safe:
+            break
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 # -- the batcher ---------------------------------------------------------------------------------
 class Request:
     __slots__ = ("flat", "rows", "sizes", "key", "future", "arrival")
@@ -252,6 +415,10 @@ class Batcher:
         self.instances = list(instances)
         self.layout = layout
         self.batching = layout.batchable and max_batch_size > 1
+        # why requests are not merged (None while they are)
+        self.off_reason = (None if self.batching else
+                           "turned off (max_batch_size 1)" if layout.batchable else
+                           "the model's inputs and outputs do not all have a variable batch dim (dim 0)")
         limit = layout.max_rows if layout.max_rows is not None else max_batch_size
         self.max_batch_size = max(1, min(max_batch_size, limit)) if self.batching else 1
         self.delay = max(0.0, max_queue_delay_ms) / 1e3 if self.batching else 0.0
@@ -269,6 +436,11 @@ class Batcher:
         self._flush = False
         self.depth = 0
         self._cost: dict = {}    # (group key, batch bucket) -> smoothed seconds per run
+
+    def disable(self, reason: str):
+        """Run every request alone from now on (call before :meth:`start`)."""
+        self.batching, self.off_reason = False, reason
+        self.max_batch_size, self.delay = 1, 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self):

@@ -21,9 +21,12 @@ options/engines/ISA. A fingerprint that was seen before names its key through
 an alias; anything else captures, keys and compiles as usual.
 
 An entry is valid only when its meta exists (written after the artifact), the
-artifact has the recorded size and every blob matches its digest when the
-artifact is read; anything else is discarded and recompiled. A local entry is
-mapped, not read, so a hit costs about what ``kiln.load`` does.
+artifact has the recorded size, its signature (if any) verifies and every blob
+matches its digest when the artifact is read; anything else is discarded and
+recompiled. Entries are signed by the host that wrote them (``kiln.trust``); one
+holding native code is loaded only if a key this host trusts signed it, and
+otherwise left in place and compiled again here. A local entry is mapped, not
+read, so a hit costs about what ``kiln.load`` does.
 Writes go to a temporary name and are moved into place. One process compiles
 a key at a time: the others wait for its result (see ``lock``).
 """
@@ -60,7 +63,7 @@ LOCK_REFRESH_SECONDS = 10.0
 
 # Process-wide counters (also per Cache instance): what tests and reports read.
 stats = {"hits": 0, "misses": 0, "alias_hits": 0, "compiles": 0, "failed_hits": 0, "discarded": 0,
-         "lock_waits": 0}
+         "lock_waits": 0, "untrusted": 0}
 _stats_lock = threading.Lock()
 
 

@@ -95,7 +95,7 @@ def cmd_run(a, console):
     import numpy as np
     import torch
     import kiln
-    model = kiln.load(a.artifact, threads=a.threads)
+    model = kiln.load(a.artifact, threads=a.threads, trust_native_code=a.trust_native_code or None)
     inputs = []
     for path in a.input:
         arr = np.load(path, allow_pickle=False)
@@ -235,6 +235,8 @@ def _ints(text, what):
 
 def cmd_bench(a, console):
     from . import benchmark as bench
+    if a.trust_native_code:   # the copies are processes of their own: they read it from the environment
+        os.environ["KILN_TRUST_NATIVE_CODE"] = "1"
     options = {"compiler_args": a.compiler_args} if a.compiler_args else {}
     report = bench.bench(
         a.target, path=a.path, batch_sizes=_ints(a.batch_sizes, "--batch-sizes"),
@@ -272,8 +274,42 @@ def cmd_inspect(a, console):
     if a.json:
         print(json.dumps(art.manifest, indent=1))
         return 0
-    _inspect(art, a.artifact, console)
+    bad = _inspect(art, a.artifact, console)
+    if bad:
+        print(f"kiln: error: {bad}", file=sys.stderr)
+        return 2
     return 0
+
+
+def cmd_key(a, console):
+    from . import trust
+    key = trust.host_key()
+    public = trust._public_bytes(key)
+    if a.json:
+        print(json.dumps({"public_key": trust.encode_key(public), "fingerprint": trust.fingerprint(public),
+                          "directory": trust.config_dir()}, indent=1))
+        return 0
+    print(trust.encode_key(public))
+    print(f"{trust.fingerprint(public)}: this host's artifact signing key, in {trust.config_dir()}. "
+          "Other hosts trust it when this public key (or a file holding it) is in their "
+          "KILN_TRUSTED_KEYS.", file=sys.stderr)
+    return 0
+
+
+def _signature_rows(t, art, title):
+    """The signer and whether this host trusts it; returns the error of a bad signature."""
+    from . import trust
+    d = trust.describe(art, title)
+    if not d["valid"]:
+        t.add_row("signature", f"[red]INVALID[/]: {d['error']}")
+        return d["error"]
+    t.add_row("signed by", f"{d['signer']} (public key {d['public_key']})" if d["signer"] else "unsigned")
+    t.add_row("trusted here", f"yes: {d['trusted']}" if d["trusted"] else
+              "no" if d["native"] else "no (not needed: it holds no native code)")
+    if d["native"]:
+        loads = "loads here" if d["trusted"] else "loads here only with --trust-native-code"
+        t.add_row("native code", f"{', '.join(d['native'])}: {loads}")
+    return None
 
 
 _NESTED = {"bucketed": ("buckets", "variants"), "pipeline": ("pipeline", "stages")}
@@ -282,16 +318,16 @@ _NESTED = {"bucketed": ("buckets", "variants"), "pipeline": ("pipeline", "stages
 def _inspect(art, title, console):
     """Print one artifact; shape adapters and pipelines print their record, then each
     nested artifact (bucket variants, pipeline stages, the dynamic-batch inner model)."""
-    from .artifact import Artifact
     m = art.manifest
     kind = m.get("kind", "model")
     if kind == "model":
-        return _inspect_model(m, title, console)
+        return _inspect_model(art, title, console)
     t = Table(title=f"{title} ({kind})", show_header=False)
     for key in ("model_name", "format_version", "kiln_version", "created"):
         t.add_row(key, str(m.get(key)))
     if kind == "dynamic_batch":
         t.add_row("compiled batch", str(m["dynamic_batch"]["batch_size"]))
+    bad = _signature_rows(t, art, title)
     console.print(t)
     nested = sorted(name for name in art.blobs if name.endswith(".kiln"))
     if kind in _NESTED:
@@ -304,10 +340,12 @@ def _inspect(art, title, console):
                 rt.add_row(*(str(row.get(k)) for k in keys))
             console.print(rt)
     for name in nested:
-        _inspect(Artifact.from_bytes(art.blobs[name], f"{title}:{name}"), f"{title}:{name}", console)
+        bad = _inspect(art.nested(name, f"{title}:{name}"), f"{title}:{name}", console) or bad
+    return bad
 
 
-def _inspect_model(m, title, console):
+def _inspect_model(art, title, console):
+    m = art.manifest
     t = Table(title=f"{title}", show_header=False)
     for key in ("model_name", "format_version", "kiln_version", "torch_version", "created", "compile_seconds"):
         t.add_row(key, str(m.get(key)))
@@ -327,6 +365,7 @@ def _inspect_model(m, title, console):
     if val:
         t.add_row("validation", f"max abs {val['max_abs_error']:.3g}, max rel {val['max_rel_error']:.3g}, "
                                 f"cosine {val['min_cosine_similarity']:.6f}")
+    bad = _signature_rows(t, art, title)
     console.print(t)
     for title, key in (("inputs", "inputs"), ("outputs", "outputs")):
         io = Table("name", "shape", "dtype", title=title)
@@ -358,6 +397,11 @@ def _inspect_model(m, title, console):
         for s in host:
             ht.add_row(s["op"])
         console.print(ht)
+    return bad
+
+
+_TRUST_HELP = ("load native code (TorchInductor partitions) from an artifact that no key trusted here "
+               "signed (as KILN_TRUST_NATIVE_CODE=1); only for artifacts from a source you trust")
 
 
 def build_parser():
@@ -399,12 +443,19 @@ def build_parser():
     sp.add_argument("--output", nargs="*", default=None, help=".npy file(s) to write the outputs to")
     sp.add_argument("--threads", type=int, default=None)
     sp.add_argument("--repeat", type=int, default=1)
+    sp.add_argument("--trust-native-code", action="store_true", help=_TRUST_HELP)
     sp.set_defaults(fn=cmd_run)
 
-    sp = sub.add_parser("inspect", help="print an artifact's manifest")
+    sp = sub.add_parser("inspect", help="print an artifact's manifest, signer and whether it is "
+                        "trusted here (loads no engine, runs nothing from the file)")
     sp.add_argument("artifact")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_inspect)
+
+    sp = sub.add_parser("key", help="print this host's artifact signing key (made on first use), "
+                        "for other hosts' KILN_TRUSTED_KEYS")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_key)
 
     sp = sub.add_parser("ls", help="this host's kiln cores, ISA, memory, engines and kiln processes")
     sp.add_argument("--json", action="store_true")
@@ -427,6 +478,7 @@ def build_parser():
     sp.add_argument("--json", default=None, help="write the report here")
     sp.add_argument("--plot", default=None, help="write a throughput-vs-latency PNG here")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp.add_argument("--trust-native-code", action="store_true", help=_TRUST_HELP)
     sp.set_defaults(fn=cmd_bench)
 
     sub.add_parser("serve", help="serve .kiln artifacts over HTTP (Open Inference Protocol / KServe v2); "

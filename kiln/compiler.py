@@ -13,7 +13,7 @@ from . import __version__, backends, padcheck, specs
 from . import target as target_mod
 from .analyze import AnalysisReport, report as make_report
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
-from .capture import bind_inputs, capture
+from .capture import bind_inputs, call_bound, capture
 from .errors import (ArtifactError, CompileError, CompilerArgsError, UnsupportedOpError,
                      ValidationError)
 from .options import CompileOptions, RuntimeOptions, check_supported, parse_compiler_args
@@ -318,9 +318,18 @@ def _cached(store, model, args, kwargs, compiler_args, options, retry_failed, co
 
 def cache_reader(store, retry_failed, threads):
     """A function key -> loaded model from the cache, or None (then compile); a remembered
-    failure raises CachedFailure unless ``retry_failed``."""
+    failure raises CachedFailure unless ``retry_failed``.
+
+    Entries are verified like any artifact, but their native code is trusted only by a
+    signature (this host's key or ``KILN_TRUSTED_KEYS``; never ``KILN_TRUST_NATIVE_CODE``):
+    anyone who can write to a shared store can replace an entry. An untrusted entry is a
+    miss, kept for the hosts that trust it (its key lands in ``from_cache.untrusted``, and
+    ``compile_into_cache`` does not overwrite it); a bad signature is corruption."""
     from . import cache as cache_mod
+    from . import trust
     from .artifact import Artifact
+    from .errors import UntrustedArtifactError
+    untrusted: set = set()
 
     def from_cache(key):
         found = store.lookup(key)
@@ -339,7 +348,14 @@ def cache_reader(store, retry_failed, threads):
         try:
             where = f"cache entry {key[:16]}"
             art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
+            trust.admit(art, where, trust_native_code=False)
             compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
+        except UntrustedArtifactError as e:
+            if key not in untrusted:
+                untrusted.add(key)
+                store._count("untrusted")
+                log.warning("kiln cache: not loading entry %s, compiling instead: %s", key[:16], e)
+            return None
         except ArtifactError as e:   # a corrupt entry; a missing engine or bad setting is no reason to drop it
             store.discard(key, e)
             return None
@@ -348,6 +364,7 @@ def cache_reader(store, retry_failed, threads):
         compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
         return compiled
 
+    from_cache.untrusted = untrusted
     return from_cache
 
 
@@ -371,7 +388,11 @@ def compile_into_cache(store, key, fp, captured, compile_, compiler_args, from_c
             raise
         compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
         engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
-        store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
+        if key in getattr(from_cache, "untrusted", ()):
+            log.info("kiln cache: keeping entry %s (signed by a key this host does not trust) "
+                     "for the hosts that trust it", key[:16])
+        else:
+            store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
         if fp:
             store.set_alias(fp, key)
         return compiled
@@ -407,7 +428,7 @@ def _flat_sample(model, captured, sample):
         specs.flatten_inputs(structure, named.get(name), name, flat)
     with torch.no_grad():
         ref_leaves: list = []
-        specs.encode(model(**named), "", ref_leaves, [])
+        specs.encode(call_bound(model, named), "", ref_leaves, [])
     return flat, [t.detach() for t in ref_leaves]
 
 

@@ -39,6 +39,14 @@ class TargetMismatchError(ArtifactError):
     """The artifact needs CPU features or an engine this host does not have."""
 
 
+class SignatureError(ArtifactError):
+    """A signed artifact whose signature does not verify: it was modified after signing."""
+
+
+class UntrustedArtifactError(ArtifactError):
+    """The artifact holds native code and no key this host trusts signed it."""
+
+
 class EngineUnavailableError(KilnError):
     """The engine an artifact or an option needs is not installed."""
 

@@ -23,7 +23,7 @@ import inspect
 import torch
 
 from . import specs
-from .capture import bind_inputs
+from .capture import bind_inputs, call_bound
 from .errors import ValidationError
 from .validate import compare, quality_gate
 
@@ -39,11 +39,8 @@ def flat_example(model, input_structure, args, kwargs) -> list:
 
 def eager(model, input_structure, flat) -> list:
     """Flat outputs of the eager model on flat inputs (rebuilt into its arguments)."""
-    named = specs.decode(input_structure, flat)
-    args = [v for k, v in named.items() if k.endswith("]")]     # *args, bound as "args[i]"
-    kwargs = {k: v for k, v in named.items() if not k.endswith("]")}
     with torch.no_grad():
-        out = model(*args, **kwargs)
+        out = call_bound(model, specs.decode(input_structure, flat))
     leaves: list = []
     specs.encode(out, "", leaves, [])
     return [t.detach() for t in leaves]

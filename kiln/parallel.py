@@ -124,7 +124,9 @@ def _worker_main(conn, artifact_path, cpus, dynamic_batching):
         torch.set_num_threads(len(cpus))
         from .runtime import load
         from .shapes import dynamic_batch
-        model = load(artifact_path, threads=len(cpus))
+        # the parent wrote this file, in its private directory, from a model it had loaded
+        # (and so trusted): its native code is trusted here too
+        model = load(artifact_path, threads=len(cpus), trust_native_code=True)
         if dynamic_batching:
             model = dynamic_batch(model)
     except BaseException as e:  # noqa: B036 - reported to the parent, then exit
@@ -390,6 +392,8 @@ class DataParallel(Model):
             raise InputError(f"DataParallel: inputs disagree on the batch size along dim {self.dim}: "
                              f"{sorted(sizes)}")
         n = sizes.pop() if sizes else 1
+        if n == 0:      # no chunk to scatter, so nothing would ever answer the call
+            raise InputError(f"DataParallel: the batch is empty (size 0 along dim {self.dim})")
         if self.dynamic_batching:
             self._checker.check(flat)
             split = self.split_size or max(1, math.ceil(n / len(self.replicas)))

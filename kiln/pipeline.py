@@ -32,7 +32,7 @@ from concurrent.futures import Future, InvalidStateError
 import numpy as np
 import torch
 
-from . import placement, specs
+from . import placement, schema, specs
 from .artifact import Artifact
 from .errors import CompilerArgsError, KilnError
 from .placement import PlacementError
@@ -498,6 +498,7 @@ class Pipeline(Model):
         self.output_structure = manifest["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in manifest["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        self.nonfinite = frozenset().union(*(s.nonfinite for s in self.stages))
         self._devices = ("cpu",)            # pipelines run on CPU kiln cores
         self._stage_inputs = [[tuple(r) for r in st["inputs"]] for st in meta["stages"]]
         self._outputs = [tuple(r) for r in meta["outputs"]]
@@ -668,7 +669,7 @@ class _Once:
 
 
 def _load_pipeline(art, opts, source, core=DEFAULT, worker=None):
-    meta = art.manifest["pipeline"]
+    meta = schema.check_pipeline(art.manifest, art.blobs, source)
     n = len(meta["stages"])
     if isinstance(core, placement.Core):
         targets = [core] * n
@@ -681,8 +682,34 @@ def _load_pipeline(art, opts, source, core=DEFAULT, worker=None):
         where = f"{source}:{st['blob']}"
         stages.append(from_artifact(art.nested(st["blob"], where), opts, where,
                                     core=target, worker=worker))
+    _check_stages(meta, stages, art.manifest, source)
     pipe = Pipeline(stages, art.manifest, core=core if isinstance(core, placement.Core) else DEFAULT)
     return pipe
+
+
+def _check_stages(meta, stages, manifest, source):
+    """What the pipeline metadata feeds each stage (run unchecked) must fit it."""
+    fail = schema.Fail(source)
+    inputs = [specs.TensorSpec.from_dict(d) for d in manifest["inputs"]["tensors"]]
+    outputs = [specs.TensorSpec.from_dict(d) for d in manifest["outputs"]["tensors"]]
+
+    def spec_of(r):
+        return inputs[r[1]] if r[0] == "input" else stages[r[1]].output_specs[r[2]]
+
+    for k, (st, stage) in enumerate(zip(meta["stages"], stages)):
+        p = f"pipeline.stages[{k}]"
+        if st["num_outputs"] != len(stage.output_specs):
+            fail(f"{p}.num_outputs", f"is {st['num_outputs']}, the stage has {len(stage.output_specs)}")
+        if len(st["inputs"]) != len(stage.input_specs):
+            fail(f"{p}.inputs", f"feeds {len(st['inputs'])} tensors to a stage that takes "
+                 f"{len(stage.input_specs)}")
+        for j, (r, want) in enumerate(zip(st["inputs"], stage.input_specs)):
+            if not schema.same_spec(spec_of(r), want):
+                fail(f"{p}.inputs[{j}]", f"is {spec_of(r).describe()}, the stage takes {want.describe()}")
+    for j, (r, want) in enumerate(zip(meta["outputs"], outputs)):
+        if not schema.same_spec(spec_of(r), want):
+            fail(f"pipeline.outputs[{j}]", f"is {spec_of(r).describe()}, outputs.tensors[{j}] says "
+                 f"{want.describe()}")
 
 
 KINDS["pipeline"] = _load_pipeline

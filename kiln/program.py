@@ -165,14 +165,171 @@ def resolve_op(qualified: str):
     """``aten::sort.default`` → torch.ops.aten.sort.default, by attribute lookup only."""
     name, _, overload = qualified.rpartition(".")
     ns, _, op = name.partition("::")
+    if not (ns and op and overload):
+        raise ArtifactError(f"the artifact's host program names {qualified!r}, which is not an "
+                            "operator name (namespace::op.overload); the artifact is corrupt or "
+                            "was edited")
     try:
         packet = getattr(getattr(torch.ops, ns), op)
-        return getattr(packet, overload)
+        fn = getattr(packet, overload)
     except (AttributeError, RuntimeError):
         raise KilnError(
             f"the artifact runs operator {ns}::{op} on the host, but it is not registered in this "
             f"process; import the library that defines it (e.g. the module with its "
             f"torch.library definition) before loading") from None
+    if not isinstance(fn, torch._ops.OpOverload):
+        # attribute lookup alone can reach other objects (``__class__::...``): never call them
+        raise ArtifactError(f"the artifact's host program names {qualified!r}, which is not a "
+                            "torch operator; the artifact is corrupt or was edited")
+    return fn
+
+
+# ---- load-time check ---------------------------------------------------------
+
+_ARGS = ("slot", "list", "v", "float", "dtype", "device", "layout", "memory_format")
+_STEPS = ("partition", "const", "getitem", "op")
+
+
+def verify(spec, constants: dict, input_specs: list, partitions: list, output_specs: list,
+           source: str = "artifact"):
+    """Refuse a host program that cannot run, with an ArtifactError naming the step.
+
+    ``partitions`` holds (input specs, output specs) per device partition. Checked:
+    every field's type; slots read only after a step (or the inputs) wrote them;
+    steps that agree with the partitions' and the model's specs. Then the program
+    runs once on fake tensors (shapes and dtypes only, no data, no allocation),
+    partitions standing in by their specs, so host ops with the wrong arguments
+    and partitions fed the wrong shapes fail here, not at a call.
+    """
+    from . import schema
+    fail = schema.Fail(source)
+    schema.need(fail, "program", spec, "object")
+    num_inputs = schema.field(fail, spec, "num_inputs", "program", "integer")
+    if num_inputs != len(input_specs):
+        fail("program.num_inputs", f"is {num_inputs}, but the model has {len(input_specs)} input tensors")
+    num_slots = schema.field(fail, spec, "num_slots", "program", "integer")
+    if num_slots < num_inputs:
+        fail("program.num_slots", f"is {num_slots}, fewer than the {num_inputs} inputs")
+    defined = set(range(num_inputs))
+
+    def arg(a, path, depth=0):
+        if depth > schema.MAX_DEPTH:
+            fail(path, f"nests deeper than {schema.MAX_DEPTH}")
+        schema.need(fail, path, a, "object")
+        if len(a) != 1 or next(iter(a)) not in _ARGS:
+            fail(path, f"must be one argument encoding ({', '.join(_ARGS)}), has keys {sorted(a)}")
+        key, v = next(iter(a.items()))
+        p = f"{path}.{key}"
+        if key == "slot":
+            schema.index(fail, p, v, num_slots, "slots")
+            if v not in defined:
+                fail(p, f"reads slot {v} before any step writes it")
+        elif key == "list":
+            for i, item in enumerate(schema.need(fail, p, v, "list")):
+                arg(item, f"{p}[{i}]", depth + 1)
+        elif key == "v":
+            schema.need(fail, p, v, "scalar")
+        elif key == "dtype":
+            schema.dtype(fail, p, v)
+        else:
+            schema.need(fail, p, v, "string")
+            try:
+                ok = {"float": lambda: float(v) is not None,
+                      "device": lambda: torch.device(v) is not None,
+                      "layout": lambda: isinstance(getattr(torch, v, None), torch.layout),
+                      "memory_format": lambda: isinstance(getattr(torch, v, None), torch.memory_format),
+                      }[key]()
+            except (ValueError, RuntimeError):
+                ok = False
+            if not ok:
+                fail(p, f"is not a {key.replace('_', ' ')} ({v!r})")
+
+    written = 0
+    for i, step in enumerate(schema.field(fail, spec, "steps", "program", "list")):
+        p = f"program.steps[{i}]"
+        schema.need(fail, p, step, "object")
+        kinds = [k for k in _STEPS if k in step]
+        if len(kinds) != 1:
+            fail(p, f"must be one step ({', '.join(_STEPS)}), has keys {sorted(step)}")
+        kind = kinds[0]
+        outs = schema.field(fail, step, "out", p, "list")
+        if kind == "partition":
+            k = schema.index(fail, f"{p}.partition", step["partition"], len(partitions), "partitions")
+            ins = schema.field(fail, step, "in", p, "list")
+            p_in, p_out = partitions[k]
+            if len(ins) != len(p_in) or len(outs) != len(p_out):
+                fail(p, f"passes {len(ins)} input(s) and takes {len(outs)} output(s), but partition "
+                     f"{k} has {len(p_in)} and {len(p_out)}")
+        else:
+            if len(outs) != 1:
+                fail(f"{p}.out", f"must name one slot, names {len(outs)}")
+            if kind == "const":
+                name = schema.need(fail, f"{p}.const", step["const"], "string")
+                if name not in constants:
+                    fail(f"{p}.const", f"names {name!r}, which is not among the host constants")
+                ins = []
+            elif kind == "getitem":
+                schema.need(fail, f"{p}.getitem", step["getitem"], "integer")
+                ins = schema.field(fail, step, "in", p, "list")
+                if len(ins) != 1:
+                    fail(f"{p}.in", "must hold one argument")
+            else:
+                schema.need(fail, f"{p}.op", step["op"], "string")
+                ins = schema.field(fail, step, "args", p, "list")
+                kwargs = schema.field(fail, step, "kwargs", p, "object")
+                for key, a in kwargs.items():
+                    arg(a, f"{p}.kwargs.{key}")
+        for j, a in enumerate(ins):
+            arg(a, f"{p}.{'in' if kind != 'op' else 'args'}[{j}]")
+        for j, o in enumerate(outs):
+            if o is None and kind == "partition":
+                continue            # an output nothing uses
+            defined.add(schema.index(fail, f"{p}.out[{j}]", o, num_slots, "slots"))
+            written += 1
+    if num_slots > num_inputs + written:
+        fail("program.num_slots", f"is {num_slots}, more than the inputs and steps write "
+             f"({num_inputs + written})")
+    outputs = schema.field(fail, spec, "outputs", "program", "list")
+    if len(outputs) != len(output_specs):
+        fail("program.outputs", f"has {len(outputs)} entries for {len(output_specs)} output tensors")
+    for j, a in enumerate(outputs):
+        arg(a, f"program.outputs[{j}]")
+    if not any("op" in step for step in spec["steps"]):
+        _dry_run(spec, constants, input_specs, partitions, output_specs, fail)
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _dry_run(spec, constants, input_specs, partitions, output_specs, fail):
+    """Run a program of partitions, constants and getitems on meta tensors; partitions
+    answer with tensors of their output specs."""
+    def stand_in(k, ins, outs):
+        def run(inputs):
+            for j, (t, s) in enumerate(zip(inputs, ins)):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+                    got = (f"{tuple(t.shape)} {dtype_name(t.dtype)}" if isinstance(t, torch.Tensor)
+                           else type(t).__name__)
+                    raise _Mismatch(f"partition {k} input {j} would be {got}, its spec says "
+                                    f"{s.describe()}")
+            return [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in outs]
+        return run
+
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in constants.items()}
+    program = Program(spec, meta, [stand_in(k, i, o) for k, (i, o) in enumerate(partitions)])
+    try:
+        results = program([torch.empty(s.shape, dtype=s.dtype, device="meta") for s in input_specs])
+    except _Mismatch as e:
+        fail("program", f"does not fit its specs: {e}")
+    except KilnError:
+        raise
+    except (IndexError, TypeError, KeyError) as e:     # a getitem on the wrong thing
+        fail("program", f"does not run on inputs of its specs: {type(e).__name__}: {e}")
+    for j, (t, s) in enumerate(zip(results, output_specs)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+            got = f"{tuple(t.shape)} {dtype_name(t.dtype)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fail(f"program.outputs[{j}]", f"gives {got}, but outputs.tensors[{j}] says {s.describe()}")
 
 
 class Program:
@@ -203,7 +360,7 @@ class Program:
         if (len(self.steps) == 1 and self.steps[0][0] == "partition"
                 and all(isinstance(a, _Slot) for a in self.steps[0][2])
                 and [a.i for a in self.steps[0][2]] == list(range(self.num_inputs))
-                and all(isinstance(o, _Slot) for o in self.outputs)):
+                and all(isinstance(o, _Slot) and o.i in self.steps[0][3] for o in self.outputs)):
             outs = self.steps[0][3]
             order = [outs.index(o.i) for o in self.outputs]
             self.direct = (partitions[self.steps[0][1]],
@@ -256,7 +413,12 @@ class Program:
                     env[o] = r
         elif kind == "op":
             args, kwargs = ins
-            env[outs[0]] = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+            try:
+                env[outs[0]] = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+            except Exception as e:  # noqa: BLE001 - any failure of a checked call is the program's
+                raise KilnError(f"host op {getattr(what, '__name__', what)} failed on inputs that "
+                                f"match the model's specs: {type(e).__name__}: {e}. The artifact's "
+                                "program is broken, or the op cannot take these values") from e
         elif kind == "getitem":
             env[outs[0]] = _resolve(ins[0], env)[what]
         else:

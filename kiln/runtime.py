@@ -19,7 +19,8 @@ from concurrent.futures import Future
 
 import torch
 
-from . import backends, placement as cores, profiler, specs
+from . import backends, placement as cores, profiler, schema, specs, trust
+from . import program as program_mod
 from .telemetry import ModelMetrics
 from .artifact import Artifact, write_atomic
 from .errors import ArtifactError, InputError, KilnError
@@ -39,11 +40,31 @@ class Model(torch.nn.Module):
 
     _async_worker = None
     core = None
+    # Non-finite values ("nan", "+inf", "-inf") an engine of this model was found at compile
+    # time to answer differently from PyTorch (select.nonfinite_probe): refused in inputs.
+    nonfinite: frozenset = frozenset()
 
     def forward(self, *args, **kwargs):
         flat = self.flatten(args, kwargs)
         self.check(flat)
         return specs.decode(self.output_structure, self.run_flat(flat))
+
+    def _check_nonfinite(self, flat):
+        if not self.nonfinite:
+            return
+        for t, spec in zip(flat, self.input_specs):
+            if not t.is_floating_point() or t.device.type == "meta" or bool(torch.isfinite(t).all()):
+                continue
+            found = [k for k, test in (("nan", torch.isnan), ("+inf", torch.isposinf),
+                                       ("-inf", torch.isneginf))
+                     if k in self.nonfinite and bool(test(t).any())]
+            if found:
+                raise InputError(
+                    f"input '{spec.name}' holds {' and '.join(found)}: an engine of this model was "
+                    "found at compile time not to give PyTorch's answer for such values (NaN, and "
+                    "the NaN that infinities make, through ReLU or max comes out as a number), so "
+                    "kiln refuses them rather than answer differently. Replace them, or compile "
+                    "with another engine (engine=...)")
 
     # -- asynchronous calls -------------------------------------------------------
     def _executor(self) -> "cores.Worker":
@@ -159,6 +180,7 @@ class CompiledModel(Model):
                  source: str = "artifact", core=DEFAULT, worker=None):
         super().__init__()
         artifact.check_host(source)
+        schema.check_model(artifact.manifest, artifact.blobs, source)
         self._artifact = artifact
         self._source = source
         self.runtime_options = runtime_options or RuntimeOptions()
@@ -170,13 +192,22 @@ class CompiledModel(Model):
         self.output_structure = m["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in m["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
         # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
         self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
         self._worker = None
         self._constants = {}
         if HOST_CONSTANTS in artifact.blobs:
+            from safetensors import SafetensorError
             from safetensors.torch import load as st_load
-            self._constants = st_load(bytes(artifact.blobs[HOST_CONSTANTS]))
+            try:
+                self._constants = st_load(bytes(artifact.blobs[HOST_CONSTANTS]))
+            except SafetensorError as e:
+                raise ArtifactError(f"{source}: {HOST_CONSTANTS} cannot be read ({e})") from None
+        program_mod.verify(m["program"], self._constants, self.input_specs,
+                           [([specs.TensorSpec.from_dict(d) for d in p["inputs"]],
+                             [specs.TensorSpec.from_dict(d) for d in p["outputs"]])
+                            for p in m["partitions"]], self.output_specs, source)
         self.program = None
         if core is DEFAULT:
             core = resolve_placement()
@@ -192,8 +223,13 @@ class CompiledModel(Model):
     # -- calling ----------------------------------------------------------------
     def flatten(self, args, kwargs) -> list:
         names = self.arg_names
-        if len(args) > len(names):
-            raise InputError(f"{self.name} takes {len(names)} input(s) ({', '.join(names)}), "
+        # ``*args`` entries are named ``args[0]``, ``args[1]``...; names after the last one
+        # are keyword-only (or **kwargs) in the model and are not taken positionally.
+        star = [i for i, n in enumerate(names) if n.endswith("]") and "[" in n]
+        limit = star[-1] + 1 if star else len(names)
+        if len(args) > limit:
+            what = "input(s)" if limit == len(names) else "positional input(s)"
+            raise InputError(f"{self.name} takes {limit} {what} ({', '.join(names[:limit])}), "
                              f"got {len(args)} positional")
         bound = dict(zip(names, args))
         for k, v in kwargs.items():
@@ -208,8 +244,9 @@ class CompiledModel(Model):
             if name not in bound:
                 if "none" in structure:
                     continue
-                raise InputError(f"missing input '{name}'")
-            specs.flatten_inputs(structure, bound[name], name, flat)
+                raise InputError(f"missing input '{name}': expected "
+                                 f"{specs.describe(structure, self.input_specs)}")
+            specs.flatten_inputs(structure, bound[name], name, flat, self.input_specs)
         return flat
 
     def check(self, flat):
@@ -223,11 +260,16 @@ class CompiledModel(Model):
             if t.device.type not in self._devices:
                 where = " or a CUDA" if len(self._devices) > 1 else ""
                 raise InputError(f"input '{name}': expected a CPU{where} tensor, got one on {t.device}")
+        self._check_nonfinite(flat)
 
     def _build_program(self, runtime_options) -> Program:
+        parts = self.manifest["partitions"]
+        engines = [backends.get(part["engine"]) for part in parts]
+        native = [part for part, backend in zip(parts, engines) if backend.native_code]
+        if native:   # before any engine loads anything
+            trust.require(self._artifact, native, self._source)
         runners = []
-        for part in self.manifest["partitions"]:
-            backend = backends.get(part["engine"])
+        for part, backend in zip(parts, engines):
             try:
                 runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options,
                                             origin=self._artifact.origin(part["blob"])))
@@ -235,7 +277,8 @@ class CompiledModel(Model):
                 raise
             except Exception as e:
                 raise ArtifactError(f"{self._source}: engine {part['engine']} could not load "
-                                    f"partition {part['id']}: {e}") from e
+                                    f"partition {part.get('id')}: {e}") from e
+            _check_signature(runners[-1], part, self._source)
         return Program(self.manifest["program"], self._constants, runners)
 
     def _place(self, core, worker=None):
@@ -314,6 +357,28 @@ class CompiledModel(Model):
                 f"on {', '.join(sorted({p['engine'] for p in parts})) or 'none'}, {host} host op(s))")
 
 
+def _check_signature(runner, part, source):
+    """The engine's own account of a partition (for engines that give one) must agree with
+    the manifest's, which the host program and the input checks rely on."""
+    signature = getattr(runner, "signature", None)
+    if signature is None:
+        return
+    for side, declared in zip(("inputs", "outputs"), signature()):
+        specs_ = [specs.TensorSpec.from_dict(d) for d in part[side]]
+        if len(declared) != len(specs_):
+            raise ArtifactError(f"{source}: partition {part.get('id')} has {len(declared)} {side} in "
+                                f"its {part['engine']} blob but {len(specs_)} in the manifest; the "
+                                "artifact is corrupt or was edited")
+        if side == "outputs":
+            continue        # what a call is fed is what must match; engines may widen outputs
+        for j, ((shape, dtype), s) in enumerate(zip(declared, specs_)):
+            if (shape is not None and shape != tuple(s.shape)) or (dtype is not None and dtype != s.dtype):
+                raise ArtifactError(
+                    f"{source}: partition {part.get('id')} input {j} is {shape} {dtype} in its "
+                    f"{part['engine']} blob but {s.describe()} in the manifest; the artifact is "
+                    "corrupt or was edited")
+
+
 def _span_sink(rec, model_name):
     """Per-step callback into kiln's recorder; host fallback steps are flagged."""
     def span(cat, label, start, end):
@@ -343,7 +408,9 @@ KINDS: dict = {}
 
 
 def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
-                  core=DEFAULT, worker=None) -> Model:
+                  core=DEFAULT, worker=None, trust_native_code=None) -> Model:
+    if not art.built:   # a bad signature is refused whatever the artifact holds
+        trust.admit(art, source, trust_native_code)
     kind = art.manifest.get("kind", "model")
     if kind == "model":
         return CompiledModel(art, opts, source=source, core=core, worker=worker)
@@ -356,10 +423,17 @@ def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
     return KINDS[kind](art, opts, source, core=core, worker=worker)
 
 
-def load(path_or_bytes, threads: int | None = None) -> Model:
-    """Load a ``.kiln`` artifact (path or bytes). No model source is needed."""
+def load(path_or_bytes, threads: int | None = None, trust_native_code: bool | None = None) -> Model:
+    """Load a ``.kiln`` artifact (path or bytes). No model source is needed.
+
+    Partitions that are native code (TorchInductor libraries) load only from
+    artifacts signed by this host's key or a key in ``KILN_TRUSTED_KEYS``, or
+    with ``trust_native_code=True`` (default: ``KILN_TRUST_NATIVE_CODE=1``);
+    otherwise ``UntrustedArtifactError``. A signed artifact whose signature does
+    not verify is refused (``SignatureError``). See ``kiln.trust``."""
     opts = RuntimeOptions(threads=threads)
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>")
+        return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>",
+                             trust_native_code=trust_native_code)
     art = Artifact.load(path_or_bytes)
-    return from_artifact(art, opts, source=str(path_or_bytes))
+    return from_artifact(art, opts, source=str(path_or_bytes), trust_native_code=trust_native_code)

@@ -169,6 +169,75 @@ def _try_run(backend, blob, runtime_opts, inputs, reference, opts):
     return runner, problem
 
 
+# (values refused if the probe differs, what goes in the last two elements of an input)
+_NONFINITE = ((("nan",), (float("nan"), float("nan"))),
+              (("+inf",), (float("inf"), float("inf"))),
+              (("-inf",), (float("-inf"), float("-inf"))),
+              (("+inf", "-inf"), (float("inf"), float("-inf"))))
+
+
+def nonfinite_probe(runner, reference, opts) -> list | None:
+    """Which of NaN, +inf and -inf in a float input this build does not answer as eager does.
+
+    Engines differ from PyTorch here and the example inputs never show it: OpenVINO's
+    ReLU, clamp, max-pool and softmax turn NaN into numbers (so also the NaN that two
+    infinities make in a matmul), ONNX Runtime's ReduceMax and ArgMax skip NaN unless it
+    comes first. Each value goes in the last two elements of a float input (last: a max
+    that starts from the first element skips it; two: inf - inf inside), one input at a
+    time (NaN in every input at once can hide one that a max skips), and the NaN pattern
+    and the rest are compared with eager. A build that mishandles NaN gets the infinities
+    listed as well: inside the graph they become NaN (inf - inf, 0 * inf) in ways no probe
+    covers. The runtime refuses inputs holding the values listed (``InputError``) rather
+    than answer differently from PyTorch. None when there is nothing to probe (no float
+    inputs, lossy compiles).
+    """
+    inputs = reference.inputs
+    floats = [i for i, t in enumerate(inputs)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not floats or opts.quantize or opts.auto_cast != "none":
+        return None
+    differs: list = []
+    for labels, values in _NONFINITE:
+        if all(label in differs for label in labels):
+            continue
+        for i in floats[:_PROBED_INPUTS]:
+            probe = list(inputs)
+            probe[i] = inputs[i].detach().contiguous().clone()
+            flat = probe[i].view(-1)
+            for k, value in enumerate(values[:flat.numel()]):
+                flat[-1 - k] = value
+            with torch.no_grad():
+                out = reference.sub(*probe)
+            expected = list(out) if isinstance(out, (list, tuple)) else [out]
+            try:
+                actual = runner(probe)
+            except Exception:  # noqa: BLE001 - an engine that cannot run such values differs
+                actual = None
+            if actual is None or _nonfinite_disagreement(expected, actual, opts):
+                differs += [label for label in labels if label not in differs]
+                break
+        if "nan" in differs:
+            # arithmetic makes NaN of infinities (inf - inf, 0 * inf) anywhere inside, and
+            # this build mishandles NaN: no probe can show every such case, so refuse them
+            return ["nan", "+inf", "-inf"]
+    return differs
+
+
+_PROBED_INPUTS = 4      # bounds the probe's runs: 3 values x this many float inputs
+
+
+def _nonfinite_disagreement(expected, actual, opts) -> bool:
+    for e, a in zip(expected, actual):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if tuple(a.shape) != tuple(e.shape):
+            return True
+        a = a.to(e.dtype)
+        if e.is_floating_point() and not torch.equal(e.isnan(), a.isnan()):
+            return True
+    return _disagreement(expected, actual, opts) is not None
+
+
 def _disagreement(expected, actual, opts) -> str | None:
     lossy = bool(opts.quantize) or opts.auto_cast != "none"
     for i, (e, a) in enumerate(zip(expected, actual)):
@@ -240,6 +309,10 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
                     if runner is not None:
                         inaccurate.append((backend, blob, attempt, runner))
                     continue
+                if opts.validate:
+                    nonfinite = nonfinite_probe(runner, reference, opts)
+                    if nonfinite is not None:
+                        attempt["nonfinite"] = nonfinite
             compiled[key] = (backend, blob, attempt, runner)
             if not measure:
                 break
@@ -276,6 +349,7 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
     else:
         reason = "default engine (-O1/-O2)"
     record = {"engine": backend.name, **({"variant": chosen["variant"]} if "variant" in chosen else {}),
+              **({"nonfinite": chosen["nonfinite"]} if "nonfinite" in chosen else {}),
               "engine_version": backend.version(),
               "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": attempts}
     return backend, blob, record

@@ -19,9 +19,14 @@ other v2 clients work unchanged:
 
 Built on Starlette (ASGI) served by uvicorn. Each model gets a
 :class:`kiln.batcher.Batcher`: a bounded queue, dynamic batching and one or
-more instances over kiln cores. Errors use the protocol's ``{"error": "..."}``
-body: 400 for bad requests, 404 for an unknown model, 503 when a model's queue
-is full, it is not ready yet or the server is shutting down, 504 when a request
+more instances over kiln cores; before a model's requests are merged, the server
+proves on synthetic inputs that merging keeps every answer
+(:func:`kiln.batcher.check_merging`), and runs them alone otherwise. Models are
+named after their file (``bert.kiln`` -> ``bert``) unless named ``name=path``.
+Errors use the protocol's ``{"error": "..."}`` body: 400 for bad requests, 404
+for an unknown model, 408 for a body that does not arrive in time, 413 for one
+over the size limit (checked as it streams in), 503 when a model's queue is
+full, it is not ready yet or the server is shutting down, 504 when a request
 times out. Logs are JSON lines on stderr. See ``docs/serving.md``.
 
 Python API: :func:`serve` (blocking; what ``kiln serve`` runs) and
@@ -50,11 +55,11 @@ import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .batcher import Batcher, Overloaded, RequestTimeout, Unavailable, layout_of
+from .batcher import Batcher, Overloaded, RequestTimeout, Unavailable, check_merging, layout_of
 from .errors import ArtifactError, InputError, KilnError
 
 logger = logging.getLogger("kiln.serve")
@@ -78,6 +83,14 @@ class BadRequest(KilnError):
     """A malformed or mismatched inference request (HTTP 400)."""
 
 
+class BodyTooLarge(KilnError):
+    """A request body over ``max_request_bytes`` (HTTP 413)."""
+
+
+class BodyTimeout(KilnError):
+    """The request body did not arrive within ``body_timeout_s`` (HTTP 408)."""
+
+
 @dataclass
 class ServeConfig:
     """Settings shared by every served model (``kiln serve --help`` explains them)."""
@@ -87,7 +100,9 @@ class ServeConfig:
     instances: int = 1                 # copies of each model, over kiln cores
     timeout_s: float = 30.0            # per request, queue + inference (a request may ask for less)
     threads: int | None = None         # engine threads per instance (default: its CPUs)
-    max_request_bytes: int = 64 << 20  # larger bodies get 413
+    max_request_bytes: int = 64 << 20  # larger bodies get 413 (checked while the body streams in)
+    body_timeout_s: float = 60.0       # a request body must arrive within this (else 408)
+    merge_check: bool = True           # prove at load that merging requests keeps every answer
 
 
 # -- logging ---------------------------------------------------------------------------------------
@@ -154,6 +169,8 @@ class ServeMetrics:
                            ["model"], registry=r)
         self.instances = Gauge("kiln_serve_model_instances", "Loaded instances of the model", ["model"],
                                registry=r)
+        self.batching = Gauge("kiln_serve_model_batching", "1 when the model's requests are merged into "
+                              "batches (dynamic batching on and proven exact at load)", ["model"], registry=r)
 
     def observer(self, model: str):
         """The batcher's ``observe`` callback for ``model``."""
@@ -219,6 +236,8 @@ def tensor_from_bytes(chunk, dtype: torch.dtype, shape: list, name: str) -> torc
                          f"{count * itemsize} bytes, binary_data_size is {len(chunk)}")
     if count == 0:
         return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool:     # any non-zero byte is true (never an invalid bool in a tensor)
+        return torch.frombuffer(bytearray(chunk), dtype=torch.uint8).ne(0).reshape(shape)
     return torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(shape)
 
 
@@ -246,6 +265,8 @@ def parse_body(body: bytes, header_length) -> tuple:
         payload = json.loads(bytes(json_part))
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON in the request: {e}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON in the request: nested too deeply") from None
     if not isinstance(payload, dict):
         raise BadRequest("the inference request must be a JSON object")
     return payload, rest
@@ -263,6 +284,8 @@ class ServedModel:
         self.ready = False
         self.state = "LOADING"
         self.error: str | None = None
+        self.model_name: str | None = None    # the artifact's own model name (manifest)
+        self.merge_check = None               # kiln.batcher.MergeCheck, when one ran
         self._meta = None
 
     # -- loading -------------------------------------------------------------------------------
@@ -284,7 +307,8 @@ class ServedModel:
                         model = self.source
                     else:
                         data = data if data is not None else self.source.to_bytes()
-                        model = kiln.load(data, threads=self.config.threads)
+                        # bytes of a model this process already loaded (and trusted)
+                        model = kiln.load(data, threads=self.config.threads, trust_native_code=True)
                 else:
                     model = kiln.load(self.source, threads=self.config.threads)
             self.instances.append(model)
@@ -292,6 +316,7 @@ class ServedModel:
             log("info", "instance_loaded", model=self.name, instance=k, core=core,
                 kind=type(model).__name__, seconds=round(time.perf_counter() - t0, 3))
         first = self.instances[0]
+        self.model_name = first.name
         self.input_specs = list(first.input_specs)
         self.output_specs = list(first.output_specs)
         self.input_index = {s.name: i for i, s in enumerate(self.input_specs)}
@@ -304,17 +329,46 @@ class ServedModel:
                 model.run_flat(flat)
             log("info", "instance_warmed_up", model=self.name, instance=k, calls=len(sets),
                 seconds=round(time.perf_counter() - t0, 3))
-        self.batcher = Batcher(self.name, self.instances, self.layout,
-                               max_batch_size=self.config.max_batch_size,
-                               max_queue_delay_ms=self.config.max_queue_delay_ms,
-                               max_queue=self.config.max_queue, observe=self.metrics.observer(self.name),
-                               log=log)
-        if self.config.max_batch_size > 1 and not self.batcher.batching:
+        b = self.batcher = Batcher(self.name, self.instances, self.layout,
+                                   max_batch_size=self.config.max_batch_size,
+                                   max_queue_delay_ms=self.config.max_queue_delay_ms,
+                                   max_queue=self.config.max_queue,
+                                   observe=self.metrics.observer(self.name), log=log)
+        if self.config.max_batch_size > 1 and not b.batching:
             log("info", "batching_off", model=self.name,
                 reason="the model's inputs and outputs do not all have a variable batch dim (dim 0); "
                        "compile it with dynamic_batch=True or bucket dim 0 to batch requests")
+        elif b.batching and self.config.merge_check:
+            self.check_merging()
+        elif b.batching:
+            log("info", "merge_check_skipped", model=self.name,
+                reason="merge_check is off: merged batches are trusted to equal requests run alone")
         self.metrics.instances.labels(self.name).set(len(self.instances))
+        self.metrics.batching.labels(self.name).set(1 if b.batching else 0)
         return time.perf_counter() - started
+
+    def check_merging(self):
+        """Prove that merging requests keeps every answer, or turn batching off for this model."""
+        b = self.batcher
+        check = self.merge_check = check_merging(self.instances[0], self.layout, b.max_batch_size)
+        if check.safe:
+            log("info", "merge_checked", model=self.name, cases=check.cases,
+                max_diff=check.max_diff, seconds=round(check.seconds, 3))
+            return
+        b.disable(check.describe())
+        self._meta = None
+        log("warning", "batching_unsafe", model=self.name, reason=check.describe(),
+            output=check.output, case=check.case, row=check.row, max_diff=check.max_diff,
+            tolerance=check.tolerance, error=check.error, seconds=round(check.seconds, 3),
+            action="batching off: every request runs alone")
+
+    def batching_note(self) -> str:
+        """One line on whether and why requests are merged (model metadata and config)."""
+        b = self.batcher
+        if b.batching:
+            return "on: " + (self.merge_check.describe() if self.merge_check is not None
+                             else "merge check skipped (merge_check off)")
+        return f"off: {b.off_reason}"
 
     def start(self):
         """On the event loop: start the batcher and declare the model ready."""
@@ -332,6 +386,7 @@ class ServedModel:
             lay = self.layout
             self._meta = {
                 "name": self.name, "versions": ["1"], "platform": "kiln",
+                "parameters": {"model_name": self.model_name, "batching": self.batching_note()},
                 "inputs": [{"name": s.name, "datatype": DATATYPE_OF.get(s.dtype, str(s.dtype)),
                             "shape": [-1 if d in lay.input_var[i] else int(n) for d, n in enumerate(s.shape)]}
                            for i, s in enumerate(self.input_specs)],
@@ -349,6 +404,8 @@ class ServedModel:
                                       "max_queue_size": b.max_queue} if b.batching else None),
                 "max_queue_size": b.max_queue,
                 "instance_group": [{"count": len(self.instances), "kind": "KIND_CPU", "cores": self.cores}],
+                "parameters": {"model_name": {"string_value": self.model_name},
+                               "batching": {"string_value": self.batching_note()}},
                 "input": self.metadata()["inputs"], "output": self.metadata()["outputs"]}
 
     def decode(self, payload: dict, binary) -> tuple:
@@ -549,8 +606,16 @@ class ServerState:
         log("info", "stopped")
 
 
-def _error(status: int, message: str, headers=None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+MAX_ERROR_CHARS = 2000
+
+
+def _error(status: int, message: str, headers=None) -> Response:
+    """The protocol's error body. ASCII JSON: a message quoting the client's bytes (a lone
+    surrogate in a name) must not fail to encode; long quotes are cut."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + f"... ({len(message)} characters)"
+    return Response(json.dumps({"error": message}), status_code=status, headers=headers,
+                    media_type="application/json")
 
 
 def _model(request: Request):
@@ -641,21 +706,28 @@ async def infer(request):
         if not sm.ready:
             return fail("unavailable", 503, f"model '{name}' is not ready ({sm.state.lower()})",
                         {"Retry-After": "1"})
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.config.max_request_bytes:
-            return fail("bad_request", 413, f"request body of {length} bytes is over the limit of "
-                                            f"{state.config.max_request_bytes}")
+        config = state.config
         try:
-            body = await request.body()
-            encoding = request.headers.get("content-encoding", "").lower()
+            encoding = request.headers.get("content-encoding", "").strip().lower()
+            if encoding not in ("", "identity", "gzip", "deflate"):
+                raise BadRequest(f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+            body = await read_body(request, config.max_request_bytes, config.body_timeout_s)
             if encoding in ("gzip", "deflate"):
-                body = _inflate(body, encoding, state.config.max_request_bytes)
-            elif encoding not in ("", "identity"):
-                raise BadRequest(f"unsupported Content-Encoding {encoding!r}")
+                body = _inflate(body, encoding, config.max_request_bytes)
             payload, binary = parse_body(body, request.headers.get("inference-header-content-length"))
+            del body        # the tensors are copies: do not hold the raw body while queued
             flat, rows, wanted, req_id, timeout = sm.decode(payload, binary)
+            del payload, binary
         except (BadRequest, InputError) as e:
             return fail("bad_request", 400, str(e))
+        except BodyTooLarge as e:
+            return fail("bad_request", 413, str(e))
+        except BodyTimeout as e:       # and close the connection: the rest of its body is not awaited
+            return fail("bad_request", 408, str(e), {"Connection": "close"})
+        except ClientDisconnect:
+            m.failures.labels(name, "disconnected").inc()
+            log("debug", "client_disconnected", model=name, stage="reading the request body")
+            return Response(status_code=400)      # nobody is listening
         except (OSError, EOFError, zlib.error) as e:
             return fail("bad_request", 400, f"cannot read the request body: {e}")
         try:
@@ -679,6 +751,33 @@ async def infer(request):
         state.in_flight -= 1
 
 
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, refused (:class:`BodyTooLarge`) as soon as it passes ``limit`` bytes,
+    before the rest is read, and (:class:`BodyTimeout`) when it takes longer than ``timeout``."""
+    length = request.headers.get("content-length")
+    if length is not None and "transfer-encoding" in request.headers:
+        # RFC 9112 6.1: ambiguous framing (a request-smuggling pattern); refuse, do not guess
+        raise BadRequest("a request must not have both Content-Length and Transfer-Encoding")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(f"request body of {length} bytes is over the limit of {limit} bytes")
+    chunks: list = []
+    size = 0
+
+    async def receive():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    try:
+        await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s "
+                          f"({size} bytes received)") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
     """Decompress a request body, refusing one that inflates past ``limit`` (a zip bomb)."""
     d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
@@ -692,6 +791,12 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
 
 async def _http_error(request, exc):
     return _error(exc.status_code, exc.detail or "error", getattr(exc, "headers", None))
+
+
+async def _internal_error(request, exc):
+    """Any other exception: a JSON 500 (Starlette re-raises it after, so uvicorn logs it)."""
+    log("error", "request_failed", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
+    return _error(500, f"internal error: {type(exc).__name__}")
 
 
 def _routes():
@@ -709,6 +814,7 @@ def _routes():
 
 
 def _model_name_of(path: str) -> str:
+    """The model name in an artifact's manifest (and a quick check that it is one)."""
     from .artifact import MANIFEST
     if not os.path.exists(path):
         raise ArtifactError(f"{path}: no such file")
@@ -717,6 +823,16 @@ def _model_name_of(path: str) -> str:
             return json.loads(z.read(MANIFEST)).get("model_name", "model")
     except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
         raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
+
+
+def default_name(path: str) -> str:
+    """The URL name of an artifact served without ``name=``: the file's stem, as Triton names a
+    model after its repository folder (``models/bert.kiln`` -> ``bert``). The artifact's own model
+    name (often just the Python class) stays visible in the model's metadata."""
+    _model_name_of(path)
+    stem = os.path.basename(os.fspath(path))
+    root, ext = os.path.splitext(stem)
+    return root if ext and root else stem
 
 
 def resolve_models(models) -> dict:
@@ -736,7 +852,7 @@ def resolve_models(models) -> dict:
             else:
                 spec = os.fspath(spec)
                 name, sep, path = spec.partition("=")
-                if sep and name and os.sep not in name:
+                if sep and name and os.sep not in name and not os.path.exists(spec):
                     items.append((name, path))
                 else:
                     items.append((None, spec))
@@ -744,16 +860,25 @@ def resolve_models(models) -> dict:
     for name, src in items:
         if not isinstance(src, Model):
             src = os.fspath(src)
-            name = name or _model_name_of(src)
+            name = name or default_name(src)
         if name in out:
             raise KilnError(f"two models are named '{name}'; name them on the command line "
                             "(name=path.kiln)")
-        if not name or "/" in name:
-            raise KilnError(f"model name {name!r} cannot be used in a URL path")
+        if not name or "/" in name or not name.isprintable() or not _utf8(name):
+            raise KilnError(f"model name {name!r} cannot be used in a URL path; name it on the "
+                            "command line (name=path.kiln)")
         out[name] = src
     if not out:
         raise KilnError("no models to serve")
     return out
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:      # a file name that is not UTF-8 (surrogate escapes)
+        return False
 
 
 def build_app(models, config: ServeConfig | None = None, **settings) -> Starlette:
@@ -775,7 +900,7 @@ def build_app(models, config: ServeConfig | None = None, **settings) -> Starlett
             await state.shutdown()
 
     app = Starlette(routes=_routes(), lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error})
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.kiln = state
     return app
 
@@ -852,7 +977,7 @@ def add_arguments(p: argparse.ArgumentParser):
     d = ServeConfig()
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="a .kiln artifact, or name=path.kiln to choose its URL name "
-                        "(default: the artifact's model name)")
+                        "(default: the file's name without .kiln)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
@@ -867,20 +992,48 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--timeout", type=float, default=d.timeout_s,
                    help=f"per-request timeout in seconds, queue + inference (default {d.timeout_s:g})")
     p.add_argument("--threads", type=int, default=None, help="engine threads per instance (default: its CPUs)")
+    p.add_argument("--max-body-bytes", type=_size, default=d.max_request_bytes, metavar="N",
+                   help=f"largest request body (bytes, or with K/M/G: 64M); larger ones get 413 "
+                        f"(default {d.max_request_bytes >> 20}M; also the limit on an inflated gzip body)")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+                   help=f"seconds a request body may take to arrive before 408 (default {d.body_timeout_s:g})")
+    p.add_argument("--no-merge-check", action="store_true",
+                   help="trust that merging requests into a batch never changes a model's answers "
+                        "(skip the check at load that turns batching off for models whose rows interact)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--trust-native-code", action="store_true",
+                   help="load native code (TorchInductor partitions) from artifacts that no key trusted "
+                        "here signed (as KILN_TRUST_NATIVE_CODE=1); only for artifacts from a source you trust")
+
+
+def _size(text: str) -> int:
+    """``--max-body-bytes`` values: bytes, or a number with K, M or G (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive: {text!r}")
+    return n
 
 
 def run(args) -> int:
     """Run ``kiln serve`` from parsed :func:`add_arguments` arguments."""
+    if getattr(args, "trust_native_code", False):
+        os.environ["KILN_TRUST_NATIVE_CODE"] = "1"
     try:
         return serve(args.models, args.host, args.port, log_level=args.log_level,
                      access_log=args.access_log, drain_timeout=args.drain_timeout,
                      max_batch_size=1 if args.no_batching else args.max_batch_size,
                      max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
-                     instances=args.instances, timeout_s=args.timeout, threads=args.threads)
+                     instances=args.instances, timeout_s=args.timeout, threads=args.threads,
+                     max_request_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                     merge_check=not args.no_merge_check)
     except KilnError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 2

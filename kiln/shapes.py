@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from . import specs
+from . import schema, specs
 from .artifact import FORMAT, FORMAT_VERSION, Artifact
-from .errors import CompilerArgsError, InputError
+from .errors import ArtifactError, CompilerArgsError, InputError
 from .runtime import DEFAULT, KINDS, Model, from_artifact
 
 
@@ -80,6 +80,7 @@ class Bucketed(_Wrapper):
         self.input_specs = first.input_specs
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
         self._cache: dict = {}
+        self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
         from .telemetry import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
         self.metrics.core = first.core.id if first.core is not None else None
@@ -153,6 +154,7 @@ class Bucketed(_Wrapper):
 
     def check(self, flat):
         self._select(flat)
+        self._check_nonfinite(flat)
 
     def run_flat(self, flat):
         k, sizes = self._select(flat)
@@ -201,15 +203,56 @@ def _volume(sizes):
 
 
 def _load_bucketed(art, opts, source, core=DEFAULT, worker=None):
-    meta = art.manifest["buckets"]
+    meta = schema.check_buckets(art.manifest, art.blobs, source)
     worker, core = _shared_worker(core, worker)
     variants = [from_artifact(art.nested(v["blob"], f"{source}:{v['blob']}"),
                               opts, f"{source}:{v['blob']}", core=core, worker=worker)
                 for v in meta["variants"]]
+    _check_variants(meta, variants, source)
     m = Bucketed(variants, meta, art.manifest)
     if core not in (None, DEFAULT):
         object.__setattr__(m, "core", core)
     return m
+
+
+def _check_variants(meta, variants, source):
+    """The bucket metadata must describe the variants as loaded: a call pads inputs to a
+    variant's sizes and runs it unchecked, and slices its outputs."""
+    fail = schema.Fail(source)
+    first = variants[0]
+    axis_of = {}
+    for a, ax in enumerate(meta["axes"]):
+        for i, d in ax["inputs"]:
+            if i >= len(first.input_specs) or d >= len(first.input_specs[i].shape):
+                fail(f"buckets.axes[{a}].inputs", f"names input {i} dim {d}, which the model lacks")
+            axis_of[(i, d)] = a
+    for k, v in enumerate(variants):
+        p = f"buckets.variants[{k}]"
+        if (v.input_structure != first.input_structure or v.output_structure != first.output_structure
+                or len(v.input_specs) != len(first.input_specs)
+                or len(v.output_specs) != len(first.output_specs)):
+            fail(p, "has other inputs or outputs than the first variant")
+        for i, (s, s0) in enumerate(zip(v.input_specs, first.input_specs)):
+            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
+                fail(p, f"takes {s.name} as {s.describe()}, the first variant {s0.describe()}")
+            for d, size in enumerate(s.shape):
+                a = axis_of.get((i, d))
+                want = meta["variants"][k]["sizes"][a] if a is not None else s0.shape[d]
+                if size != want:
+                    fail(p, f"takes {s.name} as {s.describe()}, but dim {d} should be {want}")
+        for s, s0 in zip(v.output_specs, first.output_specs):
+            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
+                fail(p, f"gives {s.name} as {s.describe()}, the first variant {s0.describe()}")
+    for j, (o, d, a) in enumerate(meta["output_dims"]):
+        if o >= len(first.output_specs) or d >= len(first.output_specs[o].shape):
+            fail(f"buckets.output_dims[{j}]", f"names output {o} dim {d}, which the model lacks")
+        for k, v in enumerate(variants):
+            if v.output_specs[o].shape[d] < meta["variants"][k]["sizes"][a]:
+                fail(f"buckets.output_dims[{j}]", f"slices output {o} dim {d} of variant {k} "
+                     f"({v.output_specs[o].describe()}) to {meta['variants'][k]['sizes'][a]}")
+    for key in meta["pad_values"]:
+        if int(key) >= len(first.input_specs):
+            fail(f"buckets.pad_values[{key!r}]", "names an input the model lacks")
 
 
 def _shared_worker(core, worker):
@@ -388,6 +431,7 @@ class DynamicBatch(_Wrapper):
             raise CompilerArgsError("the batch dim is bucketed already; dynamic batch is not needed")
         self.inner = inner
         self.input_specs = inner.input_specs
+        self.nonfinite = inner.nonfinite
         lead = [s.shape[0] for s in inner.input_specs if len(s.shape)]
         if not lead:
             raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")
@@ -413,8 +457,6 @@ class DynamicBatch(_Wrapper):
             elif t.shape[0] != n:
                 raise InputError(f"dynamic batch: input '{spec.name}' has batch {t.shape[0]} but "
                                  f"'{first}' has {n}; all batched inputs must agree")
-        if n == 0:
-            raise InputError("dynamic batch: batch size 0")
         return n
 
     def _chunk(self, flat, start, n):
@@ -431,7 +473,24 @@ class DynamicBatch(_Wrapper):
     def check(self, flat):
         if len(flat) != len(self.input_specs):
             raise InputError(f"expected {len(self.input_specs)} input tensors, got {len(flat)}")
-        self._batch(flat)
+        # The inner model checks shapes exactly, except a bucketed one: it is probed below.
+        exact = not isinstance(self.inner, Bucketed)
+        for t, spec, batched in zip(flat, self.input_specs, self._batched_in):
+            want = tuple(spec.shape)
+            fits = t.dim() == len(want) and (tuple(t.shape[1:]) == want[1:] if batched
+                                             else tuple(t.shape) == want)
+            if t.dtype != spec.dtype or t.dim() != len(want) or (exact and not fits):
+                shown = "(" + ", ".join(["N", *map(str, want[1:])] if batched else map(str, want))
+                shown += ",)" if len(want) == 1 else ")"
+                raise InputError(
+                    f"dynamic batch: only dim 0 may differ from the compiled shapes (batch "
+                    f"{self.batch_size}); input '{spec.name}': expected {shown} "
+                    f"{specs.dtype_name(spec.dtype)}{' (any batch size N)' if batched else ''}, "
+                    f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
+        self._check_nonfinite(flat)
+        if self._batch(flat) == 0:
+            self._check_empty(flat)
+            return
         probe = [t[:1].expand(self.batch_size, *t.shape[1:]) if b and t.dim() else t
                  for t, b in zip(flat, self._batched_in)]
         try:
@@ -440,10 +499,26 @@ class DynamicBatch(_Wrapper):
             raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
                              f"(batch {self.batch_size}); {e}") from None
 
+    def _check_empty(self, flat):
+        """A batch of 0 rows has an answer (0 rows of each output) when every output
+        follows the batch; inputs must still be on a device the model takes."""
+        devices = getattr(self.inner, "_devices", ("cpu",))
+        for t, spec in zip(flat, self.input_specs):
+            if t.device.type not in devices:
+                raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
+        fixed = [s.name for s, b in zip(self.inner.output_specs, self._batched_out) if not b]
+        if fixed:
+            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} "
+                             "do not follow the batch dim, so there is no answer for 0 rows")
+
     def run_flat(self, flat):
         n = self._batch(flat)
         if n == self.batch_size:
             return self.inner.run_flat(flat)
+        if n == 0:      # every output follows the batch (check): 0 rows of each
+            device = next(t.device for t, b in zip(flat, self._batched_in) if b)
+            return [torch.empty((0, *s.shape[1:]), dtype=s.dtype, device=device)
+                    for s in self.inner.output_specs]
         pieces = [self.inner.run_flat(self._chunk(flat, s, n)) for s in range(0, n, self.batch_size)]
         outs = []
         for o, batched in enumerate(self._batched_out):
@@ -463,7 +538,10 @@ class DynamicBatch(_Wrapper):
 def _load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None):
     inner = from_artifact(art.nested("inner.kiln", f"{source}:inner"), opts,
                           f"{source}:inner", core=core, worker=worker)
-    return DynamicBatch(inner, art.manifest)
+    try:
+        return DynamicBatch(inner, art.manifest)
+    except CompilerArgsError as e:   # the inner model cannot take a dynamic batch
+        raise ArtifactError(f"{source}: {e}") from None
 
 
 KINDS["dynamic_batch"] = _load_dynamic_batch

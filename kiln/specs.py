@@ -13,9 +13,10 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .errors import InputError, KilnError
+from .errors import ArtifactError, InputError, KilnError
 
 
 class Output(OrderedDict):
@@ -58,9 +59,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise KilnError(f"unknown dtype {name!r} in artifact")
+        raise ArtifactError(f"unknown dtype {name!r} in artifact")
     return dtype
 
 
@@ -122,10 +123,21 @@ def decode(structure, leaves):
     if "model_output" in structure:
         values = [(k, decode(s, leaves)) for k, s in structure["model_output"]]
         cls = _loaded_class(structure.get("class", ""))
-        if cls is not None:
-            return cls(**dict(values))
+        if cls is not None and _is_model_output_class(cls):
+            try:
+                return cls(**dict(values))
+            except TypeError:   # fields this version of the class does not have
+                pass
         return Output(values)
     raise KilnError(f"unknown structure node {sorted(structure)} in artifact")
+
+
+def _is_model_output_class(cls) -> bool:
+    """A Hugging Face ``ModelOutput`` subclass: the one kind of class an artifact may name
+    to be built at decode (anything else, e.g. ``subprocess:Popen``, would run code)."""
+    base = sys.modules.get("transformers.utils.generic") or sys.modules.get("transformers.utils")
+    model_output = getattr(base, "ModelOutput", None)
+    return isinstance(model_output, type) and issubclass(cls, model_output)
 
 
 def _loaded_class(path: str):
@@ -137,32 +149,87 @@ def _loaded_class(path: str):
     return obj if isinstance(obj, type) else None
 
 
-def flatten_inputs(structure, values, path, out):
-    """Flatten call-time ``values`` following the traced ``structure``, checking it matches."""
+def describe(structure, specs=None) -> str:
+    """What a structure expects, for messages: ``((2, 4) float32, {'w': (4,) float32})``."""
     if "t" in structure:
+        i = structure["t"]
+        return specs[i].describe() if specs is not None and 0 <= i < len(specs) else "a tensor"
+    if "none" in structure:
+        return "None"
+    if "const" in structure:
+        return repr(structure["const"])
+    if "tuple" in structure or "list" in structure:
+        items = [describe(s, specs) for s in structure.get("tuple", structure.get("list"))]
+        if "list" in structure:
+            return f"[{', '.join(items)}]"
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+    for kind in ("dict", "namedtuple", "model_output"):
+        if kind in structure:
+            return "{" + ", ".join(f"{k!r}: {describe(s, specs)}" for k, s in structure[kind]) + "}"
+    return "?"
+
+
+def _what(value) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, np.generic):
+        return f"a NumPy {value.dtype} scalar"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {tuple(value.shape)} {dtype_name(value.dtype)}"
+    return type(value).__name__
+
+
+def _from_numpy(array, path, expected):
+    """A NumPy array as a tensor: shared, unless it is read-only or has negative strides."""
+    if not array.flags.writeable or any(s < 0 for s in array.strides):
+        array = np.array(array)
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise InputError(f"input '{path}': expected a tensor of {expected}, got a NumPy array of "
+                         f"dtype {array.dtype}, which has no torch equivalent") from None
+
+
+def flatten_inputs(structure, values, path, out, specs=None):
+    """Flatten call-time ``values`` following the traced ``structure``, checking it matches.
+
+    NumPy arrays are taken where tensors are expected (shared, not copied); ``specs``
+    (the flat input specs) let messages say what was expected."""
+    if "t" in structure:
+        if isinstance(values, np.ndarray):
+            values = _from_numpy(values, path, describe(structure, specs))
         if not isinstance(values, torch.Tensor):
-            raise InputError(f"input '{path}': expected a tensor, got {type(values).__name__}")
+            raise InputError(f"input '{path}': expected a tensor of {describe(structure, specs)}, "
+                             f"got {_what(values)}")
         out.append(values)
     elif "none" in structure:
         if values is not None:
-            raise InputError(f"input '{path}': the model was compiled with None here")
+            raise InputError(f"input '{path}': the model was compiled with None here, got {_what(values)}")
     elif "const" in structure:
-        if values != structure["const"]:
+        # (a tensor or array compared with ``!=`` gives no single truth value)
+        if isinstance(values, (torch.Tensor, np.ndarray)) or values != structure["const"]:
             raise InputError(f"input '{path}': the model was compiled with the constant "
-                             f"{structure['const']!r}, got {values!r}; recompile to change it")
+                             f"{structure['const']!r}, got "
+                             f"{values if isinstance(values, (bool, int, float, str)) else _what(values)!r}; "
+                             "recompile to change it")
     elif "tuple" in structure or "list" in structure:
         subs = structure.get("tuple", structure.get("list"))
         if not isinstance(values, (tuple, list)) or len(values) != len(subs):
-            raise InputError(f"input '{path}': expected a sequence of {len(subs)} items")
+            raise InputError(f"input '{path}': expected a sequence of {len(subs)} items "
+                             f"{describe(structure, specs)}, got {_what(values)}")
         for i, (s, v) in enumerate(zip(subs, values)):
-            flatten_inputs(s, v, f"{path}[{i}]", out)
+            flatten_inputs(s, v, f"{path}[{i}]", out, specs)
     elif "dict" in structure:
-        if not isinstance(values, dict):
-            raise InputError(f"input '{path}': expected a dict")
         keys = [k for k, _ in structure["dict"]]
-        if sorted(values) != sorted(keys):
-            raise InputError(f"input '{path}': expected keys {keys}, got {list(values)}")
+        if not isinstance(values, dict):
+            raise InputError(f"input '{path}': expected a dict {describe(structure, specs)}, "
+                             f"got {_what(values)}")
+        if set(values) != set(keys):
+            raise InputError(f"input '{path}': expected keys {keys} ({describe(structure, specs)}), "
+                             f"got {list(values)}")
         for k, s in structure["dict"]:
-            flatten_inputs(s, values[k], f"{path}.{k}", out)
+            flatten_inputs(s, values[k], f"{path}.{k}", out, specs)
     else:
         raise InputError(f"input '{path}': unsupported structure")

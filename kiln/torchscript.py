@@ -5,6 +5,13 @@ Neuron users save traced models with ``torch.jit.save`` and load them with
 saved TorchScript module holds the artifact bytes as a uint8 buffer and calls
 the ``kiln::run`` operator, which ``import kiln`` registers. The artifact is
 loaded once per process and cached by its checksum.
+
+Trust: ``torch.jit.load`` runs the archive's TorchScript (torch's format, with
+its own rules); the kiln artifact inside is loaded by ``kiln.load`` on the first
+call, under the same policy as a ``.kiln`` file: its signature must verify, and
+native-code partitions need a signer this host trusts (``KILN_TRUSTED_KEYS``) or
+``KILN_TRUST_NATIVE_CODE=1``, since ``torch.jit.load`` has no way to pass
+``trust_native_code``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +13,12 @@ os.environ.setdefault("KILN_QUIET", "1")
 # Tests compile fresh unless they test the cache (with a cache of their own).
 os.environ["KILN_CACHE_URL"] = "off"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Signing keys (kiln.trust) live in a directory of this session, never in ~/.config; test
+# subprocesses inherit it, so they trust what this process compiles.
+os.environ["KILN_CONFIG_DIR"] = tempfile.mkdtemp(prefix="kiln-test-config-")
+atexit.register(shutil.rmtree, os.environ["KILN_CONFIG_DIR"], True)
+os.environ.pop("KILN_TRUSTED_KEYS", None)
+os.environ.pop("KILN_TRUST_NATIVE_CODE", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 

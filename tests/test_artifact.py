@@ -24,12 +24,14 @@ def mlp_artifact(tmp_path_factory):
 def _rewrite(src, dst, edit_manifest=None, edit_blob=None):
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         for item in zin.namelist():
+            if item == "signature.json" and edit_manifest:
+                continue   # an edited manifest is no longer the signed one (older kilns signed nothing)
             data = zin.read(item)
             if item == "manifest.json" and edit_manifest:
                 m = json.loads(data)
                 edit_manifest(m)
                 data = json.dumps(m).encode()
-            elif item != "manifest.json" and edit_blob:
+            elif item not in ("manifest.json", "signature.json") and edit_blob:
                 data = edit_blob(item, data)
             zout.writestr(item, data)
 

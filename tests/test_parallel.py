@@ -65,7 +65,7 @@ def test_futures_from_many_callers_match_their_inputs(dp, mlp):
 
 
 def test_bad_inputs_are_clear_errors(dp):
-    with pytest.raises(InputError, match=r"only dim 0 may differ.*got \(2, 17\)"):
+    with pytest.raises(InputError, match=r"only dim 0 may differ.*got \(4, 17\)"):
         dp(torch.randn(4, 17))
     assert dp.submit(torch.randn(4, 17)).exception(timeout=10) is not None
 

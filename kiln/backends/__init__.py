@@ -11,6 +11,10 @@ The contract is deliberately small so an engine is one file:
   from several threads at once. ``blob`` may be a read-only view into a mapped
   artifact; ``origin`` (an ``artifact.Origin``), when given, says where those
   bytes lie in a file, for engines that can map weights instead of copying.
+* ``native_code``: True when loading a blob runs machine code from it (a shared
+  library, as TorchInductor's); such partitions load only from artifacts this
+  host trusts (``kiln.trust``). Engines whose blobs are data they parse (ONNX,
+  OpenVINO IR) leave it False.
 
 ``available()`` and ``version()`` let kiln skip missing engines with a clear
 message and record versions in the artifact (which engines run on a GPU is
@@ -36,6 +40,7 @@ class Backend:
     name: str = ""
     blob_suffix: str = ".bin"
     modules: tuple = ()        # Python packages the engine needs; the first names its version
+    native_code: bool = False  # loading a blob runs machine code from it (see the module doc)
 
     def available(self) -> bool:
         try:
@@ -70,6 +75,18 @@ class Backend:
 
 def names() -> list:
     return list(_ENGINES)
+
+
+def native_code(name: str) -> bool:
+    """Whether engine ``name``'s blobs are native code, without checking it is installed;
+    an engine this kiln does not know counts as native."""
+    if name not in _ENGINES:
+        return True
+    module, _, cls = _ENGINES[name].partition(":")
+    try:
+        return bool(getattr(importlib.import_module(module), cls).native_code)
+    except ImportError:
+        return True
 
 
 def get(name: str, required: bool = True) -> Backend | None:

@@ -33,6 +33,9 @@ Choices, and why:
   armv8-a) with a matching vector width instead of ``-march=native``.
 * The library is tied to the torch that built it; loading under another
   torch minor version is refused with both versions named.
+* The package is native code (``native_code``): it loads only from artifacts
+  ``kiln.trust`` admits (compiled in this process, signed by a trusted key,
+  or trusted by the caller); the check runs before this module sees the blob.
 * On ``device="cuda"`` the package holds Triton kernels (cubin files beside
   the library) and cuBLAS calls, and loads through torch's package loader
   (creating a CUDA container through ctypes crashed). The runner takes inputs
@@ -75,6 +78,7 @@ _DEVICE_KEY = "kiln_device"
 class InductorBackend(Backend):
     name = "inductor"
     blob_suffix = ".pt2"
+    native_code = True      # the blob is a shared library that loading maps and runs
 
     def available(self) -> bool:
         # Only compiling needs a C++ compiler (compile() says so when it is

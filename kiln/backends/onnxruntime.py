@@ -372,6 +372,13 @@ class _Levels(dict):
 _ORT_LEVEL = _Levels()
 
 
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64,
+               "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16,
+               "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
+               "tensor(int16)": torch.int16, "tensor(int8)": torch.int8,
+               "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool}
+
+
 class OrtRunner:
     """Calls an ORT session with torch tensors, sharing memory both ways (no copies)."""
 
@@ -379,6 +386,16 @@ class OrtRunner:
         self.session = session
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
+
+    def signature(self):
+        """([(shape, dtype)] of the inputs, [(shape, dtype)] of the outputs) as the session
+        declares them; None where it declares no static value."""
+        def one(arg):
+            shape = arg.shape
+            static = isinstance(shape, list) and all(isinstance(d, int) for d in shape)
+            return (tuple(shape) if static else None), _ORT_DTYPES.get(arg.type)
+        return ([one(a) for a in self.session.get_inputs()],
+                [one(a) for a in self.session.get_outputs()])
 
     def __call__(self, inputs):
         feed = {name: t.numpy() for name, t in zip(self.input_names, inputs)}

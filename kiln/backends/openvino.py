@@ -355,11 +355,21 @@ class OvRunner:
                         "plugin computes int64 in int32, so the result would be wrong. Compile "
                         "with another engine (engine='onnxruntime') for such inputs")
 
+    def signature(self):
+        """Input and output counts (shapes and types: OpenVINO may declare its own)."""
+        return [(None, None)] * len(self.compiled.inputs), [(None, None)] * self._num_outputs
+
     def __call__(self, inputs):
         if self._int64:
             self._check_int64(inputs)
         req = self._request()
-        for i, t in enumerate(inputs):
-            req.set_input_tensor(i, self._tensor(t.detach().contiguous().numpy(), shared_memory=True))
+        # The request shares these arrays' memory without keeping them alive: a contiguous
+        # copy of a strided input must be held until the inference is over, or its memory
+        # is freed and reused while OpenVINO reads it (wrong answers for views).
+        arrays = [t.detach().contiguous().numpy() for t in inputs]
+        for i, a in enumerate(arrays):
+            req.set_input_tensor(i, self._tensor(a, shared_memory=True))
         req.infer()
-        return [torch.from_numpy(req.get_output_tensor(i).data.copy()) for i in range(self._num_outputs)]
+        outs = [torch.from_numpy(req.get_output_tensor(i).data.copy()) for i in range(self._num_outputs)]
+        del arrays      # (only now)
+        return outs
