@@ -98,6 +98,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     if pipeline_cores is None:
         pipeline_cores = parse_compiler_args(compiler_args).get("pipeline_cores", 1)
     progress = Progress(quiet=quiet)
+    tol = _padding_tolerance(compiler_args, options)   # for the padding and batch checks
 
     def trace_one(m, args, kwargs, label=None):
         def compile_(captured=None):
@@ -123,12 +124,10 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
                                   progress)
     elif buckets is not None:
         from .shapes import bucket_examples, trace_buckets
-        compiled = trace_buckets(model, example_inputs, example_kwargs, buckets, pad_values,
-                                 output_dims, trace_one)
-        tol = _padding_tolerance(compiler_args, options)
+        examples = bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values)
+        compiled = trace_buckets(model, examples, pad_values, output_dims, trace_one)
         if tol is not None:
             with progress.phase("padding check"):
-                examples = bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values)
                 compiled.manifest["padding_check"] = padcheck.check_buckets(model, compiled, examples, tol)
     else:
         if pad_values or output_dims:
@@ -137,7 +136,6 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     if dynamic_batch:
         from .shapes import DynamicBatch
         compiled = DynamicBatch(compiled)
-        tol = _padding_tolerance(compiler_args, options)
         if tol is not None:
             with progress.phase("batch check"):
                 compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(

@@ -330,10 +330,9 @@ def _resize(t, dim, size, pad_value):
     return torch.nn.functional.pad(t, pads, value=pad_value)
 
 
-def trace_buckets(model, example_inputs, example_kwargs, buckets, pad_values, output_dims,
-                  trace_one, progress_note=print):
-    """Compile one variant per bucket and return the ``Bucketed`` model."""
-    examples = bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values)
+def trace_buckets(model, examples, pad_values, output_dims, trace_one):
+    """Compile one variant per bucket example (:func:`bucket_examples`) and return the
+    ``Bucketed`` model."""
     variants, seconds = [], []
     for n, (args, kwargs) in enumerate(examples):
         started = time.perf_counter()
