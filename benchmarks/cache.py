@@ -43,7 +43,7 @@ import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {here!r}); sys.path.insert(0, {root!r})
 import latency, kiln
-from kiln import cache
+from kiln.compiler import cache
 case = latency.build_case("bert-base", {quick!r}, {seed!r})
 t0 = time.perf_counter(); kiln.trace(case.model, case.example, cache={url!r}, quiet=True)
 trace = time.perf_counter() - t0
@@ -62,7 +62,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     os.environ.setdefault("KILN_QUIET", "1")
     import kiln
-    from kiln import cache
+    from kiln.compiler import cache
     case = latency.build_case("bert-base", a.quick, a.seed)
     res = {"benchmark": "cache", "created": datetime.datetime.now().isoformat(timespec="seconds"),
            "model": case.description, "machine": latency.machine_info(len(os.sched_getaffinity(0)))}

@@ -66,7 +66,7 @@ import latency  # noqa: E402  (machine info, load sampling, JSON writing)
 from examples.models import Embedder  # noqa: E402  (masked mean pooling + L2 norm)
 
 import kiln  # noqa: E402
-from kiln import placement  # noqa: E402
+from kiln.host import cores as placement  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -132,7 +132,7 @@ class Server:
         self.log_path = log_path
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "kiln.serve", f"{name}={artifact}", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "kiln.serving.server", f"{name}={artifact}", "--host", "127.0.0.1",
                "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file, env=env, cwd=ROOT)
         self.port = None

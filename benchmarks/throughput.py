@@ -53,7 +53,7 @@ sys.path.insert(0, str(HERE.parent))
 import latency  # noqa: E402  (models, machine info, load sampling, JSON writing)
 
 import kiln  # noqa: E402
-from kiln import placement  # noqa: E402
+from kiln.host import cores as placement  # noqa: E402
 
 TARGET_DP = 1.1
 TARGET_BUCKET_OVERHEAD_PCT = 5.0

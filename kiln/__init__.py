@@ -26,20 +26,20 @@ and around it, shapes and cores::
 """
 __version__ = "0.1.0"
 
-from .errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: E402
+from kiln.errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: E402
                      EngineUnavailableError, InputError, KilnError, SignatureError,
                      TargetMismatchError, UnsupportedOpError, UntrustedArtifactError,
                      ValidationError)
-from .compiler import analyze, trace  # noqa: E402
-from .runtime import CompiledModel, Model, load  # noqa: E402
-from .placement import cores, PlacementError  # noqa: E402
-from .shapes import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
-from .parallel import DataParallel  # noqa: E402
-from .telemetry import metrics, metrics_report  # noqa: E402
-from .profiler import profile  # noqa: E402
-from .benchmark import bench  # noqa: E402
-from .specs import Output  # noqa: E402
-from . import torchscript as _torchscript  # noqa: E402,F401  (registers the kiln::run op)
+from kiln.compiler.driver import analyze, trace  # noqa: E402
+from kiln.runtime.model import CompiledModel, Model, load  # noqa: E402
+from kiln.host.cores import cores, PlacementError  # noqa: E402
+from kiln.runtime.buckets import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
+from kiln.runtime.replicas import DataParallel  # noqa: E402
+from kiln.observe.metrics import metrics, metrics_report  # noqa: E402
+from kiln.observe.profiler import profile  # noqa: E402
+from kiln.benchmark import bench  # noqa: E402
+from kiln.artifact.specs import Output  # noqa: E402
+from kiln.runtime import torchscript as _torchscript  # noqa: E402,F401  (registers the kiln::run op)
 
 __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores", "metrics",
            "metrics_report", "profile", "bench",

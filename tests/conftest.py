@@ -13,7 +13,7 @@ os.environ.setdefault("KILN_QUIET", "1")
 # Tests compile fresh unless they test the cache (with a cache of their own).
 os.environ["KILN_CACHE_URL"] = "off"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Signing keys (kiln.trust) live in a directory of this session, never in ~/.config; test
+# Signing keys (kiln.artifact.trust) live in a directory of this session, never in ~/.config; test
 # subprocesses inherit it, so they trust what this process compiles.
 os.environ["KILN_CONFIG_DIR"] = tempfile.mkdtemp(prefix="kiln-test-config-")
 atexit.register(shutil.rmtree, os.environ["KILN_CONFIG_DIR"], True)

@@ -24,7 +24,7 @@ def test_report_contents_with_unsupported_op():
 
 def test_supported_set_comes_from_exporter_registry():
     """An op is supported exactly when torch's ONNX exporter registry translates it."""
-    from kiln.backends.onnxruntime import _registry
+    from kiln.engines.onnxruntime import _registry
     reg = _registry()
     model, x = models.cnn()
     rep = kiln.analyze(model, x)

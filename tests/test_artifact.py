@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.artifact import Artifact, FORMAT_VERSION, write_atomic
+from kiln.artifact.container import Artifact, FORMAT_VERSION, write_atomic
 from tests import models
 from tests.conftest import assert_close, run_py
 
@@ -135,7 +135,7 @@ def test_blobs_are_page_aligned_views_of_the_mapped_file(mlp_artifact):
 def test_onnxruntime_maps_weights_and_survives_the_file_being_replaced(tmp_path):
     """The engine maps weights from the .kiln file; saving another model over the same
     path (a rename) must not change a model already loaded, nor one re-placed later."""
-    from kiln.backends.onnxruntime import graph_of
+    from kiln.engines.onnxruntime import graph_of
     model, x = models.mlp()
     path = tmp_path / "m.kiln"
     kiln.trace(model, x, cache=False).save(path)
@@ -161,7 +161,7 @@ def test_onnxruntime_maps_weights_and_survives_the_file_being_replaced(tmp_path)
 
 def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch):
     """Prepacked layouts are the compiling CPU's; elsewhere ORT packs the plain weights."""
-    from kiln.backends import onnxruntime as ort_engine
+    from kiln.engines import onnxruntime as ort_engine
     path, model, x = mlp_artifact
     art = Artifact.load(path)
     header, _, _ = ort_engine._unpack(art.blobs["partitions/0.onnx"])
@@ -178,7 +178,7 @@ def test_prepacked_weights_are_dropped_on_another_cpu(mlp_artifact, monkeypatch)
 
 
 def test_kiln_ort_prepacked_heap_lets_ort_pack(mlp_artifact, monkeypatch):
-    from kiln.backends import onnxruntime as ort_engine
+    from kiln.engines import onnxruntime as ort_engine
     path, model, x = mlp_artifact
     seen = []
     relocate = ort_engine._relocate
@@ -195,7 +195,7 @@ def test_kiln_ort_prepacked_heap_lets_ort_pack(mlp_artifact, monkeypatch):
 
 def test_plain_onnx_blobs_of_older_kilns_still_load(mlp_artifact, tmp_path):
     import onnx
-    from kiln.backends import onnxruntime as ort_engine
+    from kiln.engines import onnxruntime as ort_engine
     path, model, x = mlp_artifact
     art = Artifact.load(path)
     blob = art.blobs["partitions/0.onnx"]
@@ -250,7 +250,7 @@ def test_missing_isa_features_named(mlp_artifact, tmp_path):
         m["target"]["isa"] = m["target"]["isa"] + ["amx_tile", "sve2"]
 
     _rewrite(path, bad, edit_manifest=needs_more)
-    from kiln.target import host_features
+    from kiln.host.target import host_features
     missing = [f for f in ("amx_tile", "sve2") if f not in host_features()]
     with pytest.raises(kiln.TargetMismatchError) as info:
         kiln.load(bad)
@@ -291,7 +291,7 @@ def test_killed_writer_leaves_previous_artifact(mlp_artifact, tmp_path):
     dst = tmp_path / "m.kiln"
     dst.write_bytes(path.read_bytes())
     code = f"""
-import os, signal, kiln.artifact as a
+import os, signal, kiln.artifact.container as a
 def writer(f):
     f.write(b"x" * 1000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)
 a.write_atomic({str(dst)!r}, writer)
@@ -327,7 +327,7 @@ def test_private_copy_falls_back_when_shared_memory_is_unusable(monkeypatch, tmp
     """A fresh compile hands ORT a private copy of its weights, in /dev/shm when it can."""
     import tempfile
     import types
-    from kiln.backends import onnxruntime as ort_engine
+    from kiln.engines import onnxruntime as ort_engine
     asked = []
 
     def mkdtemp(prefix="", dir=None):
@@ -347,7 +347,7 @@ def test_private_copy_falls_back_when_shared_memory_is_unusable(monkeypatch, tmp
 
 
 def test_chunked_digest_catches_a_flip_in_any_chunk():
-    from kiln.artifact import CHUNK, xxh3_chunked
+    from kiln.artifact.container import CHUNK, xxh3_chunked
     data = bytearray(range(256)) * ((2 * CHUNK + 1000) // 256)
     digest = xxh3_chunked(data)
     assert xxh3_chunked(bytes(data)) == digest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import peers
+from kiln.benchmark import peers
 from tests.conftest import ROOT
 
 ROW_FIELDS = {"runner", "batch_size", "copies", "workers", "calls", "inferences", "duration_s", "throughput",

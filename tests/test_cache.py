@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import cache as cache_mod
+from kiln.compiler import cache as cache_mod
 from kiln.errors import UnsupportedOpError
 
 from . import models
@@ -96,7 +96,7 @@ MODEL_SOURCE = textwrap.dedent('''
 
 TRACE_SCRIPT = textwrap.dedent('''
     import json, sys, torch, kiln
-    from kiln import cache
+    from kiln.compiler import cache
     sys.path.insert(0, ".")
     from netdef import Net
     m = kiln.trace(Net().eval(), torch.ones(2, 8), cache=sys.argv[1])
@@ -278,7 +278,7 @@ def test_s3_cache_hits_and_races(s3, tmp_path):
 
 PARALLEL_SCRIPT = textwrap.dedent('''
     import json, torch, kiln
-    from kiln import cache
+    from kiln.compiler import cache
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
               torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()),

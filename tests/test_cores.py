@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import placement
+from kiln.host import cores as placement
 from kiln.errors import InputError
 
 from . import models

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kiln
-from kiln import precision, target
-from kiln.backends import inductor
+from kiln.graph import precision
+from kiln.host import target
+from kiln.engines import inductor
 from kiln.errors import CompilerArgsError, TargetMismatchError
 from tests import models
 from tests.conftest import assert_close, run_py
@@ -38,9 +39,9 @@ def test_device_values_are_checked():
 
 def test_cpu_engine_or_int8_keeps_auto_on_the_cpu(monkeypatch):
     """auto means the GPU only for work that can run there."""
-    from kiln import select
+    from kiln.compiler import selection as select
     monkeypatch.setattr(select, "cuda_available", lambda: True)
-    make = kiln.compiler.make_options
+    make = kiln.compiler.driver.make_options
     assert make(engine="onnxruntime").device == "cpu"
     assert make(quantize="int8").device == "cpu"
     assert make().device == "cuda"
@@ -60,7 +61,7 @@ def test_cuda_artifact_is_refused_on_a_host_without_one(tmp_path):
     art.manifest["target"].update(device="cuda", cuda={"name": "NVIDIA H100 80GB HBM3",
                                                        "capability": "9.0", "cuda": "13.0"})
     path = tmp_path / "gpu.kiln"
-    kiln.artifact.Artifact(art.manifest, dict(art.blobs)).save(str(path))
+    kiln.artifact.container.Artifact(art.manifest, dict(art.blobs)).save(str(path))
     with pytest.raises(TargetMismatchError, match=r"compiled for CUDA on NVIDIA H100 80GB HBM3 "
                                                   r"\(compute capability 9\.0\).*no CUDA device"):
         kiln.load(str(path))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends import inductor
+from kiln.engines import inductor
 from tests import models
 from tests.conftest import assert_close, run_py
 
@@ -69,7 +69,7 @@ torch.testing.assert_close(m(x), y, atol=1e-4, rtol=1e-4)
 assert m.manifest['partitions'][0]['engine'] == 'inductor'
 assert not any(k.startswith('tests') for k in sys.modules), 'model code was imported'
 assert 'torch._inductor' not in sys.modules, 'loading imported torch._inductor (seconds of dynamo imports)'
-from kiln.backends import inductor
+from kiln.engines import inductor
 assert inductor.compiler() is None, 'a C++ compiler is visible'
 print('OK')
 """

@@ -6,7 +6,7 @@ pytest.importorskip("openvino")
 import torch  # noqa: E402
 
 import kiln  # noqa: E402
-from kiln import backends  # noqa: E402
+from kiln import engines as backends  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_close, run_py  # noqa: E402
 
@@ -125,8 +125,8 @@ def test_ops_openvino_would_change_stay_on_host():
 def test_compile_refuses_partitions_drawn_by_another_engine():
     """-O3 hands every engine the partitions the primary engine drew: OpenVINO must refuse
     ops it would change (so kiln moves on to the next engine) instead of compiling them."""
-    from kiln.capture import capture
-    from kiln.options import CompileOptions
+    from kiln.graph.capture import capture
+    from kiln.compiler.options import CompileOptions
 
     class IntMath(torch.nn.Module):
         def forward(self, ids):
@@ -168,7 +168,7 @@ def test_concurrent_calls(mlp_ov, bert_ov):
 
 
 def test_runtime_threads_reach_openvino(mlp_ov):
-    from kiln.options import RuntimeOptions
+    from kiln.compiler.options import RuntimeOptions
     _, _, compiled = mlp_ov
     blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
     runner = backends.get("openvino").load(blob, RuntimeOptions(threads=1))
@@ -209,6 +209,6 @@ def test_generic_target_stores_portable_ir(tmp_path):
 
 
 def test_corrupt_blob_header_is_an_artifact_error():
-    from kiln.options import RuntimeOptions
+    from kiln.compiler.options import RuntimeOptions
     with pytest.raises(kiln.ArtifactError, match="bad magic"):
         backends.get("openvino").load(b"not an openvino blob", RuntimeOptions())

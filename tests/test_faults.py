@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.artifact import Artifact
-from kiln.cache import Cache
+from kiln.artifact.container import Artifact
+from kiln.compiler.cache import Cache
 from kiln.errors import ArtifactError
 
 from . import reliability

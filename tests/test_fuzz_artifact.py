@@ -43,8 +43,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.artifact import Artifact, ALIGN, MANIFEST, SIGNATURE
-from kiln.specs import Output
+from kiln.artifact.container import Artifact, ALIGN, MANIFEST, SIGNATURE
+from kiln.artifact.specs import Output
 from tests import models
 from tests.conftest import ROOT
 from tests.reliability import count, long_run, record

@@ -5,7 +5,7 @@ import torch
 import kiln
 import kiln.neuron as torch_neuron
 import kiln.neuronx as torch_neuronx
-from kiln.options import parse_compiler_args
+from kiln.compiler.options import parse_compiler_args
 from tests import models
 from tests.conftest import assert_close
 

@@ -80,7 +80,7 @@ def test_kiln_spans_appear_in_torch_profiler():
 def test_kiln_ls_lists_cores_isa_and_engines(kiln_cli):
     import os
     import subprocess
-    from kiln import placement
+    from kiln.host import cores as placement
     r = subprocess.run([kiln_cli, "ls", "--json"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "KILN_CPUS_PER_CORE": "1"})
     assert r.returncode == 0, r.stderr

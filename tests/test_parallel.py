@@ -8,9 +8,9 @@ import torch
 
 import kiln
 import kiln.neuronx
-from kiln import placement
+from kiln.host import cores as placement
 from kiln.errors import InputError, KilnError
-from kiln.parallel import WorkerDiedError
+from kiln.runtime.replicas import WorkerDiedError
 
 from . import models
 from .conftest import assert_close

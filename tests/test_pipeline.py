@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import kiln
-from kiln import placement
-from kiln.options import parse_compiler_args
-from kiln.pipeline import Pipeline, partition
+from kiln.host import cores as placement
+from kiln.compiler.options import parse_compiler_args
+from kiln.runtime.stages import Pipeline, partition
 from tests import models
 from tests.conftest import assert_close, run_py
 
@@ -212,7 +212,7 @@ def test_save_and_load_in_a_fresh_process(mlp_case, tmp_path):
     torch.save(x, tmp_path / "x.pt")
     code = f"""
 import os, torch, kiln
-m = kiln.load({str(path)!r})   # kiln.pipeline not imported first: load must find the kind itself
+m = kiln.load({str(path)!r})   # kiln.runtime.stages not imported first: load must find the kind itself
 assert type(m).__name__ == "Pipeline", type(m)
 affinity = [sorted(s.worker.affinity()) for s in m.stages]
 assert affinity[0] != affinity[1], affinity

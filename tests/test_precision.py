@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import precision
+from kiln.graph import precision
 from tests import models
 from tests.conftest import assert_close
 
@@ -66,11 +66,11 @@ def test_auto_cast_gate_failure_reports_numbers():
 def test_native_bf16_hosts_compute_on_openvino(monkeypatch):
     """On a CPU with native bf16 the work goes to the engine that computes it, unemulated."""
     pytest.importorskip("openvino")
-    from kiln.backends import openvino as ov_backend
+    from kiln.engines import openvino as ov_backend
     monkeypatch.setattr(precision, "native", lambda t: t == "bf16")
     model, x = models.mlp()
     compiled = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type bf16",
                           atol=5e-2, rtol=5e-2)
     assert compiled.manifest["precision"]["emulated"] is False
     assert {p["engine"] for p in compiled.manifest["partitions"]} == {"openvino"}
-    assert ov_backend._precision(kiln.compiler.make_options("--auto-cast matmult")) == "bf16"
+    assert ov_backend._precision(kiln.compiler.driver.make_options("--auto-cast matmult")) == "bf16"

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.backends.onnxruntime import graph_of
+from kiln.engines.onnxruntime import graph_of
 from tests import models
 
 

@@ -4,14 +4,15 @@ import time
 import pytest
 
 import kiln
-from kiln import backends, select
+from kiln import engines as backends
+from kiln.compiler import selection as select
 from tests import models
 from tests.conftest import assert_close
 
 
 @pytest.fixture
 def fake_missing_engine(monkeypatch):
-    monkeypatch.setitem(backends._ENGINES, "nosuch", "kiln.backends.nosuch_engine:Nope")
+    monkeypatch.setitem(backends._ENGINES, "nosuch", "kiln.engines.nosuch_engine:Nope")
     monkeypatch.setattr(select, "CPU_ORDER", ("onnxruntime", "openvino", "nosuch"))
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import placement
+from kiln.host import cores as placement
 
 from .conftest import ROOT
 
@@ -176,7 +176,7 @@ def seq_data(rng, batch, length, real=None):
 
 # -- the batcher's merging rules, in process ------------------------------------------------------
 def test_merge_pads_within_a_bucket_and_splits_back(artifacts):
-    from kiln.batcher import Layout, Request, layout_of, merge, split
+    from kiln.serving.batching import Layout, Request, layout_of, merge, split
     model = kiln.load(artifacts["dir"] / "seq.kiln")
     lay = layout_of(model)
     assert lay.batchable and [ax.sizes for ax in lay.axes] == [[4, 8]]

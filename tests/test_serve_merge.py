@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kiln
-from kiln.batcher import Axis, Layout, check_merging
-from kiln.serve import resolve_models
-from kiln.specs import TensorSpec
+from kiln.serving.batching import Axis, Layout, check_merging
+from kiln.serving.server import resolve_models
+from kiln.artifact.specs import TensorSpec
 
 from .test_serve import Server, _histogram
 

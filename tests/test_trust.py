@@ -1,7 +1,7 @@
 """Signed artifacts: native code (TorchInductor libraries) loads only from trusted signers.
 
 "Another host" is another KILN_CONFIG_DIR: its own signing key, trusting the session's
-key (conftest's KILN_CONFIG_DIR) only through KILN_TRUSTED_KEYS. kiln.trust reads the
+key (conftest's KILN_CONFIG_DIR) only through KILN_TRUSTED_KEYS. kiln.artifact.trust reads the
 environment at each load, so in-process tests switch hosts with monkeypatch; the
 fresh-process tests show the same from a clean interpreter. One AOTInductor compile
 (15-30 s of g++) serves the whole module.
@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import kiln
-from kiln import cache as cache_mod, cli, trust
-from kiln.artifact import Artifact
-from kiln.backends import inductor
+from kiln import cli
+from kiln.compiler import cache as cache_mod
+from kiln.artifact import trust
+from kiln.artifact.container import Artifact
+from kiln.engines import inductor
 from tests import models
 from tests.conftest import assert_close, run_py
 
@@ -184,7 +186,7 @@ def test_native_blob_is_checked_against_its_signed_sha256(native):
     forged[-1] ^= 1
     art.blobs[name] = bytes(forged)
     with pytest.raises(kiln.SignatureError, match="SHA-256"):
-        kiln.runtime.from_artifact(art, kiln.runtime.RuntimeOptions())
+        kiln.runtime.model.from_artifact(art, kiln.runtime.model.RuntimeOptions())
 
 
 # -- nested artifacts ---------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ def test_resaving_keeps_the_signature_and_edits_are_resigned(data_only, other_ho
 # -- the compile cache ------------------------------------------------------------------------------------
 @needs_compiler
 def test_cache_entries_are_signed_and_untrusted_ones_are_misses(native, tmp_path, monkeypatch, caplog):
-    from kiln.compiler import cache_reader, compile_into_cache
+    from kiln.compiler.driver import cache_reader, compile_into_cache
     store = cache_mod.Cache(str(tmp_path / "cache"))
     key = "ab" * 32
     captured = types.SimpleNamespace(model_name="MLP")

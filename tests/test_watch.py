@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kiln import registry
+from kiln.observe import registry
 
 CALLS = 17
 

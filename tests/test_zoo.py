@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import specs
+from kiln.artifact import specs
 from tests import reliability
 
 ATOL = RTOL = 1e-4

@@ -1,0 +1,178 @@
+"""``kiln parallel-compile``: find every graph a script compiles, compile them all at once.
+
+Neuron's ``neuron_parallel_compile`` job. A script that traces several models
+compiles them one after another; on a machine with many cores most of that
+time is wasted. This runs the script once in *collect mode*
+(``KILN_COLLECT_DIR``): every ``kiln.trace`` that misses the cache captures
+its graph, writes a job file (the captured graph, its example inputs and
+outputs, options and cache key) and returns an eager stand-in so the script
+carries on. Then the jobs compile in parallel worker processes, each storing
+its result in the cache under the key the script will ask for. A normal run of
+the script afterwards hits the cache for every graph.
+
+Job files are written by this machine's own collect run and read back by its
+workers: they are torch pickles, never shared or downloaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from kiln.artifact.container import write_atomic
+from kiln.progress import Progress
+
+log = logging.getLogger("kiln")
+
+
+class EagerStandIn(torch.nn.Module):
+    """What ``kiln.trace`` returns while collecting: the model, run eagerly."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            from kiln.graph.capture import _FunctionModule
+            model = _FunctionModule(model)
+        self.model = model
+        self.cache_key = key
+        self.manifest = {"cache": {"key": key, "hit": False, "collected": True}}
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.model(*args, **kwargs)
+
+    def save(self, *args, **kwargs):
+        log.info("kiln parallel-compile: collecting; save() skipped")
+
+
+def record(directory, model, captured, key, fp, url, compiler_args, options):
+    """Write the job for ``key`` (once) and return an eager stand-in."""
+    path = os.path.join(directory, f"{key}.job")
+    if not os.path.exists(path):
+        # The graph travels as a saved ExportedProgram (GraphModules do not pickle with
+        # their node metadata); the rest as a torch pickle.
+        write_atomic(os.path.join(directory, f"{key}.pt2"),
+                     lambda f: torch.export.save(captured.exported, f))
+        job = {"key": key, "fingerprint": fp, "url": url, "compiler_args": compiler_args,
+               "options": {k: v for k, v in options.items() if k != "calibration_data"},
+               "captured": {k: getattr(captured, k) for k in _CAPTURED_FIELDS},
+               "tensor_mask": captured.tensor_mask}
+        write_atomic(path, lambda f: torch.save(job, f))
+        log.info("kiln parallel-compile: collected %s (%s)", captured.model_name, key[:16])
+    return EagerStandIn(model, key)
+
+
+_CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",
+                    "example_inputs", "eager_outputs", "model_name", "notes")
+
+
+def compile_job(path) -> dict:
+    """Compile one job file into the cache (in a worker process)."""
+    from kiln.compiler import cache as cache_mod
+    from kiln.graph.capture import Captured, graph_module
+    from kiln.compiler.driver import _trace_graph, cache_reader, compile_into_cache
+    job = torch.load(path, weights_only=False)
+    ep = torch.export.load(path[: -len(".job")] + ".pt2")
+    captured = Captured(graph_module(ep, job["tensor_mask"]), **job["captured"])
+    store = cache_mod.Cache(job["url"])
+    options = dict(job["options"], quiet=True)
+
+    def compile_(cap):
+        return _trace_graph(cap.graph_module, captured=cap, compiler_args=job["compiler_args"], **options)
+
+    started = time.perf_counter()
+    compiled = compile_into_cache(store, job["key"], job["fingerprint"], captured, compile_,
+                                  job["compiler_args"], cache_reader(store, True, None))
+    return {"model": captured.model_name, "key": job["key"],
+            "seconds": round(time.perf_counter() - started, 2),
+            "hit": bool(compiled.manifest.get("cache", {}).get("hit"))}
+
+
+def _worker():
+    """``python -c 'from kiln.compiler.collect import _worker; _worker()' JOB``: prints one JSON line."""
+    try:
+        result = {"ok": True, **compile_job(sys.argv[1])}
+    except BaseException as e:  # noqa: B036 - reported to the driver
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    print("KILN-RESULT " + json.dumps(result), flush=True)
+    sys.exit(0 if result["ok"] else 1)
+
+
+def parallel_compile(command, *, workers=None, cache_url=None, stream=None, quiet=None) -> dict:
+    """Collect the graphs ``command`` compiles, then compile them in parallel."""
+    from kiln.compiler import cache as cache_mod
+    url = cache_mod.resolve_url(cache_url) or cache_mod.default_url()
+    stream = stream or sys.stderr
+    summary = {"cache": url, "jobs": [], "collect_returncode": None}
+    with tempfile.TemporaryDirectory(prefix="kiln-collect-") as directory:
+        env = dict(os.environ, KILN_COLLECT_DIR=directory, KILN_CACHE_URL=url)
+        print(f"kiln parallel-compile: collecting graphs from: {' '.join(command)}", file=stream)
+        collect = subprocess.run(command, env=env)
+        summary["collect_returncode"] = collect.returncode
+        if collect.returncode:
+            print(f"kiln parallel-compile: the script exited with {collect.returncode} while "
+                  "collecting; compiling what it traced before that", file=stream)
+        jobs = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".job"))
+        summary["jobs"] = _run_jobs(jobs, workers or _default_workers(len(jobs)), stream, quiet)
+    done = sum(1 for j in summary["jobs"] if j["ok"])
+    failed = len(summary["jobs"]) - done
+    print(f"kiln parallel-compile: {len(summary['jobs'])} graph(s): {done} compiled into {url}, "
+          f"{failed} failed", file=stream)
+    for j in summary["jobs"]:
+        if not j["ok"]:
+            print(f"  failed: {j.get('error', '?')[:300]}", file=stream)
+    return summary
+
+
+def _default_workers(n_jobs) -> int:
+    from kiln.host.cores import process_cpus
+    return max(1, min(n_jobs, len(process_cpus())))
+
+
+def _run_jobs(jobs, workers, stream, quiet) -> list:
+    """Run job files in up to ``workers`` processes with a live 'remaining/done/failed' line."""
+    progress = Progress("kiln parallel-compile", quiet=quiet, stream=stream)
+    pending, running, results = list(jobs), {}, []
+    started = time.perf_counter()
+    env = dict(os.environ)
+    env.pop("KILN_COLLECT_DIR", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    last = None
+    while pending or running:
+        while pending and len(running) < workers:
+            job = pending.pop(0)
+            running[job] = subprocess.Popen(
+                [sys.executable, "-c", "from kiln.compiler.collect import _worker; _worker()", job],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for job, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            out, err = proc.communicate()
+            del running[job]
+            line = next((ln for ln in out.splitlines() if ln.startswith("KILN-RESULT ")), None)
+            result = json.loads(line[len("KILN-RESULT "):]) if line else {
+                "ok": False, "error": f"worker exited with {proc.returncode}: {err.strip()[-500:]}"}
+            results.append(result)
+            if not progress.live:
+                what = f"{result.get('model', '?')} in {result.get('seconds', '?')}s" if result["ok"] \
+                    else result["error"][:200]
+                print(f"kiln parallel-compile: {'done' if result['ok'] else 'FAILED'}: {what}", file=stream)
+        done = sum(1 for r in results if r["ok"])
+        elapsed = time.perf_counter() - started
+        eta = (elapsed / len(results) * (len(jobs) - len(results))) if results else None
+        text = (f"remaining {len(jobs) - len(results)}, done {done}, failed {len(results) - done} | "
+                f"elapsed {elapsed:.0f}s" + (f" | ETA {eta:.0f}s" if eta is not None else ""))
+        if progress.live and text != last:
+            progress._write(f"kiln parallel-compile: {text}")
+            last = text
+        time.sleep(0.2)
+    if progress.live:
+        progress._write("")
+    return results

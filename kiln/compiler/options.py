@@ -1,0 +1,147 @@
+"""Compile and runtime options, and the Neuron-style compiler flag parser.
+
+Flags are parsed strictly: a flag kiln does not know, or knows but does not
+implement yet, is an error that names it. Silently ignoring ``--auto-cast``
+would hand a user fp32 numbers they believe are bf16.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import asdict, dataclass, field
+
+from kiln.errors import CompilerArgsError
+
+@dataclass
+class CompileOptions:
+    engine: str | None = None         # None: default rules (-O1/-O2) or measurement (-O3)
+    optlevel: int = 2                 # 1: fastest compile, 2: best engine rules, 3: most optimisation
+    target: str = "native"            # native: this CPU's ISA; generic: portable baseline
+    device: str = "auto"              # cpu | cuda | auto: cuda when torch sees a GPU and the engine runs there
+    auto_cast: str = "none"
+    auto_cast_type: str = "bf16"
+    fallback: bool = True             # unsupported ops run on the host
+    min_partition_size: int = 1       # smaller device partitions run on the host
+    ops_on_host: frozenset = field(default_factory=frozenset)
+    validate: bool = True
+    atol: float = 1e-3
+    rtol: float = 1e-3
+    quantize: str | None = None       # "int8"
+    quantize_mode: str = "dynamic"    # dynamic: weights only; static: calibrated activations too
+    min_cosine: float = 0.99          # accuracy gate for quantized / auto-cast models
+    min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
+    pipeline_cores: int = 1           # split the graph into this many stages, one per kiln core
+
+    def to_dict(self):
+        d = asdict(self)
+        d["ops_on_host"] = sorted(self.ops_on_host)
+        return d
+
+
+@dataclass
+class RuntimeOptions:
+    threads: int | None = None        # engine threads; None = the CPUs the model may run on
+    cpus: tuple | None = None         # the CPUs of the model's kiln core(s); None = the process's
+
+    def resolved_threads(self) -> int:
+        if self.threads:
+            return int(self.threads)
+        env = os.environ.get("KILN_NUM_THREADS")
+        if env:
+            return int(env)
+        return len(self.cpus) if self.cpus else available_cpus()
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+_OPTLEVELS = {"1": 1, "2": 2, "3": 3}
+_AUTO_CAST = ("none", "matmult", "all")
+_AUTO_CAST_TYPES = ("bf16", "fp16", "fp32", "tf32", "fp8_e4m3")
+_TARGETS = ("native", "generic")
+DEVICES = ("auto", "cpu", "cuda")
+_NEURON_TARGETS = ("inf1", "inf2", "trn1", "trn2", "trn1n")
+_NOT_YET = {
+    "--model-type": "model-type specific optimisation is not implemented yet",
+    "--enable-fast-loading-neuron-binaries": "not applicable: kiln artifacts always load fast",
+}
+
+
+def parse_compiler_args(args) -> dict:
+    """Parse Neuron-style compiler flags into CompileOptions fields."""
+    if args is None:
+        return {}
+    tokens = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
+    out: dict = {}
+    i = 0
+
+    def value(flag):
+        nonlocal i
+        if "=" in tokens[i]:
+            return tokens[i].split("=", 1)[1]
+        if i + 1 >= len(tokens):
+            raise CompilerArgsError(f"compiler flag {flag} needs a value")
+        i += 1
+        return tokens[i]
+
+    while i < len(tokens):
+        tok = tokens[i]
+        flag = tok.split("=", 1)[0]
+        if flag in ("-O1", "-O2", "-O3"):
+            out["optlevel"] = int(flag[2])
+        elif flag in ("--optlevel", "-O"):
+            v = value(flag)
+            if v not in _OPTLEVELS:
+                raise CompilerArgsError(f"{flag} {v}: expected 1, 2 or 3")
+            out["optlevel"] = _OPTLEVELS[v]
+        elif flag == "--auto-cast":
+            v = value(flag)
+            if v not in _AUTO_CAST:
+                raise CompilerArgsError(f"--auto-cast {v}: expected one of {', '.join(_AUTO_CAST)}")
+            out["auto_cast"] = v
+        elif flag == "--auto-cast-type":
+            v = value(flag)
+            if v not in _AUTO_CAST_TYPES:
+                raise CompilerArgsError(f"--auto-cast-type {v}: expected one of {', '.join(_AUTO_CAST_TYPES)}")
+            out["auto_cast_type"] = v
+        elif flag == "--target":
+            v = value(flag)
+            if v in _NEURON_TARGETS:
+                raise CompilerArgsError(
+                    f"--target {v} names a Neuron chip; kiln compiles for this host's CPU: "
+                    "use --target native (this CPU's features) or --target generic (portable)")
+            if v not in _TARGETS:
+                raise CompilerArgsError(f"--target {v}: expected native or generic")
+            out["target"] = v
+        elif flag == "--neuroncore-pipeline-cores":
+            v = value(flag)
+            if not v.isdigit() or int(v) < 1:
+                raise CompilerArgsError(f"{flag} {v}: expected a number of cores, at least 1")
+            out["pipeline_cores"] = int(v)
+        elif flag in _NOT_YET:
+            raise CompilerArgsError(f"compiler flag {flag} is not supported yet: {_NOT_YET[flag]}")
+        else:
+            raise CompilerArgsError(
+                f"unknown compiler flag {tok!r}; kiln understands -O1/-O2/-O3, --optlevel, "
+                "--auto-cast, --auto-cast-type, --target and --neuroncore-pipeline-cores")
+        i += 1
+    return out
+
+
+def check_supported(opts: CompileOptions):
+    """Reject option values that parse but are not implemented yet."""
+    if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32"):
+        raise CompilerArgsError(
+            f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs: use bf16, fp16 or fp32")
+    if opts.quantize not in (None, "int8"):
+        raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8'")
+    if opts.quantize_mode not in ("dynamic", "static"):
+        raise CompilerArgsError(f"quantize_mode={opts.quantize_mode!r}: expected 'dynamic' or 'static'")
+    if opts.device not in DEVICES:
+        raise CompilerArgsError(f"device={opts.device!r}: expected one of {', '.join(DEVICES)}")
+    if opts.min_partition_size < 1:
+        raise CompilerArgsError("min_partition_size must be at least 1")

@@ -1,0 +1,375 @@
+"""OpenVINO engine.
+
+A partition (already core ATen, weights inside) goes straight to OpenVINO's
+PyTorch frontend, which converts it with static shapes; the CPU plugin then
+compiles it for this machine once, at compile time, and the compiled model it
+exports is the blob, so loading skips conversion and compilation.
+``--target generic`` stores the converted model (OpenVINO IR) instead:
+compiled blobs are tied to the instruction set they were built for, so a
+portable artifact has to compile where it loads.
+
+Numbers are the user's choice, not OpenVINO's: the inference precision is
+pinned (f32, or bf16/f16 only for a native ``--auto-cast``), since left alone
+OpenVINO picks bf16 on CPUs that have it. The CPU plugin also silently computes
+int64 in int32 and float64 in float32, and does not reproduce float16 or
+bfloat16 rounding exactly; so ops in those types stay on the host, int64 ops
+stay only where their values provably fit int32, and int64 inputs are
+range-checked on every call.
+
+Which ATen ops are supported is read from OpenVINO's own table for its PyTorch
+frontend, so the analysis report tracks the installed OpenVINO.
+
+Blob layout: ``b"KILNOV1\\0"``, a little-endian uint32 header length, a JSON
+header (``kind``: ``compiled`` or ``ir``; ``openvino``: its version;
+``precision``; ``inputs`` and ``outputs``: counts; ``xml``: the size of the IR's
+XML part), then the payload: the compiled model, or the IR's XML then weights.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import os
+import struct
+import tempfile
+import threading
+
+import numpy as np
+import torch
+
+from kiln.errors import ArtifactError, InputError
+from kiln.quiet import EXPORTER_LOGGERS, quiet
+from kiln.engines import Backend
+
+_MAGIC = b"KILNOV1\0"
+_LOGGERS = EXPORTER_LOGGERS + ("openvino", "torch.fx")
+_INT32 = (-2**31, 2**31 - 1)
+_NEVER = {torch.complex64: "complex", torch.complex128: "complex",
+          torch.float8_e4m3fn: "float8", torch.float8_e5m2: "float8",
+          torch.float64: "float64 (OpenVINO's CPU plugin computes it in float32)",
+          torch.float16: "float16 (OpenVINO's CPU plugin drops its rounding)",
+          torch.bfloat16: "bfloat16 (OpenVINO's CPU plugin does not round to it exactly)"}
+# Ops that only move, select or compare int64 values (or make indices): in int32
+# they give the same answer whenever their inputs fit int32, which the runtime
+# checks at every call. Other int64 ops must be proven to stay in int32 (below).
+_INT64_SAFE = {
+    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "squeeze", "unsqueeze",
+    "permute", "transpose", "t", "clone", "alias", "cat", "stack", "index", "_unsafe_index",
+    "index_select", "gather", "repeat", "flip", "roll", "split", "split_with_sizes", "narrow",
+    "unbind", "where", "masked_fill", "full", "full_like", "zeros", "zeros_like", "ones",
+    "ones_like", "scalar_tensor", "arange", "max", "min", "amax", "amin", "maximum", "minimum",
+    "argmax", "argmin", "sort", "topk", "constant_pad_nd", "clamp", "_to_copy", "lift_fresh_copy",
+    "embedding", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "bitwise_not",
+}
+_MOVES = _INT64_SAFE - {"arange", "argmax", "argmin", "full", "full_like", "scalar_tensor",
+                        "zeros", "zeros_like", "ones", "ones_like", "_to_copy", "bitwise_not"}
+
+
+@functools.lru_cache(maxsize=1)
+def _op_table():
+    from openvino.frontend.pytorch.torchdynamo.op_support import OperatorSupport
+    return OperatorSupport(None)
+
+
+@functools.lru_cache(maxsize=1)
+def _core():
+    import openvino as ov
+    return ov.Core()
+
+
+def _config(precision: str, **extra) -> dict:
+    # Spelled out so that a new OpenVINO default cannot change kiln's numbers.
+    return {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
+            "NUM_STREAMS": "1", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", **extra}
+
+
+class OpenVinoBackend(Backend):
+    name = "openvino"
+    blob_suffix = ".ovblob"
+    modules = ("openvino",)
+
+    def supports(self, node) -> str | None:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return self.not_an_op(node)
+        if not _op_table().is_node_supported({}, node):
+            return "not in OpenVINO's PyTorch frontend op table"
+        return _dtype_reason(node)
+
+    def compile(self, partition, example_inputs, options) -> bytes:
+        # Another engine's rules may have drawn this partition (-O3 tries every engine):
+        # refuse ops whose results OpenVINO would change rather than compile them.
+        for node in partition.graph.nodes:
+            reason = node.op == "call_function" and self.supports(node)
+            if reason:
+                raise RuntimeError(f"{node.target} cannot run on OpenVINO: {reason}")
+        model = _convert(partition, example_inputs)
+        _check_io(model, partition, example_inputs)
+        header = {"kind": "ir" if options.target == "generic" else "compiled",
+                  "openvino": self.version(), "precision": _precision(options),
+                  "inputs": len(model.inputs), "outputs": len(model.outputs)}
+        if header["kind"] == "ir":
+            xml, weights = _serialize(model)
+            header["xml"] = len(xml)
+            return _pack(header) + xml + weights
+        out = io.BytesIO()
+        out.write(_pack(header))
+        with quiet(_LOGGERS):
+            _core().compile_model(model, "CPU", _config(header["precision"])).export_model(out)
+        return out.getvalue()
+
+    def load(self, blob, runtime_options, origin=None):
+        import openvino as ov
+        header, payload = _unpack(blob)
+        config = _config(header["precision"],
+                         INFERENCE_NUM_THREADS=str(runtime_options.resolved_threads()))
+        core = _core()
+        if header["kind"] == "ir":
+            xml = bytes(payload[:header["xml"]])
+            weights = ov.Tensor(np.frombuffer(payload[header["xml"]:], dtype=np.uint8))
+            compiled = core.compile_model(core.read_model(xml, weights), "CPU", config)
+        else:
+            if header["openvino"] != self.version():
+                raise ArtifactError(
+                    f"an OpenVINO partition was compiled by OpenVINO {header['openvino']}, this is "
+                    f"{self.version()}; compiled OpenVINO models load only in the version that "
+                    "made them: recompile, or compile with --target generic")
+            # One copy, into a tensor OpenVINO owns; importing from it copies no further.
+            compiled = core.import_model(ov.Tensor(np.frombuffer(payload, dtype=np.uint8)), "CPU", config)
+        if (len(compiled.inputs), len(compiled.outputs)) != (header["inputs"], header["outputs"]):
+            raise ArtifactError("OpenVINO blob does not match its header "
+                                f"({len(compiled.inputs)} inputs, {len(compiled.outputs)} outputs)")
+        return OvRunner(compiled)
+
+
+# -- op support -------------------------------------------------------------------
+
+def _dtypes(node):
+    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
+    for v in vals:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(t, torch.Tensor):
+                yield t.dtype
+
+
+def _dtype_reason(node) -> str | None:
+    """Why OpenVINO's CPU plugin would silently change this op's result, if it would."""
+    name = node.target.overloadpacket.__name__
+    dtypes = set(_dtypes(node))
+    for dtype in dtypes:
+        if dtype in _NEVER:
+            return f"dtype {_NEVER[dtype]} is not supported by kiln's OpenVINO engine"
+    if torch.int64 not in dtypes:
+        return None
+    if name not in _INT64_SAFE and not _fits_int32(_range(node)):
+        return "int64 arithmetic: OpenVINO's CPU plugin computes int64 in int32, which could overflow"
+    if name == "_to_copy" and node.kwargs.get("dtype") == torch.int64 and any(
+            _dtype_of(a) is not None and _dtype_of(a).is_floating_point for a in node.all_input_nodes):
+        return "float to int64 conversion: OpenVINO's CPU plugin converts to int32, which could overflow"
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and not _fits_int32((a, a)):
+            return f"int64 constant {a} is outside int32, which OpenVINO's CPU plugin computes int64 in"
+    return None
+
+
+def _dtype_of(node):
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _fits_int32(r) -> bool:
+    return r is not None and all(math.isfinite(v) for v in r) and _INT32[0] <= r[0] and r[1] <= _INT32[1]
+
+
+def _range(a, depth=0):
+    """A (lo, hi) bound on the values of an integer fx value, or None when kiln cannot tell.
+
+    Enough interval arithmetic to prove index bookkeeping such as
+    ``arange(n) + offset`` stays small; graph inputs are unknown.
+    """
+    if isinstance(a, bool) or isinstance(a, (int, float)):
+        return (a, a)
+    if not isinstance(a, torch.fx.Node) or depth > 32:
+        return None
+    if _dtype_of(a) == torch.bool:
+        return (0, 1)
+    if a.op != "call_function" or not isinstance(a.target, torch._ops.OpOverload):
+        return None
+    name, args = a.target.overloadpacket.__name__, a.args
+    sub = [_range(x, depth + 1) for x in args if isinstance(x, (torch.fx.Node, int, float))]
+    if name == "arange":
+        ends = [x for x in args if isinstance(x, (int, float))][:2]
+        return (min(0, *ends), max(0, *ends)) if ends else None
+    if name in ("full", "full_like", "scalar_tensor", "zeros", "zeros_like", "ones", "ones_like"):
+        fill = {"zeros": 0, "zeros_like": 0, "ones": 1, "ones_like": 1}.get(name)
+        if fill is None:
+            fill = next((x for x in args if isinstance(x, (int, float))), None)
+        return None if fill is None else (fill, fill)
+    if None in sub:
+        return None
+    if name in _MOVES or name == "_to_copy":
+        return (min(r[0] for r in sub), max(r[1] for r in sub)) if sub else None
+    if name in ("add", "sub", "mul") and len(sub) == 2:
+        (a0, a1), (b0, b1) = sub
+        if name == "add":
+            return (a0 + b0, a1 + b1)
+        if name == "sub":
+            return (a0 - b1, a1 - b0)
+        products = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
+        return (min(products), max(products))
+    if name == "neg" and sub:
+        return (-sub[0][1], -sub[0][0])
+    if name in ("cumsum", "sum") and sub:
+        val = args[0].meta.get("val") if isinstance(args[0], torch.fx.Node) else None
+        n = val.numel() if isinstance(val, torch.Tensor) else None
+        return None if n is None else (min(0, sub[0][0] * n), max(0, sub[0][1] * n))
+    return None
+
+
+def _precision(options) -> str:
+    """f32 unless --auto-cast asks for a type this CPU computes natively (else kiln emulates it)."""
+    from kiln.graph import precision
+    cast_type = getattr(options, "auto_cast_type", "fp32")
+    if getattr(options, "auto_cast", "none") != "none" and cast_type in ("bf16", "fp16") \
+            and precision.native(cast_type):
+        return {"bf16": "bf16", "fp16": "f16"}[cast_type]
+    return "f32"
+
+
+# -- compile --------------------------------------------------------------------
+
+def _convert(partition, example_inputs):
+    """GraphModule → OpenVINO model with static input shapes and types, in positional order.
+
+    The frontend's FX decoder reads the graph as it is (as OpenVINO's
+    torch.compile backend does); converting via torch.export would trace and
+    decompose the partition twice more for nothing.
+    """
+    import openvino as ov
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+    shapes = [(list(t.shape), _ov_type(t.dtype)) for t in example_inputs]
+    with torch.no_grad(), quiet(_LOGGERS):
+        return ov.convert_model(TorchFXPythonDecoder(partition), input=shapes or None)
+
+
+def _check_io(model, partition, example_inputs):
+    """OpenVINO must see the partition's inputs and outputs in the partition's order."""
+    for kind, ports, tensors in (("inputs", model.inputs, example_inputs),
+                                 ("outputs", model.outputs, _outputs(partition, example_inputs))):
+        got = [(tuple(p.get_partial_shape().to_shape()), p.get_element_type().to_dtype()) for p in ports]
+        want = [(tuple(t.shape), _np_dtype(t.dtype)) for t in tensors]
+        if got != want:
+            raise RuntimeError(f"OpenVINO's model {kind} {got} do not match the partition's {want}")
+
+
+def _outputs(partition, example_inputs) -> list:
+    """The partition's flat outputs: their recorded metadata, or a run where that is missing."""
+    out = next(n for n in partition.graph.nodes if n.op == "output").args[0]
+    nodes = list(out) if isinstance(out, (tuple, list)) else [out]
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+    if all(isinstance(v, torch.Tensor) for v in vals):
+        return vals
+    with torch.no_grad():
+        res = partition(*example_inputs)
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def _np_dtype(dtype):
+    if dtype == torch.bfloat16:
+        raise RuntimeError("a bfloat16 tensor crosses the partition boundary; NumPy, which "
+                           "carries tensors into OpenVINO, has no bfloat16")
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _ov_type(dtype):
+    import openvino as ov
+    return ov.Type.boolean if dtype == torch.bool else ov.Type(_np_dtype(dtype))
+
+
+def _serialize(model) -> tuple[bytes, bytes]:
+    import openvino as ov
+    with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
+        xml, weights = os.path.join(tmp, "model.xml"), os.path.join(tmp, "model.bin")
+        ov.save_model(model, xml, compress_to_fp16=False)
+        with open(xml, "rb") as f, open(weights, "rb") as g:
+            return f.read(), g.read()
+
+
+# -- blob -----------------------------------------------------------------------
+
+def _pack(header: dict) -> bytes:
+    raw = json.dumps(header, sort_keys=True).encode()
+    return _MAGIC + struct.pack("<I", len(raw)) + raw
+
+
+def _unpack(blob) -> tuple[dict, memoryview]:
+    view = memoryview(blob)
+    start = len(_MAGIC) + 4
+    if len(view) < start or bytes(view[:len(_MAGIC)]) != _MAGIC:
+        raise ArtifactError("not a kiln OpenVINO blob (bad magic)")
+    (size,) = struct.unpack("<I", view[len(_MAGIC):start])
+    try:
+        header = json.loads(bytes(view[start:start + size]))
+    except ValueError as e:
+        raise ArtifactError(f"kiln OpenVINO blob has a corrupt header: {e}") from None
+    return header, view[start + size:]
+
+
+# -- run ------------------------------------------------------------------------
+
+class OvRunner:
+    """Calls an OpenVINO compiled model with torch tensors, one infer request per thread.
+
+    Inputs are shared with OpenVINO (no copies). Outputs are copied out of the
+    request: a request reuses its output buffers on its next call, so handing
+    out views would let a later call overwrite an earlier result. Tensors are
+    set one by one: ``InferRequest.infer(inputs)`` costs ~200 µs more per call
+    in Python-side dispatch.
+    """
+
+    def __init__(self, compiled):
+        import openvino as ov
+        self.compiled = compiled
+        self._tensor = ov.Tensor
+        self._num_outputs = len(compiled.outputs)
+        self._int64 = [i for i, p in enumerate(compiled.inputs) if p.get_element_type() == ov.Type.i64]
+        self._local = threading.local()
+
+    def _request(self):
+        req = getattr(self._local, "request", None)
+        if req is None:
+            req = self._local.request = self.compiled.create_infer_request()
+        return req
+
+    def _check_int64(self, inputs):
+        for i in self._int64:
+            t = inputs[i]
+            if t.numel():
+                lo, hi = (v.item() for v in torch.aminmax(t))
+                if lo < _INT32[0] or hi > _INT32[1]:
+                    raise InputError(
+                        f"an int64 input holds values outside int32 ({lo}..{hi}); OpenVINO's CPU "
+                        "plugin computes int64 in int32, so the result would be wrong. Compile "
+                        "with another engine (engine='onnxruntime') for such inputs")
+
+    def signature(self):
+        """Input and output counts (shapes and types: OpenVINO may declare its own)."""
+        return [(None, None)] * len(self.compiled.inputs), [(None, None)] * self._num_outputs
+
+    def __call__(self, inputs):
+        if self._int64:
+            self._check_int64(inputs)
+        req = self._request()
+        # The request shares these arrays' memory without keeping them alive: a contiguous
+        # copy of a strided input must be held until the inference is over, or its memory
+        # is freed and reused while OpenVINO reads it (wrong answers for views).
+        arrays = [t.detach().contiguous().numpy() for t in inputs]
+        for i, a in enumerate(arrays):
+            req.set_input_tensor(i, self._tensor(a, shared_memory=True))
+        req.infer()
+        outs = [torch.from_numpy(req.get_output_tensor(i).data.copy()) for i in range(self._num_outputs)]
+        del arrays      # (only now)
+        return outs

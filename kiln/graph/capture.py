@@ -1,0 +1,411 @@
+"""Capture: model + example inputs → a core-ATen graph via ``torch.export``.
+
+Inputs are bound to the model's signature so that positional and keyword
+example inputs (``input_ids=..., attention_mask=...``) become one ordered list
+of named arguments; that order is the order of the graph's inputs and the order
+the runtime flattens call arguments in.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.artifact import specs
+from kiln.errors import CaptureError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+# Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
+# every input's shape and dtype before a call, so these are redundant.
+_CHECK_OPS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+              torch.ops.aten.sym_constrain_range_for_size.default,
+              torch.ops.aten.sym_constrain_range.default}
+
+
+@dataclass
+class Captured:
+    """A captured model: the unlifted graph module plus its I/O description."""
+    graph_module: torch.fx.GraphModule
+    arg_names: list                      # names of the top-level arguments, in graph order
+    input_structure: dict                # {"dict": [[name, structure], ...]}
+    input_specs: list                    # TensorSpec per flat input tensor
+    output_structure: dict
+    output_specs: list
+    example_inputs: list                 # flat input tensors
+    eager_outputs: list                  # flat reference outputs from eager PyTorch
+    model_name: str = "model"
+    notes: list = field(default_factory=list)
+    exported: object = None              # the ExportedProgram (decomposed) the graph came from
+    tensor_mask: list | None = None      # which pytree input leaves are tensors
+
+
+def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
+    """Ordered {arg name: value} for the example call, in signature order.
+
+    ``*args`` entries are named ``args[0]``, ``args[1]``... A dict of names this
+    function returned is accepted again as keywords (bucketed examples are built
+    that way), so binding is idempotent.
+    """
+    if isinstance(example_inputs, (torch.Tensor, dict)) or example_inputs is None:
+        args = () if example_inputs is None else (example_inputs,)
+    else:
+        args = tuple(example_inputs)
+    if isinstance(example_inputs, dict) and not example_kwargs:
+        args, example_kwargs = (), example_inputs
+    kwargs = dict(example_kwargs or {})
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        sig = inspect.signature(fn)
+        if not args:
+            args = _positional_from_names(sig, kwargs)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise CaptureError(f"example inputs do not fit the signature of {_name(model)}: {e}") from None
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            for i, v in enumerate(value):
+                out[f"{name}[{i}]"] = v
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _positional_from_names(sig, kwargs: dict) -> tuple:
+    """Pop from ``kwargs`` the values bound names give to ``*args`` entries (``args[0]``...)
+    and positional-only parameters, with the positional parameters before them."""
+    P = inspect.Parameter
+    params = list(sig.parameters.values())
+    star = next((p.name for p in params if p.kind is P.VAR_POSITIONAL), None)
+    if f"{star}[0]" not in kwargs and not any(p.kind is P.POSITIONAL_ONLY and p.name in kwargs
+                                             for p in params):
+        return ()
+    args = []
+    for p in params:
+        if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) and p.name in kwargs:
+            args.append(kwargs.pop(p.name))
+        elif p.kind is P.VAR_POSITIONAL:
+            i = 0
+            while f"{p.name}[{i}]" in kwargs:
+                args.append(kwargs.pop(f"{p.name}[{i}]"))
+                i += 1
+            break
+        else:
+            break
+    return tuple(args)
+
+
+def positional_count(model, names) -> int:
+    """How many of :func:`bind_inputs`' ``names`` (a prefix) must be passed positionally.
+
+    Bound names are in signature order, so positional parameters come first. Only
+    what cannot be passed by keyword is counted: ``*args`` entries (``args[0]``...)
+    and positional-only parameters, together with everything before them. Models
+    without either are called with keywords alone, as before.
+    """
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return 0
+    count = 0
+    for i, name in enumerate(names):
+        base = name.partition("[")[0] if name.endswith("]") else name
+        p = params.get(base)
+        if p is None or p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD):
+            break
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
+            count = i + 1
+    return count
+
+
+def call_bound(model, named: dict):
+    """Call ``model`` with :func:`bind_inputs`' ``named`` values the way it was bound."""
+    names = list(named)
+    n = positional_count(model, names)
+    return model(*(named[k] for k in names[:n]), **{k: named[k] for k in names[n:]})
+
+
+def _name(model) -> str:
+    return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "function")
+
+
+class _Positional(torch.nn.Module):
+    """Calls the model with named arguments passed positionally to export.
+
+    Exporting through this wrapper gives the graph one input per flat tensor
+    in exactly :func:`bind_inputs`' order, whatever mix of positional and
+    keyword arguments the user's example used.
+    """
+
+    def __init__(self, model, names, n_positional):
+        super().__init__()
+        self.model = model
+        self.names = names
+        self.n_positional = n_positional      # the first names go positionally (*args)
+
+    def forward(self, *values):
+        n = self.n_positional
+        return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
+
+
+def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Captured:
+    """Capture in eval mode (inference graphs), leaving the user's module as it was."""
+    was_training = isinstance(model, torch.nn.Module) and model.training
+    if was_training:
+        model.eval()
+    try:
+        return _capture(model, example_inputs, example_kwargs, decompose)
+    finally:
+        if was_training:
+            model.train()
+
+
+def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
+    named = bind_inputs(model, example_inputs, example_kwargs)
+    names = list(named)
+    n_positional = positional_count(model, names)
+    leaves, in_specs = [], []
+    structure = {"dict": [[n, specs.encode(v, n, leaves, in_specs)] for n, v in named.items()]}
+
+    with torch.no_grad():
+        eager = call_bound(model, named)
+    out_leaves, out_specs = [], []
+    out_structure = specs.encode(eager, "", out_leaves, out_specs)
+    for i, s in enumerate(out_specs):
+        if not s.name:
+            out_specs[i] = specs.TensorSpec(f"output{i}", s.shape, s.dtype)
+
+    module = model if isinstance(model, torch.nn.Module) else _FunctionModule(model)
+    wrapper = _Positional(module, names, n_positional)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecations
+            ep = torch.export.export(wrapper, tuple(named.values()), strict=False)
+    except Exception as e:  # torch raises many unrelated types here
+        raise CaptureError(explain_export_failure(e, _name(model))) from e
+    if decompose:
+        ep = decompose_program(ep, _name(model))
+    tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
+    gm = graph_module(ep, tensor_mask)
+    graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if len(graph_outputs) != len(out_leaves):
+        raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
+                           "produce; return only tensors (in tuples, lists or dicts)")
+    captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
+                        list(leaves), [t.detach() for t in out_leaves], _name(model))
+    captured.exported, captured.tensor_mask = ep, tensor_mask
+    return captured
+
+
+# What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
+_VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible with input tensor")
+
+
+def decompose_program(ep, model_name: str = "model"):
+    """``ep.run_decompositions()`` (core ATen), retried once with views made reshapes when a
+    ``view`` is refused.
+
+    Why: ``torch.export`` records ``aten.view`` nodes that were valid for the strides
+    its pre-dispatch trace saw, and drops ``.contiguous()`` calls that were no-ops
+    there. ``run_decompositions()`` re-traces with the *decompositions* of the ops,
+    and a decomposition need not give its output the strides the op's meta function
+    gave. The one that breaks Hugging Face models is
+    ``_scaled_dot_product_flash_attention_for_cpu`` (what ``scaled_dot_product_attention``
+    dispatches to on CPU): its meta allocates the output like the query
+    (``empty_like(query)``), so for ``q = x.view(b, s, h, d).transpose(1, 2)`` the
+    output transposed back is contiguous and ``.reshape(b, s, -1).contiguous()
+    .view(-1, h * d)`` (GPT-2's ``Conv1D``, any ``x.view(-1, x.size(-1))``) is a
+    view; torch's decomposition (``torch/_decomp/decompositions.py``) returns it in a
+    fixed ``(L, N, H, E)`` layout, tuned for ``nn.MultiheadAttention``, on which the
+    same view is impossible: ``ValueError: Cannot view a tensor ... strides (32, 64, 1)``.
+    Plain ``torch.export(...).run_decompositions()`` fails the same way (a torch bug).
+
+    The workaround is general, not tied to attention: ``aten.view`` and
+    ``aten.reshape`` mean the same thing wherever the view is possible (reshape
+    *is* a view then), and where it is not, reshape copies, which is what eager's
+    ``.contiguous()`` did. So when decomposition refuses a view, every ``aten.view``
+    whose result is never written in place (there a copy would lose the aliasing)
+    becomes ``aten.reshape`` and decomposition runs again; the graph is validated
+    against eager afterwards like any other. Models that decompose the first time
+    take exactly the old path.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # torch-internal pytree deprecations
+        try:
+            return ep.run_decompositions()
+        except Exception as e:
+            first = e
+        if any(s in str(first) for s in _VIEW_FAILURES) and _views_to_reshapes(ep.graph_module):
+            try:
+                return ep.run_decompositions()
+            except Exception:
+                pass
+    raise CaptureError(explain_export_failure(first, model_name, stage="decomposing the exported "
+                                              "graph to core ATen")) from first
+
+
+def _views_to_reshapes(gm: torch.fx.GraphModule) -> int:
+    """Turn the graph's ``aten.view`` nodes into ``aten.reshape`` where no in-place op
+    writes to any alias of the viewed tensor (its base, the view, views of either),
+    so a copy cannot miss a write; returns how many changed."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default \
+                and not _written_in_place(_alias_root(node)):
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _returns_alias(node: torch.fx.Node) -> bool:
+    import operator
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``node`` is a view of, following views (and in-place results) up."""
+    while _returns_alias(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """Whether an op may write to ``node``'s value through it or one of its views.
+    Unknown callables (higher-order ops) count as writers."""
+    import operator
+    todo, seen = [node], set()
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user in seen or user.op == "output":
+                continue
+            seen.add(user)
+            if user.op != "call_function":
+                return True
+            if user.target is operator.getitem:        # an element of a split's list of views
+                todo.append(user)
+                continue
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                return True
+            for i, arg in enumerate(schema.arguments):
+                given = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+                uses = given is value or (isinstance(given, (list, tuple)) and value in given)
+                if uses and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+            if _returns_alias(user):
+                todo.append(user)                      # a view of it: follow its users too
+    return False
+
+
+def graph_module(ep, tensor_mask) -> torch.fx.GraphModule:
+    """The runnable graph of an ExportedProgram in kiln's plain convention: flat tensors
+    in (non-tensor leaves dropped), flat tensors out, no redundant runtime checks.
+    Separate from capture so a saved ExportedProgram (parallel-compile) gets the same graph."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        gm = ep.module()
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    # export keeps a placeholder per pytree leaf; non-tensor leaves (None, ints)
+    # were specialised into the graph, so their placeholders must be unused.
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(tensor_mask):
+        raise CaptureError(f"internal: graph has {len(placeholders)} inputs for {len(tensor_mask)} leaves")
+    for node, is_tensor in zip(placeholders, tensor_mask):
+        if not is_tensor:
+            if node.users:
+                raise CaptureError(f"input '{node.name}' is a non-tensor value the graph depends on; "
+                                   "pass it as a tensor or bake it into the model")
+            gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _CHECK_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    # The graph returns one value per flat tensor output, in pytree order; constants
+    # (None, ints) live in the output structure instead.
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_node.args = (tuple(v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, torch.fx.Node)),)
+    gm.recompile()
+    return gm
+
+
+class _FunctionModule(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def user_frame(stack_trace: str | None) -> str | None:
+    """``file:line`` of the innermost frame outside torch itself, from an fx stack trace."""
+    if not stack_trace:
+        return None
+    frames = _FRAME.findall(stack_trace)
+    if not frames:
+        return None
+    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    path, line, func, code = (outside or frames)[-1]
+    return f"{path}:{line} in {func}: {code.strip()}"
+
+
+def explain_export_failure(exc: Exception, model_name: str, stage: str | None = None) -> str:
+    """Turn a torch.export failure into a short message pointing at the user's line.
+    ``stage`` names a later step that failed (decomposition) instead of export itself."""
+    text = str(exc)
+    kind = type(exc).__name__
+    frames = [f for f in _FRAME.findall(text) if not f[0].startswith(_TORCH_DIR)]
+    where = ""
+    if frames:
+        path, line, func, code = frames[-1]
+        where = f"\n  at {path}:{line} in {func}: {code.strip()}"
+    else:
+        m = re.search(r'(/[^\s"]+\.py):(\d+)', text)
+        if m and not m.group(1).startswith(_TORCH_DIR):
+            where = f"\n  at {m.group(1)}:{m.group(2)}"
+    if "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
+        why = ("the model branches or sizes something on a tensor's *value* (data-dependent control "
+               "flow), which a compiled static graph cannot represent")
+        fix = ("make the branch independent of tensor values, or use torch.cond / torch._check "
+               "to express it")
+    elif "Unsupported" in kind or "not supported" in text.lower():
+        why = "the model uses a Python construct torch.export cannot trace"
+        fix = "simplify that code path or move it outside the model's forward()"
+    elif stage:
+        why = f"{stage} failed ({kind})"
+        fix = ("see the cause below; run torch.export.export(model, args).run_decompositions() "
+               "directly for the full report")
+        if any(s in text for s in _VIEW_FAILURES):
+            fix = ("torch's decomposition lays this tensor out differently from eager, and kiln "
+                   "cannot turn the view into a reshape because the view is modified in place; "
+                   "use an out-of-place op on it (y = y * 2, not y.mul_(2))")
+    else:
+        why = f"torch.export failed ({kind})"
+        fix = "see the cause below; run torch.export.export(model, args) directly for the full report"
+    first = text.strip().splitlines()[0] if text.strip() else kind
+    return (f"cannot capture {model_name}: {why}.{where}\n  cause: {first[:400]}\n  fix: {fix}")

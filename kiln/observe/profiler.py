@@ -1,0 +1,92 @@
+"""Profiler timelines: a Chrome-trace / Perfetto JSON of what kiln ran.
+
+    with kiln.profile("trace.json"):
+        model(x)
+
+or ``KILN_PROFILE=trace.json`` for a whole process (written at exit). Every
+call gets a span (model, core, bucket) and inside it a span per partition:
+engine partitions in category ``device``, host fallback ops in ``host``, so a
+hidden CPU fallback is a visible block on the timeline. Under
+``torch.profiler`` the same spans appear as ``record_function`` ranges, so
+kiln's work shows up inside PyTorch's own traces.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+
+_active = None
+_lock = threading.Lock()
+
+
+class Recorder:
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.events: list = []
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def span(self, name, cat, start, end, args=None):
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6,
+              "pid": self.pid, "tid": threading.get_native_id()}
+        if args:
+            ev["args"] = args
+        with self.lock:
+            self.events.append(ev)
+
+    def write(self):
+        from kiln.artifact.container import write_atomic
+        with self.lock:
+            doc = {"traceEvents": list(self.events), "displayTimeUnit": "ms",
+                   "otherData": {"producer": "kiln"}}
+        data = json.dumps(doc).encode()
+        write_atomic(self.path, lambda f: f.write(data))
+        return self.path
+
+
+def active():
+    """The recorder in use, or None (the common case: one global read per call)."""
+    return _active
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def profile(path):
+    """Record kiln's spans while the block runs and write them to ``path``."""
+    global _active
+    rec = Recorder(path)
+    with _lock:
+        previous, _active = _active, rec
+    try:
+        yield rec
+    finally:
+        with _lock:
+            _active = previous
+        rec.write()
+
+
+def _from_env():
+    global _active
+    path = os.environ.get("KILN_PROFILE")
+    if path and _active is None:
+        _active = Recorder(path)
+        atexit.register(_active.write)
+
+
+_from_env()
+
+
+def torch_profiling() -> bool:
+    """Whether torch.profiler is recording (then kiln adds record_function ranges)."""
+    try:
+        from torch.autograd.profiler import _is_profiler_enabled
+        return bool(_is_profiler_enabled)
+    except ImportError:
+        return False

@@ -1,0 +1,555 @@
+"""Shapes: bucketing and dynamic batch for static-shape compiled graphs.
+
+Engines compile for fixed shapes, and real inputs vary. Two adapters wrap
+compiled models and are saved as artifacts that nest them:
+
+* ``Bucketed``: several variants of one model compiled at different sizes of
+  some dims (the *axes*, e.g. sequence length). A call runs the smallest variant
+  that fits, pads inputs up to it with each input's pad value, and slices the
+  outputs back along the dims that follow the axes (inferred from the variants'
+  output shapes, or declared).
+* ``DynamicBatch``: any batch size on dim 0, split into compile-size chunks,
+  the last one padded by repeating its last row (real data, so no NaN from an
+  all-padding row), outputs concatenated and trimmed.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from kiln.artifact import schema
+
+from kiln.artifact import specs
+from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
+from kiln.errors import ArtifactError, CompilerArgsError, InputError
+from kiln.runtime.model import DEFAULT, KINDS, Model, from_artifact
+
+
+def _nested_manifest(kind, inner_manifest, **fields):
+    from kiln import __version__
+    m = {"format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
+         "kind": kind, "model_name": inner_manifest.get("model_name", "model"),
+         "target": inner_manifest.get("target", {}),
+         "inputs": inner_manifest["inputs"], "outputs": inner_manifest["outputs"],
+         "report": inner_manifest.get("report")}
+    m.update(fields)
+    return m
+
+
+class _Wrapper(Model):
+    """Shared plumbing of models that wrap others: placement and naming."""
+
+    def _init_common(self, manifest, first):
+        self.manifest = manifest
+        self.arg_names = first.arg_names
+        self.input_structure = first.input_structure
+        self.output_structure = first.output_structure
+        self.output_specs = first.output_specs
+
+    def flatten(self, args, kwargs):
+        return self._inner_models()[0].flatten(args, kwargs)
+
+    def _place(self, core, worker=None):
+        from kiln.host.cores import Worker
+        worker = worker or Worker(core.cpus, name=f"kiln-core{core.id}")
+        for m in self._inner_models():
+            m._place(core, worker)
+        object.__setattr__(self, "core", core)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.core = core.id
+
+    @property
+    def calls(self) -> int:
+        return sum(m.calls for m in self._inner_models())
+
+
+# -- bucketing ------------------------------------------------------------------------
+class Bucketed(_Wrapper):
+    """Variants of one model compiled at several sizes; see the module docstring."""
+
+    def __init__(self, variants, meta: dict, manifest: dict | None = None):
+        super().__init__()
+        first = variants[0]
+        self.variants = list(variants)
+        self.axes = meta["axes"]                 # [{"inputs": [[flat, dim], ...], "sizes": [...]}]
+        self.pad_values = meta["pad_values"]     # flat index (str) -> value
+        self.output_dims = meta["output_dims"]   # [[output, dim, axis], ...]
+        self.variant_sizes = [v["sizes"] for v in meta["variants"]]
+        self.compile_seconds = [v.get("compile_seconds") for v in meta["variants"]]
+        self._init_common(manifest or {}, first)
+        self.input_specs = first.input_specs
+        self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
+        self._cache: dict = {}
+        self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
+        from kiln.observe.metrics import ModelMetrics
+        self.metrics = ModelMetrics(self.name, "bucketed")
+        self.metrics.core = first.core.id if first.core is not None else None
+        for v in self.variants:   # the variants' own counters are details of this model's
+            v.metrics.parent = self.metrics.id
+        # smallest first, so the first variant that fits is the cheapest
+        self._order = sorted(range(len(variants)),
+                             key=lambda k: (_volume(self.variant_sizes[k]), self.variant_sizes[k]))
+
+    def _inner_models(self):
+        return self.variants
+
+    def describe_buckets(self) -> str:
+        parts = []
+        for a, ax in enumerate(self.axes):
+            members = ", ".join(f"{self.input_specs[i].name} dim {d}" for i, d in ax["inputs"])
+            parts.append(f"axis {a} ({members}): {sorted(set(ax['sizes']))}")
+        return "; ".join(parts)
+
+    def _select(self, flat):
+        """(variant index, actual size per axis) for these inputs, or InputError.
+
+        Serving sees the same few shapes again and again: the answer is cached
+        per (shapes, dtypes, devices), so a call pays a dict lookup, not a scan."""
+        key = tuple((t.shape, t.dtype, t.device.type) for t in flat)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        found = self._scan(flat)
+        if len(self._cache) < 1024:
+            self._cache[key] = found
+        return found
+
+    def _scan(self, flat):
+        specs0 = self.input_specs
+        if len(flat) != len(specs0):
+            raise InputError(f"expected {len(specs0)} input tensors, got {len(flat)}")
+        actual = [None] * len(self.axes)
+        for i, (t, spec) in enumerate(zip(flat, specs0)):
+            if t.dtype != spec.dtype or t.dim() != len(spec.shape):
+                raise InputError(f"input '{spec.name}': expected {len(spec.shape)}-d "
+                                 f"{specs.dtype_name(spec.dtype)}, got {tuple(t.shape)} "
+                                 f"{specs.dtype_name(t.dtype)}")
+            if t.device.type != "cpu":
+                raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
+            for d, size in enumerate(t.shape):
+                a = self._bucketed.get((i, d))
+                if a is None:
+                    if size != spec.shape[d]:
+                        raise InputError(f"input '{spec.name}': dim {d} must be {spec.shape[d]} "
+                                         f"(it is not bucketed), got {tuple(t.shape)}")
+                elif actual[a] is None:
+                    actual[a] = (size, spec.name)
+                elif actual[a][0] != size:
+                    raise InputError(
+                        f"input '{spec.name}' dim {d} is {size} but '{actual[a][1]}' has "
+                        f"{actual[a][0]} on the same bucketed axis; they must match")
+        sizes = [a[0] for a in actual]
+        for k in self._order:
+            if all(s <= b for s, b in zip(sizes, self.variant_sizes[k])):
+                return k, sizes
+        for a, s in enumerate(sizes):
+            largest = max(ax for ax in self.axes[a]["sizes"])
+            if s > largest:
+                i, d = self.axes[a]["inputs"][0]
+                raise InputError(
+                    f"input '{self.input_specs[i].name}' dim {d} is {s}, larger than the largest "
+                    f"bucket ({largest}); buckets: {self.describe_buckets()}. Compile a larger "
+                    "bucket or split the input")
+        raise InputError(f"no bucket fits sizes {sizes}; buckets: {self.describe_buckets()}")
+
+    def check(self, flat):
+        self._select(flat)
+        self._check_nonfinite(flat)
+
+    def run_flat(self, flat):
+        k, sizes = self._select(flat)
+        target = self.variant_sizes[k]
+        self.metrics.record_bucket(target)
+        start = time.perf_counter()
+        try:
+            outs = self._run_variant(k, sizes, target, flat)
+        except BaseException:
+            self.metrics.record_failure()
+            raise
+        self.metrics.record_call(time.perf_counter() - start, flat, outs, device=0.0, host=0.0)  # the variant's
+        return outs
+
+    def _run_variant(self, k, sizes, target, flat):
+        if sizes == target:     # an exact bucket: nothing to pad or slice
+            return self.variants[k].run_flat(flat)
+        padded = []
+        for i, t in enumerate(flat):
+            pads = []
+            for d in range(t.dim() - 1, -1, -1):   # F.pad wants the last dim first
+                a = self._bucketed.get((i, d))
+                pads += [0, (target[a] - sizes[a]) if a is not None else 0]
+            if any(pads):
+                t = torch.nn.functional.pad(t, pads, value=self.pad_values.get(str(i), 0))
+            padded.append(t)
+        outs = self.variants[k].run_flat(padded)
+        for o, d, a in self.output_dims:
+            if sizes[a] != target[a]:
+                outs[o] = outs[o].narrow(d, 0, sizes[a]).contiguous()
+        return outs
+
+    def to_bytes(self) -> bytes:
+        blobs = {f"variants/{k}.kiln": v.to_bytes() for k, v in enumerate(self.variants)}
+        return Artifact(self.manifest, blobs).to_bytes()
+
+    def __repr__(self):
+        return f"kiln.Bucketed({self.name}; {len(self.variants)} variants; {self.describe_buckets()})"
+
+
+def _volume(sizes):
+    v = 1
+    for s in sizes:
+        v *= s
+    return v
+
+
+def _load_bucketed(art, opts, source, core=DEFAULT, worker=None):
+    meta = schema.check_buckets(art.manifest, art.blobs, source)
+    worker, core = _shared_worker(core, worker)
+    variants = [from_artifact(art.nested(v["blob"], f"{source}:{v['blob']}"),
+                              opts, f"{source}:{v['blob']}", core=core, worker=worker)
+                for v in meta["variants"]]
+    _check_variants(meta, variants, source)
+    m = Bucketed(variants, meta, art.manifest)
+    if core not in (None, DEFAULT):
+        object.__setattr__(m, "core", core)
+    return m
+
+
+def _check_variants(meta, variants, source):
+    """The bucket metadata must describe the variants as loaded: a call pads inputs to a
+    variant's sizes and runs it unchecked, and slices its outputs."""
+    fail = schema.Fail(source)
+    first = variants[0]
+    axis_of = {}
+    for a, ax in enumerate(meta["axes"]):
+        for i, d in ax["inputs"]:
+            if i >= len(first.input_specs) or d >= len(first.input_specs[i].shape):
+                fail(f"buckets.axes[{a}].inputs", f"names input {i} dim {d}, which the model lacks")
+            axis_of[(i, d)] = a
+    for k, v in enumerate(variants):
+        p = f"buckets.variants[{k}]"
+        if (v.input_structure != first.input_structure or v.output_structure != first.output_structure
+                or len(v.input_specs) != len(first.input_specs)
+                or len(v.output_specs) != len(first.output_specs)):
+            fail(p, "has other inputs or outputs than the first variant")
+        for i, (s, s0) in enumerate(zip(v.input_specs, first.input_specs)):
+            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
+                fail(p, f"takes {s.name} as {s.describe()}, the first variant {s0.describe()}")
+            for d, size in enumerate(s.shape):
+                a = axis_of.get((i, d))
+                want = meta["variants"][k]["sizes"][a] if a is not None else s0.shape[d]
+                if size != want:
+                    fail(p, f"takes {s.name} as {s.describe()}, but dim {d} should be {want}")
+        for s, s0 in zip(v.output_specs, first.output_specs):
+            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
+                fail(p, f"gives {s.name} as {s.describe()}, the first variant {s0.describe()}")
+    for j, (o, d, a) in enumerate(meta["output_dims"]):
+        if o >= len(first.output_specs) or d >= len(first.output_specs[o].shape):
+            fail(f"buckets.output_dims[{j}]", f"names output {o} dim {d}, which the model lacks")
+        for k, v in enumerate(variants):
+            if v.output_specs[o].shape[d] < meta["variants"][k]["sizes"][a]:
+                fail(f"buckets.output_dims[{j}]", f"slices output {o} dim {d} of variant {k} "
+                     f"({v.output_specs[o].describe()}) to {meta['variants'][k]['sizes'][a]}")
+    for key in meta["pad_values"]:
+        if int(key) >= len(first.input_specs):
+            fail(f"buckets.pad_values[{key!r}]", "names an input the model lacks")
+
+
+def _shared_worker(core, worker):
+    """Variants of one wrapper share one pinned worker rather than one each."""
+    from kiln.runtime.model import resolve_placement
+    from kiln.host.cores import Worker
+    if core is DEFAULT:
+        core = resolve_placement()
+    if core is not None and worker is None:
+        worker = Worker(core.cpus, name=f"kiln-core{core.id}")
+    return worker, core
+
+
+KINDS["bucketed"] = _load_bucketed
+
+
+def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
+    """The example inputs to compile, one per bucket: ``buckets`` is a list of
+    example inputs, or ``{input: {dim: [sizes]}}`` applied to the example.
+
+    Inputs with the same size as a named input on the same dim are resized with
+    it (``attention_mask`` follows ``input_ids``); pass them explicitly to
+    override that."""
+    if isinstance(buckets, (list, tuple)):
+        if not buckets:
+            raise CompilerArgsError("buckets=[] names no example inputs")
+        return [(b, None) if not isinstance(b, dict) else (None, b) for b in buckets]
+    if not isinstance(buckets, dict):
+        raise CompilerArgsError("buckets must be {input name: {dim: [sizes]}} or a list of example inputs")
+    from kiln.graph.capture import bind_inputs
+    named = bind_inputs(model, example_inputs, example_kwargs)
+    axes: list = []   # [(members [(name, dim)], sizes)]
+    for name, dims in buckets.items():
+        if name not in named or not isinstance(named[name], torch.Tensor):
+            raise CompilerArgsError(f"buckets names input {name!r}, but the tensor inputs are "
+                                    f"{', '.join(k for k, v in named.items() if isinstance(v, torch.Tensor))}")
+        if not isinstance(dims, dict):
+            raise CompilerArgsError(f"buckets[{name!r}] must be {{dim: [sizes]}}, got {dims!r}")
+        for dim, sizes in dims.items():
+            t = named[name]
+            if not isinstance(dim, int) or not -t.dim() <= dim < t.dim():
+                raise CompilerArgsError(f"buckets[{name!r}]: {t.dim()}-d input has no dim {dim!r}")
+            dim %= t.dim()
+            sizes = sorted({int(s) for s in sizes})
+            if not sizes or sizes[0] < 1:
+                raise CompilerArgsError(f"buckets[{name!r}][{dim}]: sizes must be positive, got {sizes}")
+            existing = next((ax for ax in axes if (name, dim) in ax[0]), None)
+            if existing is not None:
+                if existing[1] != sizes:
+                    raise CompilerArgsError(
+                        f"buckets: {name!r} dim {dim} follows another input's sizes "
+                        f"{existing[1]}; give both the same sizes")
+                continue
+            members = [(name, dim)] + [
+                (other, dim) for other, v in named.items()
+                if other != name and other not in buckets and isinstance(v, torch.Tensor)
+                and v.dim() > dim and v.shape[dim] == t.shape[dim]]
+            axes.append((members, sizes))
+    pad_values = pad_values or {}
+    examples = []
+    for combo in itertools.product(*(sizes for _, sizes in axes)):
+        resized = dict(named)
+        for (members, _), size in zip(axes, combo):
+            for name, dim in members:
+                resized[name] = _resize(resized[name], dim, size, pad_values.get(name, 0))
+        examples.append((None, resized))
+    return examples
+
+
+def _resize(t, dim, size, pad_value):
+    n = t.shape[dim]
+    if size <= n:
+        return t.narrow(dim, 0, size).contiguous()
+    pads = [0, 0] * (t.dim() - 1 - dim) + [0, size - n]
+    return torch.nn.functional.pad(t, pads, value=pad_value)
+
+
+def trace_buckets(model, examples, pad_values, output_dims, trace_one):
+    """Compile one variant per bucket example (:func:`bucket_examples`) and return the
+    ``Bucketed`` model."""
+    variants, seconds = [], []
+    for n, (args, kwargs) in enumerate(examples):
+        started = time.perf_counter()
+        variants.append(trace_one(model, args, kwargs, label=f"bucket {n + 1}/{len(examples)}"))
+        seconds.append(round(time.perf_counter() - started, 3))
+    return assemble(variants, seconds, pad_values, output_dims)
+
+
+def assemble(variants, seconds, pad_values=None, output_dims=None) -> Bucketed:
+    """Infer the axes and output dims from compiled variants and build the model."""
+    first = variants[0]
+    for v in variants[1:]:
+        if v.input_structure != first.input_structure or v.output_structure != first.output_structure:
+            raise CompilerArgsError("bucket examples must have the same inputs and outputs; "
+                                    f"{v.name} differs in structure between buckets")
+        for a, b in zip(v.input_specs + v.output_specs, first.input_specs + first.output_specs):
+            if a.dtype != b.dtype or len(a.shape) != len(b.shape):
+                raise CompilerArgsError(f"bucket examples differ in dtype or rank of {a.name}: "
+                                        f"{a.describe()} vs {b.describe()}")
+    axes: list = []
+    for i, spec in enumerate(first.input_specs):
+        for d in range(len(spec.shape)):
+            seq = [v.input_specs[i].shape[d] for v in variants]
+            if len(set(seq)) > 1:
+                ax = next((ax for ax in axes if ax["sizes"] == seq), None)
+                if ax is None:
+                    axes.append({"inputs": [[i, d]], "sizes": seq})
+                else:
+                    ax["inputs"].append([i, d])
+    if not axes:
+        raise CompilerArgsError("the bucket examples all have the same shapes; give different sizes")
+    sizes = [tuple(seq[k] for seq in (ax["sizes"] for ax in axes)) for k in range(len(variants))]
+    if len(set(sizes)) != len(sizes):
+        raise CompilerArgsError(f"two buckets have the same sizes {sizes}")
+    out_dims = _output_dims(first, variants, axes, output_dims)
+    flat_pads = {}
+    for i, spec in enumerate(first.input_specs):
+        for name, value in (pad_values or {}).items():
+            if spec.name == name or spec.name.startswith((f"{name}.", f"{name}[")):
+                flat_pads[str(i)] = value
+    meta = {"axes": axes, "pad_values": flat_pads, "output_dims": out_dims,
+            "variants": [{"blob": f"variants/{k}.kiln", "sizes": list(sizes[k]),
+                          "compile_seconds": seconds[k]} for k in range(len(variants))]}
+    manifest = _nested_manifest("bucketed", first.manifest, buckets=meta)
+    return Bucketed(variants, meta, manifest)
+
+
+def _output_dims(first, variants, axes, declared):
+    """[[output, dim, axis]]: declared as {output name: {dim: input name or (name, dim)}},
+    else inferred: an output dim whose size follows an axis in every variant."""
+    out: list = []
+    names = [s.name for s in first.output_specs]
+    declared = declared or {}
+    for o, spec in enumerate(first.output_specs):
+        decl = declared.get(spec.name, declared.get(o))
+        for d in range(len(spec.shape)):
+            seq = [v.output_specs[o].shape[d] for v in variants]
+            if decl and d in decl:
+                if decl[d] is None:       # declared: depends on the buckets, never sliced
+                    continue
+                a = _axis_of(decl[d], first, axes)
+                out.append([o, d, a])
+                continue
+            if len(set(seq)) == 1:
+                continue
+            a = next((a for a, ax in enumerate(axes) if ax["sizes"] == seq), None)
+            if a is None:
+                raise CompilerArgsError(
+                    f"output '{spec.name}' dim {d} changes with the buckets ({seq}) but follows no "
+                    f"bucketed input dim; declare it with output_dims={{{spec.name!r}: {{{d}: "
+                    "'<input name>'}}, or {dim: None} to leave it unsliced")
+            out.append([o, d, a])
+    del names
+    return out
+
+
+def _axis_of(ref, first, axes):
+    name, dim = (ref, None) if isinstance(ref, str) else ref
+    for a, ax in enumerate(axes):
+        for i, d in ax["inputs"]:
+            if first.input_specs[i].name == name and (dim is None or dim == d):
+                return a
+    raise CompilerArgsError(f"output_dims refers to {ref!r}, which is not a bucketed input dim")
+
+
+# -- dynamic batch ------------------------------------------------------------------------------
+class DynamicBatch(_Wrapper):
+    """Any batch size on dim 0 for a model compiled at one batch size."""
+
+    def __init__(self, inner: Model, manifest: dict | None = None):
+        super().__init__()
+        if isinstance(inner, DynamicBatch):
+            inner = inner.inner
+        if isinstance(inner, Bucketed) and any(d == 0 for ax in inner.axes for _, d in ax["inputs"]):
+            raise CompilerArgsError("the batch dim is bucketed already; dynamic batch is not needed")
+        self.inner = inner
+        self.input_specs = inner.input_specs
+        self.nonfinite = inner.nonfinite
+        lead = [s.shape[0] for s in inner.input_specs if len(s.shape)]
+        if not lead:
+            raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")
+        self.batch_size = lead[0]
+        self._batched_in = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.input_specs]
+        self._batched_out = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.output_specs]
+        self._init_common(manifest or _nested_manifest(
+            "dynamic_batch", inner.manifest, dynamic_batch={"batch_size": self.batch_size,
+                                                            "inner": "inner.kiln"}), inner)
+
+    def _inner_models(self):
+        return [self.inner]
+
+    def _batch(self, flat) -> int:
+        n = None
+        for t, batched, spec in zip(flat, self._batched_in, self.input_specs):
+            if not batched:
+                continue
+            if t.dim() == 0:
+                raise InputError(f"input '{spec.name}': expected a batch dim, got a scalar")
+            if n is None:
+                n, first = t.shape[0], spec.name
+            elif t.shape[0] != n:
+                raise InputError(f"dynamic batch: input '{spec.name}' has batch {t.shape[0]} but "
+                                 f"'{first}' has {n}; all batched inputs must agree")
+        return n
+
+    def _chunk(self, flat, start, n):
+        out = []
+        for t, batched in zip(flat, self._batched_in):
+            if batched:
+                t = t[start:start + self.batch_size]
+                if t.shape[0] < self.batch_size:
+                    fill = t[-1:].expand(self.batch_size - t.shape[0], *t.shape[1:])
+                    t = torch.cat([t, fill])
+            out.append(t)
+        return out
+
+    def check(self, flat):
+        if len(flat) != len(self.input_specs):
+            raise InputError(f"expected {len(self.input_specs)} input tensors, got {len(flat)}")
+        # The inner model checks shapes exactly, except a bucketed one: it is probed below.
+        exact = not isinstance(self.inner, Bucketed)
+        for t, spec, batched in zip(flat, self.input_specs, self._batched_in):
+            want = tuple(spec.shape)
+            fits = t.dim() == len(want) and (tuple(t.shape[1:]) == want[1:] if batched
+                                             else tuple(t.shape) == want)
+            if t.dtype != spec.dtype or t.dim() != len(want) or (exact and not fits):
+                shown = "(" + ", ".join(["N", *map(str, want[1:])] if batched else map(str, want))
+                shown += ",)" if len(want) == 1 else ")"
+                raise InputError(
+                    f"dynamic batch: only dim 0 may differ from the compiled shapes (batch "
+                    f"{self.batch_size}); input '{spec.name}': expected {shown} "
+                    f"{specs.dtype_name(spec.dtype)}{' (any batch size N)' if batched else ''}, "
+                    f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
+        self._check_nonfinite(flat)
+        if self._batch(flat) == 0:
+            self._check_empty(flat)
+            return
+        probe = [t[:1].expand(self.batch_size, *t.shape[1:]) if b and t.dim() else t
+                 for t, b in zip(flat, self._batched_in)]
+        try:
+            self.inner.check(probe)
+        except InputError as e:
+            raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
+                             f"(batch {self.batch_size}); {e}") from None
+
+    def _check_empty(self, flat):
+        """A batch of 0 rows has an answer (0 rows of each output) when every output
+        follows the batch; inputs must still be on a device the model takes."""
+        devices = getattr(self.inner, "_devices", ("cpu",))
+        for t, spec in zip(flat, self.input_specs):
+            if t.device.type not in devices:
+                raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
+        fixed = [s.name for s, b in zip(self.inner.output_specs, self._batched_out) if not b]
+        if fixed:
+            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} "
+                             "do not follow the batch dim, so there is no answer for 0 rows")
+
+    def run_flat(self, flat):
+        n = self._batch(flat)
+        if n == self.batch_size:
+            return self.inner.run_flat(flat)
+        if n == 0:      # every output follows the batch (check): 0 rows of each
+            device = next(t.device for t, b in zip(flat, self._batched_in) if b)
+            return [torch.empty((0, *s.shape[1:]), dtype=s.dtype, device=device)
+                    for s in self.inner.output_specs]
+        pieces = [self.inner.run_flat(self._chunk(flat, s, n)) for s in range(0, n, self.batch_size)]
+        outs = []
+        for o, batched in enumerate(self._batched_out):
+            if batched:
+                outs.append(torch.cat([p[o] for p in pieces])[:n])
+            else:
+                outs.append(pieces[0][o])
+        return outs
+
+    def to_bytes(self) -> bytes:
+        return Artifact(self.manifest, {"inner.kiln": self.inner.to_bytes()}).to_bytes()
+
+    def __repr__(self):
+        return f"kiln.DynamicBatch({self.inner!r}, compiled batch {self.batch_size})"
+
+
+def _load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None):
+    inner = from_artifact(art.nested("inner.kiln", f"{source}:inner"), opts,
+                          f"{source}:inner", core=core, worker=worker)
+    try:
+        return DynamicBatch(inner, art.manifest)
+    except CompilerArgsError as e:   # the inner model cannot take a dynamic batch
+        raise ArtifactError(f"{source}: {e}") from None
+
+
+KINDS["dynamic_batch"] = _load_dynamic_batch
+
+
+def dynamic_batch(model: Model) -> DynamicBatch:
+    """Let ``model`` take any batch size on dim 0 (Neuron's ``dynamic_batch``)."""
+    if not isinstance(model, Model):
+        raise CompilerArgsError(f"dynamic_batch takes a kiln model, got {type(model).__name__}")
+    return model if isinstance(model, DynamicBatch) else DynamicBatch(model)

@@ -1,0 +1,450 @@
+"""Runtime: a loaded artifact as a callable ``torch.nn.Module``.
+
+Calls are checked against the compiled input specs, flattened, run through the
+host program (device partitions on their engine, fallback ops in PyTorch) and
+rebuilt into the traced output structure. Tensors cross into engines as shared
+NumPy views, not copies. Several threads may call one model at once.
+
+``Model`` is what every kiln model offers (call, ``submit``, ``map``, save,
+core placement); ``CompiledModel`` is one compiled graph. Shape adapters
+(buckets, dynamic batch) and pipelines wrap compiled models and are saved as
+artifacts that nest theirs; ``load`` picks the class from the manifest's kind.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from kiln import engines as backends
+
+from kiln.host import cores
+
+from kiln.observe import profiler
+
+from kiln.artifact import schema
+
+from kiln.artifact import specs
+
+from kiln.artifact import trust
+from kiln.runtime import program as program_mod
+from kiln.observe.metrics import ModelMetrics
+from kiln.artifact.container import Artifact, write_atomic
+from kiln.errors import ArtifactError, InputError, KilnError
+from kiln.compiler.options import RuntimeOptions
+from kiln.runtime.program import Program
+
+HOST_CONSTANTS = "host_constants.safetensors"
+DEFAULT = object()   # placement: the ``kiln.cores`` context or the process's visible cores
+
+
+class Model(torch.nn.Module):
+    """Call it like the original model; ``submit``/``map`` for asynchronous work.
+
+    Subclasses provide ``flatten``, ``check``, ``run_flat``, ``output_structure``,
+    ``input_specs``, ``manifest``, ``to_bytes`` and ``_place``.
+    """
+
+    _async_worker = None
+    core = None
+    # Non-finite values ("nan", "+inf", "-inf") an engine of this model was found at compile
+    # time to answer differently from PyTorch (select.nonfinite_probe): refused in inputs.
+    nonfinite: frozenset = frozenset()
+
+    def forward(self, *args, **kwargs):
+        flat = self.flatten(args, kwargs)
+        self.check(flat)
+        return specs.decode(self.output_structure, self.run_flat(flat))
+
+    def _check_nonfinite(self, flat):
+        if not self.nonfinite:
+            return
+        for t, spec in zip(flat, self.input_specs):
+            if not t.is_floating_point() or t.device.type == "meta" or bool(torch.isfinite(t).all()):
+                continue
+            found = [k for k, test in (("nan", torch.isnan), ("+inf", torch.isposinf),
+                                       ("-inf", torch.isneginf))
+                     if k in self.nonfinite and bool(test(t).any())]
+            if found:
+                raise InputError(
+                    f"input '{spec.name}' holds {' and '.join(found)}: an engine of this model was "
+                    "found at compile time not to give PyTorch's answer for such values (NaN, and "
+                    "the NaN that infinities make, through ReLU or max comes out as a number), so "
+                    "kiln refuses them rather than answer differently. Replace them, or compile "
+                    "with another engine (engine=...)")
+
+    # -- asynchronous calls -------------------------------------------------------
+    def _executor(self) -> "cores.Worker":
+        if self._async_worker is None:
+            with _worker_lock:
+                if self._async_worker is None:
+                    object.__setattr__(self, "_async_worker", cores.Worker(name=f"kiln-{self.name}"))
+        return self._async_worker
+
+    def submit(self, *args, **kwargs) -> Future:
+        """Start a call and return its ``concurrent.futures.Future``.
+
+        Calls submitted to one model run in submission order; bad inputs fail
+        the future with the same error a direct call raises.
+        """
+        try:
+            flat = self.flatten(args, kwargs)
+            self.check(flat)
+        except KilnError as e:
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+        return self._submit_flat(flat)
+
+    def _submit_flat(self, flat) -> Future:
+        """Start a call on checked flat inputs; models that stream (pipelines) override this."""
+        return self._executor().submit(
+            lambda: specs.decode(self.output_structure, self.run_flat(flat)))
+
+    def map(self, inputs, max_in_flight: int = 4):
+        """Run every item of ``inputs`` (a tensor, a tuple of positional inputs or
+        a dict of keyword inputs), yielding results in order with at most
+        ``max_in_flight`` calls submitted and not yet consumed."""
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        pending: collections.deque = collections.deque()
+        for item in inputs:
+            if isinstance(item, dict):
+                pending.append(self.submit(**item))
+            elif isinstance(item, (tuple, list)):
+                pending.append(self.submit(*item))
+            else:
+                pending.append(self.submit(item))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    # -- placement -----------------------------------------------------------------
+    def to_core(self, core_id: int):
+        """Run this model only on kiln core ``core_id``'s CPUs; returns the model."""
+        self._place(cores.get(core_id))
+        return self
+
+    # -- persistence ------------------------------------------------------------------
+    def save(self, f, _extra_files=None):
+        """Write the ``.kiln`` artifact (atomically).
+
+        ``torch.jit.save(compiled, path)`` calls this with ``_extra_files``;
+        then a TorchScript archive is written instead, whose module runs the
+        embedded artifact through the ``kiln::run`` op.
+        """
+        if _extra_files is not None:
+            from kiln.runtime.torchscript import to_torchscript
+            return to_torchscript(self).save(f, _extra_files=_extra_files)
+        data = self.to_bytes()
+        if hasattr(f, "write"):
+            f.write(data)
+            return None
+        path = str(f)
+        write_atomic(path, lambda out: out.write(data))
+        return path
+
+    def save_to_buffer(self, _extra_files=None) -> bytes:
+        """TorchScript bytes (``torch.jit.save`` to a file object calls this)."""
+        from kiln.runtime.torchscript import to_torchscript
+        return to_torchscript(self).save_to_buffer(_extra_files=_extra_files or {})
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("model_name", "model")
+
+    @property
+    def report(self):
+        return self.manifest.get("report")
+
+    @property
+    def cache_key(self):
+        """The compile-cache key this model was stored under (None when compiled uncached)."""
+        return (self.manifest.get("cache") or {}).get("key")
+
+    def close(self):
+        """Stop this model's worker threads (also done when it is garbage-collected)."""
+        for attr in ("_async_worker", "_worker"):
+            worker = self.__dict__.get(attr)
+            if worker is not None:
+                worker.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_worker_lock = threading.Lock()
+
+
+class CompiledModel(Model):
+    """One compiled graph: device partitions on engines, fallback ops on the host."""
+
+    def __init__(self, artifact: Artifact, runtime_options: RuntimeOptions | None = None,
+                 source: str = "artifact", core=DEFAULT, worker=None):
+        super().__init__()
+        artifact.check_host(source)
+        schema.check_model(artifact.manifest, artifact.blobs, source)
+        self._artifact = artifact
+        self._source = source
+        self.runtime_options = runtime_options or RuntimeOptions()
+        m = artifact.manifest
+        self.manifest = m
+        self.arg_names = m["inputs"]["args"]
+        self.input_structure = m["inputs"]["structure"]
+        self.input_specs = [specs.TensorSpec.from_dict(d) for d in m["inputs"]["tensors"]]
+        self.output_structure = m["outputs"]["structure"]
+        self.output_specs = [specs.TensorSpec.from_dict(d) for d in m["outputs"]["tensors"]]
+        self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
+        # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
+        self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
+        self._worker = None
+        self._constants = {}
+        if HOST_CONSTANTS in artifact.blobs:
+            from safetensors import SafetensorError
+            from safetensors.torch import load as st_load
+            try:
+                self._constants = st_load(bytes(artifact.blobs[HOST_CONSTANTS]))
+            except SafetensorError as e:
+                raise ArtifactError(f"{source}: {HOST_CONSTANTS} cannot be read ({e})") from None
+        program_mod.verify(m["program"], self._constants, self.input_specs,
+                           [([specs.TensorSpec.from_dict(d) for d in p["inputs"]],
+                             [specs.TensorSpec.from_dict(d) for d in p["outputs"]])
+                            for p in m["partitions"]], self.output_specs, source)
+        self.program = None
+        if core is DEFAULT:
+            core = resolve_placement()
+        if core is not None:
+            self._place(core, worker)
+        else:
+            self.program = self._build_program(self.runtime_options)
+        self._host_ops = bool(self.program.host_ops() or not m["partitions"])
+        self.metrics = ModelMetrics(self.name)
+        self.metrics.core = self.core.id if getattr(self, "core", None) is not None else None
+        self._labels = self.program.labels([p["engine"] for p in m["partitions"]])
+
+    # -- calling ----------------------------------------------------------------
+    def flatten(self, args, kwargs) -> list:
+        names = self.arg_names
+        # ``*args`` entries are named ``args[0]``, ``args[1]``...; names after the last one
+        # are keyword-only (or **kwargs) in the model and are not taken positionally.
+        star = [i for i, n in enumerate(names) if n.endswith("]") and "[" in n]
+        limit = star[-1] + 1 if star else len(names)
+        if len(args) > limit:
+            what = "input(s)" if limit == len(names) else "positional input(s)"
+            raise InputError(f"{self.name} takes {limit} {what} ({', '.join(names[:limit])}), "
+                             f"got {len(args)} positional")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k in bound:
+                raise InputError(f"input '{k}' given twice")
+            if k not in names:
+                raise InputError(f"unexpected input '{k}'; the model was compiled with inputs "
+                                 f"{', '.join(names)}")
+            bound[k] = v
+        flat: list = []
+        for name, structure in self.input_structure["dict"]:
+            if name not in bound:
+                if "none" in structure:
+                    continue
+                raise InputError(f"missing input '{name}': expected "
+                                 f"{specs.describe(structure, self.input_specs)}")
+            specs.flatten_inputs(structure, bound[name], name, flat, self.input_specs)
+        return flat
+
+    def check(self, flat):
+        if len(flat) != len(self._checks):
+            raise InputError(f"expected {len(self._checks)} input tensors, got {len(flat)}")
+        for t, (name, shape, dtype) in zip(flat, self._checks):
+            if t.shape != shape or t.dtype != dtype:
+                raise InputError(
+                    f"input '{name}': expected {shape} {specs.dtype_name(dtype)}, got "
+                    f"{tuple(t.shape)} {specs.dtype_name(t.dtype)}")
+            if t.device.type not in self._devices:
+                where = " or a CUDA" if len(self._devices) > 1 else ""
+                raise InputError(f"input '{name}': expected a CPU{where} tensor, got one on {t.device}")
+        self._check_nonfinite(flat)
+
+    def _build_program(self, runtime_options) -> Program:
+        parts = self.manifest["partitions"]
+        engines = [backends.get(part["engine"]) for part in parts]
+        native = [part for part, backend in zip(parts, engines) if backend.native_code]
+        if native:   # before any engine loads anything
+            trust.require(self._artifact, native, self._source)
+        runners = []
+        for part, backend in zip(parts, engines):
+            try:
+                runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options,
+                                            origin=self._artifact.origin(part["blob"])))
+            except KilnError:
+                raise
+            except Exception as e:
+                raise ArtifactError(f"{self._source}: engine {part['engine']} could not load "
+                                    f"partition {part.get('id')}: {e}") from e
+            _check_signature(runners[-1], part, self._source)
+        return Program(self.manifest["program"], self._constants, runners)
+
+    def _place(self, core, worker=None):
+        """Reload the engines on a worker pinned to ``core``'s CPUs (their thread
+        pools inherit the pin), with one engine thread per CPU."""
+        worker = worker or cores.Worker(core.cpus, name=f"kiln-core{core.id}")
+        opts = RuntimeOptions(threads=self.runtime_options.threads, cpus=core.cpus)
+        program = worker.call(self._build_program, opts)
+        old = self._worker
+        object.__setattr__(self, "program", program)
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "core", core)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.core = core.id
+        if old is not None and old is not worker:
+            old.close()
+
+    def _executor(self):
+        return self._worker or super()._executor()
+
+    @property
+    def worker(self):
+        """The pinned worker thread running this model, when it is placed on a core."""
+        return self._worker
+
+    def run_flat(self, flat: list) -> list:
+        """Run on flat, already checked input tensors; returns flat outputs."""
+        worker = self._worker
+        if worker is not None:
+            return worker.call(self._run_flat, flat)
+        return self._run_flat(flat)
+
+    def _run_flat(self, flat: list) -> list:
+        rec = profiler.active()
+        traced = rec is not None or profiler.torch_profiling()
+        start = time.perf_counter()
+        try:
+            if self._host_ops or traced:
+                # step by step: host fallback time is counted apart, and profiles get spans
+                span = _span_sink(rec, self.name) if rec is not None else None
+                scope = _torch_scope(self.name) if traced and profiler.torch_profiling() else None
+                with torch.no_grad():
+                    outs, device, host = self.program.run_timed(flat, self._labels, span, scope)
+            else:  # engines never record autograd; skip the grad-mode switch
+                outs = self.program([t.detach() if t.requires_grad else t for t in flat])
+                device = host = None
+        except BaseException:
+            self.metrics.record_failure()
+            raise
+        end = time.perf_counter()
+        self.metrics.record_call(end - start, flat, outs, device, host)
+        if rec is not None:
+            core = self.core.id if self.core is not None else None
+            rec.span(f"{self.name}", "call", start, end, {"core": core, "model": self.name})
+        return outs
+
+    @property
+    def calls(self) -> int:
+        """Completed calls so far."""
+        return self.metrics.completed
+
+    # -- persistence -------------------------------------------------------------
+    def save(self, f, _extra_files=None):
+        if _extra_files is None and not hasattr(f, "write"):
+            return self._artifact.save(f)
+        return super().save(f, _extra_files)
+
+    def to_bytes(self) -> bytes:
+        return self._artifact.to_bytes()
+
+    def __repr__(self):
+        parts = self.manifest["partitions"]
+        host = len(self.program.host_ops())
+        ins = ", ".join(f"{s.name}: {s.describe()}" for s in self.input_specs)
+        return (f"kiln.CompiledModel({self.name}; inputs {ins}; {len(parts)} device partition(s) "
+                f"on {', '.join(sorted({p['engine'] for p in parts})) or 'none'}, {host} host op(s))")
+
+
+def _check_signature(runner, part, source):
+    """The engine's own account of a partition (for engines that give one) must agree with
+    the manifest's, which the host program and the input checks rely on."""
+    signature = getattr(runner, "signature", None)
+    if signature is None:
+        return
+    for side, declared in zip(("inputs", "outputs"), signature()):
+        specs_ = [specs.TensorSpec.from_dict(d) for d in part[side]]
+        if len(declared) != len(specs_):
+            raise ArtifactError(f"{source}: partition {part.get('id')} has {len(declared)} {side} in "
+                                f"its {part['engine']} blob but {len(specs_)} in the manifest; the "
+                                "artifact is corrupt or was edited")
+        if side == "outputs":
+            continue        # what a call is fed is what must match; engines may widen outputs
+        for j, ((shape, dtype), s) in enumerate(zip(declared, specs_)):
+            if (shape is not None and shape != tuple(s.shape)) or (dtype is not None and dtype != s.dtype):
+                raise ArtifactError(
+                    f"{source}: partition {part.get('id')} input {j} is {shape} {dtype} in its "
+                    f"{part['engine']} blob but {s.describe()} in the manifest; the artifact is "
+                    "corrupt or was edited")
+
+
+def _span_sink(rec, model_name):
+    """Per-step callback into kiln's recorder; host fallback steps are flagged."""
+    def span(cat, label, start, end):
+        rec.span(label, cat, start, end, {"model": model_name, "host_fallback": cat == "host"})
+    return span
+
+
+def _torch_scope(model_name):
+    """Under torch.profiler, each step runs inside a ``kiln::<model>::<step>`` range."""
+    def scope(label):
+        return torch.profiler.record_function(f"kiln::{model_name}::{label}")
+    return scope
+
+
+def resolve_placement():
+    """Where a new model runs: the ``kiln.cores`` context's core; else, with
+    KILN_VISIBLE_CORES/KILN_NUM_CORES set, the union of the visible cores' CPUs;
+    else wherever the process runs (None)."""
+    core = cores.default_placement()
+    if core is not None or not cores.restricted():
+        return core
+    return cores.Core(-1, -1, cores.union(cores.visible()))
+
+
+# Artifact kinds other than a single compiled graph: kind -> loader(artifact, options, source).
+KINDS: dict = {}
+
+
+def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
+                  core=DEFAULT, worker=None, trust_native_code=None) -> Model:
+    if not art.built:   # a bad signature is refused whatever the artifact holds
+        trust.admit(art, source, trust_native_code)
+    kind = art.manifest.get("kind", "model")
+    if kind == "model":
+        return CompiledModel(art, opts, source=source, core=core, worker=worker)
+    if kind not in KINDS:
+        from kiln.runtime import stages as pipeline
+        from kiln.runtime import buckets as shapes  # noqa: F401  (register their kinds)
+    if kind not in KINDS:
+        raise ArtifactError(f"{source}: artifact kind {kind!r} is not known to this kiln; "
+                            "upgrade kiln or recompile the model")
+    art.check_host(source)
+    return KINDS[kind](art, opts, source, core=core, worker=worker)
+
+
+def load(path_or_bytes, threads: int | None = None, trust_native_code: bool | None = None) -> Model:
+    """Load a ``.kiln`` artifact (path or bytes). No model source is needed.
+
+    Partitions that are native code (TorchInductor libraries) load only from
+    artifacts signed by this host's key or a key in ``KILN_TRUSTED_KEYS``, or
+    with ``trust_native_code=True`` (default: ``KILN_TRUST_NATIVE_CODE=1``);
+    otherwise ``UntrustedArtifactError``. A signed artifact whose signature does
+    not verify is refused (``SignatureError``). See ``kiln.artifact.trust``."""
+    opts = RuntimeOptions(threads=threads)
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>",
+                             trust_native_code=trust_native_code)
+    art = Artifact.load(path_or_bytes)
+    return from_artifact(art, opts, source=str(path_or_bytes), trust_native_code=trust_native_code)
