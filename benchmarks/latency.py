@@ -567,11 +567,11 @@ def make_ort_direct(case: Case, threads: int, compiled):
     specs = parts[0]["inputs"]
     if len(specs) != len(flat) or any(list(t.shape) != list(s["shape"]) for t, s in zip(flat, specs)):
         raise RuntimeError("not comparable: the partition's inputs are not the model's inputs")
-    from kiln import engines as backends
-    from kiln.compiler.options import RuntimeOptions
+    from kiln import engines
+    from kiln.runtime.options import RuntimeOptions
     blob = compiled._artifact.blobs[parts[0]["blob"]]
     # the engine's own loader: the blob keeps its weights as external data ORT maps
-    session = backends.get("onnxruntime").load(blob, RuntimeOptions(threads=threads)).session
+    session = engines.get("onnxruntime").load(blob, RuntimeOptions(threads=threads)).session
     names = [i.name for i in session.get_inputs()]
     feed = {n: np.ascontiguousarray(t.numpy()) for n, t in zip(names, flat)}
 

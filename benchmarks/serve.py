@@ -132,7 +132,7 @@ class Server:
         self.log_path = log_path
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "kiln.serving.server", f"{name}={artifact}", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "kiln.serving", f"{name}={artifact}", "--host", "127.0.0.1",
                "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log_file, env=env, cwd=ROOT)
         self.port = None

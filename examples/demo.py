@@ -69,7 +69,7 @@ def main():
     with torch.inference_mode():
         eager = median_ms(lambda: model(**inputs))
     fast = median_ms(lambda: loaded(**inputs))
-    print(f"\nMiniLM-L6, batch 2 x 128 tokens, {kiln.compiler.options.available_cpus()} CPU(s):")
+    print(f"\nMiniLM-L6, batch 2 x 128 tokens, {kiln.host.cores.available_cpus()} CPU(s):")
     print(f"  eager PyTorch  {eager:8.2f} ms")
     print(f"  kiln           {fast:8.2f} ms   ({eager / fast:.2f}x faster)")
 

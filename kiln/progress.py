@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
+
+from kiln import config
 
 log = logging.getLogger("kiln")
 
@@ -20,7 +21,7 @@ class Progress:
     def __init__(self, label: str = "kiln", quiet: bool | None = None, stream=None):
         self.stream = stream or sys.stderr
         if quiet is None:
-            quiet = os.environ.get("KILN_QUIET", "") not in ("", "0")
+            quiet = (config.get("KILN_QUIET") or "") not in ("", "0")
         self.live = (not quiet) and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.label = label
         self.timings: dict[str, float] = {}
@@ -33,7 +34,7 @@ class Progress:
         if self.live:
             def tick():
                 while not stop.wait(0.2):
-                    self._write(f"{self.label}: {name} … {time.perf_counter() - start:5.1f}s")
+                    self.write(f"{self.label}: {name} … {time.perf_counter() - start:5.1f}s")
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
         try:
@@ -46,10 +47,10 @@ class Progress:
             self.timings[name] = self.timings.get(name, 0.0) + elapsed
             log.info("%s: %s took %.2fs", self.label, name, elapsed)
             if self.live and elapsed >= 1.0:
-                self._write(f"{self.label}: {name} done in {elapsed:.1f}s\n")
+                self.write(f"{self.label}: {name} done in {elapsed:.1f}s\n")
             elif self.live:
-                self._write("")
+                self.write("")
 
-    def _write(self, text: str):
+    def write(self, text: str):
         self.stream.write("\r\033[K" + text)
         self.stream.flush()

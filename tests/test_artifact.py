@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.artifact.container import Artifact, FORMAT_VERSION, write_atomic
+from kiln.artifact.container import Artifact, FORMAT_VERSION
+from kiln.atomic import write_atomic
 from tests import models
 from tests.conftest import assert_close, run_py
 

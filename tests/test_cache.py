@@ -10,7 +10,7 @@ import torch
 
 import kiln
 from kiln.compiler import cache as cache_mod
-from kiln.errors import UnsupportedOpError
+from kiln.errors import CachedFailure, UnsupportedOpError
 
 from . import models
 from .conftest import ROOT, assert_close
@@ -167,9 +167,11 @@ def test_failed_compile_is_cached_and_retried_on_request(tmp_path):
     with pytest.raises(UnsupportedOpError):
         kiln.trace(model, x, fallback=False, cache=url)
     s = snap()
-    with pytest.raises(cache_mod.CachedFailure, match=r"(?s)UnsupportedOpError.*odd_scale.*retry_failed=True"):
+    with pytest.raises(CachedFailure, match=r"(?s)UnsupportedOpError.*odd_scale.*retry_failed=True"):
         kiln.trace(model, x, fallback=False, cache=url)
-    assert delta(s)["compiles"] == 0 and delta(s)["failed_hits"] == 1
+    with pytest.raises(UnsupportedOpError):   # remembered failures keep their class
+        kiln.trace(model, x, fallback=False, cache=url)
+    assert delta(s)["compiles"] == 0 and delta(s)["failed_hits"] == 2
     s = snap()
     with pytest.raises(UnsupportedOpError):
         kiln.trace(model, x, fallback=False, cache=url, retry_failed=True)

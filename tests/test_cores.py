@@ -64,10 +64,29 @@ def test_neuron_env_names_are_honoured_by_the_compat_layer(one_cpu_per_core, mon
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1")
     monkeypatch.setattr(placement, "neuron_env", False)
     assert len(placement.visible()) == len(CPUS)          # plain kiln ignores Neuron's names
-    monkeypatch.setattr(placement, "neuron_env", True)    # what importing kiln.neuronx sets
+    monkeypatch.setattr(placement, "neuron_env", True)    # what honour_neuron_env() sets
     assert [c.host_index for c in placement.visible()] == [1]
     monkeypatch.setenv("KILN_VISIBLE_CORES", "0")         # kiln's own name wins
     assert [c.host_index for c in placement.visible()] == [0]
+
+
+@two_cpus
+def test_importing_the_neuron_spellings_moves_no_model(mlp, tmp_path):
+    """Neuron's core names apply inside kiln.neuron*/neuronx calls, not to a process that imports them."""
+    path = tmp_path / "m.kiln"
+    mlp[1].save(path)
+    r = run_py(f"""
+import torch, kiln, kiln.neuron, kiln.neuronx
+from kiln.host import cores
+plain = kiln.load({str(path)!r})
+with cores.neuron_names():
+    neuron = kiln.load({str(path)!r})
+traced = kiln.neuronx.trace(torch.nn.Linear(4, 2), torch.randn(1, 4))
+print(cores.neuron_env, plain.worker is None, sorted(neuron.worker.affinity()),
+      sorted(traced.worker.affinity()))
+""", env={"NEURON_RT_VISIBLE_CORES": "1", "KILN_CPUS_PER_CORE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", f"[{CPUS[1]}]", f"[{CPUS[1]}]"]
 
 
 @two_cpus

@@ -6,7 +6,7 @@ pytest.importorskip("openvino")
 import torch  # noqa: E402
 
 import kiln  # noqa: E402
-from kiln import engines as backends  # noqa: E402
+from kiln import engines  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import assert_close, run_py  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_compile_refuses_partitions_drawn_by_another_engine():
 
     captured = capture(IntMath(), (torch.randint(0, 9, (2, 4)),))
     with pytest.raises(RuntimeError, match="int64 arithmetic"):
-        backends.get("openvino").compile(captured.graph_module, captured.example_inputs,
+        engines.get("openvino").compile(captured.graph_module, captured.example_inputs,
                                          CompileOptions(engine="openvino"))
 
 
@@ -168,10 +168,10 @@ def test_concurrent_calls(mlp_ov, bert_ov):
 
 
 def test_runtime_threads_reach_openvino(mlp_ov):
-    from kiln.compiler.options import RuntimeOptions
+    from kiln.runtime.options import RuntimeOptions
     _, _, compiled = mlp_ov
     blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
-    runner = backends.get("openvino").load(blob, RuntimeOptions(threads=1))
+    runner = engines.get("openvino").load(blob, RuntimeOptions(threads=1))
     assert runner.compiled.get_property("INFERENCE_NUM_THREADS") == 1
     # pinned, not left to OpenVINO (which picks bf16 on CPUs that have it)
     import openvino
@@ -209,6 +209,6 @@ def test_generic_target_stores_portable_ir(tmp_path):
 
 
 def test_corrupt_blob_header_is_an_artifact_error():
-    from kiln.compiler.options import RuntimeOptions
+    from kiln.runtime.options import RuntimeOptions
     with pytest.raises(kiln.ArtifactError, match="bad magic"):
-        backends.get("openvino").load(b"not an openvino blob", RuntimeOptions())
+        engines.get("openvino").load(b"not an openvino blob", RuntimeOptions())

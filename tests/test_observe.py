@@ -90,3 +90,24 @@ def test_kiln_ls_lists_cores_isa_and_engines(kiln_cli):
     r = subprocess.run([kiln_cli, "ls"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "KILN_VISIBLE_CORES": "0", "KILN_CPUS_PER_CORE": "1"})
     assert "1 kiln cores" in r.stdout and "onnxruntime" in r.stdout
+
+
+def test_nothing_starts_at_import_or_when_counters_are_built(tmp_path):
+    """The heartbeat, its registry file and KILN_PROFILE start when a model is loaded, not before."""
+    from .conftest import run_py
+    (tmp_path / "run").mkdir()
+    r = run_py("""
+import os, threading, torch, kiln
+from kiln.observe import profiler
+from kiln.observe.metrics import ModelMetrics
+ModelMetrics("counters only")
+print(sorted(t.name for t in threading.enumerate()), os.listdir(os.environ["KILN_RUN_DIR"]),
+      profiler.active() is None)
+m = kiln.trace(torch.nn.Linear(4, 2), torch.randn(1, 4), quiet=True)
+print("kiln-heartbeat" in [t.name for t in threading.enumerate()], profiler.active() is not None)
+""", env={"KILN_RUN_DIR": str(tmp_path / "run"), "KILN_PROFILE": str(tmp_path / "trace.json")})
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.strip().splitlines()
+    assert first == "['MainThread'] [] True"
+    assert second == "True True"
+    assert (tmp_path / "trace.json").exists()

@@ -10,7 +10,7 @@ import kiln
 import kiln.neuronx
 from kiln.host import cores as placement
 from kiln.errors import InputError, KilnError
-from kiln.runtime.replicas import WorkerDiedError
+from kiln.errors import WorkerDiedError
 
 from . import models
 from .conftest import assert_close

@@ -9,7 +9,8 @@ from torch import nn
 import kiln
 from kiln.host import cores as placement
 from kiln.compiler.options import parse_compiler_args
-from kiln.runtime.stages import Pipeline, partition
+from kiln.compiler.stages import partition
+from kiln.runtime.stages import Pipeline
 from tests import models
 from tests.conftest import assert_close, run_py
 

@@ -67,7 +67,8 @@ def test_native_bf16_hosts_compute_on_openvino(monkeypatch):
     """On a CPU with native bf16 the work goes to the engine that computes it, unemulated."""
     pytest.importorskip("openvino")
     from kiln.engines import openvino as ov_backend
-    monkeypatch.setattr(precision, "native", lambda t: t == "bf16")
+    from kiln.host import target
+    monkeypatch.setattr(target, "native", lambda t: t == "bf16")
     model, x = models.mlp()
     compiled = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type bf16",
                           atol=5e-2, rtol=5e-2)

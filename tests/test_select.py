@@ -4,16 +4,25 @@ import time
 import pytest
 
 import kiln
-from kiln import engines as backends
+from kiln import engines
 from kiln.compiler import selection as select
 from tests import models
 from tests.conftest import assert_close
 
 
+class NoSuchEngine(engines.Engine):
+    """An engine whose package is not installed, in the CPU order after OpenVINO."""
+    name = "nosuch"
+    priority = {"cpu": 25}
+    package = "kiln-nosuch-engine"
+    modules = ("kiln.engines.nosuch_engine",)
+
+
 @pytest.fixture
-def fake_missing_engine(monkeypatch):
-    monkeypatch.setitem(backends._ENGINES, "nosuch", "kiln.engines.nosuch_engine:Nope")
-    monkeypatch.setattr(select, "CPU_ORDER", ("onnxruntime", "openvino", "nosuch"))
+def fake_missing_engine():
+    # CPU order: onnxruntime, openvino, nosuch (inductor left out: it compiles for seconds)
+    with engines.registered(NoSuchEngine, without=("inductor",)):
+        yield
 
 
 def test_o3_keeps_the_engine_its_own_timings_say_is_fastest(fake_missing_engine):
@@ -60,7 +69,7 @@ def test_default_rule_uses_first_engine_without_timing():
 
 def test_engine_that_fails_falls_through_to_the_next(monkeypatch):
     pytest.importorskip("openvino")
-    ort = backends.get("onnxruntime")
+    ort = engines.get("onnxruntime")
 
     def broken(*a, **k):
         raise RuntimeError("simulated exporter failure")
@@ -82,7 +91,7 @@ def test_explicit_missing_engine_is_a_clear_error(fake_missing_engine):
 
 
 def test_quantize_never_falls_back_to_fp32_engines(monkeypatch):
-    ort = backends.get("onnxruntime")
+    ort = engines.get("onnxruntime")
     monkeypatch.setattr(ort, "compile", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     model, x = models.mlp()
     with pytest.raises(kiln.CompileError, match="onnxruntime: RuntimeError: boom"):
@@ -92,7 +101,7 @@ def test_quantize_never_falls_back_to_fp32_engines(monkeypatch):
 def test_o3_times_each_engine_variant_and_records_which_it_kept(monkeypatch):
     """Variants are compiled and timed like engines at -O3 only; the manifest names the
     one kept, and the choice follows the recorded timings."""
-    ort = backends.get("onnxruntime")
+    ort = engines.get("onnxruntime")
     real_compile, built = ort.compile, []
 
     def compile(sub, inputs, opts, variant=None, **kw):
@@ -101,11 +110,11 @@ def test_o3_times_each_engine_variant_and_records_which_it_kept(monkeypatch):
 
     monkeypatch.setattr(ort, "compile", compile)
     monkeypatch.setattr(ort, "variants", lambda opts: ("twin",))
-    monkeypatch.setattr(select, "CPU_ORDER", ("onnxruntime",))
     monkeypatch.setattr(select, "time_runners",
                         lambda runners, inputs: {"onnxruntime": 2.0, "onnxruntime:twin": 1.0})
     model, x = models.mlp()
-    compiled = kiln.trace(model, x, optlevel=3)
+    with engines.registered(without=("openvino", "inductor")):     # CPU order: onnxruntime only
+        compiled = kiln.trace(model, x, optlevel=3)
     (part,) = compiled.manifest["partitions"]
     assert built == [None, "twin"]
     assert [(c["engine"], c.get("variant"), c["latency_ms"]) for c in part["candidates"]] == [
@@ -134,7 +143,7 @@ def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypa
     """Each engine's build is run once on the partition's example inputs and compared with
     eager; a wrong answer (or NaN where eager has none) passes the partition on, with a note."""
     pytest.importorskip("openvino")
-    ort = backends.get("onnxruntime")
+    ort = engines.get("onnxruntime")
     real_load = ort.load
 
     def load(blob, runtime_options, origin=None):

@@ -176,7 +176,8 @@ def seq_data(rng, batch, length, real=None):
 
 # -- the batcher's merging rules, in process ------------------------------------------------------
 def test_merge_pads_within_a_bucket_and_splits_back(artifacts):
-    from kiln.serving.batching import Layout, Request, layout_of, merge, split
+    from kiln.serving.layout import Layout, layout_of
+    from kiln.serving.merging import Request, merge, split
     model = kiln.load(artifacts["dir"] / "seq.kiln")
     lay = layout_of(model)
     assert lay.batchable and [ax.sizes for ax in lay.axes] == [[4, 8]]

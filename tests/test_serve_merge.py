@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import kiln
-from kiln.serving.batching import Axis, Layout, check_merging
-from kiln.serving.server import resolve_models
+from kiln.serving.layout import Axis, Layout
+from kiln.serving.merging import check_merging
+from kiln.serving.repository import resolve_models
 from kiln.artifact.specs import TensorSpec
 
 from .test_serve import Server, _histogram

@@ -186,7 +186,7 @@ def test_native_blob_is_checked_against_its_signed_sha256(native):
     forged[-1] ^= 1
     art.blobs[name] = bytes(forged)
     with pytest.raises(kiln.SignatureError, match="SHA-256"):
-        kiln.runtime.model.from_artifact(art, kiln.runtime.model.RuntimeOptions())
+        kiln.runtime.loader.from_artifact(art, kiln.runtime.options.RuntimeOptions())
 
 
 # -- nested artifacts ---------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_resaving_keeps_the_signature_and_edits_are_resigned(data_only, other_ho
 # -- the compile cache ------------------------------------------------------------------------------------
 @needs_compiler
 def test_cache_entries_are_signed_and_untrusted_ones_are_misses(native, tmp_path, monkeypatch, caplog):
-    from kiln.compiler.driver import cache_reader, compile_into_cache
+    from kiln.compiler.caching import compile_into as compile_into_cache, reader as cache_reader
     store = cache_mod.Cache(str(tmp_path / "cache"))
     key = "ab" * 32
     captured = types.SimpleNamespace(model_name="MLP")

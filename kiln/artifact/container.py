@@ -31,16 +31,14 @@ import io
 import json
 import mmap
 import os
-import re
-import socket
 import struct
-import tempfile
 import zipfile
 import zlib
 
 import xxhash
 
 from kiln.artifact import schema
+from kiln.atomic import write_atomic
 
 from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, TargetMismatchError
@@ -360,76 +358,14 @@ class _ViewFile(io.RawIOBase):
         return n
 
 
-def write_atomic(path: str, writer):
-    """Call ``writer(file)`` on a temp file beside ``path``, fsync, then rename over ``path``
-    (and fsync the directory, so the rename survives a power cut as well as a kill).
-
-    A process killed mid-write leaves its temp file behind; temp names carry the host and
-    pid, so the next write into the directory removes the files of this host's dead
-    writers (never a live one's, nor another host's on a shared filesystem)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    sweep_temps(directory)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            writer(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def temp_prefix() -> str:
-    return f".kiln-{socket.gethostname()}-{os.getpid()}-"
-
-
-_TEMP = re.compile(r"^\.kiln-(?P<host>.*)-(?P<pid>\d+)-[^-]*\.tmp$")
-
-
-def sweep_temps(directory: str) -> int:
-    """Remove temp files left in ``directory`` by killed writers of this host; returns how many."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    host, removed = socket.gethostname(), 0
-    for name in names:
-        m = _TEMP.match(name)
-        if m is None or m["host"] != host or _alive(int(m["pid"])):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:       # another user's live process
-        return True
-    return True
-
-
-def _fsync_dir(directory: str):
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def wrapper_manifest(kind, inner_manifest, **fields):
+    """The manifest of an artifact that wraps others (buckets, dynamic batch, pipeline
+    stages): the inner model's I/O and target, under the wrapper's ``kind``."""
+    from kiln._version import __version__
+    m = {"format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
+         "kind": kind, "model_name": inner_manifest.get("model_name", "model"),
+         "target": inner_manifest.get("target", {}),
+         "inputs": inner_manifest["inputs"], "outputs": inner_manifest["outputs"],
+         "report": inner_manifest.get("report")}
+    m.update(fields)
+    return m

@@ -47,6 +47,7 @@ import os
 import uuid
 
 from kiln.errors import ArtifactError, KilnError, SignatureError, UntrustedArtifactError
+from kiln import config
 
 log = logging.getLogger("kiln")
 
@@ -55,12 +56,11 @@ ALGORITHM = "ed25519"
 CONTEXT = b"kiln-manifest-signature-v1\n"
 PRIVATE_KEY = "signing_key"
 PUBLIC_KEY = "signing_key.pub"
-_TRUE = ("1", "true", "yes", "on")
 _warned: set = set()
 
 
 def config_dir() -> str:
-    explicit = os.environ.get("KILN_CONFIG_DIR")
+    explicit = config.get("KILN_CONFIG_DIR")
     if explicit:
         return explicit
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
@@ -69,7 +69,7 @@ def config_dir() -> str:
 
 def env_grants() -> bool:
     """``KILN_TRUST_NATIVE_CODE=1``: this process trusts native code in every artifact it loads."""
-    return os.environ.get("KILN_TRUST_NATIVE_CODE", "").strip().lower() in _TRUE
+    return config.flag("KILN_TRUST_NATIVE_CODE")
 
 
 # -- keys -------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _create(path):
     """Make the key; of processes racing to make it, the first link wins and all use it."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from kiln.artifact.container import write_atomic
+    from kiln.atomic import write_atomic
     pem = Ed25519PrivateKey.generate().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     directory = os.path.dirname(path)
@@ -162,7 +162,7 @@ def host_public_key() -> bytes | None:
 def trusted_keys() -> dict:
     """Raw public key -> why it is trusted: this host's key and ``KILN_TRUSTED_KEYS``."""
     keys = {}
-    for entry in os.environ.get("KILN_TRUSTED_KEYS", "").split(os.pathsep):
+    for entry in config.get("KILN_TRUSTED_KEYS").split(os.pathsep):
         entry = entry.strip()
         if entry:
             for raw in _entry_keys(entry):
@@ -330,9 +330,9 @@ def _refusal(art, partitions, source) -> str:
 
 def holds_native(art) -> bool:
     """Whether ``art`` or an artifact nested in it has a native-code partition."""
-    from kiln import engines as backends
+    from kiln import engines
     try:
-        if any(backends.native_code(p["engine"]) for p in art.manifest.get("partitions") or ()):
+        if any(engines.native_code(p["engine"]) for p in art.manifest.get("partitions") or ()):
             return True
         return any(holds_native(art.nested(n, n)) for n in art.blobs if n.endswith(".kiln"))
     except (ArtifactError, KeyError, TypeError, AttributeError):
@@ -389,5 +389,5 @@ def describe(art, source: str) -> dict:
 
 
 def _native_engine(name) -> bool:
-    from kiln import engines as backends
-    return backends.native_code(str(name))
+    from kiln import engines
+    return engines.native_code(str(name))

@@ -4,23 +4,39 @@
     traced = torch_neuron.trace(model, example_inputs)
 
 Neuron's defaults are kept: CPU fallback on, ``minimum_segment_size=2``.
+Models traced or replicated through this module honour ``NEURON_RT_VISIBLE_CORES``
+and ``NEURON_RT_NUM_CORES`` (``KILN_*`` win); importing it changes nothing.
 """
 from __future__ import annotations
 
-from kiln.compiler import driver as compiler
+import os
 
-from kiln.host import cores
+from kiln.compat.common import neuron_cache_options, neuron_names, split_inputs
+from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError
-from kiln.compat.neuronx import _split_inputs, neuron_cache_options
-from kiln.runtime.replicas import DataParallel  # noqa: F401  (dynamic batching on; .disable_dynamic_batching())
+from kiln.host import cores
+from kiln.host.cores import honour_neuron_env
+from kiln.runtime import replicas
 
-cores.neuron_env = True   # honour NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES
+__all__ = ["DataParallel", "analyze_model", "honour_neuron_env", "trace"]
 
 
+class DataParallel(replicas.DataParallel):
+    """Neuron's ``torch_neuron.DataParallel``: kiln's, with dynamic batching on
+    (``.disable_dynamic_batching()``) and its cores chosen under Neuron's names."""
+
+    def __init__(self, *args, **kwargs):
+        with cores.neuron_names():
+            super().__init__(*args, **kwargs)
+
+
+@neuron_names
 def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, compiler_workdir=None,
           subgraph_builder_function=None, minimum_segment_size=2, single_fusion_ratio_threshold=0.6,
           fallback=True, dynamic_batch_size=False, optimizations=None, separate_weights=False,
           **kiln_options):
+    """Neuron's ``trace``: ``kiln.trace`` with fallback on, Neuron's segment size and cache
+    settings, and the model saved in ``compiler_workdir``."""
     if dynamic_batch_size:
         kiln_options["dynamic_batch"] = True
     if subgraph_builder_function is not None:
@@ -28,21 +44,21 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
                                 "kiln.trace(..., ops_on_host={...}) to keep ops on the CPU")
     if optimizations:
         raise CompilerArgsError("optimizations= is not supported; use compiler_args=['-O1'|'-O2'|'-O3']")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     for k, v in neuron_cache_options().items():
         kiln_options.setdefault(k, v)
     compiled = compiler.trace(model, args, kwargs, compiler_args=compiler_args, fallback=fallback,
                               min_partition_size=max(1, int(minimum_segment_size)), **kiln_options)
     if compiler_workdir:
-        import os
         os.makedirs(compiler_workdir, exist_ok=True)
         compiled.save(os.path.join(compiler_workdir, "model.kiln"))
     return compiled
 
 
+@neuron_names
 def analyze_model(model, example_inputs, compiler_args=None, **kwargs):
     """Print supported/unsupported op counts the way torch_neuron does, and return the report."""
-    args, kw = _split_inputs(example_inputs)
+    args, kw = split_inputs(example_inputs)
     rep = compiler.analyze(model, args, kw, compiler_args=compiler_args)
     supported = sum(rep.supported_ops.values())
     print(f"{rep.support_percentage:.2f}% of all operations ({supported} of {rep.total_ops}) are supported")

@@ -4,25 +4,31 @@
     traced = torch_neuronx.trace(model, example_inputs)
 
 Neuron's defaults are kept: unsupported ops are an error unless a
-``PartitionerConfig`` is given, which turns on CPU fallback.
+``PartitionerConfig`` is given, which turns on CPU fallback. Models traced or
+replicated through these functions honour ``NEURON_RT_VISIBLE_CORES`` and
+``NEURON_RT_NUM_CORES`` (``KILN_*`` win); importing the module changes nothing.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
-from kiln.compiler import driver as compiler
-
-from kiln.host import cores
+from kiln.compat.common import neuron_cache_options, neuron_names, split_inputs
+from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError, UnsupportedOpError
-from kiln.runtime.replicas import DataParallel as _DataParallel
+from kiln.host.cores import honour_neuron_env
+from kiln.runtime import buckets, replicas
 
-cores.neuron_env = True   # honour NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES
+__all__ = ["DataParallel", "PartitionerConfig", "analyze", "dynamic_batch", "honour_neuron_env",
+           "neuron_cache_options", "trace"]
 
 
+@neuron_names
 def DataParallel(module, device_ids=None, dim=0, set_dynamic_batching=True, **kwargs):  # noqa: N802
     """Neuron's ``torch_neuronx.DataParallel``: one replica per kiln core."""
-    return _DataParallel(module, device_ids=device_ids, dim=dim,
-                         dynamic_batching=set_dynamic_batching, **kwargs)
+    return replicas.DataParallel(module, device_ids=device_ids, dim=dim,
+                                 dynamic_batching=set_dynamic_batching, **kwargs)
 
 
 @dataclass
@@ -34,22 +40,19 @@ class PartitionerConfig:
     ops_to_partition: set | None = None   # ops forced onto the CPU
 
 
-def _split_inputs(example_inputs):
-    if isinstance(example_inputs, dict):
-        return None, example_inputs
-    return example_inputs, None
-
-
+@neuron_names
 def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=None,
           compiler_args=None, partitioner_config=None, inline_weights_to_neff=True,
           cpu_backend=False, **kiln_options):
+    """Neuron's ``trace``: ``kiln.trace`` with fallback off unless ``partitioner_config`` is
+    given, Neuron's cache settings, and the model and its report in ``compiler_workdir``."""
     if input_output_aliases:
         raise CompilerArgsError("input_output_aliases is not supported yet: kiln artifacts do not "
                                 "alias inputs and outputs")
     if not inline_weights_to_neff:
         raise CompilerArgsError("inline_weights_to_neff=False (separately replaceable weights) is "
                                 "not supported yet; weights are always stored in the artifact")
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     options = dict(fallback=False, **neuron_cache_options())
     pc = partitioner_config
     if pc is not None:
@@ -63,36 +66,11 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
     if pc is not None:
         _check_partitioner(compiled, pc)
     if compiler_workdir:
-        import json
-        import os
         os.makedirs(compiler_workdir, exist_ok=True)
         compiled.save(os.path.join(compiler_workdir, "model.kiln"))
         with open(os.path.join(compiler_workdir, "report.json"), "w") as f:
             json.dump(compiled.report, f, indent=1)
     return compiled
-
-
-def neuron_cache_options() -> dict:
-    """Neuron's cache settings, when kiln's own (KILN_CACHE_URL) are not given:
-    ``NEURON_COMPILE_CACHE_URL``, and ``--cache_dir=`` / ``--retry_failed_compilation``
-    in ``NEURON_CC_FLAGS``."""
-    import os
-    import shlex
-    out: dict = {}
-    flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
-    if "--retry_failed_compilation" in flags:
-        out["retry_failed"] = True
-    if os.environ.get("KILN_CACHE_URL") is not None:
-        return out
-    url = os.environ.get("NEURON_COMPILE_CACHE_URL")
-    for i, flag in enumerate(flags):
-        if flag.startswith("--cache_dir="):
-            url = flag.split("=", 1)[1]
-        elif flag == "--cache_dir" and i + 1 < len(flags):
-            url = flags[i + 1]
-    if url:
-        out["cache"] = url
-    return out
 
 
 def _check_partitioner(compiled, pc):
@@ -108,10 +86,11 @@ def _check_partitioner(compiled, pc):
                                  f"max_subgraph_count={pc.max_subgraph_count}")
 
 
+@neuron_names
 def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=None,
             max_workers=None, is_hf_transformers=False, cleanup=False):
     """Neuron's analyze(): a dict with support_percentage, supported_operators, unsupported_operators."""
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     rep = compiler.analyze(func, args, kwargs)
     unsupported = []
     for u in rep.unsupported_ops:
@@ -125,7 +104,7 @@ def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=
     }
 
 
+@neuron_names
 def dynamic_batch(traced):
     """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks."""
-    from kiln.runtime.buckets import dynamic_batch as _dynamic_batch
-    return _dynamic_batch(traced)
+    return buckets.dynamic_batch(traced)

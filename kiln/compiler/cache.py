@@ -34,10 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
-import hashlib
-import importlib.metadata
-import inspect
 import json
 import logging
 import os
@@ -45,41 +41,20 @@ import posixpath
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import xxhash
-
-from kiln import __version__
-
-from kiln.artifact import specs
-from kiln.host import target as target_mod
-from kiln.artifact.container import FORMAT_VERSION, sweep_temps, temp_prefix
-from kiln.errors import KilnError
+from kiln.atomic import sweep_temps, temp_prefix
+from kiln.errors import CacheError
+from kiln.observe.metrics import compile_cache
+from kiln import config
 
 log = logging.getLogger("kiln")
 
-KEY_VERSION = 2            # bump when what goes into a key changes
 LOCK_STALE_SECONDS = 60.0  # a lock not refreshed for this long belongs to a dead process
 LOCK_REFRESH_SECONDS = 10.0
 
-# Process-wide counters (also per Cache instance): what tests and reports read.
-stats = {"hits": 0, "misses": 0, "alias_hits": 0, "compiles": 0, "failed_hits": 0, "discarded": 0,
-         "lock_waits": 0, "untrusted": 0}
-_stats_lock = threading.Lock()
-
-
-def _count(name, n=1):
-    with _stats_lock:
-        stats[name] += n
-
-
-class CacheError(KilnError):
-    """The cache location cannot be used."""
-
-
-class CachedFailure(KilnError):
-    """This graph failed to compile before; the cache remembers it."""
+# Process-wide counters (also per Cache instance): they live in kiln.observe, which reports them
+# and may not import the compiler; ``stats`` is that same dict, for readers.
+stats = compile_cache.values
 
 
 # -- where ----------------------------------------------------------------------------------
@@ -96,7 +71,7 @@ def resolve_url(cache=None):
     if cache is False:
         return None
     if cache is None or cache is True:
-        env = os.environ.get("KILN_CACHE_URL")
+        env = config.get("KILN_CACHE_URL")
         if env is not None:
             return None if env.strip().lower() in ("", "0", "off", "false", "none") else env
         return default_url()
@@ -104,16 +79,16 @@ def resolve_url(cache=None):
 
 
 def max_bytes_from_env():
-    value = os.environ.get("KILN_CACHE_MAX_BYTES")
+    value = config.get("KILN_CACHE_MAX_BYTES")
     if not value:
         return None
     try:
-        return _parse_size(value)
+        return parse_size(value)
     except ValueError:
         raise CacheError(f"KILN_CACHE_MAX_BYTES={value!r}: expected a size like 2000000000, 2G or 500M") from None
 
 
-def _parse_size(text) -> int:
+def parse_size(text) -> int:
     text = str(text).strip().upper().removesuffix("B")
     mult = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
     if text and text[-1] in mult:
@@ -121,240 +96,6 @@ def _parse_size(text) -> int:
     return int(text)
 
 
-# -- keys ------------------------------------------------------------------------------------------
-def _engine_versions() -> dict:
-    """Installed engine versions, from package metadata (importing OpenVINO takes a second)."""
-    from kiln import engines as backends
-    out = {}
-    for name in backends.names():
-        backend = backends.get(name, required=False)
-        if backend is None:
-            out[name] = None
-            continue
-        dist = {"onnxruntime": "onnxruntime", "openvino": "openvino", "inductor": "torch"}.get(name, name)
-        try:
-            out[name] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = backend.version()
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _environment() -> dict:
-    return {"key_version": KEY_VERSION, "format_version": FORMAT_VERSION, "kiln": __version__,
-            "kiln_source": _kiln_source_digest(), "torch": torch.__version__,
-            "engines": _engine_versions()}
-
-
-def _options_for_key(opts) -> dict:
-    # validate/atol/rtol stay in: a stricter tolerance must re-check, not reuse a pass.
-    return opts.to_dict()
-
-
-def _kiln_source_digest() -> str:
-    """kiln's own code, by content: a fix in kiln must not be served stale artifacts
-    compiled by the code it fixed, even before the version number moves."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in sorted(os.walk(here)):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                h.update(name.encode())
-                h.update(_file_digest(os.path.join(dirpath, name)).encode())
-    return h.hexdigest()
-
-
-def _hash_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-_digests: dict = {}   # id(tensor) -> (weakref, state, digest), this process only
-_digests_lock = threading.Lock()
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    """Content digest of a tensor, remembered while the tensor is alive and unchanged, so
-    a second trace in the same process does not rehash hundreds of megabytes of weights.
-    ``_version`` moves on every in-place write and ``data_ptr`` on ``param.data = ...``;
-    the weak reference makes sure a reused id is not taken for the old tensor."""
-    import weakref
-    try:
-        state = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        ref = weakref.ref(t)
-    except (TypeError, RuntimeError):
-        return _compute_digest(t)
-    with _digests_lock:
-        hit = _digests.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == state:
-        return hit[2]
-    digest = _compute_digest(t)
-    with _digests_lock:
-        _digests[id(t)] = (ref, state, digest)
-    return digest
-
-
-def _compute_digest(t: torch.Tensor) -> str:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    # XXH3-128 hashes at memory speed (BLAKE2b took 1.5 s for BERT-base's 440 MB); a
-    # fingerprint only has to tell models apart, not resist forgery: whoever can
-    # write to the cache can replace entries anyway.
-    h = xxhash.xxh3_128()
-    h.update(f"{specs.dtype_name(t.dtype)}{tuple(t.shape)}".encode())
-    if t.numel():
-        h.update(t.view(-1).view(torch.uint8).numpy().data if t.dtype != torch.bool
-                 else t.to(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
-def tensors_digest(named_tensors) -> str:
-    """One digest over (name, tensor) pairs; tensors hash in parallel (xxhash drops the GIL
-    for large inputs)."""
-    items = list(named_tensors)
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        digests = list(pool.map(lambda kv: _tensor_digest(kv[1]), items))
-    return _hash_json([[name, d] for (name, _), d in zip(items, digests)])
-
-
-def _literal(a, index):
-    """A node argument as canonical JSON: nodes by position, values by repr."""
-    if isinstance(a, torch.fx.Node):
-        return ["node", index[a]]
-    if isinstance(a, (list, tuple)):
-        return [type(a).__name__, [_literal(x, index) for x in a]]
-    if isinstance(a, dict):
-        return ["dict", sorted((str(k), _literal(v, index)) for k, v in a.items())]
-    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return ["torch", str(a)]
-    if isinstance(a, (int, float, bool, str)) or a is None:
-        return a
-    return ["repr", type(a).__name__, repr(a)]
-
-
-def graph_key(captured, opts, extra=None) -> str:
-    """The entry key: canonical graph + weights + options + engines + ISA (see module doc)."""
-    gm = captured.graph_module
-    index, nodes, attrs = {}, [], []
-    for i, node in enumerate(gm.graph.nodes):
-        index[node] = i
-        val = node.meta.get("val")
-        meta = None
-        if isinstance(val, torch.Tensor):
-            meta = [list(val.shape), specs.dtype_name(val.dtype)]
-        target = node.target
-        if node.op == "get_attr":
-            attrs.append(target)
-            target = ["attr", len(attrs) - 1]
-        elif not isinstance(target, str):
-            target = getattr(target, "name", None) and target.name() or repr(target)
-        elif node.op == "placeholder":
-            target = "input"
-        nodes.append([node.op, target, _literal(node.args, index), _literal(node.kwargs, index), meta])
-    weights = [(f"attr{i}", _fetch_attr(gm, a)) for i, a in enumerate(attrs)]
-    weights = [(n, t) for n, t in weights if isinstance(t, torch.Tensor)]
-    return _hash_json({
-        "kind": "graph", "graph": nodes, "weights": tensors_digest(weights),
-        "inputs": [s.to_dict() for s in captured.input_specs],
-        "input_structure": captured.input_structure, "output_structure": captured.output_structure,
-        "options": _options_for_key(opts), "extra": extra, "env": _environment(),
-        "target": target_mod.describe(opts.target, opts.device)})
-
-
-def _fetch_attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-@functools.lru_cache(maxsize=256)
-def _file_digest(path) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return "unreadable"
-
-
-def _class_digest(cls) -> list:
-    """A class's identity without its location: qualname + the content of its source file
-    (helpers in the same file are covered) + its package's version (imports are not)."""
-    try:
-        path = inspect.getsourcefile(cls) or inspect.getfile(cls)
-        content = _file_digest(path)
-    except (TypeError, OSError):
-        content = "builtin"
-    return [cls.__qualname__, content, _package_version((cls.__module__ or "").split(".")[0])]
-
-
-@functools.lru_cache(maxsize=None)
-def _package_version(top):
-    try:
-        return importlib.metadata.version(top)
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return None
-
-
-def _settings(value, depth=0):
-    """Non-tensor module state as canonical JSON; unknown objects by type (and to_dict)."""
-    if isinstance(value, (int, float, bool, str)) or value is None:
-        return value
-    if depth > 4:
-        return ["deep", type(value).__name__]
-    if isinstance(value, (list, tuple)):
-        return [_settings(v, depth + 1) for v in value]
-    if isinstance(value, (set, frozenset)):
-        # sorted: a set's order follows string hashing, which differs per process
-        return ["set", sorted((_settings(v, depth + 1) for v in value), key=json.dumps)]
-    if isinstance(value, dict):
-        return {str(k): _settings(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if hasattr(value, "to_dict") and callable(value.to_dict):
-        try:
-            return [type(value).__qualname__, _settings(value.to_dict(), depth + 1)]
-        except Exception:  # noqa: BLE001
-            pass
-    if callable(value):
-        code = getattr(value, "__code__", None)
-        return ["callable", getattr(value, "__qualname__", type(value).__qualname__),
-                hashlib.sha256(code.co_code).hexdigest() if code else None]
-    text = repr(value)
-    return [type(value).__qualname__, None if " at 0x" in text else text]
-
-
-_SKIP = {"_parameters", "_buffers", "_modules", "training",
-         "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-         "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_non_persistent_buffers_set",
-         "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-         "_is_full_backward_hook", "_compiled_call_impl"}
-# Forward hooks change what the model computes; their dict keys are process-global
-# counters, so only the hooks themselves (in order) go into the fingerprint.
-_HOOKS = {"_forward_hooks", "_forward_pre_hooks"}
-
-
-def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
-    """The fast key: no capture. None when the model is not an ``nn.Module`` (functions
-    have no reliable identity), which then always captures."""
-    if not isinstance(model, torch.nn.Module):
-        return None
-    modules = []
-    for name, mod in model.named_modules():
-        state = {k: _settings(list(v.values()) if k in _HOOKS else v) for k, v in vars(mod).items()
-                 if k not in _SKIP and not isinstance(v, torch.Tensor)}
-        modules.append([name, _class_digest(type(mod)), state])
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    leaves, in_specs = [], []
-    structure = {n: specs.encode(v, n, leaves, in_specs) for n, v in named_inputs.items()}
-    return _hash_json({
-        "kind": "fingerprint", "modules": modules, "weights": tensors_digest(tensors),
-        "inputs": [s.to_dict() for s in in_specs], "structure": structure,
-        "options": _options_for_key(opts), "extra": extra, "env": _environment(),
-        "target": target_mod.describe(opts.target, opts.device)})
 
 
 # -- the store ----------------------------------------------------------------------------------------------
@@ -377,9 +118,10 @@ class Cache:
     def __repr__(self):
         return f"kiln.compiler.cache.Cache({self.url!r})"
 
-    def _count(self, name):
+    def count(self, name):
+        """Add one to this store's counter ``name`` and to the process's (``kiln.metrics()``)."""
         self.stats[name] += 1
-        _count(name)
+        compile_cache.count(name)
 
     def _path(self, *parts):
         return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
@@ -450,7 +192,7 @@ class Cache:
         # failure there discards the entry too).
         if data is None or size != meta.get("size"):
             log.warning("kiln cache: entry %s is corrupt or partial; discarding it", key[:16])
-            self._count("discarded")
+            self.count("discarded")
             self._rm(self._path("entries", key), recursive=True)
             return None
         return "ok", data, meta
@@ -480,7 +222,7 @@ class Cache:
 
     def discard(self, key, why):
         log.warning("kiln cache: entry %s is unusable (%s); discarding it", key[:16], why)
-        self._count("discarded")
+        self.count("discarded")
         self.forget(key)
 
     def forget(self, key):
@@ -516,7 +258,7 @@ class Cache:
                 break
             if not waited:
                 waited = True
-                self._count("lock_waits")
+                self.count("lock_waits")
                 log.info("kiln cache: another process is compiling %s; waiting for it", key[:16])
             result = wait_for() if wait_for else None
             if result is not None:

@@ -25,10 +25,20 @@ import time
 
 import torch
 
-from kiln.artifact.container import write_atomic
+from kiln.atomic import write_atomic
+from kiln.compiler.caching import CacheHook, compile_into, reader
+from kiln.compiler.driver import compile_graph
+from kiln.compiler.options import CompileOptions
+from kiln.graph.capture import Captured, FunctionModule, graph_module
 from kiln.progress import Progress
+from kiln import config
 
 log = logging.getLogger("kiln")
+
+
+def collecting() -> str | None:
+    """The job directory when this process is parallel-compile's collect run."""
+    return config.get("KILN_COLLECT_DIR") or None
 
 
 class EagerStandIn(torch.nn.Module):
@@ -37,8 +47,7 @@ class EagerStandIn(torch.nn.Module):
     def __init__(self, model, key):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
-            from kiln.graph.capture import _FunctionModule
-            model = _FunctionModule(model)
+            model = FunctionModule(model)
         self.model = model
         self.cache_key = key
         self.manifest = {"cache": {"key": key, "hit": False, "collected": True}}
@@ -51,7 +60,31 @@ class EagerStandIn(torch.nn.Module):
         log.info("kiln parallel-compile: collecting; save() skipped")
 
 
-def record(directory, model, captured, key, fp, url, compiler_args, options):
+def collect_hook(store, directory, progress):
+    """The cache hook of a collect run: a hit is used as is; a miss writes a job file
+    (the captured graph, its options and cache key) and returns an eager stand-in."""
+    def on_miss(job, captured, key, fp):
+        return record(directory, job, captured, key, fp, store.url)
+    return CacheHook(store, retry_failed=False, progress=progress, on_miss=on_miss)
+
+
+def collect_trace(model, example_inputs, example_kwargs, buckets, pad_values, pipeline_cores, trace_one):
+    """``kiln.trace`` in a collect run: record every graph the trace would compile and hand
+    back the model itself. Pipelines are not collected: their stage cut comes from
+    timings taken at compile time, so they compile in the normal run."""
+    from kiln.compiler.buckets import bucket_examples
+    if pipeline_cores and pipeline_cores > 1:
+        log.warning("kiln parallel-compile: pipelines are compiled in the normal run, not collected")
+        return EagerStandIn(model, None)
+    if buckets is not None:
+        for n, (args, kwargs) in enumerate(bucket_examples(model, example_inputs, example_kwargs,
+                                                           buckets, pad_values)):
+            trace_one(model, args, kwargs, label=f"bucket {n + 1}")
+        return EagerStandIn(model, None)
+    return trace_one(model, example_inputs, example_kwargs)   # a cache hit is returned as is
+
+
+def record(directory, job, captured, key, fp, url):
     """Write the job for ``key`` (once) and return an eager stand-in."""
     path = os.path.join(directory, f"{key}.job")
     if not os.path.exists(path):
@@ -59,43 +92,45 @@ def record(directory, model, captured, key, fp, url, compiler_args, options):
         # their node metadata); the rest as a torch pickle.
         write_atomic(os.path.join(directory, f"{key}.pt2"),
                      lambda f: torch.export.save(captured.exported, f))
-        job = {"key": key, "fingerprint": fp, "url": url, "compiler_args": compiler_args,
-               "options": {k: v for k, v in options.items() if k != "calibration_data"},
-               "captured": {k: getattr(captured, k) for k in _CAPTURED_FIELDS},
-               "tensor_mask": captured.tensor_mask}
-        write_atomic(path, lambda f: torch.save(job, f))
+        payload = {"key": key, "fingerprint": fp, "url": url, "compiler_args": job.compiler_args,
+                   "options": job.options.to_dict(), "name": job.name, "threads": job.threads,
+                   "captured": {k: getattr(captured, k) for k in CAPTURED_FIELDS},
+                   "tensor_mask": captured.tensor_mask}
+        write_atomic(path, lambda f: torch.save(payload, f))
         log.info("kiln parallel-compile: collected %s (%s)", captured.model_name, key[:16])
-    return EagerStandIn(model, key)
+    return EagerStandIn(job.model, key)
 
 
-_CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",
-                    "example_inputs", "eager_outputs", "model_name", "notes")
+CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",
+                   "example_inputs", "eager_outputs", "model_name", "notes")
 
 
 def compile_job(path) -> dict:
-    """Compile one job file into the cache (in a worker process)."""
+    """Compile one job file into the cache (in a worker process), entering the compiler
+    at the plan phase with the graph the collect run captured."""
     from kiln.compiler import cache as cache_mod
-    from kiln.graph.capture import Captured, graph_module
-    from kiln.compiler.driver import _trace_graph, cache_reader, compile_into_cache
-    job = torch.load(path, weights_only=False)
+    payload = torch.load(path, weights_only=False)
     ep = torch.export.load(path[: -len(".job")] + ".pt2")
-    captured = Captured(graph_module(ep, job["tensor_mask"]), **job["captured"])
-    store = cache_mod.Cache(job["url"])
-    options = dict(job["options"], quiet=True)
+    captured = Captured(graph_module(ep, payload["tensor_mask"]), **payload["captured"])
+    store = cache_mod.Cache(payload["url"])
+    fields = dict(payload["options"], ops_on_host=frozenset(payload["options"]["ops_on_host"]))
+    opts = CompileOptions(**fields)
 
     def compile_(cap):
-        return _trace_graph(cap.graph_module, captured=cap, compiler_args=job["compiler_args"], **options)
+        return compile_graph(cap.graph_module, None, None, opts, name=payload["name"],
+                             threads=payload["threads"], progress=Progress(quiet=True), captured=cap)
 
     started = time.perf_counter()
-    compiled = compile_into_cache(store, job["key"], job["fingerprint"], captured, compile_,
-                                  job["compiler_args"], cache_reader(store, True, None))
-    return {"model": captured.model_name, "key": job["key"],
+    compiled = compile_into(store, payload["key"], payload["fingerprint"], captured, compile_,
+                            payload["compiler_args"], reader(store, True, None))
+    return {"model": captured.model_name, "key": payload["key"],
             "seconds": round(time.perf_counter() - started, 2),
             "hit": bool(compiled.manifest.get("cache", {}).get("hit"))}
 
 
-def _worker():
-    """``python -c 'from kiln.compiler.collect import _worker; _worker()' JOB``: prints one JSON line."""
+def worker_main():
+    """``python -c 'from kiln.compiler.collect import worker_main; worker_main()' JOB``:
+    prints one JSON line."""
     try:
         result = {"ok": True, **compile_job(sys.argv[1])}
     except BaseException as e:  # noqa: B036 - reported to the driver
@@ -149,7 +184,7 @@ def _run_jobs(jobs, workers, stream, quiet) -> list:
         while pending and len(running) < workers:
             job = pending.pop(0)
             running[job] = subprocess.Popen(
-                [sys.executable, "-c", "from kiln.compiler.collect import _worker; _worker()", job],
+                [sys.executable, "-c", "from kiln.compiler.collect import worker_main; worker_main()", job],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for job, proc in list(running.items()):
             if proc.poll() is None:
@@ -170,9 +205,9 @@ def _run_jobs(jobs, workers, stream, quiet) -> list:
         text = (f"remaining {len(jobs) - len(results)}, done {done}, failed {len(results) - done} | "
                 f"elapsed {elapsed:.0f}s" + (f" | ETA {eta:.0f}s" if eta is not None else ""))
         if progress.live and text != last:
-            progress._write(f"kiln parallel-compile: {text}")
+            progress.write(f"kiln parallel-compile: {text}")
             last = text
         time.sleep(0.2)
     if progress.live:
-        progress._write("")
+        progress.write("")
     return results

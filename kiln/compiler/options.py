@@ -6,14 +6,16 @@ would hand a user fp32 numbers they believe are bf16.
 """
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import asdict, dataclass, field
 
 from kiln.errors import CompilerArgsError
 
-@dataclass
+
+@dataclass(frozen=True)
 class CompileOptions:
+    """What to compile and how; parsed once per trace and never changed afterwards (a phase
+    that resolves a setting returns a new instance with ``dataclasses.replace``)."""
     engine: str | None = None         # None: default rules (-O1/-O2) or measurement (-O3)
     optlevel: int = 2                 # 1: fastest compile, 2: best engine rules, 3: most optimisation
     target: str = "native"            # native: this CPU's ISA; generic: portable baseline
@@ -36,27 +38,6 @@ class CompileOptions:
         d = asdict(self)
         d["ops_on_host"] = sorted(self.ops_on_host)
         return d
-
-
-@dataclass
-class RuntimeOptions:
-    threads: int | None = None        # engine threads; None = the CPUs the model may run on
-    cpus: tuple | None = None         # the CPUs of the model's kiln core(s); None = the process's
-
-    def resolved_threads(self) -> int:
-        if self.threads:
-            return int(self.threads)
-        env = os.environ.get("KILN_NUM_THREADS")
-        if env:
-            return int(env)
-        return len(self.cpus) if self.cpus else available_cpus()
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
 
 
 _OPTLEVELS = {"1": 1, "2": 2, "3": 3}

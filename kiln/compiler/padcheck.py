@@ -195,5 +195,5 @@ def _forget_calls(model):
         metrics = getattr(m, "metrics", None)
         if metrics is not None:
             metrics.reset()
-        stack.extend(m._inner_models() if hasattr(m, "_inner_models") else [])
+        stack.extend(m.inner_models() if hasattr(m, "inner_models") else [])
 

@@ -1,63 +1,73 @@
 """Engine selection per device partition: default rules, fallback, and -O3 measurement.
 
+Selection knows no engine by name: it reads what each engine says about itself
+(``kiln.engines.Engine``): where it runs and its place in the default order
+(``devices``, ``priority``), whether it is the fallback after an engine the
+user names, whether it quantizes, whether -O2 prefers it for attention.
+
 Every build is run once on the partition's example inputs and compared with
 eager before it can be chosen (unless ``validate=False``). -O1/-O2 take the
 first engine of the default order that compiles the partition correctly (an
-engine that rejects it is skipped with a note, TorchInductor last: it runs
-anything torch can); -O2 tries OpenVINO first for partitions with attention.
--O3 compiles the partition with every available engine, and every variant an
-engine offers, times them on this machine with the same inputs (warm-up, then
-interleaved rounds of a few calls per engine, median per engine) and keeps the
-fastest. Every attempt is recorded in the manifest so the choice can be
-checked against its own numbers.
+engine that rejects it is skipped with a note; the fallback engine, which runs
+anything torch can, comes last); -O2 tries an engine that ``prefers_attention``
+first for partitions with attention. -O3 compiles the partition with every
+engine of the default order, and every variant an engine offers, times them on
+this machine with the same inputs (warm-up, then interleaved rounds of a few
+calls per engine, median per engine) and keeps the fastest. Every attempt is
+recorded in the manifest so the choice can be checked against its own numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from kiln import engines as backends
+from kiln import engines
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
-# Measured on our CPUs (docs/performance.md): neither engine wins everywhere. ONNX
-# Runtime is faster on ResNet-50 (39.5 vs 53.2 ms) and OpenVINO on BERT-base (113.6
-# vs 138.8 ms); ONNX Runtime covers the most ops, so it leads the default order and
-# -O3 measures. TorchInductor compiles C++ and is slowest to build: last resort on CPU.
-CPU_ORDER = ("onnxruntime", "openvino", "inductor")
-# -O2's one exception, also measured: partitions with attention (a softmax) go to
-# OpenVINO first. all-MiniLM-L6-v2 ran 38 ms on OpenVINO against 58 on ONNX Runtime
-# (0.75x eager), BERT-base 110-133 against 131-149 ms.
+# Partitions holding these ops have attention: -O2 gives them to an engine that
+# ``prefers_attention`` first (measured faster there, see the engine).
 ATTENTION_OPS = ("aten._softmax.default", "aten._safe_softmax.default",
                  "aten.scaled_dot_product_attention.default",
                  "aten._scaled_dot_product_flash_attention_for_cpu.default")
-# On an NVIDIA GPU only TorchInductor generates code (Triton kernels + cuBLAS);
-# the ONNX Runtime and OpenVINO packages kiln depends on are CPU builds.
-CUDA_ORDER = ("inductor",)
 WARMUP, ROUNDS, BLOCK, MAX_SECONDS = 3, 5, 3, 3.0
-QUANTIZING = ("onnxruntime",)  # engines whose compile() implements quantize="int8"
 
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _devices(name) -> tuple:
+    """Where engine ``name`` runs; an engine kiln does not know counts as a CPU engine
+    (naming it fails later, with the registry's message)."""
+    engine = engines.describe(name)
+    return tuple(engine.devices) if engine is not None else ("cpu",)
+
+
+def _quantizers(device: str, mode) -> list:
+    return [e.name for e in engines.ranked(device) if mode in e.quantizes]
+
+
 def resolve_device(opts):
     """Settle ``opts.device`` ("auto" becomes "cpu" or "cuda") before anything is keyed or compiled.
 
     "auto" means the GPU when torch sees one and the requested work can run
-    there: an engine named by the user that only runs on CPUs, or int8
-    quantization (a CPU engine feature), keeps the model on the CPU.
+    there: an engine named by the user that does not run on GPUs, or int8
+    quantization where no GPU engine quantizes, keeps the model on the CPU.
+    Returns the options with the device settled (a new object; options are immutable).
     """
     if opts.device == "auto":
-        cpu_only = (opts.engine and opts.engine not in CUDA_ORDER) or opts.quantize
-        opts.device = "cuda" if not cpu_only and cuda_available() else "cpu"
+        cpu_only = ((opts.engine and "cuda" not in _devices(opts.engine))
+                    or (opts.quantize and not _quantizers("cuda", opts.quantize)))
+        return dataclasses.replace(opts, device="cuda" if not cpu_only and cuda_available() else "cpu")
     elif opts.device == "cuda":
-        if opts.engine and opts.engine not in CUDA_ORDER:
+        on_gpu = [e.name for e in engines.ranked("cuda")]
+        if opts.engine and "cuda" not in _devices(opts.engine):
             raise CompilerArgsError(f"engine {opts.engine!r} runs on CPUs only; on device='cuda' kiln "
-                                    f"compiles with {', '.join(CUDA_ORDER)}: drop engine= or use device='cpu'")
-        if opts.quantize:
+                                    f"compiles with {', '.join(on_gpu)}: drop engine= or use device='cpu'")
+        if opts.quantize and not _quantizers("cuda", opts.quantize):
             raise CompilerArgsError("int8 quantization runs on CPU engines only: use device='cpu', or "
                                     "--auto-cast bf16/fp16 for reduced precision on the GPU")
         if not cuda_available():
@@ -68,12 +78,12 @@ def resolve_device(opts):
 
 
 def default_order(opts) -> list:
-    if opts.device == "cuda":
-        return list(CUDA_ORDER)
+    """The engines tried on ``opts.device``: the engine the user named, then the fallback
+    engines; or, with none named, every engine with a priority there, in its order."""
+    ranked = engines.ranked(opts.device)
     if opts.engine:
-        rest = [e for e in ("inductor",) if e != opts.engine]
-        return [opts.engine] + rest
-    return list(CPU_ORDER)
+        return [opts.engine] + [e.name for e in ranked if e.fallback and e.name != opts.engine]
+    return [e.name for e in ranked]
 
 
 def primary(opts):
@@ -81,7 +91,7 @@ def primary(opts):
     notes = []
     for name in default_order(opts):
         try:
-            return backends.get(name), notes
+            return engines.get(name), notes
         except EngineUnavailableError as e:
             if opts.engine == name:
                 raise
@@ -118,10 +128,24 @@ def time_runners(runners: dict, inputs) -> dict:
 
 
 def rule_order(opts, sub) -> list:
-    """-O2's engine order for one partition: the default order, with OpenVINO first for attention."""
+    """-O2's engine order for one partition: the default order, with the engines that
+    prefer attention first when the partition has attention."""
     order = default_order(opts)
-    if opts.optlevel == 2 and not opts.engine and "openvino" in order and has_attention(sub):
-        order = ["openvino"] + [e for e in order if e != "openvino"]
+    if opts.optlevel == 2 and not opts.engine and has_attention(sub):
+        first = [n for n in order if getattr(engines.describe(n), "prefers_attention", False)]
+        order = first + [n for n in order if n not in first]
+    return order
+
+
+def candidate_order(opts, sub) -> list:
+    """The engines to try on one partition, in order: -O3 measures the plain default
+    order; a quantized partition goes only to engines that quantize (it must never
+    silently become an fp32 one on another engine)."""
+    order = rule_order(opts, sub)
+    if opts.optlevel >= 3 and not opts.engine:
+        order = default_order(opts)
+    if opts.quantize:
+        order = [n for n in order if opts.quantize in getattr(engines.describe(n), "quantizes", ())]
     return order
 
 
@@ -146,7 +170,7 @@ class _Reference:
         return self._outputs
 
 
-def _try_run(backend, blob, runtime_opts, inputs, reference, opts):
+def _try_run(engine, blob, runtime_opts, inputs, reference, opts):
     """(runner, None), or (runner or None, why) when the engine cannot run its own build or
     answers differently from eager on the partition's example inputs.
 
@@ -158,7 +182,7 @@ def _try_run(backend, blob, runtime_opts, inputs, reference, opts):
     agrees, the first that ran is kept and the model's validation reports it.
     """
     try:
-        runner = backend.load(blob, runtime_opts)
+        runner = engine.load(blob, runtime_opts)
         actual = runner(list(inputs))
     except KilnError:
         raise
@@ -261,95 +285,107 @@ def _disagreement(expected, actual, opts) -> str | None:
     return None
 
 
+class _Search:
+    """One partition's search: every build tried, the ones kept, and the choice."""
+
+    def __init__(self, sub, inputs, opts, runtime_opts, progress, label, calibration):
+        self.sub, self.inputs, self.opts, self.runtime_opts = sub, inputs, opts, runtime_opts
+        self.progress, self.label = progress, label
+        self.calibration = calibration if opts.quantize else None
+        self.measure = opts.optlevel >= 3
+        self.reference = _Reference(sub, inputs)
+        self.attempts: list = []
+        self.compiled: dict = {}       # key -> (engine, blob, attempt, runner)
+        self.inaccurate: list = []
+
+    def run(self, order):
+        for name in order:
+            try:
+                engine = engines.get(name)
+            except EngineUnavailableError as e:
+                self.attempts.append({"engine": name, "status": "unavailable", "note": str(e)})
+                continue
+            measured = self.measure and not self.opts.quantize
+            for variant in (None,) + (tuple(engine.variants(self.opts)) if measured else ()):
+                if self.build(engine, variant) and not self.measure:
+                    return
+
+    def build(self, engine, variant) -> bool:
+        """Compile and check one build; True when it may be chosen."""
+        key = engine.name if variant is None else f"{engine.name}:{variant}"
+        attempt = {"engine": engine.name, **({"variant": variant} if variant else {})}
+        with self.progress.phase(f"compile {self.label} ({key})"):
+            t0 = time.perf_counter()
+            try:
+                blob = engine.compile(self.sub, self.inputs, self.opts, variant=variant,
+                                      calibration=self.calibration)
+            except KilnError:
+                raise
+            except Exception as e:
+                self.attempts.append({**attempt, "status": "failed",
+                                      "compile_seconds": round(time.perf_counter() - t0, 3),
+                                      "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
+                return False
+            seconds = time.perf_counter() - t0
+        attempt.update({"engine_version": engine.version(), "status": "ok",
+                        "compile_seconds": round(seconds, 3)})
+        self.attempts.append(attempt)
+        runner = None
+        if self.opts.validate or self.measure:
+            with self.progress.phase(f"check {self.label} ({key})"):
+                runner, problem = _try_run(engine, blob, self.runtime_opts, self.inputs,
+                                           self.reference, self.opts)
+            if problem:
+                attempt.update(status="inaccurate", note=problem)
+                if runner is not None:
+                    self.inaccurate.append((engine, blob, attempt, runner))
+                return False
+            if self.opts.validate:
+                nonfinite = nonfinite_probe(runner, self.reference, self.opts)
+                if nonfinite is not None:
+                    attempt["nonfinite"] = nonfinite
+        self.compiled[key] = (engine, blob, attempt, runner)
+        return True
+
+    def choose(self, order):
+        """(engine, blob, attempt, runner) of the build kept, and why it was."""
+        if self.measure and self.compiled:
+            with self.progress.phase(f"time {self.label} ({', '.join(self.compiled)})"):
+                runners = {n: c[3] for n, c in self.compiled.items()}
+                for n, ms in time_runners(runners, self.inputs).items():
+                    self.compiled[n][2]["latency_ms"] = round(ms, 4)
+            return (min(self.compiled.values(), key=lambda c: c[2]["latency_ms"]),
+                    "fastest measured latency (-O3)")
+        if self.compiled:
+            return next(iter(self.compiled.values())), self._rule_reason(order)
+        if self.inaccurate:
+            # No engine matched eager here: keep the first build, and let the model's
+            # validation gate report the numbers (a tolerance set too tight, for one).
+            return self.inaccurate[0], ("no engine matched eager on this partition within tolerance; "
+                                        "kept the first that ran, for the validation gate to report")
+        detail = "; ".join(f"{a['engine']}: {a.get('note', a['status'])}" for a in self.attempts)
+        raise CompileError(f"no engine could compile {self.label}: {detail}")
+
+    def _rule_reason(self, order) -> str:
+        if len(self.attempts) > 1:
+            return "first engine that compiled it correctly, after " + ", ".join(
+                f"{a['engine']} {a['status']}" for a in self.attempts[:-1])
+        if self.opts.engine:
+            return "engine chosen by the user"
+        if order[0] != default_order(self.opts)[0]:
+            return "default engine for attention partitions (-O2)"
+        return "default engine (-O1/-O2)"
+
+
 def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, calibration=None):
-    """Return (backend, blob, record) for one partition."""
-    measure = opts.optlevel >= 3
-    order = rule_order(opts, sub)
-    if measure and not opts.engine and opts.device != "cuda":
-        order = list(CPU_ORDER)
-    extra = {}
-    if opts.quantize:
-        # A quantized artifact must never silently become an fp32 one on another engine.
-        extra["calibration"] = calibration
-        order = [e for e in order if e in QUANTIZING]
-    attempts, best, compiled, inaccurate = [], None, {}, []
-    reference = _Reference(sub, inputs)
-    for name in order:
-        try:
-            backend = backends.get(name)
-        except EngineUnavailableError as e:
-            attempts.append({"engine": name, "status": "unavailable", "note": str(e)})
-            continue
-        variants = (None,) + (tuple(backend.variants(opts)) if measure and not opts.quantize else ())
-        for variant in variants:
-            key = name if variant is None else f"{name}:{variant}"
-            kw = dict(extra, **({"variant": variant} if variant else {}))
-            attempt = {"engine": name, **({"variant": variant} if variant else {})}
-            with progress.phase(f"compile {label} ({key})"):
-                t0 = time.perf_counter()
-                try:
-                    blob = backend.compile(sub, inputs, opts, **kw)
-                except KilnError:
-                    raise
-                except Exception as e:
-                    attempts.append({**attempt, "status": "failed",
-                                     "compile_seconds": round(time.perf_counter() - t0, 3),
-                                     "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
-                    continue
-                seconds = time.perf_counter() - t0
-            attempt.update({"engine_version": backend.version(), "status": "ok",
-                            "compile_seconds": round(seconds, 3)})
-            attempts.append(attempt)
-            runner = None
-            if opts.validate or measure:
-                with progress.phase(f"check {label} ({key})"):
-                    runner, problem = _try_run(backend, blob, runtime_opts, inputs, reference, opts)
-                if problem:
-                    attempt.update(status="inaccurate", note=problem)
-                    if runner is not None:
-                        inaccurate.append((backend, blob, attempt, runner))
-                    continue
-                if opts.validate:
-                    nonfinite = nonfinite_probe(runner, reference, opts)
-                    if nonfinite is not None:
-                        attempt["nonfinite"] = nonfinite
-            compiled[key] = (backend, blob, attempt, runner)
-            if not measure:
-                break
-        if compiled and not measure:
-            best = next(iter(compiled.values()))
-            break
-    if measure and compiled:
-        with progress.phase(f"time {label} ({', '.join(compiled)})"):
-            runners = {n: c[3] for n, c in compiled.items()}
-            for n, ms in time_runners(runners, inputs).items():
-                compiled[n][2]["latency_ms"] = round(ms, 4)
-        best = min(compiled.values(), key=lambda c: c[2]["latency_ms"])
-    fallback = best is None and inaccurate
-    if fallback:
-        # No engine matched eager here: keep the first build, and let the model's
-        # validation gate report the numbers (a tolerance set too tight, for one).
-        best = inaccurate[0]
-    if best is None:
-        detail = "; ".join(f"{a['engine']}: {a.get('note', a['status'])}" for a in attempts)
-        raise CompileError(f"no engine could compile {label}: {detail}")
-    backend, blob, chosen, _ = best
-    if fallback:
-        reason = ("no engine matched eager on this partition within tolerance; kept the first "
-                  "that ran, for the validation gate to report")
-    elif measure:
-        reason = "fastest measured latency (-O3)"
-    elif len(attempts) > 1:
-        reason = "first engine that compiled it correctly, after " + ", ".join(
-            f"{a['engine']} {a['status']}" for a in attempts[:-1])
-    elif opts.engine:
-        reason = "engine chosen by the user"
-    elif order[0] != default_order(opts)[0]:
-        reason = "default engine for attention partitions (-O2)"
-    else:
-        reason = "default engine (-O1/-O2)"
-    record = {"engine": backend.name, **({"variant": chosen["variant"]} if "variant" in chosen else {}),
+    """Return (engine, blob, record) for one partition. ``calibration``: partition input
+    lists for calibrated int8 (used only when ``opts.quantize``)."""
+    order = candidate_order(opts, sub)
+    search = _Search(sub, inputs, opts, runtime_opts, progress, label, calibration)
+    search.run(order)
+    (engine, blob, chosen, _), reason = search.choose(order)
+    record = {"engine": engine.name, **({"variant": chosen["variant"]} if "variant" in chosen else {}),
               **({"nonfinite": chosen["nonfinite"]} if "nonfinite" in chosen else {}),
-              "engine_version": backend.version(),
-              "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": attempts}
-    return backend, blob, record
+              "engine_version": engine.version(),
+              "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": search.attempts}
+    return engine, blob, record

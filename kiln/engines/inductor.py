@@ -67,7 +67,9 @@ import torch
 
 from kiln.errors import ArtifactError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
-from kiln.engines import Backend
+from kiln.engines.base import Engine
+from kiln.engines.openmp import openmp_runtime
+from kiln.host.cores import available_cpus
 
 _LOGGERS = EXPORTER_LOGGERS + ("torch._inductor", "torch._dynamo", "torch.export", "torch._export",
                                "torch.fx.experimental.symbolic_shapes")
@@ -75,19 +77,36 @@ _TORCH_VERSION_KEY = "kiln_torch_version"
 _DEVICE_KEY = "kiln_device"
 
 
-class InductorBackend(Backend):
+class InductorEngine(Engine):
     name = "inductor"
+    title = "TorchInductor"
+    # On an NVIDIA GPU only TorchInductor generates code (Triton kernels + cuBLAS). On
+    # CPUs it compiles C++ and is slowest to build: last in the order, and the fallback
+    # after an engine the user names, since it runs any ATen op.
+    devices = ("cpu", "cuda")
+    priority = {"cpu": 30, "cuda": 10}
+    fallback = True
+    package = "torch"
     blob_suffix = ".pt2"
     native_code = True      # the blob is a shared library that loading maps and runs
 
-    def available(self) -> bool:
+    def missing(self) -> str | None:
         # Only compiling needs a C++ compiler (compile() says so when it is
         # missing): artifacts load on hosts without one. Importing
         # torch._inductor costs seconds (it pulls in dynamo), so only look.
-        return hasattr(torch._C, "_aoti") and importlib.util.find_spec("torch._inductor") is not None
+        if hasattr(torch._C, "_aoti") and importlib.util.find_spec("torch._inductor") is not None:
+            return None
+        return f"torch {torch.__version__} has no AOTInductor"
 
     def version(self) -> str:
         return torch.__version__
+
+    def native_types(self, device: str = "cpu") -> tuple:
+        # On a GPU kiln lowers --auto-cast ops to the type: fp16 on tensor cores since
+        # Volta, bf16 since Ampere. On CPUs kiln does not route reduced types here.
+        if device != "cuda" or not torch.cuda.is_available():
+            return ()
+        return ("bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp16",)
 
     def supports(self, node) -> str | None:
         target = node.target
@@ -103,7 +122,7 @@ class InductorBackend(Backend):
         # Prepacked weights are laid out for this CPU's ISA: not for portable artifacts.
         return ("frozen",) if options.target != "generic" else ()
 
-    def compile(self, partition, example_inputs, options, variant=None) -> bytes:
+    def compile(self, partition, example_inputs, options, *, variant=None, calibration=None) -> bytes:
         _require_compiler()
         device = torch.device("cuda" if options.device == "cuda" else "cpu")
         configs = _inductor_configs(options, device.type)
@@ -223,7 +242,7 @@ class AotiRunner:
         else:
             self.model = PackageModel(blob, num_models)
         self._run = self.model.run
-        self._omp = _openmp() if self.device.type == "cpu" else None
+        self._omp = openmp_runtime() if self.device.type == "cpu" else None
         if self.device.type == "cuda":
             self._run = self._run_on_gpu
 
@@ -252,7 +271,6 @@ class AotiRunner:
 def _num_models(device) -> int:
     """Model instances per container: how many calls may run at once. They share the weights;
     on a GPU each holds its own activation buffers, and a few keep the GPU busy."""
-    from kiln.compiler.options import available_cpus
     return max(1, min(available_cpus(), 16 if device.type == "cpu" else 4))
 
 
@@ -381,21 +399,3 @@ def _c_interface_usable() -> bool:
     aoti = getattr(torch._C, "_aoti", None)
     return (hasattr(ctypes, "pythonapi") and hasattr(aoti, "unsafe_alloc_void_ptrs_from_tensors")
             and hasattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs"))
-
-
-@functools.lru_cache(maxsize=1)
-def _openmp():
-    """The OpenMP runtime already in this process (torch's, which the kernels bind to), or None.
-
-    Only one library per soname is ever loaded, so ``RTLD_NOLOAD`` finds the
-    very runtime the kernels' ``-lgomp`` resolved to, without loading another.
-    """
-    for name in ("libgomp.so.1", "libomp.so", "libiomp5.so", "libomp.dylib"):
-        try:
-            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1))
-            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-            lib.omp_get_max_threads.restype = ctypes.c_int
-            return lib
-        except (OSError, AttributeError):
-            continue
-    return None

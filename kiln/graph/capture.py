@@ -185,7 +185,7 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
         if not s.name:
             out_specs[i] = specs.TensorSpec(f"output{i}", s.shape, s.dtype)
 
-    module = model if isinstance(model, torch.nn.Module) else _FunctionModule(model)
+    module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
     wrapper = _Positional(module, names, n_positional)
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -204,6 +204,22 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
                         list(leaves), [t.detach() for t in out_leaves], _name(model))
     captured.exported, captured.tensor_mask = ep, tensor_mask
+    return captured
+
+
+def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") -> Captured:
+    """A ``Captured`` for an FX graph taking and returning flat tensors: where a
+    ``torch.compile`` backend or a lazy device's ``mark_step`` enters the compiler
+    (at the plan phase, skipping the user's model). The graph is normalised to core
+    ATen by exporting it like any module, which also checks that it is functional."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise CaptureError(f"from_graph takes a torch.fx.GraphModule, not {type(gm).__name__}")
+    inputs = tuple(example_inputs)
+    bad = [type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise CaptureError(f"from_graph takes flat tensor inputs; got {', '.join(bad)}")
+    captured = capture(gm, inputs)
+    captured.model_name = name
     return captured
 
 
@@ -350,7 +366,9 @@ def graph_module(ep, tensor_mask) -> torch.fx.GraphModule:
     return gm
 
 
-class _FunctionModule(torch.nn.Module):
+class FunctionModule(torch.nn.Module):
+    """A plain function as a module, so functions capture and run like models."""
+
     def __init__(self, fn):
         super().__init__()
         self.fn = fn

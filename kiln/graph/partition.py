@@ -46,7 +46,7 @@ class _Support(OperatorSupportBase):
         return self.decided.get(node, False)
 
 
-def place(gm: torch.fx.GraphModule, backend, options) -> Placement:
+def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
     placement = Placement()
     host_ops = {_normalise(o) for o in options.ops_on_host}
     for node in gm.graph.nodes:
@@ -61,7 +61,7 @@ def place(gm: torch.fx.GraphModule, backend, options) -> Placement:
             placement.reasons[node] = "placed on the host by ops_on_host"
             placement.on_device[node] = False
             continue
-        reason = backend.supports(node)
+        reason = engine.supports(node)
         placement.on_device[node] = reason is None
         if reason is not None:
             placement.reasons[node] = reason

@@ -22,11 +22,7 @@ aten = torch.ops.aten
 MATMULT_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                aten.convolution.default}
 TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_NATIVE = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"), "fp16": ("avx512_fp16", "amx_fp16", "asimdhp")}
-
-
-def native(cast_type: str) -> bool:
-    return any(f in target.host_features() for f in _NATIVE.get(cast_type, ()))
+native = target.native   # the host decides (engines ask it there); the compiler asks here
 
 
 def native_on_gpu(cast_type: str) -> bool:

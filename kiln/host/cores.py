@@ -14,29 +14,53 @@ Which cores a process sees:
 ``KILN_CPUS_PER_CORE``  group CPUs N at a time instead of by physical core
 
 Visible cores are renumbered from 0 inside the process, as Neuron does;
-``Core.host_index`` keeps the host-wide number. ``kiln.neuron``/``kiln.neuronx``
-also honour ``NEURON_RT_VISIBLE_CORES`` and ``NEURON_RT_NUM_CORES``.
+``Core.host_index`` keeps the host-wide number.
+
+Neuron's names, ``NEURON_RT_VISIBLE_CORES`` and ``NEURON_RT_NUM_CORES``, apply
+(when the ``KILN_*`` names are unset) to what is placed inside a call through
+``kiln.neuron``/``kiln.neuronx`` (they enter :func:`neuron_names`), or to the
+whole process once it calls :func:`honour_neuron_env`. Importing those modules
+changes nothing: a library that imports them must not move another's models.
+
+The worker thread a placed model runs on is runtime code: :mod:`kiln.runtime.workers`.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
 import os
-import queue
-import threading
-import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kiln.errors import KilnError
+from kiln.errors import PlacementError
+from kiln import config
 
-# Set by the Neuron compatibility modules: they read NEURON_RT_* when KILN_* is unset.
+__all__ = ["Core", "PlacementError", "available_cpus", "cores", "default_placement", "format_cpus",
+           "get", "honour_neuron_env", "host_cores", "neuron_names", "parse_list", "process_cpus",
+           "restricted", "union", "visible"]
+
+# Process-wide: NEURON_RT_* apply everywhere. Off unless the user turns it on (honour_neuron_env).
 neuron_env = False
+# Per call: NEURON_RT_* apply to what is placed inside ``with neuron_names():`` (kiln.neuron* calls).
+_neuron_scope: contextvars.ContextVar = contextvars.ContextVar("kiln_neuron_names", default=False)
 
 
-class PlacementError(KilnError):
-    """A core number or core setting that this process cannot honour."""
+def honour_neuron_env(on: bool = True):
+    """Read ``NEURON_RT_VISIBLE_CORES``/``NEURON_RT_NUM_CORES`` for every placement in this
+    process (``KILN_*`` still win), as a script written for Neuron expects; for example when
+    it loads its models with ``torch.jit.load`` rather than tracing them through ``kiln.neuronx``."""
+    global neuron_env
+    neuron_env = bool(on)
+
+
+@contextlib.contextmanager
+def neuron_names():
+    """Placements inside the block read Neuron's core variables too: ``kiln.neuronx.trace``
+    and the other Neuron spellings run in it, so their models land where Neuron's would."""
+    token = _neuron_scope.set(True)
+    try:
+        yield
+    finally:
+        _neuron_scope.reset(token)
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,12 @@ def process_cpus() -> list:
         return list(range(os.cpu_count() or 1))
 
 
+def available_cpus() -> int:
+    """How many CPUs this process may run on: its affinity, which a container or ``taskset``
+    narrows, not the host's CPU count (engine thread pools sized to that would oversubscribe)."""
+    return len(process_cpus())
+
+
 def _siblings(cpu: int):
     path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
     try:
@@ -119,9 +149,9 @@ def host_cores() -> list:
 
 
 def _env(name):
-    value = os.environ.get(f"KILN_{name}")
-    if value is None and neuron_env and name in ("VISIBLE_CORES", "NUM_CORES"):
-        value = os.environ.get(f"NEURON_RT_{name}")
+    value = config.get(f"KILN_{name}")
+    if value is None and (neuron_env or _neuron_scope.get()) and name in ("VISIBLE_CORES", "NUM_CORES"):
+        value = config.get(f"NEURON_RT_{name}")
     return value
 
 
@@ -184,94 +214,3 @@ def cores(core_id: int):
 def default_placement():
     """The core a new model goes to: the ``kiln.cores`` context, else None."""
     return _placement.get()
-
-
-# -- pinned worker thread --------------------------------------------------------------
-class Worker:
-    """One thread, optionally pinned to CPUs, running submitted calls in order.
-
-    Engines create their thread pools from the thread that loads them, and
-    threads inherit their creator's CPU affinity; so loading and running a
-    model on its worker keeps all of its threads on its core.
-    """
-
-    def __init__(self, cpus=None, name="kiln-worker"):
-        self.cpus = tuple(cpus) if cpus else None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.native_id = None
-        self._closed = False
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(started,), name=name, daemon=True)
-        self._thread.start()
-        _workers.add(self)
-        started.wait()
-        if isinstance(self.native_id, BaseException):
-            raise PlacementError(f"cannot pin a worker to CPUs {format_cpus(self.cpus)}: "
-                                 f"{self.native_id}")
-
-    def _loop(self, started):
-        try:
-            if self.cpus:
-                os.sched_setaffinity(0, self.cpus)   # 0: the calling thread on Linux
-            self.native_id = threading.get_native_id()
-        except (OSError, AttributeError) as e:
-            self.native_id = e
-            started.set()
-            return
-        started.set()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: B036 - handed to the caller
-                fut.set_exception(e)
-
-    def submit(self, fn, *args) -> Future:
-        if self._closed:
-            raise KilnError("this kiln model was closed; load it again to use it")
-        fut: Future = Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def call(self, fn, *args):
-        if threading.get_native_id() == self.native_id:
-            return fn(*args)
-        return self.submit(fn, *args).result()
-
-    def affinity(self) -> set:
-        """The CPUs the worker thread may run on, as the kernel reports them."""
-        return set(os.sched_getaffinity(self.native_id))
-
-    def close(self):
-        self._closed = True
-        self._queue.put(None)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_workers(timeout: float = 5.0):
-    """Let every worker finish and exit before the interpreter finalises.
-
-    Daemon threads still running at finalisation are stopped where they
-    stand; one stopped inside an engine's C++ frame aborts the process
-    ("terminate called without an active exception"), which a test of a
-    pipeline saved and loaded in a fresh process hit in 2 of 7 full runs.
-    """
-    for worker in list(_workers):
-        worker.close()
-    for worker in list(_workers):
-        if worker._thread is not threading.current_thread():
-            worker._thread.join(timeout)

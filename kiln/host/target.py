@@ -37,6 +37,17 @@ def host_features() -> frozenset:
     return frozenset(f for f in flags if f in known)
 
 
+# Features with which the CPU computes in a narrow float type rather than converting to fp32.
+NATIVE_FEATURES = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"), "fp16": ("avx512_fp16", "amx_fp16", "asimdhp")}
+
+
+def native(cast_type: str) -> bool:
+    """Whether this CPU computes ``cast_type`` (``"bf16"``/``"fp16"``) natively: then auto-cast
+    asks the engine to run in it; elsewhere kiln emulates the rounding in fp32. Here, not in
+    the graph layer, because engines ask it too and engines sit below the graph layer."""
+    return any(f in host_features() for f in NATIVE_FEATURES.get(cast_type, ()))
+
+
 def describe(target: str = "native", device: str = "cpu") -> dict:
     """Manifest entry: the features compiled code may use.
 

@@ -7,6 +7,11 @@ fallback ops, bytes in and out, and (for bucketed models) hits per bucket.
 ``kiln.metrics()`` returns them for every live model plus the compile-cache
 counters; ``kiln.metrics_report()`` is the same as text.
 
+A ``ModelMetrics`` is a plain object: the runtime hands it to :func:`track`
+(through ``kiln.observe.announce_model``) when the model is ready, so building
+one has no effect on the process. The compile cache counts its hits and misses
+into :data:`compile_cache` here, so observability never imports the compiler.
+
 The histogram has fixed log-spaced bins (10 per decade from 1 µs to 1000 s),
 so recording is a constant-time index and percentiles need no stored samples.
 """
@@ -21,8 +26,38 @@ import weakref
 
 _BOUNDS = [10 ** (e / 10) * 1e-6 for e in range(0, 91)]   # upper bounds, seconds
 _ids = itertools.count(1)
-_registry: "weakref.WeakValueDictionary[int, ModelMetrics]" = weakref.WeakValueDictionary()
-_registry_lock = threading.Lock()
+# The live models of this process, by id; weak, so a model that is dropped leaves the report.
+_live: "weakref.WeakValueDictionary[int, ModelMetrics]" = weakref.WeakValueDictionary()
+_live_lock = threading.Lock()
+
+
+class Counters:
+    """Named process-wide counts, safe to bump from any thread.
+
+    ``values`` is the live dict (read it, do not write it); ``count`` is how to add."""
+
+    def __init__(self, names):
+        self.values = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def count(self, name: str, n: int = 1):
+        with self._lock:
+            self.values[name] += n
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.values)
+
+
+# What the compile cache did in this process (kiln.compiler.cache counts into it).
+compile_cache = Counters(("hits", "misses", "alias_hits", "compiles", "failed_hits", "discarded",
+                          "lock_waits", "untrusted"))
+
+
+def track(model_metrics: "ModelMetrics"):
+    """Count this model in ``kiln.metrics()`` for as long as it is alive."""
+    with _live_lock:
+        _live[model_metrics.id] = model_metrics
 
 
 class ModelMetrics:
@@ -43,10 +78,6 @@ class ModelMetrics:
         self.parent = None          # id of the model this one is a detail of (a bucket variant)
         self.timed_out = 0
         self.loaded_at = time.time()
-        with _registry_lock:
-            _registry[self.id] = self
-        from kiln.observe import registry
-        registry.announce()
 
     def reset(self):
         """Forget the calls so far (kiln's own compile-time checks are not the user's traffic)."""
@@ -114,9 +145,8 @@ def _ms(seconds):
 
 def metrics() -> dict:
     """Counters of every live kiln model in this process, and the compile cache's."""
-    from kiln.compiler import cache
-    with _registry_lock:
-        live = sorted(_registry.values(), key=lambda m: m.id)
+    with _live_lock:
+        live = sorted(_live.values(), key=lambda m: m.id)
     snaps = [m.snapshot() for m in live]
     by_id = {s["id"]: s for s in snaps}
     for s in snaps:   # a wrapper's device/host time is its variants'
@@ -126,7 +156,7 @@ def metrics() -> dict:
             p["host_seconds"] = round(p["host_seconds"] + s["host_seconds"], 6)
             busy = p["device_seconds"] + p["host_seconds"]
             p["host_share"] = round(p["host_seconds"] / busy, 4) if busy else 0.0
-    return {"models": snaps, "compile_cache": dict(cache.stats)}
+    return {"models": snaps, "compile_cache": compile_cache.snapshot()}
 
 
 def hist_percentile(hist: dict, q: float, cap: float | None = None):

@@ -40,11 +40,8 @@ def host_info(engines: bool = True) -> dict:
             "arch": target_mod.arch(), "isa": target_mod.describe("native")["isa"],
             "memory_total_bytes": vm.total, "memory_available_bytes": vm.available}
     if engines:
-        from kiln import engines as backends
-        info["engines"] = {}
-        for name in backends.names():
-            b = backends.get(name, required=False)
-            info["engines"][name] = b.version() if b is not None else None
+        from kiln.engines import versions
+        info["engines"] = versions()
     return info
 
 

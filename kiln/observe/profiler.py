@@ -3,7 +3,8 @@
     with kiln.profile("trace.json"):
         model(x)
 
-or ``KILN_PROFILE=trace.json`` for a whole process (written at exit). Every
+or ``KILN_PROFILE=trace.json`` for a whole process (written at exit; recording
+starts when the first model is loaded, not when kiln is imported). Every
 call gets a span (model, core, bucket) and inside it a span per partition:
 engine partitions in category ``device``, host fallback ops in ``host``, so a
 hidden CPU fallback is a visible block on the timeline. Under
@@ -19,8 +20,11 @@ import os
 import threading
 import time
 
+from kiln import config
+
 _active = None
 _lock = threading.Lock()
+_env_read = False
 
 
 class Recorder:
@@ -39,7 +43,7 @@ class Recorder:
             self.events.append(ev)
 
     def write(self):
-        from kiln.artifact.container import write_atomic
+        from kiln.atomic import write_atomic
         with self.lock:
             doc = {"traceEvents": list(self.events), "displayTimeUnit": "ms",
                    "otherData": {"producer": "kiln"}}
@@ -72,15 +76,20 @@ def profile(path):
         rec.write()
 
 
-def _from_env():
-    global _active
-    path = os.environ.get("KILN_PROFILE")
-    if path and _active is None:
-        _active = Recorder(path)
-        atexit.register(_active.write)
-
-
-_from_env()
+def start_from_env():
+    """Record the whole process to ``KILN_PROFILE`` (once), written at exit; the runtime calls
+    it when a model is loaded, as there is nothing to record before."""
+    global _active, _env_read
+    if _env_read:
+        return
+    with _lock:
+        if _env_read:
+            return
+        _env_read = True
+        path = config.get("KILN_PROFILE")
+        if path and _active is None:
+            _active = Recorder(path)
+            atexit.register(_active.write)
 
 
 def torch_profiling() -> bool:

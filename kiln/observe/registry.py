@@ -2,7 +2,9 @@
 
 neuron-ls and neuron-top can ask the driver who holds a device; kiln runs on
 plain CPUs, so processes announce themselves instead. The first kiln model a
-process loads starts a daemon thread that, every ``KILN_HEARTBEAT_S`` seconds
+process loads calls :func:`announce` (the runtime does, through
+``kiln.observe.announce_model``; importing kiln or building a model's counters
+does not), which starts a daemon thread that, every ``KILN_HEARTBEAT_S`` seconds
 (default 1), atomically rewrites ``<run dir>/<pid>.json`` with the process's
 model counters (``kiln.metrics()``), its memory and a timestamp. The file is
 removed at exit.
@@ -26,6 +28,9 @@ import tempfile
 import threading
 import time
 
+from kiln.observe.metrics import metrics
+from kiln import config
+
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _stop = threading.Event()
@@ -33,7 +38,7 @@ _path: str | None = None
 
 
 def run_dir() -> str:
-    d = os.environ.get("KILN_RUN_DIR")
+    d = config.get("KILN_RUN_DIR")
     if not d:
         xdg = os.environ.get("XDG_RUNTIME_DIR")
         d = os.path.join(xdg, "kiln") if xdg and os.path.isdir(xdg) else \
@@ -43,13 +48,13 @@ def run_dir() -> str:
 
 def period() -> float:
     try:
-        return max(0.05, float(os.environ.get("KILN_HEARTBEAT_S", "1")))
+        return max(0.05, float(config.get("KILN_HEARTBEAT_S")))
     except ValueError:
         return 1.0
 
 
 def _enabled() -> bool:
-    return os.environ.get("KILN_REGISTRY", "on").lower() not in ("off", "0", "false", "no")
+    return config.get("KILN_REGISTRY").lower() not in ("off", "0", "false", "no")
 
 
 def announce():
@@ -73,14 +78,13 @@ def announce():
 
 def _record() -> dict:
     import psutil
-    from kiln.observe.metrics import metrics
     proc = psutil.Process()
     m = metrics()
     return {
         "pid": os.getpid(),
         "create_time": proc.create_time(),
         "cmd": " ".join(sys.argv)[:300] or sys.executable,
-        "tag": os.environ.get("KILN_PROCESS_TAG"),
+        "tag": config.get("KILN_PROCESS_TAG"),
         "heartbeat": time.time(),
         "period": period(),
         "memory_rss_bytes": proc.memory_info().rss,

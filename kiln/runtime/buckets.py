@@ -14,7 +14,6 @@ compiled models and are saved as artifacts that nest them:
 """
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -22,20 +21,9 @@ import torch
 from kiln.artifact import schema
 
 from kiln.artifact import specs
-from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
+from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
-from kiln.runtime.model import DEFAULT, KINDS, Model, from_artifact
-
-
-def _nested_manifest(kind, inner_manifest, **fields):
-    from kiln import __version__
-    m = {"format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
-         "kind": kind, "model_name": inner_manifest.get("model_name", "model"),
-         "target": inner_manifest.get("target", {}),
-         "inputs": inner_manifest["inputs"], "outputs": inner_manifest["outputs"],
-         "report": inner_manifest.get("report")}
-    m.update(fields)
-    return m
+from kiln.runtime.model import DEFAULT, Model
 
 
 class _Wrapper(Model):
@@ -49,12 +37,12 @@ class _Wrapper(Model):
         self.output_specs = first.output_specs
 
     def flatten(self, args, kwargs):
-        return self._inner_models()[0].flatten(args, kwargs)
+        return self.inner_models()[0].flatten(args, kwargs)
 
     def _place(self, core, worker=None):
-        from kiln.host.cores import Worker
+        from kiln.runtime.workers import Worker
         worker = worker or Worker(core.cpus, name=f"kiln-core{core.id}")
-        for m in self._inner_models():
+        for m in self.inner_models():
             m._place(core, worker)
         object.__setattr__(self, "core", core)
         if getattr(self, "metrics", None) is not None:
@@ -62,7 +50,7 @@ class _Wrapper(Model):
 
     @property
     def calls(self) -> int:
-        return sum(m.calls for m in self._inner_models())
+        return sum(m.calls for m in self.inner_models())
 
 
 # -- bucketing ------------------------------------------------------------------------
@@ -83,16 +71,18 @@ class Bucketed(_Wrapper):
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
         self._cache: dict = {}
         self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
+        from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
         self.metrics.core = first.core.id if first.core is not None else None
         for v in self.variants:   # the variants' own counters are details of this model's
             v.metrics.parent = self.metrics.id
+        announce_model(self.metrics)
         # smallest first, so the first variant that fits is the cheapest
         self._order = sorted(range(len(variants)),
                              key=lambda k: (_volume(self.variant_sizes[k]), self.variant_sizes[k]))
 
-    def _inner_models(self):
+    def inner_models(self):
         return self.variants
 
     def describe_buckets(self) -> str:
@@ -204,10 +194,10 @@ def _volume(sizes):
     return v
 
 
-def _load_bucketed(art, opts, source, core=DEFAULT, worker=None):
+def load_bucketed(art, opts, source, core=DEFAULT, worker=None, load_nested=None):
     meta = schema.check_buckets(art.manifest, art.blobs, source)
     worker, core = _shared_worker(core, worker)
-    variants = [from_artifact(art.nested(v["blob"], f"{source}:{v['blob']}"),
+    variants = [load_nested(art.nested(v["blob"], f"{source}:{v['blob']}"),
                               opts, f"{source}:{v['blob']}", core=core, worker=worker)
                 for v in meta["variants"]]
     _check_variants(meta, variants, source)
@@ -260,7 +250,7 @@ def _check_variants(meta, variants, source):
 def _shared_worker(core, worker):
     """Variants of one wrapper share one pinned worker rather than one each."""
     from kiln.runtime.model import resolve_placement
-    from kiln.host.cores import Worker
+    from kiln.runtime.workers import Worker
     if core is DEFAULT:
         core = resolve_placement()
     if core is not None and worker is None:
@@ -268,156 +258,6 @@ def _shared_worker(core, worker):
     return worker, core
 
 
-KINDS["bucketed"] = _load_bucketed
-
-
-def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
-    """The example inputs to compile, one per bucket: ``buckets`` is a list of
-    example inputs, or ``{input: {dim: [sizes]}}`` applied to the example.
-
-    Inputs with the same size as a named input on the same dim are resized with
-    it (``attention_mask`` follows ``input_ids``); pass them explicitly to
-    override that."""
-    if isinstance(buckets, (list, tuple)):
-        if not buckets:
-            raise CompilerArgsError("buckets=[] names no example inputs")
-        return [(b, None) if not isinstance(b, dict) else (None, b) for b in buckets]
-    if not isinstance(buckets, dict):
-        raise CompilerArgsError("buckets must be {input name: {dim: [sizes]}} or a list of example inputs")
-    from kiln.graph.capture import bind_inputs
-    named = bind_inputs(model, example_inputs, example_kwargs)
-    axes: list = []   # [(members [(name, dim)], sizes)]
-    for name, dims in buckets.items():
-        if name not in named or not isinstance(named[name], torch.Tensor):
-            raise CompilerArgsError(f"buckets names input {name!r}, but the tensor inputs are "
-                                    f"{', '.join(k for k, v in named.items() if isinstance(v, torch.Tensor))}")
-        if not isinstance(dims, dict):
-            raise CompilerArgsError(f"buckets[{name!r}] must be {{dim: [sizes]}}, got {dims!r}")
-        for dim, sizes in dims.items():
-            t = named[name]
-            if not isinstance(dim, int) or not -t.dim() <= dim < t.dim():
-                raise CompilerArgsError(f"buckets[{name!r}]: {t.dim()}-d input has no dim {dim!r}")
-            dim %= t.dim()
-            sizes = sorted({int(s) for s in sizes})
-            if not sizes or sizes[0] < 1:
-                raise CompilerArgsError(f"buckets[{name!r}][{dim}]: sizes must be positive, got {sizes}")
-            existing = next((ax for ax in axes if (name, dim) in ax[0]), None)
-            if existing is not None:
-                if existing[1] != sizes:
-                    raise CompilerArgsError(
-                        f"buckets: {name!r} dim {dim} follows another input's sizes "
-                        f"{existing[1]}; give both the same sizes")
-                continue
-            members = [(name, dim)] + [
-                (other, dim) for other, v in named.items()
-                if other != name and other not in buckets and isinstance(v, torch.Tensor)
-                and v.dim() > dim and v.shape[dim] == t.shape[dim]]
-            axes.append((members, sizes))
-    pad_values = pad_values or {}
-    examples = []
-    for combo in itertools.product(*(sizes for _, sizes in axes)):
-        resized = dict(named)
-        for (members, _), size in zip(axes, combo):
-            for name, dim in members:
-                resized[name] = _resize(resized[name], dim, size, pad_values.get(name, 0))
-        examples.append((None, resized))
-    return examples
-
-
-def _resize(t, dim, size, pad_value):
-    n = t.shape[dim]
-    if size <= n:
-        return t.narrow(dim, 0, size).contiguous()
-    pads = [0, 0] * (t.dim() - 1 - dim) + [0, size - n]
-    return torch.nn.functional.pad(t, pads, value=pad_value)
-
-
-def trace_buckets(model, examples, pad_values, output_dims, trace_one):
-    """Compile one variant per bucket example (:func:`bucket_examples`) and return the
-    ``Bucketed`` model."""
-    variants, seconds = [], []
-    for n, (args, kwargs) in enumerate(examples):
-        started = time.perf_counter()
-        variants.append(trace_one(model, args, kwargs, label=f"bucket {n + 1}/{len(examples)}"))
-        seconds.append(round(time.perf_counter() - started, 3))
-    return assemble(variants, seconds, pad_values, output_dims)
-
-
-def assemble(variants, seconds, pad_values=None, output_dims=None) -> Bucketed:
-    """Infer the axes and output dims from compiled variants and build the model."""
-    first = variants[0]
-    for v in variants[1:]:
-        if v.input_structure != first.input_structure or v.output_structure != first.output_structure:
-            raise CompilerArgsError("bucket examples must have the same inputs and outputs; "
-                                    f"{v.name} differs in structure between buckets")
-        for a, b in zip(v.input_specs + v.output_specs, first.input_specs + first.output_specs):
-            if a.dtype != b.dtype or len(a.shape) != len(b.shape):
-                raise CompilerArgsError(f"bucket examples differ in dtype or rank of {a.name}: "
-                                        f"{a.describe()} vs {b.describe()}")
-    axes: list = []
-    for i, spec in enumerate(first.input_specs):
-        for d in range(len(spec.shape)):
-            seq = [v.input_specs[i].shape[d] for v in variants]
-            if len(set(seq)) > 1:
-                ax = next((ax for ax in axes if ax["sizes"] == seq), None)
-                if ax is None:
-                    axes.append({"inputs": [[i, d]], "sizes": seq})
-                else:
-                    ax["inputs"].append([i, d])
-    if not axes:
-        raise CompilerArgsError("the bucket examples all have the same shapes; give different sizes")
-    sizes = [tuple(seq[k] for seq in (ax["sizes"] for ax in axes)) for k in range(len(variants))]
-    if len(set(sizes)) != len(sizes):
-        raise CompilerArgsError(f"two buckets have the same sizes {sizes}")
-    out_dims = _output_dims(first, variants, axes, output_dims)
-    flat_pads = {}
-    for i, spec in enumerate(first.input_specs):
-        for name, value in (pad_values or {}).items():
-            if spec.name == name or spec.name.startswith((f"{name}.", f"{name}[")):
-                flat_pads[str(i)] = value
-    meta = {"axes": axes, "pad_values": flat_pads, "output_dims": out_dims,
-            "variants": [{"blob": f"variants/{k}.kiln", "sizes": list(sizes[k]),
-                          "compile_seconds": seconds[k]} for k in range(len(variants))]}
-    manifest = _nested_manifest("bucketed", first.manifest, buckets=meta)
-    return Bucketed(variants, meta, manifest)
-
-
-def _output_dims(first, variants, axes, declared):
-    """[[output, dim, axis]]: declared as {output name: {dim: input name or (name, dim)}},
-    else inferred: an output dim whose size follows an axis in every variant."""
-    out: list = []
-    names = [s.name for s in first.output_specs]
-    declared = declared or {}
-    for o, spec in enumerate(first.output_specs):
-        decl = declared.get(spec.name, declared.get(o))
-        for d in range(len(spec.shape)):
-            seq = [v.output_specs[o].shape[d] for v in variants]
-            if decl and d in decl:
-                if decl[d] is None:       # declared: depends on the buckets, never sliced
-                    continue
-                a = _axis_of(decl[d], first, axes)
-                out.append([o, d, a])
-                continue
-            if len(set(seq)) == 1:
-                continue
-            a = next((a for a, ax in enumerate(axes) if ax["sizes"] == seq), None)
-            if a is None:
-                raise CompilerArgsError(
-                    f"output '{spec.name}' dim {d} changes with the buckets ({seq}) but follows no "
-                    f"bucketed input dim; declare it with output_dims={{{spec.name!r}: {{{d}: "
-                    "'<input name>'}}, or {dim: None} to leave it unsliced")
-            out.append([o, d, a])
-    del names
-    return out
-
-
-def _axis_of(ref, first, axes):
-    name, dim = (ref, None) if isinstance(ref, str) else ref
-    for a, ax in enumerate(axes):
-        for i, d in ax["inputs"]:
-            if first.input_specs[i].name == name and (dim is None or dim == d):
-                return a
-    raise CompilerArgsError(f"output_dims refers to {ref!r}, which is not a bucketed input dim")
 
 
 # -- dynamic batch ------------------------------------------------------------------------------
@@ -439,11 +279,11 @@ class DynamicBatch(_Wrapper):
         self.batch_size = lead[0]
         self._batched_in = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.input_specs]
         self._batched_out = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.output_specs]
-        self._init_common(manifest or _nested_manifest(
+        self._init_common(manifest or wrapper_manifest(
             "dynamic_batch", inner.manifest, dynamic_batch={"batch_size": self.batch_size,
                                                             "inner": "inner.kiln"}), inner)
 
-    def _inner_models(self):
+    def inner_models(self):
         return [self.inner]
 
     def _batch(self, flat) -> int:
@@ -536,8 +376,8 @@ class DynamicBatch(_Wrapper):
         return f"kiln.DynamicBatch({self.inner!r}, compiled batch {self.batch_size})"
 
 
-def _load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None):
-    inner = from_artifact(art.nested("inner.kiln", f"{source}:inner"), opts,
+def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested=None):
+    inner = load_nested(art.nested("inner.kiln", f"{source}:inner"), opts,
                           f"{source}:inner", core=core, worker=worker)
     try:
         return DynamicBatch(inner, art.manifest)
@@ -545,7 +385,6 @@ def _load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None):
         raise ArtifactError(f"{source}: {e}") from None
 
 
-KINDS["dynamic_batch"] = _load_dynamic_batch
 
 
 def dynamic_batch(model: Model) -> DynamicBatch:

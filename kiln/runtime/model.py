@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kiln import engines as backends
+from kiln import engines
 
 from kiln.host import cores
 
@@ -31,10 +31,13 @@ from kiln.artifact import specs
 
 from kiln.artifact import trust
 from kiln.runtime import program as program_mod
+from kiln.observe import announce_model
 from kiln.observe.metrics import ModelMetrics
-from kiln.artifact.container import Artifact, write_atomic
+from kiln.runtime.workers import Worker
+from kiln.artifact.container import Artifact
+from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, InputError, KilnError
-from kiln.compiler.options import RuntimeOptions
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import Program
 
 HOST_CONSTANTS = "host_constants.safetensors"
@@ -77,11 +80,11 @@ class Model(torch.nn.Module):
                     "with another engine (engine=...)")
 
     # -- asynchronous calls -------------------------------------------------------
-    def _executor(self) -> "cores.Worker":
+    def _executor(self) -> Worker:
         if self._async_worker is None:
             with _worker_lock:
                 if self._async_worker is None:
-                    object.__setattr__(self, "_async_worker", cores.Worker(name=f"kiln-{self.name}"))
+                    object.__setattr__(self, "_async_worker", Worker(name=f"kiln-{self.name}"))
         return self._async_worker
 
     def submit(self, *args, **kwargs) -> Future:
@@ -228,6 +231,7 @@ class CompiledModel(Model):
         self._host_ops = bool(self.program.host_ops() or not m["partitions"])
         self.metrics = ModelMetrics(self.name)
         self.metrics.core = self.core.id if getattr(self, "core", None) is not None else None
+        announce_model(self.metrics)   # now kiln.metrics(), kiln ls and KILN_PROFILE see it
         self._labels = self.program.labels([p["engine"] for p in m["partitions"]])
 
     # -- calling ----------------------------------------------------------------
@@ -274,15 +278,15 @@ class CompiledModel(Model):
 
     def _build_program(self, runtime_options) -> Program:
         parts = self.manifest["partitions"]
-        engines = [backends.get(part["engine"]) for part in parts]
-        native = [part for part, backend in zip(parts, engines) if backend.native_code]
+        used = [engines.get(part["engine"]) for part in parts]
+        native = [part for part, engine in zip(parts, used) if engine.native_code]
         if native:   # before any engine loads anything
             trust.require(self._artifact, native, self._source)
         runners = []
-        for part, backend in zip(parts, engines):
+        for part, engine in zip(parts, used):
             try:
-                runners.append(backend.load(self._artifact.blobs[part["blob"]], runtime_options,
-                                            origin=self._artifact.origin(part["blob"])))
+                runners.append(engine.load(self._artifact.blobs[part["blob"]], runtime_options,
+                                           origin=self._artifact.origin(part["blob"])))
             except KilnError:
                 raise
             except Exception as e:
@@ -294,7 +298,7 @@ class CompiledModel(Model):
     def _place(self, core, worker=None):
         """Reload the engines on a worker pinned to ``core``'s CPUs (their thread
         pools inherit the pin), with one engine thread per CPU."""
-        worker = worker or cores.Worker(core.cpus, name=f"kiln-core{core.id}")
+        worker = worker or Worker(core.cpus, name=f"kiln-core{core.id}")
         opts = RuntimeOptions(threads=self.runtime_options.threads, cpus=core.cpus)
         program = worker.call(self._build_program, opts)
         old = self._worker
@@ -413,38 +417,5 @@ def resolve_placement():
     return cores.Core(-1, -1, cores.union(cores.visible()))
 
 
-# Artifact kinds other than a single compiled graph: kind -> loader(artifact, options, source).
-KINDS: dict = {}
 
 
-def from_artifact(art: Artifact, opts: RuntimeOptions, source: str = "artifact",
-                  core=DEFAULT, worker=None, trust_native_code=None) -> Model:
-    if not art.built:   # a bad signature is refused whatever the artifact holds
-        trust.admit(art, source, trust_native_code)
-    kind = art.manifest.get("kind", "model")
-    if kind == "model":
-        return CompiledModel(art, opts, source=source, core=core, worker=worker)
-    if kind not in KINDS:
-        from kiln.runtime import stages as pipeline
-        from kiln.runtime import buckets as shapes  # noqa: F401  (register their kinds)
-    if kind not in KINDS:
-        raise ArtifactError(f"{source}: artifact kind {kind!r} is not known to this kiln; "
-                            "upgrade kiln or recompile the model")
-    art.check_host(source)
-    return KINDS[kind](art, opts, source, core=core, worker=worker)
-
-
-def load(path_or_bytes, threads: int | None = None, trust_native_code: bool | None = None) -> Model:
-    """Load a ``.kiln`` artifact (path or bytes). No model source is needed.
-
-    Partitions that are native code (TorchInductor libraries) load only from
-    artifacts signed by this host's key or a key in ``KILN_TRUSTED_KEYS``, or
-    with ``trust_native_code=True`` (default: ``KILN_TRUST_NATIVE_CODE=1``);
-    otherwise ``UntrustedArtifactError``. A signed artifact whose signature does
-    not verify is refused (``SignatureError``). See ``kiln.artifact.trust``."""
-    opts = RuntimeOptions(threads=threads)
-    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>",
-                             trust_native_code=trust_native_code)
-    art = Artifact.load(path_or_bytes)
-    return from_artifact(art, opts, source=str(path_or_bytes), trust_native_code=trust_native_code)

@@ -204,15 +204,32 @@ def verify(spec, constants: dict, input_specs: list, partitions: list, output_sp
     from kiln.artifact import schema
     fail = schema.Fail(source)
     schema.need(fail, "program", spec, "object")
-    num_inputs = schema.field(fail, spec, "num_inputs", "program", "integer")
-    if num_inputs != len(input_specs):
-        fail("program.num_inputs", f"is {num_inputs}, but the model has {len(input_specs)} input tensors")
-    num_slots = schema.field(fail, spec, "num_slots", "program", "integer")
-    if num_slots < num_inputs:
-        fail("program.num_slots", f"is {num_slots}, fewer than the {num_inputs} inputs")
-    defined = set(range(num_inputs))
+    check = _ProgramCheck(fail, spec, constants, input_specs, partitions)
+    for i, step in enumerate(schema.field(fail, spec, "steps", "program", "list")):
+        check.step(f"program.steps[{i}]", step)
+    check.outputs(output_specs)
+    if not any("op" in step for step in spec["steps"]):
+        _dry_run(spec, constants, input_specs, partitions, output_specs, fail)
 
-    def arg(a, path, depth=0):
+
+class _ProgramCheck:
+    """The structural checks of :func:`verify`, one method per part of the program."""
+
+    def __init__(self, fail, spec, constants, input_specs, partitions):
+        from kiln.artifact import schema
+        self.schema, self.fail, self.spec = schema, fail, spec
+        self.constants, self.partitions = constants, partitions
+        self.num_inputs = schema.field(fail, spec, "num_inputs", "program", "integer")
+        if self.num_inputs != len(input_specs):
+            fail("program.num_inputs", f"is {self.num_inputs}, but the model has {len(input_specs)} input tensors")
+        self.num_slots = schema.field(fail, spec, "num_slots", "program", "integer")
+        if self.num_slots < self.num_inputs:
+            fail("program.num_slots", f"is {self.num_slots}, fewer than the {self.num_inputs} inputs")
+        self.defined = set(range(self.num_inputs))
+        self.written = 0
+
+    def arg(self, a, path, depth=0):
+        schema, fail = self.schema, self.fail
         if depth > schema.MAX_DEPTH:
             fail(path, f"nests deeper than {schema.MAX_DEPTH}")
         schema.need(fail, path, a, "object")
@@ -221,32 +238,23 @@ def verify(spec, constants: dict, input_specs: list, partitions: list, output_sp
         key, v = next(iter(a.items()))
         p = f"{path}.{key}"
         if key == "slot":
-            schema.index(fail, p, v, num_slots, "slots")
-            if v not in defined:
+            schema.index(fail, p, v, self.num_slots, "slots")
+            if v not in self.defined:
                 fail(p, f"reads slot {v} before any step writes it")
         elif key == "list":
             for i, item in enumerate(schema.need(fail, p, v, "list")):
-                arg(item, f"{p}[{i}]", depth + 1)
+                self.arg(item, f"{p}[{i}]", depth + 1)
         elif key == "v":
             schema.need(fail, p, v, "scalar")
         elif key == "dtype":
             schema.dtype(fail, p, v)
         else:
             schema.need(fail, p, v, "string")
-            try:
-                ok = {"float": lambda: float(v) is not None,
-                      "device": lambda: torch.device(v) is not None,
-                      "layout": lambda: isinstance(getattr(torch, v, None), torch.layout),
-                      "memory_format": lambda: isinstance(getattr(torch, v, None), torch.memory_format),
-                      }[key]()
-            except (ValueError, RuntimeError):
-                ok = False
-            if not ok:
+            if not _names_a(key, v):
                 fail(p, f"is not a {key.replace('_', ' ')} ({v!r})")
 
-    written = 0
-    for i, step in enumerate(schema.field(fail, spec, "steps", "program", "list")):
-        p = f"program.steps[{i}]"
+    def step(self, p, step):
+        schema, fail = self.schema, self.fail
         schema.need(fail, p, step, "object")
         kinds = [k for k in _STEPS if k in step]
         if len(kinds) != 1:
@@ -254,48 +262,70 @@ def verify(spec, constants: dict, input_specs: list, partitions: list, output_sp
         kind = kinds[0]
         outs = schema.field(fail, step, "out", p, "list")
         if kind == "partition":
-            k = schema.index(fail, f"{p}.partition", step["partition"], len(partitions), "partitions")
-            ins = schema.field(fail, step, "in", p, "list")
-            p_in, p_out = partitions[k]
-            if len(ins) != len(p_in) or len(outs) != len(p_out):
-                fail(p, f"passes {len(ins)} input(s) and takes {len(outs)} output(s), but partition "
-                     f"{k} has {len(p_in)} and {len(p_out)}")
+            ins = self._partition_step(p, step, outs)
         else:
             if len(outs) != 1:
                 fail(f"{p}.out", f"must name one slot, names {len(outs)}")
-            if kind == "const":
-                name = schema.need(fail, f"{p}.const", step["const"], "string")
-                if name not in constants:
-                    fail(f"{p}.const", f"names {name!r}, which is not among the host constants")
-                ins = []
-            elif kind == "getitem":
-                schema.need(fail, f"{p}.getitem", step["getitem"], "integer")
-                ins = schema.field(fail, step, "in", p, "list")
-                if len(ins) != 1:
-                    fail(f"{p}.in", "must hold one argument")
-            else:
-                schema.need(fail, f"{p}.op", step["op"], "string")
-                ins = schema.field(fail, step, "args", p, "list")
-                kwargs = schema.field(fail, step, "kwargs", p, "object")
-                for key, a in kwargs.items():
-                    arg(a, f"{p}.kwargs.{key}")
+            ins = self._host_step(p, step, kind)
         for j, a in enumerate(ins):
-            arg(a, f"{p}.{'in' if kind != 'op' else 'args'}[{j}]")
+            self.arg(a, f"{p}.{'in' if kind != 'op' else 'args'}[{j}]")
         for j, o in enumerate(outs):
             if o is None and kind == "partition":
                 continue            # an output nothing uses
-            defined.add(schema.index(fail, f"{p}.out[{j}]", o, num_slots, "slots"))
-            written += 1
-    if num_slots > num_inputs + written:
-        fail("program.num_slots", f"is {num_slots}, more than the inputs and steps write "
-             f"({num_inputs + written})")
-    outputs = schema.field(fail, spec, "outputs", "program", "list")
-    if len(outputs) != len(output_specs):
-        fail("program.outputs", f"has {len(outputs)} entries for {len(output_specs)} output tensors")
-    for j, a in enumerate(outputs):
-        arg(a, f"program.outputs[{j}]")
-    if not any("op" in step for step in spec["steps"]):
-        _dry_run(spec, constants, input_specs, partitions, output_specs, fail)
+            self.defined.add(schema.index(fail, f"{p}.out[{j}]", o, self.num_slots, "slots"))
+            self.written += 1
+
+    def _partition_step(self, p, step, outs):
+        schema, fail = self.schema, self.fail
+        k = schema.index(fail, f"{p}.partition", step["partition"], len(self.partitions), "partitions")
+        ins = schema.field(fail, step, "in", p, "list")
+        p_in, p_out = self.partitions[k]
+        if len(ins) != len(p_in) or len(outs) != len(p_out):
+            fail(p, f"passes {len(ins)} input(s) and takes {len(outs)} output(s), but partition "
+                 f"{k} has {len(p_in)} and {len(p_out)}")
+        return ins
+
+    def _host_step(self, p, step, kind):
+        schema, fail = self.schema, self.fail
+        if kind == "const":
+            name = schema.need(fail, f"{p}.const", step["const"], "string")
+            if name not in self.constants:
+                fail(f"{p}.const", f"names {name!r}, which is not among the host constants")
+            return []
+        if kind == "getitem":
+            schema.need(fail, f"{p}.getitem", step["getitem"], "integer")
+            ins = schema.field(fail, step, "in", p, "list")
+            if len(ins) != 1:
+                fail(f"{p}.in", "must hold one argument")
+            return ins
+        schema.need(fail, f"{p}.op", step["op"], "string")
+        ins = schema.field(fail, step, "args", p, "list")
+        for key, a in schema.field(fail, step, "kwargs", p, "object").items():
+            self.arg(a, f"{p}.kwargs.{key}")
+        return ins
+
+    def outputs(self, output_specs):
+        schema, fail = self.schema, self.fail
+        if self.num_slots > self.num_inputs + self.written:
+            fail("program.num_slots", f"is {self.num_slots}, more than the inputs and steps write "
+                 f"({self.num_inputs + self.written})")
+        outputs = schema.field(fail, self.spec, "outputs", "program", "list")
+        if len(outputs) != len(output_specs):
+            fail("program.outputs", f"has {len(outputs)} entries for {len(output_specs)} output tensors")
+        for j, a in enumerate(outputs):
+            self.arg(a, f"program.outputs[{j}]")
+
+
+def _names_a(key, v) -> bool:
+    """Whether the string ``v`` names a value of argument kind ``key`` (float, device, ...)."""
+    try:
+        return {"float": lambda: float(v) is not None,
+                "device": lambda: torch.device(v) is not None,
+                "layout": lambda: isinstance(getattr(torch, v, None), torch.layout),
+                "memory_format": lambda: isinstance(getattr(torch, v, None), torch.memory_format),
+                }[key]()
+    except (ValueError, RuntimeError):
+        return False
 
 
 class _Mismatch(Exception):

@@ -32,152 +32,20 @@ import tempfile
 import threading
 import weakref
 from concurrent.futures import Future
-from multiprocessing import connection, resource_tracker, shared_memory
+from multiprocessing import connection
 
 import torch
 
 from kiln.host import cores
 from kiln.artifact import specs
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, WorkerDiedError
+from kiln.runtime.replica_worker import Segment, layout, view, write
 from kiln.runtime.model import Model
 
 log = logging.getLogger("kiln")
-_CORE_ENV = ("KILN_VISIBLE_CORES", "KILN_NUM_CORES", "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES")
-
-
-class WorkerDiedError(KilnError):
-    """A DataParallel replica process died or hung while holding a call."""
-
-
-# -- shared-memory tensor transport ------------------------------------------------------
-def _layout(tensors):
-    """[(offset, shape, dtype name)], total bytes; offsets 64-byte aligned."""
-    meta, offset = [], 0
-    for t in tensors:
-        meta.append((offset, tuple(t.shape), specs.dtype_name(t.dtype)))
-        offset += (t.numel() * t.element_size() + 63) // 64 * 64
-    return meta, offset
-
-
-def _write(buf, tensors, meta):
-    for t, (offset, _, _) in zip(tensors, meta):
-        n = t.numel()
-        if n:
-            torch.frombuffer(buf, dtype=t.dtype, count=n, offset=offset).copy_(t.reshape(-1))
-
-
-def _view(buf, meta):
-    out = []
-    for offset, shape, dtype in meta:
-        dt = specs.dtype_from_name(dtype)
-        n = math.prod(shape)
-        t = torch.frombuffer(buf, dtype=dt, count=n, offset=offset) if n else torch.empty(0, dtype=dt)
-        out.append(t.view(shape))
-    return out
-
-
-class _Segment:
-    """A parent-owned shared memory segment that grows by replacement."""
-
-    def __init__(self, size):
-        self.shm = shared_memory.SharedMemory(create=True, size=max(int(size), 4096))
-
-    def ensure(self, size):
-        if size > self.shm.size:
-            self.close()
-            self.shm = shared_memory.SharedMemory(create=True, size=int(size * 1.5))
-        return self.shm
-
-    def close(self):
-        try:
-            self.shm.close()
-            self.shm.unlink()
-        except (FileNotFoundError, OSError):
-            pass
-
-
-# -- the worker process ------------------------------------------------------------------------
-def _attach(name):
-    """Map a parent-owned segment; the parent alone unlinks it (Python < 3.13
-    would otherwise have this process's resource tracker unlink it at exit)."""
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:
-        pass
-    return shm
-
-
-def _worker_entry():
-    """``python -c 'from kiln.runtime.replicas import _worker_entry; _worker_entry()' FD CONFIG``.
-
-    A fresh interpreter, not multiprocessing's spawn: spawn re-imports the
-    user's ``__main__``, which breaks every script without a main guard."""
-    fd, config = int(sys.argv[1]), json.loads(sys.argv[2])
-    _worker_main(connection.Connection(fd), config["artifact"], tuple(config["cpus"]),
-                 config["dynamic_batching"])
-
-
-def _worker_main(conn, artifact_path, cpus, dynamic_batching):
-    try:
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(len(cpus))
-        from kiln.runtime.model import load
-        from kiln.runtime.buckets import dynamic_batch
-        # the parent wrote this file, in its private directory, from a model it had loaded
-        # (and so trusted): its native code is trusted here too
-        model = load(artifact_path, threads=len(cpus), trust_native_code=True)
-        if dynamic_batching:
-            model = dynamic_batch(model)
-    except BaseException as e:  # noqa: B036 - reported to the parent, then exit
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", os.getpid()))
-    attached: dict = {}
-
-    def segment(name):
-        if name not in attached:
-            for old in attached.values():
-                old.close()
-            attached.clear()
-            attached[name] = _attach(name)
-        return attached[name]
-
-    def send_outputs(name, outs):
-        meta, size = _layout(outs)
-        out = _attach(name)
-        try:
-            if size > out.size:
-                return ("grow", size)
-            _write(out.buf, outs, meta)
-            return ("ok", meta)
-        finally:
-            out.close()
-
-    held = None
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "stop":
-            return
-        if msg[0] == "run":
-            _, in_name, in_meta, out_name = msg
-            try:
-                flat = _view(segment(in_name).buf, in_meta)
-                model.check(flat)
-                with torch.no_grad():
-                    held = [o.contiguous() for o in model.run_flat(flat)]
-                del flat
-            except BaseException as e:  # noqa: B036 - the call's error, not the worker's
-                conn.send(("error", type(e).__name__, str(e)))
-                continue
-        # "run" that fitted, or "resend" after the parent grew the output segment
-        reply = send_outputs(msg[-1] if msg[0] == "resend" else out_name, held)
-        if reply[0] == "ok":
-            held = None
-        conn.send(reply)
+# Not passed on to a worker: it gets its cores as arguments, and the parent profiles.
+_CORE_ENV = ("KILN_VISIBLE_CORES", "KILN_NUM_CORES", "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES",
+             "KILN_PROFILE")
 
 
 # -- the parent's view of one replica -----------------------------------------------------------------
@@ -188,8 +56,8 @@ class _Replica:
         self.timeout, self.start_timeout = timeout, start_timeout
         self.restarts = 0
         self.proc = self.conn = None
-        self.inp = _Segment(1 << 20)
-        self.out = _Segment(1 << 20)
+        self.inp = Segment(1 << 20)
+        self.out = Segment(1 << 20)
         self.start()
 
     def start(self):
@@ -198,11 +66,11 @@ class _Replica:
         config = json.dumps({"artifact": path, "cpus": list(cpus), "dynamic_batching": dynamic})
         # the replica owns its core (no core selection inside it) and does not write the
         # parent's KILN_PROFILE file over it at exit
-        env = {k: v for k, v in os.environ.items() if k not in _CORE_ENV and k != "KILN_PROFILE"}
+        env = {k: v for k, v in os.environ.items() if k not in _CORE_ENV}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from kiln.runtime.replicas import _worker_entry; _worker_entry()",
+            [sys.executable, "-c", "from kiln.runtime.replica_worker import worker_entry; worker_entry()",
              str(theirs.fileno()), config], pass_fds=[theirs.fileno()], env=env)
         theirs.close()   # the child holds the only other end: its death is EOF here
         self.conn = connection.Connection(ours.detach())
@@ -232,9 +100,9 @@ class _Replica:
                               f"died with exit code {code} while {doing}; it is restarted")
 
     def run(self, flat):
-        meta, size = _layout(flat)
+        meta, size = layout(flat)
         shm = self.inp.ensure(size)
-        _write(shm.buf, flat, meta)
+        write(shm.buf, flat, meta)
         try:
             self.conn.send(("run", shm.name, meta, self.out.shm.name))
         except OSError:
@@ -247,7 +115,7 @@ class _Replica:
             if msg[1] == "InputError":
                 raise InputError(msg[2])
             raise KilnError(f"replica {self.index}: {msg[1]}: {msg[2]}")
-        return [t.clone() for t in _view(self.out.shm.buf, msg[1])]
+        return [t.clone() for t in view(self.out.shm.buf, msg[1])]
 
     def restart(self):
         self.kill()
@@ -292,7 +160,7 @@ class DataParallel(Model):
                  split_size=None, timeout=None, start_timeout=300.0):
         super().__init__()
         if isinstance(module, (str, os.PathLike, bytes)):
-            from kiln.runtime.model import load
+            from kiln.runtime.loader import load
             module = load(module)
         if not isinstance(module, Model) or isinstance(module, DataParallel):
             raise KilnError(f"DataParallel takes a kiln model (kiln.trace / kiln.load), "

@@ -15,40 +15,9 @@ native-code partitions need a signer this host trusts (``KILN_TRUSTED_KEYS``) or
 """
 from __future__ import annotations
 
-import threading
-from typing import List
-
 import torch
 
 from kiln.artifact import specs
-
-_cache: dict = {}
-_cache_lock = threading.Lock()
-
-
-@torch.library.custom_op("kiln::run", mutates_args=())
-def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-    model = _cache.get(key)
-    if model is None:
-        with _cache_lock:
-            model = _cache.get(key)
-            if model is None:
-                from kiln.runtime.model import load
-                model = load(artifact.numpy().tobytes())
-                _cache[key] = model
-    model.check(inputs)
-    return [t.clone() if _aliases(t, inputs) else t for t in model.run_flat(list(inputs))]
-
-
-def _aliases(t, inputs):
-    # custom ops may not return their inputs; host-only programs can pass one through.
-    return any(t.untyped_storage().data_ptr() == i.untyped_storage().data_ptr() for i in inputs)
-
-
-@run.register_fake
-def _(artifact, key, inputs):
-    raise RuntimeError("kiln::run has no symbolic form; it runs compiled artifacts eagerly")
-
 
 class _Wrapper(torch.nn.Module):
     def __init__(self, compiled):

@@ -1,0 +1,46 @@
+"""What a benchmark runs on: a target's kind, a factory's inputs resized to a batch, inputs made from specs.
+
+Both the parent (to compile a factory) and every model copy (to call it) need
+these, so they live apart from either.
+"""
+from __future__ import annotations
+
+import os
+
+from kiln.factory import load_factory
+
+
+def is_factory(target) -> bool:
+    """Whether ``target`` names a ``module:function`` factory (not an artifact file or a model)."""
+    return isinstance(target, str) and ":" in target and not os.path.exists(target)
+
+
+def factory_inputs(spec, path, batch):
+    """(model, args, kwargs) from a factory, the example's dim 0 resized to ``batch``."""
+    import torch
+    model, example = load_factory(spec, path)
+    args, kwargs = ((), example) if isinstance(example, dict) else \
+        ((example,) if isinstance(example, torch.Tensor) else tuple(example), {})
+
+    def resize(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == batch:
+            return t
+        reps = -(-batch // t.shape[0])
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous()
+    return model.eval(), tuple(resize(a) for a in args), {k: resize(v) for k, v in kwargs.items()}
+
+
+def inputs_from_specs(specs, batch, compiled_batch):
+    """Inputs for an artifact benchmarked without its factory: random floats, ones for ids and masks."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for s in specs:
+        shape = list(s.shape)
+        if shape and compiled_batch is not None and shape[0] == compiled_batch:
+            shape[0] = batch
+        if s.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=g).to(s.dtype))
+        else:   # ids and masks: 1 is a valid token id and an "attend" mask value
+            out.append(torch.ones(shape, dtype=s.dtype))
+    return tuple(out)

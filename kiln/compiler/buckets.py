@@ -1,0 +1,167 @@
+"""Bucket planning: one compiled variant per bucket size, assembled into a ``Bucketed`` model.
+
+Engines compile for fixed shapes. The compile side here builds an example input per
+bucket (narrowing or padding the user's example), compiles each through the driver's
+``trace_one``, and infers which input and output dims follow the buckets, so the
+runtime adapter (:class:`kiln.runtime.buckets.Bucketed`) can pad and slice. Whether
+padding changes answers is proved afterwards by :mod:`kiln.compiler.padcheck`.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from kiln.artifact.container import wrapper_manifest
+from kiln.errors import CompilerArgsError
+from kiln.runtime.buckets import Bucketed
+
+
+def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
+    """The example inputs to compile, one per bucket: ``buckets`` is a list of
+    example inputs, or ``{input: {dim: [sizes]}}`` applied to the example.
+
+    Inputs with the same size as a named input on the same dim are resized with
+    it (``attention_mask`` follows ``input_ids``); pass them explicitly to
+    override that."""
+    if isinstance(buckets, (list, tuple)):
+        if not buckets:
+            raise CompilerArgsError("buckets=[] names no example inputs")
+        return [(b, None) if not isinstance(b, dict) else (None, b) for b in buckets]
+    if not isinstance(buckets, dict):
+        raise CompilerArgsError("buckets must be {input name: {dim: [sizes]}} or a list of example inputs")
+    from kiln.graph.capture import bind_inputs
+    named = bind_inputs(model, example_inputs, example_kwargs)
+    axes: list = []   # [(members [(name, dim)], sizes)]
+    for name, dims in buckets.items():
+        if name not in named or not isinstance(named[name], torch.Tensor):
+            raise CompilerArgsError(f"buckets names input {name!r}, but the tensor inputs are "
+                                    f"{', '.join(k for k, v in named.items() if isinstance(v, torch.Tensor))}")
+        if not isinstance(dims, dict):
+            raise CompilerArgsError(f"buckets[{name!r}] must be {{dim: [sizes]}}, got {dims!r}")
+        for dim, sizes in dims.items():
+            t = named[name]
+            if not isinstance(dim, int) or not -t.dim() <= dim < t.dim():
+                raise CompilerArgsError(f"buckets[{name!r}]: {t.dim()}-d input has no dim {dim!r}")
+            dim %= t.dim()
+            sizes = sorted({int(s) for s in sizes})
+            if not sizes or sizes[0] < 1:
+                raise CompilerArgsError(f"buckets[{name!r}][{dim}]: sizes must be positive, got {sizes}")
+            existing = next((ax for ax in axes if (name, dim) in ax[0]), None)
+            if existing is not None:
+                if existing[1] != sizes:
+                    raise CompilerArgsError(
+                        f"buckets: {name!r} dim {dim} follows another input's sizes "
+                        f"{existing[1]}; give both the same sizes")
+                continue
+            members = [(name, dim)] + [
+                (other, dim) for other, v in named.items()
+                if other != name and other not in buckets and isinstance(v, torch.Tensor)
+                and v.dim() > dim and v.shape[dim] == t.shape[dim]]
+            axes.append((members, sizes))
+    pad_values = pad_values or {}
+    examples = []
+    for combo in itertools.product(*(sizes for _, sizes in axes)):
+        resized = dict(named)
+        for (members, _), size in zip(axes, combo):
+            for name, dim in members:
+                resized[name] = _resize(resized[name], dim, size, pad_values.get(name, 0))
+        examples.append((None, resized))
+    return examples
+
+
+def _resize(t, dim, size, pad_value):
+    n = t.shape[dim]
+    if size <= n:
+        return t.narrow(dim, 0, size).contiguous()
+    pads = [0, 0] * (t.dim() - 1 - dim) + [0, size - n]
+    return torch.nn.functional.pad(t, pads, value=pad_value)
+
+
+def trace_buckets(model, examples, pad_values, output_dims, trace_one):
+    """Compile one variant per bucket example (:func:`bucket_examples`) and return the
+    ``Bucketed`` model."""
+    variants, seconds = [], []
+    for n, (args, kwargs) in enumerate(examples):
+        started = time.perf_counter()
+        variants.append(trace_one(model, args, kwargs, label=f"bucket {n + 1}/{len(examples)}"))
+        seconds.append(round(time.perf_counter() - started, 3))
+    return assemble(variants, seconds, pad_values, output_dims)
+
+
+def assemble(variants, seconds, pad_values=None, output_dims=None) -> Bucketed:
+    """Infer the axes and output dims from compiled variants and build the model."""
+    first = variants[0]
+    for v in variants[1:]:
+        if v.input_structure != first.input_structure or v.output_structure != first.output_structure:
+            raise CompilerArgsError("bucket examples must have the same inputs and outputs; "
+                                    f"{v.name} differs in structure between buckets")
+        for a, b in zip(v.input_specs + v.output_specs, first.input_specs + first.output_specs):
+            if a.dtype != b.dtype or len(a.shape) != len(b.shape):
+                raise CompilerArgsError(f"bucket examples differ in dtype or rank of {a.name}: "
+                                        f"{a.describe()} vs {b.describe()}")
+    axes: list = []
+    for i, spec in enumerate(first.input_specs):
+        for d in range(len(spec.shape)):
+            seq = [v.input_specs[i].shape[d] for v in variants]
+            if len(set(seq)) > 1:
+                ax = next((ax for ax in axes if ax["sizes"] == seq), None)
+                if ax is None:
+                    axes.append({"inputs": [[i, d]], "sizes": seq})
+                else:
+                    ax["inputs"].append([i, d])
+    if not axes:
+        raise CompilerArgsError("the bucket examples all have the same shapes; give different sizes")
+    sizes = [tuple(seq[k] for seq in (ax["sizes"] for ax in axes)) for k in range(len(variants))]
+    if len(set(sizes)) != len(sizes):
+        raise CompilerArgsError(f"two buckets have the same sizes {sizes}")
+    out_dims = _output_dims(first, variants, axes, output_dims)
+    flat_pads = {}
+    for i, spec in enumerate(first.input_specs):
+        for name, value in (pad_values or {}).items():
+            if spec.name == name or spec.name.startswith((f"{name}.", f"{name}[")):
+                flat_pads[str(i)] = value
+    meta = {"axes": axes, "pad_values": flat_pads, "output_dims": out_dims,
+            "variants": [{"blob": f"variants/{k}.kiln", "sizes": list(sizes[k]),
+                          "compile_seconds": seconds[k]} for k in range(len(variants))]}
+    manifest = wrapper_manifest("bucketed", first.manifest, buckets=meta)
+    return Bucketed(variants, meta, manifest)
+
+
+def _output_dims(first, variants, axes, declared):
+    """[[output, dim, axis]]: declared as {output name: {dim: input name or (name, dim)}},
+    else inferred: an output dim whose size follows an axis in every variant."""
+    out: list = []
+    names = [s.name for s in first.output_specs]
+    declared = declared or {}
+    for o, spec in enumerate(first.output_specs):
+        decl = declared.get(spec.name, declared.get(o))
+        for d in range(len(spec.shape)):
+            seq = [v.output_specs[o].shape[d] for v in variants]
+            if decl and d in decl:
+                if decl[d] is None:       # declared: depends on the buckets, never sliced
+                    continue
+                a = _axis_of(decl[d], first, axes)
+                out.append([o, d, a])
+                continue
+            if len(set(seq)) == 1:
+                continue
+            a = next((a for a, ax in enumerate(axes) if ax["sizes"] == seq), None)
+            if a is None:
+                raise CompilerArgsError(
+                    f"output '{spec.name}' dim {d} changes with the buckets ({seq}) but follows no "
+                    f"bucketed input dim; declare it with output_dims={{{spec.name!r}: {{{d}: "
+                    "'<input name>'}}, or {dim: None} to leave it unsliced")
+            out.append([o, d, a])
+    del names
+    return out
+
+
+def _axis_of(ref, first, axes):
+    name, dim = (ref, None) if isinstance(ref, str) else ref
+    for a, ax in enumerate(axes):
+        for i, d in ax["inputs"]:
+            if first.input_specs[i].name == name and (dim is None or dim == d):
+                return a
+    raise CompilerArgsError(f"output_dims refers to {ref!r}, which is not a bucketed input dim")

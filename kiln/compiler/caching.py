@@ -1,0 +1,151 @@
+"""The compile cache as a driver hook: look a graph up before compiling it, store it after.
+
+The store itself (keys, entries, locks, eviction) is :mod:`kiln.compiler.cache`; this
+module is the policy around one compile, handed to the driver as a
+:class:`kiln.compiler.driver.Hook`:
+
+1. the model's *fingerprint* (weights and code, no capture) may alias a known key;
+2. else the graph is captured and keyed (:func:`keys.graph_key`), and looked up;
+3. else it is compiled under the key's lock (one process compiles, others wait and
+   reuse), stored, and the fingerprint aliased to the key.
+
+A failure that comes from the graph and the options is remembered and raised again
+from the cache, as its original class (``except CompileError`` still catches it).
+"""
+from __future__ import annotations
+
+import logging
+
+from kiln._version import __version__
+from kiln.artifact import trust
+from kiln.artifact.container import Artifact
+from kiln.compiler import keys
+from kiln.errors import (ArtifactError, CompileError, UnsupportedOpError, UntrustedArtifactError,
+                         ValidationError, cached_failure)
+from kiln.graph.capture import bind_inputs, capture
+from kiln.runtime.model import CompiledModel
+from kiln.runtime.options import RuntimeOptions
+
+log = logging.getLogger("kiln")
+
+# Failures that come from the graph and the options, so they recur on every machine
+# with the same key; a missing engine or a killed process is not remembered.
+DETERMINISTIC = (CompileError, UnsupportedOpError, ValidationError)
+
+
+class CacheHook:
+    """Compile through ``store``; ``on_miss(job, captured, key, fingerprint)``, when given,
+    replaces compiling on a miss (parallel-compile's collect pass records the job)."""
+
+    def __init__(self, store, retry_failed=False, progress=None, on_miss=None):
+        self.store, self.retry_failed, self.progress, self.on_miss = store, retry_failed, progress, on_miss
+
+    def __call__(self, job, compile_):
+        if job.calibration:          # static-quantization samples are not part of the key
+            return compile_()
+        store, progress = self.store, self.progress
+        extra = {"name": job.name}
+        from_cache = reader(store, self.retry_failed, job.threads)
+        with progress.phase("cache lookup"):
+            named = bind_inputs(job.model, job.args, job.kwargs)
+            fp = keys.fingerprint(job.model, named, job.options, extra)
+            key = store.alias(fp) if fp else None
+            hit = from_cache(key) if key is not None else None
+            if hit is not None:
+                store.count("alias_hits")
+                return hit
+        with progress.phase("capture"):
+            captured = capture(job.model, job.args, job.kwargs)
+        key = keys.graph_key(captured, job.options, extra)
+        hit = from_cache(key)
+        if hit is None:
+            if self.on_miss is not None:
+                return self.on_miss(job, captured, key, fp)
+            return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache)
+        if fp:
+            store.set_alias(fp, key)
+        return hit
+
+
+def reader(store, retry_failed, threads):
+    """A function key -> loaded model from the cache, or None (then compile); a remembered
+    failure raises again unless ``retry_failed``.
+
+    Entries are verified like any artifact, but their native code is trusted only by a
+    signature (this host's key or ``KILN_TRUSTED_KEYS``; never ``KILN_TRUST_NATIVE_CODE``):
+    anyone who can write to a shared store can replace an entry. An untrusted entry is a
+    miss, kept for the hosts that trust it (its key lands in ``from_cache.untrusted``, and
+    :func:`compile_into` does not overwrite it); a bad signature is corruption."""
+    untrusted: set = set()
+
+    def from_cache(key):
+        found = store.lookup(key)
+        if found is None:
+            return None
+        status, payload, meta = found
+        if status == "failed":
+            return _failed(store, key, payload, meta, retry_failed)
+        try:
+            where = f"cache entry {key[:16]}"
+            art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
+            trust.admit(art, where, trust_native_code=False)
+            compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
+        except UntrustedArtifactError as e:
+            if key not in untrusted:
+                untrusted.add(key)
+                store.count("untrusted")
+                log.warning("kiln cache: not loading entry %s, compiling instead: %s", key[:16], e)
+            return None
+        except ArtifactError as e:   # a corrupt entry; a missing engine or bad setting is no reason to drop it
+            store.discard(key, e)
+            return None
+        store.touch(key, meta)
+        store.count("hits")
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
+        return compiled
+
+    from_cache.untrusted = untrusted
+    return from_cache
+
+
+def _failed(store, key, payload, meta, retry_failed):
+    if retry_failed:
+        store.forget(key)
+        return None
+    store.count("failed_hits")
+    error = str(meta.get("error") or "")
+    raise cached_failure(
+        error.partition(":")[0],
+        f"{meta.get('model_name', 'this model')} failed to compile on {meta.get('created', '?')[:19]} "
+        f"with these options (cache key {key[:16]}): {payload}\nkiln does not retry known "
+        "failures; pass retry_failed=True (kiln compile --retry-failed) to try again")
+
+
+def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache):
+    """Compile ``key`` once across processes: under its lock, unless another process
+    stores it meanwhile (then that result is used), and remember deterministic failures."""
+    with store.lock(key, wait_for=lambda: from_cache(key)) as ready:
+        hit = ready or from_cache(key)
+        if hit is not None:
+            if fp:
+                store.set_alias(fp, key)
+            return hit
+        store.count("misses")
+        store.count("compiles")
+        info = {"model_name": captured.model_name, "kiln_version": __version__,
+                "options": compiler_args if isinstance(compiler_args, str) else " ".join(compiler_args or [])}
+        try:
+            compiled = compile_(captured)
+        except DETERMINISTIC as e:
+            store.store_failure(key, e, info)
+            raise
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
+        engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
+        if key in getattr(from_cache, "untrusted", ()):
+            log.info("kiln cache: keeping entry %s (signed by a key this host does not trust) "
+                     "for the hosts that trust it", key[:16])
+        else:
+            store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
+        if fp:
+            store.set_alias(fp, key)
+        return compiled

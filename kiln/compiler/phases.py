@@ -1,0 +1,191 @@
+"""The compiler's phases, and the typed objects handed from one to the next::
+
+    model ──capture──► Captured ──plan──► Plan ──build──► Build ──package──► Artifact
+                          ▲                                                     │
+    FX graph ─from_graph──┘                       load (runtime) ◄──────────────┘ ──check──► validation
+
+A caller may enter at any arrow: ``kiln.trace`` starts from a model; a
+``torch.compile`` backend or a lazy device's ``mark_step`` starts from an FX graph
+(:func:`kiln.graph.capture.from_graph` gives the ``Captured``); the parallel-compile
+worker starts from a ``Captured`` it read from disk. Each phase takes the options
+already parsed (:class:`kiln.compiler.options.CompileOptions`, frozen) and returns a
+new object instead of changing its input, so a phase can be rerun or skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln import engines
+from kiln._version import __version__
+from kiln.artifact import specs
+from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
+from kiln.errors import CompilerArgsError, UnsupportedOpError
+from kiln.graph.analysis import AnalysisReport, report as make_report
+from kiln.graph.capture import Captured
+from kiln.graph.partition import Placement, place, split
+from kiln.host import target as target_mod
+from kiln.runtime.model import HOST_CONSTANTS
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.program import build as build_program
+from kiln.compiler.options import CompileOptions
+from kiln.compiler.selection import compile_partition, primary
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every op of one captured graph runs, and why."""
+    captured: Captured
+    options: CompileOptions          # as resolved for this graph (auto-cast may choose the engine)
+    engine: object                   # the primary engine: placement and report are against it
+    placement: Placement
+    report: AnalysisReport
+    precision: dict | None = None    # the auto-cast record for the manifest
+
+
+@dataclass(frozen=True)
+class Build:
+    """Every device partition compiled, and the host program that wires them."""
+    plan: Plan
+    program: dict
+    partitions: list                 # manifest records, one per partition
+    blobs: dict = field(default_factory=dict)   # artifact member name -> bytes
+
+
+def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
+    """Auto-cast, place ops on the primary engine or the host, and report op support."""
+    notes: list = []
+    opts, precision = apply_auto_cast(captured, opts, notes)
+    engine, engine_notes = primary(opts)
+    notes += engine_notes
+    with progress.phase("analyze"):
+        placement = place(captured.graph_module, engine, opts)
+        rep = make_report(captured.graph_module, placement, captured.model_name, engine.name)
+    rep.notes.extend(notes)
+    if not placement.partitions:
+        rep.notes.append(f"No operator is placed on the {engine.name} engine; the whole model "
+                         "runs on the host with PyTorch")
+    return Plan(captured, opts, engine, placement, rep, precision)
+
+
+def refuse_unsupported(p: Plan):
+    """Ops the engine cannot run, with fallback off, are an error naming each one and where."""
+    unsupported = [u for u in p.report.unsupported_ops if u["engine_unsupported"]]
+    if unsupported and not p.options.fallback:
+        lines = [f"  {u['op']} (x{u['count']}): {u['reason']}" +
+                 "".join(f"\n      at {loc}" for loc in u["locations"]) for u in unsupported]
+        raise UnsupportedOpError(
+            f"{p.captured.model_name} uses {len(unsupported)} operator(s) the {p.engine.name} engine "
+            "cannot run and fallback is disabled:\n" + "\n".join(lines) +
+            "\nEnable fallback=True to run them on the host with PyTorch, or rewrite those lines.")
+    if not p.placement.partitions:
+        warnings.warn(f"kiln: no operator of {p.captured.model_name} is placed on the {p.engine.name} "
+                      "engine; returning a model that runs entirely on the host with PyTorch",
+                      stacklevel=4)
+
+
+def build(p: Plan, runtime_opts: RuntimeOptions, progress, calibration=None) -> Build:
+    """Split the graph at the placement and compile each partition on its engine.
+
+    ``calibration``: flat input lists for static quantization (default: the example)."""
+    fused = split(p.captured.graph_module, p.placement)
+    program, constants, submodules = build_program(fused)
+    part_inputs, part_outputs = partition_io(fused, p.captured.example_inputs)
+    samples = [partition_io(fused, flat)[0] for flat in calibration or ()] or [part_inputs]
+    blobs, partitions = {}, []
+    for i, sub in enumerate(submodules):
+        label = f"partition {i + 1}/{len(submodules)}"
+        engine, blob, record = compile_partition(i, sub, part_inputs[i], p.options, runtime_opts,
+                                                 progress, label, calibration=[s[i] for s in samples])
+        blob_name = f"partitions/{i}{engine.blob_suffix}"
+        blobs[blob_name] = blob
+        partitions.append({
+            "id": i, "blob": blob_name, "num_ops": p.report.partitions[i]["num_ops"], **record,
+            "inputs": [_spec(f"in{j}", t) for j, t in enumerate(part_inputs[i])],
+            "outputs": [_spec(f"out{j}", t) for j, t in enumerate(part_outputs[i])],
+        })
+    if constants:
+        from safetensors.torch import save as st_save
+        blobs[HOST_CONSTANTS] = st_save(constants)
+    return Build(p, program, partitions, blobs)
+
+
+def package(b: Build) -> Artifact:
+    """The artifact: manifest (I/O, program, partitions, report) and the blobs."""
+    p, captured = b.plan, b.plan.captured
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": __version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model_name": captured.model_name,
+        "engine": {"name": p.engine.name, "version": p.engine.version()},
+        "engines": sorted({(r["engine"], r["engine_version"]) for r in b.partitions}),
+        "target": target_mod.describe(p.options.target, p.options.device),
+        "compile_options": p.options.to_dict(),
+        "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
+                   "tensors": [s.to_dict() for s in captured.input_specs]},
+        "outputs": {"structure": captured.output_structure,
+                    "tensors": [s.to_dict() for s in captured.output_specs]},
+        "program": b.program,
+        "partitions": b.partitions,
+        "report": p.report.to_dict(),
+    }
+    if p.precision:
+        manifest["precision"] = p.precision
+    return Artifact(manifest, dict(b.blobs))
+
+
+def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
+    """--auto-cast, applied to the graph before partitioning: (options, precision record).
+
+    On a GPU the ops are lowered to the type; on a CPU an engine that computes the type
+    natively is chosen when there is one; otherwise the rounding is emulated in fp32 so
+    the user sees the accuracy they would get (and a warning that it is not faster)."""
+    if opts.auto_cast == "none" or opts.auto_cast_type == "fp32":
+        return opts, None
+    from kiln.graph import precision
+    kind, cast = opts.auto_cast, opts.auto_cast_type
+    if opts.device == "cuda":
+        if not precision.native_on_gpu(cast):
+            raise CompilerArgsError(f"--auto-cast-type {cast} is not computed natively by "
+                                    f"this GPU ({torch.cuda.get_device_name()}); use fp16, or device='cpu' "
+                                    "to emulate its rounding")
+        n = precision.lower(captured.graph_module, kind, cast)
+        return opts, {"auto_cast": kind, "type": cast, "emulated": False, "ops_lowered": n,
+                      "note": f"{n} op(s) computed in {cast} on the GPU"}
+    native = engines.native_engine(cast, "cpu", among=opts.engine) if target_mod.native(cast) else None
+    if native is not None:
+        return dataclasses.replace(opts, engine=native), {
+            "auto_cast": kind, "type": cast, "emulated": False,
+            "note": f"{cast} computed natively by {engines.get(native).title}"}
+    n = precision.emulate(captured.graph_module, kind, cast)
+    note = (f"{cast} is emulated: inputs of {n} op(s) are rounded to {cast} and computed in "
+            "fp32, to show its accuracy, not to gain speed")
+    notes.append(note)
+    warnings.warn(f"kiln: {note}", stacklevel=4)
+    return opts, {"auto_cast": kind, "type": cast, "emulated": True, "ops_rounded": n, "note": note}
+
+
+def partition_io(fused, example_inputs):
+    """Run the split graph once in PyTorch to get each partition's example inputs/outputs."""
+    ins, outs = {}, {}
+
+    class Recorder(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            result = super().call_module(target, args, kwargs)
+            ins[target] = [a for a in args]
+            outs[target] = list(result) if isinstance(result, (tuple, list)) else [result]
+            return result
+
+    with torch.no_grad():
+        Recorder(fused).run(*example_inputs)
+    order = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return [ins[t] for t in order], [outs[t] for t in order]
+
+
+def _spec(name, t):
+    return specs.TensorSpec(name, tuple(t.shape), t.dtype).to_dict()

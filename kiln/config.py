@@ -1,0 +1,104 @@
+"""Every environment variable kiln reads, with its default and meaning, in one place.
+
+Modules ask :func:`get` (or :func:`flag`) by name instead of reading ``os.environ``;
+a name that is not declared here is a programming error, so a new variable cannot be
+added without its documentation (``docs/configuration.md`` is generated from
+:data:`VARIABLES` by :func:`table`, and a test checks that no other module reads
+``KILN_*`` or ``NEURON_*`` directly). Values are read at call time, not at import:
+tests and long-lived processes may change them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None
+    meaning: str
+    group: str
+
+
+_V = Variable
+VARIABLES = {v.name: v for v in (
+    # compiling
+    _V("KILN_CACHE_URL", None, "compile cache location: a directory or fsspec URL (s3://...); "
+       "'off' disables it. Default ~/.cache/kiln", "compile"),
+    _V("KILN_CACHE_MAX_BYTES", None, "evict least-recently-used cache entries beyond this size "
+       "(e.g. 20G)", "compile"),
+    _V("KILN_COLLECT_DIR", None, "set by kiln parallel-compile: trace() records jobs here "
+       "instead of compiling", "compile"),
+    _V("KILN_QUIET", "", "1: no live progress line on a terminal", "compile"),
+    _V("NEURON_CC_FLAGS", "", "Neuron compiler flags, read by kiln.neuronx / kiln.neuron traces",
+       "compile"),
+    _V("NEURON_COMPILE_CACHE_URL", None, "Neuron's cache location; used when KILN_CACHE_URL is "
+       "unset, by the compat layer", "compile"),
+    # running
+    _V("KILN_NUM_THREADS", None, "engine threads per model (default: the CPUs of its kiln core)",
+       "run"),
+    _V("KILN_VISIBLE_CORES", None, "kiln cores this process may use, e.g. '0-1' or '0,2'", "run"),
+    _V("KILN_NUM_CORES", None, "number of kiln cores this process may use", "run"),
+    _V("KILN_CPUS_PER_CORE", None, "group CPUs N at a time into kiln cores (default: one kiln core "
+       "per physical core)", "run"),
+    _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
+    _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
+    _V("KILN_ORT_PREPACKED", "map", "ONNX Runtime weights: 'map' the artifact's pre-packed "
+       "weights from the file, or 'copy'", "run"),
+    # trust
+    _V("KILN_CONFIG_DIR", None, "where the signing key lives (default ~/.config/kiln)", "trust"),
+    _V("KILN_TRUSTED_KEYS", "", "public keys (files, or base64 text) whose signatures this host "
+       "trusts, separated by the path separator", "trust"),
+    _V("KILN_TRUST_NATIVE_CODE", "", "1: load native-code partitions from any artifact "
+       "(never from the shared cache)", "trust"),
+    # observing
+    _V("KILN_PROFILE", None, "write a Chrome-trace timeline of the whole process to this file "
+       "at exit", "observe"),
+    _V("KILN_REGISTRY", "on", "off: do not announce this process to kiln ls / monitor / top",
+       "observe"),
+    _V("KILN_RUN_DIR", None, "directory of the process registry's heartbeat files "
+       "(default $XDG_RUNTIME_DIR/kiln or a temp dir)", "observe"),
+    _V("KILN_HEARTBEAT_S", "1", "seconds between registry heartbeats", "observe"),
+    _V("KILN_PROCESS_TAG", None, "a label shown for this process in kiln ls / monitor / top",
+       "observe"),
+)}
+del _V
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or its default when unset."""
+    try:
+        default = VARIABLES[name].default
+    except KeyError:
+        raise KeyError(f"{name} is not a kiln setting; declare it in kiln/config.py") from None
+    value = os.environ.get(name)
+    return default if value is None else value
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is present in the environment (even if empty)."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a kiln setting; declare it in kiln/config.py")
+    return name in os.environ
+
+
+def flag(name: str) -> bool:
+    """A yes/no variable: 1, true, yes or on."""
+    return (get(name) or "").strip().lower() in _TRUE
+
+
+def names(group: str | None = None) -> list:
+    return [v.name for v in VARIABLES.values() if group is None or v.group == group]
+
+
+def table() -> str:
+    """The variables as a markdown table (docs/configuration.md)."""
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for group in ("compile", "run", "trust", "observe"):
+        for v in VARIABLES.values():
+            if v.group == group:
+                rows.append(f"| `{v.name}` | {'`' + v.default + '`' if v.default else '—'} | {v.meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,127 @@
+"""The engine contract: what kiln asks of an engine, and what an engine says about itself.
+
+An engine turns one device partition (a GraphModule of core ATen ops, weights
+inside) into a self-contained blob at compile time, and that blob into a
+callable at load time. Everything kiln needs to *choose* an engine is an
+attribute of the engine, so that selection, the compile cache, the trust
+check and ``kiln ls`` read capabilities instead of knowing engine names, and
+an engine kiln has never heard of (a plugin, see ``kiln.engines``) is chosen
+by the same rules as the built-in ones.
+
+Constructing an engine must be cheap and must not import its package: the
+registry builds engines to read these attributes on hosts where the package is
+missing, and ``import kiln`` must stay fast.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+
+class Engine:
+    """One engine. Subclasses set the attributes and implement supports/compile/load.
+
+    Description (class attributes, read without the engine's package installed):
+
+    * ``name``: what ``engine=`` and the manifest call it; ``title``: its name in prose.
+    * ``devices``: where its builds run (``("cpu",)``, ``("cpu", "cuda")``).
+    * ``priority``: ``{device: rank}``, its place in kiln's default order on that device
+      (lower first). A device left out: the engine runs there only when named.
+    * ``fallback``: after an engine the user names, kiln still tries this one on
+      partitions the named one cannot compile (it runs any ATen op).
+    * ``prefers_attention``: at -O2 partitions with attention go to this engine first
+      (measured faster on them).
+    * ``quantizes``: the ``quantize=`` modes its ``compile`` implements (``("int8",)``);
+      a quantized partition never goes to another engine.
+    * ``package``: the distribution whose version is recorded (``pip install`` name);
+      ``modules``: the Python modules it needs, all importable when it is available.
+    * ``native_code``: loading a blob runs machine code from it (a shared library);
+      such partitions load only from artifacts this host trusts
+      (``kiln.artifact.trust``). Engines whose blobs are data they parse leave it False.
+    * ``blob_suffix``: the blob's file suffix inside the artifact.
+    """
+
+    name: str = ""
+    title: str = ""
+    devices: tuple = ("cpu",)
+    priority: dict = {}
+    fallback: bool = False
+    prefers_attention: bool = False
+    quantizes: tuple = ()
+    package: str = ""
+    modules: tuple = ()
+    native_code: bool = False
+    blob_suffix: str = ".bin"
+
+    # -- description that depends on the host ---------------------------------------
+
+    def missing(self) -> str | None:
+        """Why this engine cannot run here (a module that does not import), or None."""
+        for module in self.modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                return f"{module} cannot be imported: {e}"
+        return None
+
+    def available(self) -> bool:
+        return self.missing() is None
+
+    def version(self) -> str:
+        """The version recorded with its builds; it starts with ``package``'s version."""
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return importlib.import_module(self.modules[0]).__version__
+
+    def package_version(self) -> str | None:
+        """``package``'s installed version from its metadata (no import), or None."""
+        try:
+            return importlib.metadata.version(self.package)
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            return None
+
+    def native_types(self, device: str = "cpu") -> tuple:
+        """The reduced float types ("bf16", "fp16") its builds compute natively on this
+        host's ``device``; kiln emulates the others' rounding for --auto-cast."""
+        return ()
+
+    # -- what it does ---------------------------------------------------------------
+
+    @staticmethod
+    def not_an_op(node) -> str | None:
+        """Reason a non-operator node cannot be compiled (tuple unpacking is fine)."""
+        if getattr(node.target, "__name__", "") == "getitem":
+            return None
+        return f"{node.target} is not an ATen operator"
+
+    def supports(self, node) -> str | None:
+        """None if this engine can run the fx node, otherwise why not (analysis reports it)."""
+        raise NotImplementedError
+
+    def variants(self, options) -> tuple:
+        """Other builds of a partition that -O3 also times (passed back as ``variant=``),
+        for settings that win on some models and lose on others."""
+        return ()
+
+    def compile(self, partition, example_inputs, options, *, variant=None, calibration=None) -> bytes:
+        """A self-contained, fully optimised blob for ``partition``.
+
+        ``variant``: None for the default build, else one of ``variants(options)``.
+        ``calibration``: when ``options.quantize`` asks for calibrated int8, a list of
+        partition input lists to calibrate on; engines that do not quantize ignore it.
+        Raising anything but a ``KilnError`` records the engine as failed on this
+        partition and selection moves on to the next engine.
+        """
+        raise NotImplementedError
+
+    def load(self, blob, runtime_options, origin=None):
+        """A callable from a list of input tensors to a list of output tensors, safe to
+        call from several threads at once. ``blob`` may be a read-only view into a mapped
+        artifact; ``origin`` (``kiln.artifact.container.Origin``), when given, says where
+        those bytes lie in a file, for engines that map weights instead of copying them.
+        The callable may offer ``signature()``: ([(shape, dtype)] of inputs, of outputs)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<kiln engine {self.name!r}>"

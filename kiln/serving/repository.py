@@ -1,0 +1,157 @@
+"""The server's model repository: which models it serves, under which names, and their lifecycle.
+
+Models are named after their file, as Triton names a model after its repository
+folder (``models/bert.kiln`` -> ``bert``), unless named ``name=path``.
+:class:`ServerState` holds every :class:`~kiln.serving.models.ServedModel` and
+the flags the app's handlers share; it loads the models in a background thread
+once the app starts, and drains them on shutdown.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+from kiln.artifact.container import MANIFEST
+from kiln.errors import ArtifactError, KilnError
+from kiln.runtime.model import Model
+from kiln.serving.logs import log
+from kiln.serving.metrics import ServeMetrics
+from kiln.serving.models import ServedModel
+from kiln.serving.settings import ServeConfig
+
+
+# -- names -----------------------------------------------------------------------------------------
+def model_name_of(path: str) -> str:
+    """The model name in an artifact's manifest (and a quick check that it is one)."""
+    if not os.path.exists(path):
+        raise ArtifactError(f"{path}: no such file")
+    try:
+        with zipfile.ZipFile(path) as z:
+            return json.loads(z.read(MANIFEST)).get("model_name", "model")
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
+        raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
+
+
+def default_name(path: str) -> str:
+    """The URL name of an artifact served without ``name=``: the file's stem, as Triton names a
+    model after its repository folder (``models/bert.kiln`` -> ``bert``). The artifact's own model
+    name (often just the Python class) stays visible in the model's metadata."""
+    model_name_of(path)
+    stem = os.path.basename(os.fspath(path))
+    root, ext = os.path.splitext(stem)
+    return root if ext and root else stem
+
+
+def _spec_items(models) -> list:
+    """``[(name or None, path or Model)]`` from a list of paths, ``name=path`` strings, models
+    and pairs (a path that exists wins over reading ``=`` in it as a name)."""
+    if isinstance(models, (str, os.PathLike, Model)):
+        models = [models]
+    items = []
+    for spec in models:
+        if isinstance(spec, tuple):
+            items.append(spec)
+        elif isinstance(spec, Model):
+            items.append((spec.name, spec))
+        else:
+            spec = os.fspath(spec)
+            name, sep, path = spec.partition("=")
+            if sep and name and os.sep not in name and not os.path.exists(spec):
+                items.append((name, path))
+            else:
+                items.append((None, spec))
+    return items
+
+
+def resolve_models(models) -> dict:
+    """``{name: path or Model}`` from what :func:`kiln.serving.app.build_app` accepts."""
+    items = list(models.items()) if isinstance(models, dict) else _spec_items(models)
+    out: dict = {}
+    for name, src in items:
+        if not isinstance(src, Model):
+            src = os.fspath(src)
+            name = name or default_name(src)
+        if name in out:
+            raise KilnError(f"two models are named '{name}'; name them on the command line "
+                            "(name=path.kiln)")
+        if not name or "/" in name or not name.isprintable() or not _utf8(name):
+            raise KilnError(f"model name {name!r} cannot be used in a URL path; name it on the "
+                            "command line (name=path.kiln)")
+        out[name] = src
+    if not out:
+        raise KilnError("no models to serve")
+    return out
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:      # a file name that is not UTF-8 (surrogate escapes)
+        return False
+
+
+# -- the models and the server's lifecycle ----------------------------------------------------------
+class ServerState:
+    """Everything the app's handlers share: models, config, metrics, lifecycle flags."""
+
+    def __init__(self, models: dict, config: ServeConfig):
+        self.config = config
+        self.metrics = ServeMetrics()
+        self.models = {name: ServedModel(name, src, config, self.metrics) for name, src in models.items()}
+        self.draining = False
+        self.failed = False
+        self.in_flight = 0            # inference requests being handled
+        self.on_fatal = None          # set by serve(): stop the server when a model fails to load
+        self.loop = None
+
+    def ready(self) -> bool:
+        return not self.draining and all(m.ready for m in self.models.values())
+
+    def load_all(self):
+        """Loading thread: load and warm up every model, then start it on the event loop."""
+        for sm in self.models.values():
+            log("info", "model_loading", model=sm.name,
+                source=sm.source if isinstance(sm.source, str) else type(sm.source).__name__,
+                instances=self.config.instances)
+            try:
+                seconds = sm.load()
+            except Exception as e:  # noqa: BLE001 - reported, and the server stops
+                sm.state, sm.error = "UNAVAILABLE", f"{type(e).__name__}: {e}"
+                self.failed = True
+                log("error", "model_load_failed", model=sm.name, error=sm.error)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
+            log("info", "model_loaded", model=sm.name, seconds=round(seconds, 3))
+            if not self._on_loop(sm.start):
+                return
+        self._on_loop(lambda: log("info", "server_ready", models=list(self.models)))
+
+    def _on_loop(self, fn) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(fn)
+            return True
+        except RuntimeError:      # the event loop closed: the server stopped while loading
+            return False
+
+    def begin_drain(self):
+        """SIGTERM: readiness goes false; queued requests run without waiting for batches to fill."""
+        if self.draining:
+            return
+        self.draining = True
+        log("info", "draining", in_flight=self.in_flight)
+        for sm in self.models.values():
+            if sm.batcher is not None:
+                sm.batcher.flush()
+
+    async def shutdown(self):
+        """Finish every queued and running request, then mark every model unavailable."""
+        self.draining = True
+        for sm in self.models.values():
+            if sm.batcher is not None and sm.batcher.started:
+                await sm.batcher.close()
+            sm.ready, sm.state = False, "UNAVAILABLE"
+            self.metrics.ready.labels(sm.name).set(0)
+        log("info", "stopped")
