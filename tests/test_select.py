@@ -30,13 +30,17 @@ def test_o3_keeps_the_engine_its_own_timings_say_is_fastest(fake_missing_engine)
     model, x = models.cnn()
     compiled = kiln.trace(model, x, compiler_args="-O3")
     (part,) = compiled.manifest["partitions"]
+    built = [c for c in part["candidates"] if c["status"] in ("ok", "dropped") and not c.get("variant")]
+    assert {c["engine"] for c in built} == {"onnxruntime", "openvino"}
     timed = [c for c in part["candidates"] if c["status"] == "ok"]
-    assert {c["engine"] for c in timed} == {"onnxruntime", "openvino"}
     fastest = min(timed, key=lambda c: c["latency_ms"])
     assert part["engine"] == fastest["engine"]
     assert part["choice"] == "fastest measured latency (-O3)"
     for c in timed:
         assert c["compile_seconds"] > 0 and c["latency_ms"] > 0
+    for c in part["candidates"]:
+        if c["status"] == "dropped":           # its first calls were clearly slower than the best
+            assert c["probe_ms"] > 0 and c["note"].startswith("dropped:")
     missing = next(c for c in part["candidates"] if c["engine"] == "nosuch")
     assert missing["status"] == "unavailable" and "cannot be imported" in missing["note"]
     assert_close(compiled(x), model(x).detach())
@@ -59,12 +63,19 @@ def test_o3_timing_is_not_skewed_by_the_previous_engines_threads():
     assert ms["quiet"] < ms["spinner"]
 
 
-def test_default_rule_uses_first_engine_without_timing():
+def test_o1_uses_first_engine_without_timing_and_o2_times_it_against_eager():
     model, x = models.mlp()
-    compiled = kiln.trace(model, x)
+    compiled = kiln.trace(model, x, optlevel=1)
     (part,) = compiled.manifest["partitions"]
     assert part["engine"] == "onnxruntime" and "latency_ms" not in part["candidates"][0]
-    assert part["choice"].startswith("default engine")
+    assert part["choice"].startswith("default engine") and "eager_latency_ms" not in part
+    (part,) = kiln.trace(model, x).manifest["partitions"]            # -O2: timed against eager
+    assert part["eager_latency_ms"] > 0 and part["latency_ms"] > 0
+    assert part["speed_vs_eager"] == pytest.approx(part["eager_latency_ms"] / part["latency_ms"], rel=1e-2)
+    if part["engine"] == "onnxruntime":
+        assert part["choice"].startswith("default engine")
+        eager = next(c for c in part["candidates"] if c["engine"] == "eager")
+        assert eager["status"] == "timed" and eager["latency_ms"] == part["eager_latency_ms"]
 
 
 def test_engine_that_fails_falls_through_to_the_next(monkeypatch):
@@ -112,8 +123,9 @@ def test_o3_times_each_engine_variant_and_records_which_it_kept(monkeypatch):
     monkeypatch.setattr(ort, "variants", lambda opts: ("twin",))
     monkeypatch.setattr(select, "time_runners",
                         lambda runners, inputs: {"onnxruntime": 2.0, "onnxruntime:twin": 1.0})
+    monkeypatch.setattr(select.measure, "DROP", float("inf"))     # no early drop on noise
     model, x = models.mlp()
-    with engines.registered(without=("openvino", "inductor")):     # CPU order: onnxruntime only
+    with engines.registered(without=("openvino", "inductor", "eager")):   # onnxruntime only
         compiled = kiln.trace(model, x, optlevel=3)
     (part,) = compiled.manifest["partitions"]
     assert built == [None, "twin"]

@@ -63,6 +63,9 @@ def _inspect(art, title, console):
         t.add_row(key, str(m.get(key)))
     if kind == "dynamic_batch":
         t.add_row("compiled batch", str(m["dynamic_batch"]["batch_size"]))
+    speed = _speed_vs_eager(m)
+    if speed:
+        t.add_row("speed vs eager", speed)
     bad = _signature_rows(t, art, title)
     console.print(t)
     nested = sorted(name for name in art.blobs if name.endswith(".kiln"))
@@ -102,10 +105,25 @@ def _inspect_model(art, title, console):
     if val:
         t.add_row("validation", f"max abs {val['max_abs_error']:.3g}, max rel {val['max_rel_error']:.3g}, "
                                 f"cosine {val['min_cosine_similarity']:.6f}")
+    speed = _speed_vs_eager(m)
+    if speed:
+        t.add_row("speed vs eager", speed)
     bad = _signature_rows(t, art, title)
     console.print(t)
     _print_model_tables(m, console)
     return bad
+
+
+def _speed_vs_eager(m) -> str | None:
+    """The measured speed against eager (device partitions only), and where eager runs."""
+    from kiln.compiler.measure import summarize
+    total = summarize(m.get("partitions", []))
+    if not total:
+        return None
+    eager = total["eager_partitions"]
+    return (f"{total['speed_vs_eager']:.2f}x (kiln {total['latency_ms']:.3g} ms, eager "
+            f"{total['eager_latency_ms']:.3g} ms, measured at compile time)"
+            + (f"; partition(s) {', '.join(map(str, eager))} run eagerly" if eager else ""))
 
 
 def _print_model_tables(m, console):

@@ -32,6 +32,7 @@ from kiln.host import target as target_mod
 from kiln.runtime.model import HOST_CONSTANTS
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import build as build_program
+from kiln.compiler import measure
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.selection import compile_partition, primary
 
@@ -136,6 +137,10 @@ def package(b: Build) -> Artifact:
     }
     if p.precision:
         manifest["precision"] = p.precision
+    speed = measure.summarize(b.partitions)
+    if speed:
+        manifest["speed_vs_eager"] = speed
+    manifest["report"]["notes"] += measure.notes(b.partitions)
     return Artifact(manifest, dict(b.blobs))
 
 

@@ -11,20 +11,30 @@ first engine of the default order that compiles the partition correctly (an
 engine that rejects it is skipped with a note; the fallback engine, which runs
 anything torch can, comes last); -O2 tries an engine that ``prefers_attention``
 first for partitions with attention. -O3 compiles the partition with every
-engine of the default order, and every variant an engine offers, times them on
-this machine with the same inputs (warm-up, then interleaved rounds of a few
-calls per engine, median per engine) and keeps the fastest. Every attempt is
-recorded in the manifest so the choice can be checked against its own numbers.
+engine of the default order, and every variant an engine offers, cheapest first
+(engines whose blobs are data, their variants, then engines that compile native
+code) within the compile budget (``--compile-budget``: a candidate whose expected
+build time exceeds what is left is skipped, one whose first calls are clearly
+slower than the best so far is dropped), times the rest on this machine with the
+same inputs (warm-up, then interleaved rounds of a few calls per engine, median
+per engine) and keeps the fastest.
+
+From -O2 up, eager (the partition run by PyTorch, ``REFERENCE``) is timed against
+the build kept (:mod:`kiln.compiler.measure`); when it is faster by more than
+``measure.MARGIN`` the partition runs on the eager engine, with a note, unless
+the user named the engine. Int8 and auto-cast partitions are never compared.
+Every attempt is recorded in the manifest so the choice can be checked against
+its own numbers.
 """
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import torch
 
 from kiln import engines
+from kiln.compiler import measure
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
 # Partitions holding these ops have attention: -O2 gives them to an engine that
@@ -33,6 +43,9 @@ ATTENTION_OPS = ("aten._softmax.default", "aten._safe_softmax.default",
                  "aten.scaled_dot_product_attention.default",
                  "aten._scaled_dot_product_flash_attention_for_cpu.default")
 WARMUP, ROUNDS, BLOCK, MAX_SECONDS = 3, 5, 3, 3.0
+# The reference engine: the partition run by PyTorch. Every build is held to its answers,
+# and from -O2 up to its speed (a partition no engine runs faster runs eagerly).
+REFERENCE = "eager"
 
 
 def cuda_available() -> bool:
@@ -100,31 +113,9 @@ def primary(opts):
 
 
 def time_runners(runners: dict, inputs) -> dict:
-    """Median latency in ms per runner: warm-up, then rounds that take turns, each
-    runner timing a block of BLOCK calls after one untimed call.
-
-    Interleaving matters on shared machines: a burst of background load hits
-    every candidate alike instead of deciding the winner on its own. The
-    untimed call matters because engines leave their threads busy-waiting for
-    work after a call (ONNX Runtime's spinning, OpenMP's wait policy): the
-    next engine's first call competes with them, which once timed OpenVINO at
-    224 ms for a 133 ms BERT-base when it ran right after ONNX Runtime.
-    """
-    for runner in runners.values():
-        for _ in range(WARMUP):
-            runner(inputs)
-    samples: dict = {name: [] for name in runners}
-    deadline = time.perf_counter() + MAX_SECONDS * len(runners)
-    for i in range(ROUNDS):
-        if i >= 2 and time.perf_counter() > deadline:
-            break
-        for name, runner in runners.items():
-            runner(inputs)
-            for _ in range(BLOCK):
-                t0 = time.perf_counter()
-                runner(inputs)
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    """-O3's timing: median ms per runner, interleaved rounds (see ``measure.time_runners``)."""
+    return measure.time_runners(runners, inputs, warmup=WARMUP, rounds=ROUNDS, block=BLOCK,
+                                seconds=MAX_SECONDS)
 
 
 def rule_order(opts, sub) -> list:
@@ -285,6 +276,17 @@ def _disagreement(expected, actual, opts) -> str | None:
     return None
 
 
+_EAGER_KEY = "(eager)"     # eager's runner among timed builds (not a build's key)
+
+
+def versus_eager(opts) -> bool:
+    """Whether builds are timed against eager: from -O2 up, on the CPU, for lossless
+    compiles (eager neither quantizes nor casts), unless eager is what was asked for."""
+    return (opts.optlevel >= 2 and not opts.quantize and opts.auto_cast == "none"
+            and opts.device == "cpu" and opts.engine != REFERENCE
+            and engines.get(REFERENCE, required=False) is not None)
+
+
 class _Search:
     """One partition's search: every build tried, the ones kept, and the choice."""
 
@@ -297,18 +299,58 @@ class _Search:
         self.attempts: list = []
         self.compiled: dict = {}       # key -> (engine, blob, attempt, runner)
         self.inaccurate: list = []
+        self.budget = measure.Budget(opts, progress)
+        self.versus = versus_eager(opts)
+        self.eager = measure.eager_runner(sub, runtime_opts.resolved_threads()) if self.versus else None
+        self.eager_ms: float | None = None
+        self.probes: dict = {}         # key -> ms of its first calls (-O3)
+        self.note: str | None = None
 
-    def run(self, order):
+    def engines(self, order):
         for name in order:
             try:
-                engine = engines.get(name)
+                yield engines.get(name)
             except EngineUnavailableError as e:
                 self.attempts.append({"engine": name, "status": "unavailable", "note": str(e)})
+
+    def run(self, order):
+        if self.measure:
+            return self.search(order)
+        for engine in self.engines(order):
+            if self.build(engine, None):
+                return
+
+    def search(self, order):
+        """-O3: every engine and variant, cheapest first (data engines, their variants, then
+        engines that compile native code); past the first good build, within the budget."""
+        found = list(self.engines(order))
+        variants = [(e, v) for e in found for v in (() if self.opts.quantize else e.variants(self.opts))]
+        candidates = sorted([(e, None) for e in found] + variants,
+                            key=lambda c: (bool(c[0].native_code), c[1] is not None, found.index(c[0])))
+        if self.eager is not None:
+            self.probes[_EAGER_KEY] = measure.probe(self.eager, self.inputs)
+        for engine, variant in candidates:
+            key = engine.name if variant is None else f"{engine.name}:{variant}"
+            why = self.budget.refusal(engine, key) if self.compiled else None
+            if why:
+                self.attempts.append({"engine": engine.name, **({"variant": variant} if variant else {}),
+                                      "status": "skipped", "note": why})
                 continue
-            measured = self.measure and not self.opts.quantize
-            for variant in (None,) + (tuple(engine.variants(self.opts)) if measured else ()):
-                if self.build(engine, variant) and not self.measure:
-                    return
+            with self.budget.shown():
+                if self.build(engine, variant):
+                    self.early_look(key)
+
+    def early_look(self, key):
+        """Drop a build whose first calls are already clearly slower than the best so far
+        (never the first build: something must be kept)."""
+        ms = measure.probe(self.compiled[key][3], self.inputs)
+        best = min(self.probes.values(), default=None)
+        self.probes[key] = ms
+        if best is not None and len(self.compiled) > 1 and ms > measure.DROP * best:
+            attempt = self.compiled.pop(key)[2]
+            attempt.update(status="dropped", probe_ms=round(ms, 4),
+                           note=f"dropped: {ms:.3g} ms over its first {measure.PROBE_CALLS} calls, "
+                                f"best so far {best:.3g} ms")
 
     def build(self, engine, variant) -> bool:
         """Compile and check one build; True when it may be chosen."""
@@ -327,6 +369,7 @@ class _Search:
                                       "note": f"{type(e).__name__}: {str(e).strip()[:500]}"})
                 return False
             seconds = time.perf_counter() - t0
+        self.budget.built(engine, seconds)
         attempt.update({"engine_version": engine.version(), "status": "ok",
                         "compile_seconds": round(seconds, 3)})
         self.attempts.append(attempt)
@@ -350,14 +393,11 @@ class _Search:
     def choose(self, order):
         """(engine, blob, attempt, runner) of the build kept, and why it was."""
         if self.measure and self.compiled:
-            with self.progress.phase(f"time {self.label} ({', '.join(self.compiled)})"):
-                runners = {n: c[3] for n, c in self.compiled.items()}
-                for n, ms in time_runners(runners, self.inputs).items():
-                    self.compiled[n][2]["latency_ms"] = round(ms, 4)
-            return (min(self.compiled.values(), key=lambda c: c[2]["latency_ms"]),
-                    "fastest measured latency (-O3)")
+            return self.against_eager(*self.fastest())
         if self.compiled:
-            return next(iter(self.compiled.values())), self._rule_reason(order)
+            chosen = next(iter(self.compiled.values()))
+            self.time_with_eager(chosen)
+            return self.against_eager(chosen, self._rule_reason(order))
         if self.inaccurate:
             # No engine matched eager here: keep the first build, and let the model's
             # validation gate report the numbers (a tolerance set too tight, for one).
@@ -365,6 +405,62 @@ class _Search:
                                         "kept the first that ran, for the validation gate to report")
         detail = "; ".join(f"{a['engine']}: {a.get('note', a['status'])}" for a in self.attempts)
         raise CompileError(f"no engine could compile {self.label}: {detail}")
+
+    def fastest(self):
+        runners = {n: c[3] for n, c in self.compiled.items()}
+        if self.eager is not None:
+            runners[_EAGER_KEY] = self.eager
+        with self.progress.phase(f"time {self.label} ({', '.join(runners)})"):
+            ms = time_runners(runners, self.inputs)
+        for n, c in self.compiled.items():
+            c[2]["latency_ms"] = round(ms[n], 4)
+        self.eager_ms = ms.get(_EAGER_KEY)
+        return (min(self.compiled.values(), key=lambda c: c[2]["latency_ms"]),
+                "fastest measured latency (-O3)")
+
+    def time_with_eager(self, chosen):
+        """-O2: the rule's build and eager, in turns, within a small cap."""
+        runner, attempt = chosen[3], chosen[2]
+        if self.eager is None or runner is None:
+            return
+        # never skipped (it is what keeps -O2 from being slower than eager); a spent
+        # budget only shortens it to its floor
+        cap = min(measure.COMPARE_SECONDS, max(self.budget.left(), measure.COMPARE_FLOOR))
+        with self.progress.phase(f"time {self.label} ({chosen[0].name} vs eager)"):
+            build_ms, self.eager_ms = measure.compare(runner, self.eager, self.inputs, cap)
+        attempt["latency_ms"] = round(build_ms, 4)
+
+    def against_eager(self, chosen, reason):
+        """The build kept, or eager's when eager is faster by more than the margin (unless
+        the user named the engine)."""
+        if self.eager_ms is None:
+            return chosen, reason
+        ms = chosen[2]["latency_ms"]
+        if self.opts.engine or not measure.eager_wins(ms, self.eager_ms):
+            self.attempts.append({"engine": REFERENCE, "status": "timed", "latency_ms": round(self.eager_ms, 4),
+                                  "note": "the partition run by PyTorch, timed for comparison; not built"})
+            return chosen, reason
+        engine, attempt = chosen[0], chosen[2]
+        name = engine.name + (f":{attempt['variant']}" if attempt.get("variant") else "")
+        reference = engines.get(REFERENCE)
+        if not self.build(reference, None):
+            return chosen, reason
+        eager = self.compiled[REFERENCE]
+        if eager[3] is not None and chosen[3] is not None:
+            # eager was timed as the bare partition; its engine's build has a little per-call
+            # overhead of its own: it must still win, timed as it will run
+            with self.progress.phase(f"time {self.label} ({name} vs {REFERENCE})"):
+                ms, self.eager_ms = measure.compare(chosen[3], eager[3], self.inputs, measure.COMPARE_SECONDS)
+            chosen[2]["latency_ms"] = round(ms, 4)
+            if not measure.eager_wins(ms, self.eager_ms):
+                del self.compiled[REFERENCE]
+                eager[2].update(latency_ms=round(self.eager_ms, 4),
+                                note=f"built; timed as it runs, not faster than {name} by the margin")
+                return chosen, reason
+        eager[2]["latency_ms"] = round(self.eager_ms, 4)
+        self.note = (f"{self.label} runs eagerly: {name} {ms:.3g} ms vs eager {self.eager_ms:.3g} ms")
+        return eager, (f"PyTorch eager is faster on this partition: {name} {ms:.3g} ms vs eager "
+                       f"{self.eager_ms:.3g} ms (more than the {measure.MARGIN:.0%} margin)")
 
     def _rule_reason(self, order) -> str:
         if len(self.attempts) > 1:
@@ -388,4 +484,9 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
               **({"nonfinite": chosen["nonfinite"]} if "nonfinite" in chosen else {}),
               "engine_version": engine.version(),
               "compile_seconds": chosen["compile_seconds"], "choice": reason, "candidates": search.attempts}
+    if search.eager_ms is not None and chosen.get("latency_ms"):
+        record.update(latency_ms=chosen["latency_ms"], eager_latency_ms=round(search.eager_ms, 4),
+                      speed_vs_eager=float(f"{search.eager_ms / chosen['latency_ms']:.4g}"))
+    if search.note:
+        record["note"] = search.note
     return engine, blob, record

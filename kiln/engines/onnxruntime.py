@@ -26,7 +26,8 @@ Blob layout: ``b"KILNORT2"``, a little-endian uint32 header length, a JSON
 header (``graph``: size of the ONNX graph; ``data_offset``, ``data``: where
 the external data starts, page-aligned, and its size; ``prepacked``;
 ``isa``; ``onnxruntime``: the version that wrote it), the graph, zero padding,
-the data. Blobs of older kilns are a plain ONNX model and still load.
+the data; a ``transformers`` build adds ``variant``, ``fused`` (fused op counts) and
+``rewrites``. Blobs of older kilns are a plain ONNX model and still load.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 from kiln.engines.base import Engine
+from kiln.engines import ort_fusions
 from kiln import config
 
 _MAGIC = b"KILNORT2"
@@ -88,9 +90,13 @@ class OnnxRuntimeEngine(Engine):
                 return f"dtype {v.dtype} is not supported by ONNX Runtime's CPU kernels"
         return None
 
+    def variants(self, options) -> tuple:
+        # "transformers": ORT's transformer fusions (kiln.engines.ort_fusions) first.
+        return ("transformers",) if options.target != "generic" and not options.quantize else ()
+
     def compile(self, partition, example_inputs, options, *, variant=None, calibration=None) -> bytes:
         import onnxruntime as ort
-        if variant is not None:
+        if variant not in (None, "transformers"):
             raise ValueError(f"unknown onnxruntime variant {variant!r}")
         with torch.no_grad(), quiet():
             program = torch.onnx.export(partition, tuple(example_inputs), dynamo=True,
@@ -98,6 +104,11 @@ class OnnxRuntimeEngine(Engine):
         with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
             model = os.path.join(tmp, "model.onnx")
             program.save(model)
+            settings = {}
+            if variant == "transformers":
+                fused = os.path.join(tmp, "fused.onnx")
+                settings = {"variant": variant, **ort_fusions.optimize(model, fused)}
+                model = fused
             if options.quantize:
                 model = _quantize(model, tmp, options, calibration or [list(example_inputs)])
             level = _level(options)
@@ -120,7 +131,7 @@ class OnnxRuntimeEngine(Engine):
                 with open(data_path, "rb") as f:
                     data = f.read()
             header = {"graph": len(graph), "data": len(data), "prepacked": prepacked,
-                      "isa": _isa(), "onnxruntime": ort.__version__}
+                      "isa": _isa(), "onnxruntime": ort.__version__, **settings}
             return _pack(header, graph, data)
 
     def load(self, blob, runtime_options, origin=None):
@@ -186,6 +197,13 @@ def graph_of(blob):
     if bytes(blob[:len(_MAGIC)]) != _MAGIC:
         return onnx.load_from_string(bytes(blob))
     return onnx.load_from_string(_unpack(blob)[1])
+
+
+def header_of(blob) -> dict:
+    """The blob's JSON header (what built it: a variant's settings, fused op counts)."""
+    if bytes(blob[:len(_MAGIC)]) != _MAGIC:
+        return {}
+    return _unpack(blob)[0]
 
 
 def _session_options(runtime_options):

@@ -1,0 +1,184 @@
+"""Measuring builds on this machine: timing rounds, the comparison with eager, the compile budget.
+
+Selection (:mod:`kiln.compiler.selection`) decides; this module only measures. Eager is
+timed as the partition's GraphModule run by PyTorch (what the reference engine's build
+runs, without serialising the weights first): the eager engine is built only when it wins.
+
+* **Speed against eager** (-O2 and -O3): the chosen build and eager take turns on the
+  partition's example inputs within a small time cap (:data:`COMPARE_SECONDS`); eager
+  replaces the build only when the build is slower by more than :data:`MARGIN`.
+* **The compile budget** (``--compile-budget``, :func:`kiln.compiler.options.budget_seconds`):
+  the time this graph's compile has spent so far (its progress phases) counts against it;
+  -O3 skips a candidate whose expected build time exceeds what is left, and drops one
+  whose first timed calls are :data:`DROP` times slower than the best so far.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from kiln.compiler.options import budget_seconds
+from kiln.engines import openmp
+
+# Eager replaces an engine's build only when the build is slower by more than this
+# fraction: on the 2-core machine, medians of a few calls of the same build move by
+# up to ~5-8% between runs, so a smaller margin would flip choices on noise.
+MARGIN = 0.10
+# -O2's per-partition cap on the comparison with eager (seconds), and its shape.
+COMPARE_SECONDS, COMPARE_FLOOR = 1.0, 0.3
+COMPARE = {"warmup": 1, "rounds": 8, "block": 3, "min_rounds": 2}
+# -O3 drops a candidate whose first PROBE_CALLS calls are DROP times slower than the
+# best so far (a build that slow does not win the final, longer timing).
+PROBE_CALLS, DROP = 3, 1.5
+# Expected build seconds when nothing better is known: engines that compile native code
+# (a C++ compiler: Inductor's AOT build, ~10 s on 2 cores) and engines whose blobs are data.
+NATIVE_SECONDS, DATA_SECONDS = 10.0, 2.0
+_LAST_BUILD: dict = {}      # engine name -> seconds its last build took in this process
+
+
+def time_runners(runners: dict, inputs, *, warmup=3, rounds=5, block=3, seconds=3.0,
+                 min_rounds=2) -> dict:
+    """Median latency in ms per runner: warm-up, then rounds that take turns, each
+    runner timing a block of ``block`` calls once it has settled; rounds stop after
+    ``min_rounds`` once ``seconds`` per runner have passed.
+
+    Interleaving matters on shared machines: a burst of background load hits
+    every candidate alike instead of deciding the winner on its own. Settling
+    matters because engines leave their threads busy-waiting for work after a
+    call (ONNX Runtime's spinning, OpenMP's wait policy): the next engine's first
+    calls compete with them, which once timed OpenVINO at 224 ms for a 133 ms
+    BERT-base when it ran right after ONNX Runtime, and times a 0.2 ms eager
+    partition (torch's OpenMP threads) at 65-100 ms for its first three calls after
+    an ONNX Runtime call on 2 cores. So before its block a runner makes untimed calls
+    until one is within ``SETTLED`` of its fastest call so far (at most ``SETTLE_CALLS``).
+    """
+    fastest: dict = {}
+    for name, runner in runners.items():
+        _settle(runner, inputs, fastest, name, warmup, warmup + SETTLE_CALLS)
+    samples: dict = {name: [] for name in runners}
+    deadline = time.perf_counter() + seconds * len(runners)
+    for i in range(rounds):
+        if i >= min_rounds and time.perf_counter() > deadline:
+            break
+        for name, runner in runners.items():
+            _settle(runner, inputs, fastest, name, 1, SETTLE_CALLS)
+            for _ in range(block):
+                ms = _call_ms(runner, inputs)
+                fastest[name] = min(fastest[name], ms)
+                samples[name].append(ms)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+SETTLED, SETTLE_CALLS = 1.25, 4
+
+
+def _call_ms(runner, inputs) -> float:
+    t0 = time.perf_counter()
+    runner(inputs)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _settle(runner, inputs, fastest, name, least, most):
+    """Untimed calls: at least ``least``, then until one is within SETTLED of the fastest
+    before it (at most ``most``)."""
+    for k in range(most):
+        ms = _call_ms(runner, inputs)
+        best = fastest.get(name)
+        fastest[name] = ms if best is None else min(best, ms)
+        if k + 1 >= least and best is not None and ms <= SETTLED * best:
+            return
+
+
+def compare(runner, eager, inputs, cap: float) -> tuple:
+    """(build ms, eager ms): the two timed in turns within about ``cap`` seconds."""
+    ms = time_runners({"build": runner, "eager": eager}, inputs, seconds=cap / 2, **COMPARE)
+    return ms["build"], ms["eager"]
+
+
+def probe(runner, inputs) -> float:
+    """Median ms of PROBE_CALLS calls once settled: -O3's early look at a build."""
+    fastest: dict = {}
+    _settle(runner, inputs, fastest, "build", 2, 2 + SETTLE_CALLS)
+    return statistics.median(_call_ms(runner, inputs) for _ in range(PROBE_CALLS))
+
+
+def eager_runner(sub, threads: int):
+    """The partition run by PyTorch, as the eager engine's build would run it."""
+    def run(inputs):
+        with torch.no_grad(), openmp.threads(threads):
+            out = sub(*inputs)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    return run
+
+
+def eager_wins(build_ms: float, eager_ms: float) -> bool:
+    return build_ms > eager_ms * (1.0 + MARGIN)
+
+
+class Budget:
+    """The compile budget of one graph: what is left, and what a build is expected to take."""
+
+    def __init__(self, opts, progress):
+        self.total = budget_seconds(opts)
+        self.progress = progress
+        spent = sum(getattr(progress, "timings", {}).values())   # this graph's phases so far
+        self.start = time.perf_counter() - spent
+        self.seen: dict = {}          # engine name -> seconds of its build in this search
+
+    def left(self) -> float:
+        return self.total - (time.perf_counter() - self.start)
+
+    def expected(self, engine) -> float:
+        """Seconds ``engine``'s next build should take: its build in this search, its last
+        build in this process, what it declares (``build_seconds``), else a rough default."""
+        for known in (self.seen.get(engine.name), _LAST_BUILD.get(engine.name),
+                      getattr(engine, "build_seconds", None)):
+            if known:
+                return float(known)
+        return NATIVE_SECONDS if engine.native_code else DATA_SECONDS
+
+    def built(self, engine, seconds: float):
+        self.seen[engine.name] = _LAST_BUILD[engine.name] = seconds
+
+    def refusal(self, engine, key: str) -> str | None:
+        """Why the budget skips building ``key`` now, or None."""
+        left, need = self.left(), self.expected(engine)
+        if left >= need:
+            return None
+        return f"skipped: budget, {max(left, 0.0):.1f} s left, {key} needs ~{need:.1f} s"
+
+    @contextlib.contextmanager
+    def shown(self):
+        """Progress lines name the budget left while the block runs."""
+        label = self.progress.label
+        self.progress.label = f"{label} [budget {max(self.left(), 0.0):.0f}s left]"
+        try:
+            yield
+        finally:
+            self.progress.label = label
+
+
+def summarize(partitions) -> dict | None:
+    """The model's speed against eager from its partitions' records: summed latencies
+    (host ops left out), or None when a partition was not measured."""
+    measured = [p for p in partitions if p.get("eager_latency_ms") and p.get("latency_ms")]
+    if not measured or len(measured) != len(partitions):
+        return None
+    kiln_ms = sum(p["latency_ms"] for p in measured)
+    eager_ms = sum(p["eager_latency_ms"] for p in measured)
+    return {"speed_vs_eager": round(eager_ms / kiln_ms, 3), "latency_ms": round(kiln_ms, 4),
+            "eager_latency_ms": round(eager_ms, 4),
+            "eager_partitions": [p["id"] for p in measured if p["engine"] == "eager"]}
+
+
+def notes(partitions) -> list:
+    """Report lines: each partition that runs eagerly, and the model's speed against eager."""
+    out = [p["note"] for p in partitions if p.get("note")]
+    total = summarize(partitions)
+    if total:
+        out.append(f"speed vs eager: {total['speed_vs_eager']:.2f}x (device partitions "
+                   f"{total['latency_ms']:.3g} ms, eager {total['eager_latency_ms']:.3g} ms)")
+    return out
