@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 
+import torch
+
 
 class Engine:
     """One engine. Subclasses set the attributes and implement supports/compile/load.
@@ -87,6 +89,18 @@ class Engine:
         return ()
 
     # -- what it does ---------------------------------------------------------------
+
+    @classmethod
+    def not_aten(cls, node) -> str | None:
+        """Reason a node is not an ATen operator an engine may compile (None if it is)."""
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return cls.not_an_op(node)
+        if target.namespace != "aten":
+            # Compiled in, it would be called back through the dispatcher; on
+            # the host it runs the same kernel and a missing library is named.
+            return "not an ATen operator: custom operators run on the host"
+        return None
 
     @staticmethod
     def not_an_op(node) -> str | None:

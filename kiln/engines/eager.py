@@ -58,11 +58,10 @@ class EagerEngine(Engine):
         return torch.__version__
 
     def supports(self, node) -> str | None:
+        reason = self.not_aten(node)
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
-            return self.not_an_op(node)
-        if target.namespace != "aten":
-            return "not an ATen operator: custom operators run on the host"
+        if reason is not None or not isinstance(target, torch._ops.OpOverload):
+            return reason            # an ATen-less node it may still take: tuple unpacking
         if target.overloadpacket.__name__ in _REFUSED:
             return "reads files: the eager engine runs only operators that compute"
         try:

@@ -109,14 +109,7 @@ class InductorEngine(Engine):
         return ("bf16", "fp16") if torch.cuda.is_bf16_supported() else ("fp16",)
 
     def supports(self, node) -> str | None:
-        target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
-            return self.not_an_op(node)
-        if target.namespace != "aten":
-            # Compiled in, it would be called back through the dispatcher; on
-            # the host it runs the same kernel and a missing library is named.
-            return "not an ATen operator: custom operators run on the host"
-        return None
+        return self.not_aten(node)
 
     def variants(self, options) -> tuple:
         # Prepacked weights are laid out for this CPU's ISA: not for portable artifacts.

@@ -25,6 +25,16 @@ FUSED = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "EmbedLaye
          "BiasGelu", "FastGelu", "Gelu", "GemmFastGelu", "LayerNormalization")
 
 
+def _index(graph):
+    """(value -> producing node, value -> consuming nodes, graph output names)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers = collections.defaultdict(list)
+    for n in graph.node:
+        for i in n.input:
+            consumers[i].append(n)
+    return producer, consumers, {o.name for o in graph.output}
+
+
 def optimize(path: str, out: str) -> dict:
     """Rewrite and fuse the model at ``path`` into ``out``; the fused op counts."""
     import onnx
@@ -48,12 +58,7 @@ def _cast_to(node):
 def _reduce_any(graph) -> int:
     """ReduceMax(Cast(bool)) read only through Cast(to bool) → ReduceSum: 'any', exactly."""
     import onnx
-    producer = {o: n for n in graph.node for o in n.output}
-    consumers = collections.defaultdict(list)
-    for n in graph.node:
-        for i in n.input:
-            consumers[i].append(n)
-    outputs = {o.name for o in graph.output}
+    producer, consumers, outputs = _index(graph)
     count = 0
     for n in graph.node:
         src = producer.get(n.input[0]) if n.op_type == "ReduceMax" else None
@@ -100,12 +105,7 @@ def _gemm_3d(model) -> int:
     graph = model.graph
     shapes = _shapes(model)
     inits = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    consumers = collections.defaultdict(list)
-    for n in graph.node:
-        for i in n.input:
-            consumers[i].append(n)
-    outputs = {o.name for o in graph.output}
+    producer, consumers, outputs = _index(graph)
     dropped, new_nodes, count = set(), [], 0
     for n in graph.node:
         if n.output and n.output[0] in dropped:
