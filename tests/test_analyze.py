@@ -39,4 +39,5 @@ def test_bert_fully_supported():
     rep = kiln.analyze(models.tiny_bert(), models.bert_inputs())
     assert rep.support_percentage == 100.0
     assert len(rep.partitions) == 1
-    assert rep.supported_ops["aten::bmm"] >= 4
+    assert rep.supported_ops["aten::addmm"] >= 4
+    assert rep.supported_ops["aten::scaled_dot_product_attention"] == 2   # kept whole, one per layer

@@ -148,6 +148,13 @@ def test_compile_budget_flag_rejects_bad_values(flags):
         parse_compiler_args(flags)
 
 
+def test_final_timing_shrinks_to_the_budget_left_but_never_to_nothing():
+    full = measure.final_timing(60.0, 4)
+    assert full == {"seconds": measure.FINAL_SECONDS, "warmup": measure.FINAL_WARMUP}
+    assert measure.final_timing(4.0, 4) == {"seconds": 1.0, "warmup": 1}
+    assert measure.final_timing(-5.0, 4) == {"seconds": measure.FINAL_FLOOR, "warmup": 1}
+
+
 def test_compile_budget_keyword_and_defaults():
     with pytest.raises(kiln.CompilerArgsError, match="compile_budget"):
         make_options(compile_budget=-2)

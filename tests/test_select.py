@@ -122,7 +122,7 @@ def test_o3_times_each_engine_variant_and_records_which_it_kept(monkeypatch):
     monkeypatch.setattr(ort, "compile", compile)
     monkeypatch.setattr(ort, "variants", lambda opts: ("twin",))
     monkeypatch.setattr(select, "time_runners",
-                        lambda runners, inputs: {"onnxruntime": 2.0, "onnxruntime:twin": 1.0})
+                        lambda runners, inputs, left=None: {"onnxruntime": 2.0, "onnxruntime:twin": 1.0})
     monkeypatch.setattr(select.measure, "DROP", float("inf"))     # no early drop on noise
     model, x = models.mlp()
     with engines.registered(without=("openvino", "inductor", "eager")):   # onnxruntime only

@@ -9,8 +9,9 @@ runs, without serialising the weights first): the eager engine is built only whe
   replaces the build only when the build is slower by more than :data:`MARGIN`.
 * **The compile budget** (``--compile-budget``, :func:`kiln.compiler.options.budget_seconds`):
   the time this graph's compile has spent so far (its progress phases) counts against it;
-  -O3 skips a candidate whose expected build time exceeds what is left, and drops one
-  whose first timed calls are :data:`DROP` times slower than the best so far.
+  -O3 skips a candidate whose expected build time exceeds what is left, drops one
+  whose first timed calls are :data:`DROP` times slower than the best so far, and
+  shortens its final timing to what is left (:func:`final_timing`).
 """
 from __future__ import annotations
 
@@ -90,6 +91,19 @@ def _settle(runner, inputs, fastest, name, least, most):
         fastest[name] = ms if best is None else min(best, ms)
         if k + 1 >= least and best is not None and ms <= SETTLED * best:
             return
+
+
+# -O3's final timing of the builds kept: up to FINAL_SECONDS per runner, but no more than
+# its share of the budget left, and never less than FINAL_FLOOR (the choice needs some
+# interleaved rounds); with the budget spent, one warm-up call instead of three.
+FINAL_SECONDS, FINAL_FLOOR, FINAL_WARMUP = 3.0, 0.5, 3
+
+
+def final_timing(left: float, runners: int) -> dict:
+    """time_runners' arguments for -O3's final timing with ``left`` seconds of budget."""
+    share = left / max(runners, 1)
+    return {"seconds": min(FINAL_SECONDS, max(share, FINAL_FLOOR)),
+            "warmup": FINAL_WARMUP if share >= FINAL_SECONDS else 1}
 
 
 def compare(runner, eager, inputs, cap: float) -> tuple:

@@ -42,7 +42,7 @@ from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError,
 ATTENTION_OPS = ("aten._softmax.default", "aten._safe_softmax.default",
                  "aten.scaled_dot_product_attention.default",
                  "aten._scaled_dot_product_flash_attention_for_cpu.default")
-WARMUP, ROUNDS, BLOCK, MAX_SECONDS = 3, 5, 3, 3.0
+ROUNDS, BLOCK = 5, 3
 # The reference engine: the partition run by PyTorch. Every build is held to its answers,
 # and from -O2 up to its speed (a partition no engine runs faster runs eagerly).
 REFERENCE = "eager"
@@ -112,10 +112,11 @@ def primary(opts):
     raise EngineUnavailableError("no engine is installed: install onnxruntime, openvino or a C++ compiler")
 
 
-def time_runners(runners: dict, inputs) -> dict:
-    """-O3's timing: median ms per runner, interleaved rounds (see ``measure.time_runners``)."""
-    return measure.time_runners(runners, inputs, warmup=WARMUP, rounds=ROUNDS, block=BLOCK,
-                                seconds=MAX_SECONDS)
+def time_runners(runners: dict, inputs, left: float | None = None) -> dict:
+    """-O3's timing: median ms per runner, interleaved rounds (see ``measure.time_runners``),
+    shortened to ``left`` seconds of compile budget (``measure.final_timing``)."""
+    limits = measure.final_timing(float("inf") if left is None else left, len(runners))
+    return measure.time_runners(runners, inputs, rounds=ROUNDS, block=BLOCK, **limits)
 
 
 def rule_order(opts, sub) -> list:
@@ -411,7 +412,7 @@ class _Search:
         if self.eager is not None:
             runners[_EAGER_KEY] = self.eager
         with self.progress.phase(f"time {self.label} ({', '.join(runners)})"):
-            ms = time_runners(runners, self.inputs)
+            ms = time_runners(runners, self.inputs, self.budget.left())
         for n, c in self.compiled.items():
             c[2]["latency_ms"] = round(ms[n], 4)
         self.eager_ms = ms.get(_EAGER_KEY)

@@ -119,13 +119,10 @@ class InductorEngine(Engine):
         _require_compiler()
         device = torch.device("cuda" if options.device == "cuda" else "cpu")
         configs = _inductor_configs(options, device.type)
-        if variant in ("frozen", "autotune"):
+        # No max-autotune variant (see the module's notes), and no cpp_wrapper one: an
+        # AOTInductor build is always a C++ wrapper.
+        if variant == "frozen":
             configs["freezing"] = True
-            # autotune: inductor's C++ GEMM templates timed against ATen's GEMMs at build
-            # time. Not listed in variants() yet: its build time on 2 cores is unmeasured.
-            # (No cpp_wrapper variant: an AOTInductor build is always a C++ wrapper.)
-            if variant == "autotune":
-                configs.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
         elif variant is not None:
             raise ValueError(f"unknown inductor variant {variant!r}")
         return _compile(partition, example_inputs, configs, device)

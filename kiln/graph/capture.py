@@ -224,12 +224,28 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
 
 
 # What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
+# Ops kept whole when the graph is lowered to core ATen. Scaled dot-product attention is
+# the one that matters: every engine has a fused form of it (ONNX's Attention op from
+# opset 23, OpenVINO's ScaledDotProductAttention, Inductor's and eager's flash-attention
+# CPU kernel), and none recognises the dozen ops its decomposition leaves behind (the
+# scale split over Q and K, the safe-softmax guard for fully masked rows).
+KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+
+def decompositions():
+    """torch.export's core-ATen decomposition table without the ops in KEEP_WHOLE."""
+    table = torch.export.default_decompositions()
+    for op in KEEP_WHOLE:
+        table.pop(op, None)
+    return table
+
+
 _VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible with input tensor")
 
 
 def decompose_program(ep, model_name: str = "model"):
-    """``ep.run_decompositions()`` (core ATen), retried once with views made reshapes when a
-    ``view`` is refused.
+    """``ep.run_decompositions()`` (core ATen but for :data:`KEEP_WHOLE`), retried once
+    with views made reshapes when a ``view`` is refused.
 
     Why: ``torch.export`` records ``aten.view`` nodes that were valid for the strides
     its pre-dispatch trace saw, and drops ``.contiguous()`` calls that were no-ops
@@ -258,12 +274,12 @@ def decompose_program(ep, model_name: str = "model"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)   # torch-internal pytree deprecations
         try:
-            return ep.run_decompositions()
+            return ep.run_decompositions(decompositions())
         except Exception as e:
             first = e
         if any(s in str(first) for s in _VIEW_FAILURES) and _views_to_reshapes(ep.graph_module):
             try:
-                return ep.run_decompositions()
+                return ep.run_decompositions(decompositions())
             except Exception:
                 pass
     raise CaptureError(explain_export_failure(first, model_name, stage="decomposing the exported "
@@ -363,7 +379,25 @@ def graph_module(ep, tensor_mask) -> torch.fx.GraphModule:
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_node.args = (tuple(v for v in pytree.tree_leaves(out_node.args[0]) if isinstance(v, torch.fx.Node)),)
     gm.recompile()
+    _reshape_views_of_whole_ops(gm)
     return gm
+
+
+def _reshape_views_of_whole_ops(gm: torch.fx.GraphModule) -> int:
+    """An op kept whole lays its output out as the kernel torch picks at run time does
+    (SDPA: flash attention's layout under no_grad, the math kernel's with grad), not
+    necessarily as at export, so a view of it that export recorded can be refused.
+    Those views become reshapes: the same view wherever it is possible, a copy elsewhere."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            root = _alias_root(node)
+            if root.op == "call_function" and root.target in KEEP_WHOLE and not _written_in_place(root):
+                node.target = torch.ops.aten.reshape.default
+                changed += 1
+    if changed:
+        gm.recompile()
+    return changed
 
 
 class FunctionModule(torch.nn.Module):

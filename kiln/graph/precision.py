@@ -20,7 +20,8 @@ from kiln.host import target
 
 aten = torch.ops.aten
 MATMULT_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-               aten.convolution.default}
+               aten.convolution.default,
+               aten.scaled_dot_product_attention.default}   # kept whole by capture: two matmuls
 TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 native = target.native   # the host decides (engines ask it there); the compiler asks here
 
