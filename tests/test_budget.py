@@ -134,6 +134,18 @@ def test_budget_counts_the_graphs_phases_and_prefers_measured_build_times():
     assert budget.progress.label == "kiln"
 
 
+def test_expected_build_times_scale_with_the_partition():
+    class Native(engines.Engine):
+        name, native_code = "budget-scaling-native", True
+    small = measure.Budget(make_options(compile_budget=60.0), _Progress(spent=0.0), ops=10)
+    big = measure.Budget(make_options(compile_budget=60.0), _Progress(spent=0.0), ops=1000)
+    assert small.expected(Native()) == measure.NATIVE_SECONDS            # the floor
+    assert big.expected(Native()) == pytest.approx(measure.NATIVE_PER_OP * 1000)
+    small.built(Native(), 2.0)                     # 0.2 s per op, remembered in this process
+    assert big.expected(Native()) == pytest.approx(200.0)
+    assert big.refusal(Native(), "native").startswith("skipped: budget")
+
+
 @pytest.mark.parametrize("flags, seconds", [("--compile-budget 5", 5.0), ("--compile-budget=0.5", 0.5),
                                             (["-O3", "--compile-budget", "90"], 90.0)])
 def test_compile_budget_flag_parses(flags, seconds):
@@ -151,7 +163,7 @@ def test_compile_budget_flag_rejects_bad_values(flags):
 def test_final_timing_shrinks_to_the_budget_left_but_never_to_nothing():
     full = measure.final_timing(60.0, 4)
     assert full == {"seconds": measure.FINAL_SECONDS, "warmup": measure.FINAL_WARMUP}
-    assert measure.final_timing(4.0, 4) == {"seconds": 1.0, "warmup": 1}
+    assert measure.final_timing(8.0, 4) == {"seconds": 1.0, "warmup": 1}     # half of what is left
     assert measure.final_timing(-5.0, 4) == {"seconds": measure.FINAL_FLOOR, "warmup": 1}
 
 

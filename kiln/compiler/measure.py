@@ -34,10 +34,13 @@ COMPARE = {"warmup": 1, "rounds": 8, "block": 3, "min_rounds": 2}
 # -O3 drops a candidate whose first PROBE_CALLS calls are DROP times slower than the
 # best so far (a build that slow does not win the final, longer timing).
 PROBE_CALLS, DROP = 3, 1.5
-# Expected build seconds when nothing better is known: engines that compile native code
-# (a C++ compiler: Inductor's AOT build, ~10 s on 2 cores) and engines whose blobs are data.
+# Expected build time per op of the partition when nothing better is known: engines that
+# compile native code (Inductor's AOT build: 21.6 s for BERT-base's 553 ops on 2 cores)
+# and engines whose blobs are data (ONNX Runtime 10.4 s, OpenVINO 3.3 s there), never
+# less than the floors.
+NATIVE_PER_OP, DATA_PER_OP = 0.04, 0.02
 NATIVE_SECONDS, DATA_SECONDS = 10.0, 2.0
-_LAST_BUILD: dict = {}      # engine name -> seconds its last build took in this process
+_LAST_BUILD: dict = {}      # engine name -> seconds per op of its last build in this process
 
 
 def time_runners(runners: dict, inputs, *, warmup=3, rounds=5, block=3, seconds=3.0,
@@ -94,14 +97,15 @@ def _settle(runner, inputs, fastest, name, least, most):
 
 
 # -O3's final timing of the builds kept: up to FINAL_SECONDS per runner, but no more than
-# its share of the budget left, and never less than FINAL_FLOOR (the choice needs some
-# interleaved rounds); with the budget spent, one warm-up call instead of three.
+# its share of half the budget left (the whole-model check and packaging come after it),
+# and never less than FINAL_FLOOR (the choice needs some interleaved rounds); with the
+# budget short, one warm-up call instead of three.
 FINAL_SECONDS, FINAL_FLOOR, FINAL_WARMUP = 3.0, 0.5, 3
 
 
 def final_timing(left: float, runners: int) -> dict:
     """time_runners' arguments for -O3's final timing with ``left`` seconds of budget."""
-    share = left / max(runners, 1)
+    share = left / (2 * max(runners, 1))
     return {"seconds": min(FINAL_SECONDS, max(share, FINAL_FLOOR)),
             "warmup": FINAL_WARMUP if share >= FINAL_SECONDS else 1}
 
@@ -133,29 +137,37 @@ def eager_wins(build_ms: float, eager_ms: float) -> bool:
 
 
 class Budget:
-    """The compile budget of one graph: what is left, and what a build is expected to take."""
+    """The compile budget of one graph: what is left, and what a build is expected to take.
+    Build times scale with the partition (``ops``: its operator count), so they are
+    kept per op: a tiny graph's quick build says little about BERT-base's."""
 
-    def __init__(self, opts, progress):
+    def __init__(self, opts, progress, ops: int = 1):
         self.total = budget_seconds(opts)
         self.progress = progress
+        self.ops = max(int(ops), 1)
         spent = sum(getattr(progress, "timings", {}).values())   # this graph's phases so far
         self.start = time.perf_counter() - spent
-        self.seen: dict = {}          # engine name -> seconds of its build in this search
+        self.seen: dict = {}          # engine name -> seconds per op of its build in this search
 
     def left(self) -> float:
         return self.total - (time.perf_counter() - self.start)
 
     def expected(self, engine) -> float:
-        """Seconds ``engine``'s next build should take: its build in this search, its last
-        build in this process, what it declares (``build_seconds``), else a rough default."""
-        for known in (self.seen.get(engine.name), _LAST_BUILD.get(engine.name),
-                      getattr(engine, "build_seconds", None)):
-            if known:
-                return float(known)
-        return NATIVE_SECONDS if engine.native_code else DATA_SECONDS
+        """Seconds ``engine``'s next build should take: at the rate of its build in this
+        search or its last build in this process, what it declares (``build_seconds``),
+        else the rough per-op default."""
+        for rate in (self.seen.get(engine.name), _LAST_BUILD.get(engine.name)):
+            if rate:
+                return rate * self.ops
+        declared = getattr(engine, "build_seconds", None)
+        if declared:
+            return float(declared)
+        if engine.native_code:
+            return max(NATIVE_SECONDS, NATIVE_PER_OP * self.ops)
+        return max(DATA_SECONDS, DATA_PER_OP * self.ops)
 
     def built(self, engine, seconds: float):
-        self.seen[engine.name] = _LAST_BUILD[engine.name] = seconds
+        self.seen[engine.name] = _LAST_BUILD[engine.name] = seconds / self.ops
 
     def refusal(self, engine, key: str) -> str | None:
         """Why the budget skips building ``key`` now, or None."""

@@ -300,7 +300,7 @@ class _Search:
         self.attempts: list = []
         self.compiled: dict = {}       # key -> (engine, blob, attempt, runner)
         self.inaccurate: list = []
-        self.budget = measure.Budget(opts, progress)
+        self.budget = measure.Budget(opts, progress, sum(n.op == "call_function" for n in sub.graph.nodes))
         self.versus = versus_eager(opts)
         self.eager = measure.eager_runner(sub, runtime_opts.resolved_threads()) if self.versus else None
         self.eager_ms: float | None = None
