@@ -19,6 +19,10 @@ class UnsupportedOpError(KilnError):
     """Ops have no device kernel and fallback to the host was disabled."""
 
 
+class UnsupportedModelError(KilnError):
+    """An LLM whose architecture kiln's LLM path cannot compile (the message names what is missing)."""
+
+
 class CompileError(KilnError):
     """An engine failed to compile a device partition."""
 

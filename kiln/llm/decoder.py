@@ -1,0 +1,144 @@
+"""A Hugging Face decoder as one step function with the KV cache as explicit tensors.
+
+kiln compiles an LLM into two kinds of graph, as transformers-neuronx and NxD Inference
+do: *context encoding* (prefill: the prompt, T tokens, no cache) and *token generation*
+(decode: T new tokens against S cached positions). Both are :class:`DecoderStep`; only
+the shapes differ. The cache is a graph input and the new keys and values are graph
+outputs, so the engines (ONNX Runtime, OpenVINO, Inductor) see a pure function of
+fixed shapes; the runtime owns the cache buffer and writes each step's keys and values
+into it in place (:mod:`kiln.llm.kv`), never reallocating it.
+
+Why wrap the model's own modules instead of writing Llama again: the layers, the rotary
+embedding (with every ``rope_scaling`` variant) and the attention call are transformers'
+code, so kiln's answers are Hugging Face's by construction. The one thing replaced is the
+cache object: transformers calls ``past_key_values.update(k, v, layer)`` inside each
+attention layer, and :class:`_StepCache` answers it with the cached keys concatenated to
+the new ones while recording the new ones as outputs.
+
+The mask is built here, from positions, as a boolean ``[B, 1, T, S + T]``:
+
+* a cached slot ``s`` is visible where ``cache_valid[b, s]`` (the runtime marks a
+  sequence's first ``length`` slots; slot ``s`` holds position ``s``);
+* a new token ``j`` is visible to new token ``i`` where ``j <= i`` (causal), so right
+  padding in a prompt is never seen by the real tokens before it;
+* with a sliding window (Mistral), a key is visible only where ``key_pos > query_pos -
+  window``, as ``transformers.masking_utils.sliding_window_overlay`` has it.
+
+Every query sees at least itself, so no row is fully masked.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.errors import UnsupportedModelError
+
+# Architectures whose decoder layers take (hidden, mask, position_embeddings, cache) the
+# Llama way and whose model keeps embed_tokens / layers / norm / rotary_emb.
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def check_supported(model) -> str:
+    """The model family, or an UnsupportedModelError naming what is missing."""
+    arch = type(model).__name__
+    if arch not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"kiln's LLM path does not support {arch} yet: it compiles decoder-only models of the "
+            f"Llama family ({', '.join(sorted(SUPPORTED))}); other architectures can still be "
+            "compiled as plain graphs with kiln.trace")
+    inner = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+    if missing:
+        raise UnsupportedModelError(f"{arch} lacks {', '.join(missing)} where kiln expects them "
+                                    "(a transformers version kiln does not know?)")
+    return SUPPORTED[arch]
+
+
+class _StepCache:
+    """Stands in for transformers' Cache inside one step: cached keys/values (or none,
+    in prefill) joined to the new ones; the new ones kept as the step's outputs."""
+
+    def __init__(self, k_cache, v_cache):
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.new_k: list = []
+        self.new_v: list = []
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        self.new_k.append(key)
+        self.new_v.append(value)
+        if self.k_cache is None:
+            return key, value
+        return (torch.cat([self.k_cache[layer_idx], key], dim=2),
+                torch.cat([self.v_cache[layer_idx], value], dim=2))
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[3]
+
+
+class DecoderStep(nn.Module):
+    """``forward(input_ids, positions, [k_cache, v_cache, cache_valid,] [last])``.
+
+    * ``input_ids``, ``positions``: ``[B, T]`` int64.
+    * ``k_cache``, ``v_cache``: ``[L, B, H_kv, S, D]``; ``cache_valid``: ``[B, S]`` bool
+      (absent for prefill, ``with_cache=False``).
+    * ``last``: ``[B]`` int64, the index of each row's last real token, when only its
+      logits are wanted (prefill); otherwise logits for all T tokens (decode, and the
+      verification pass of speculative decoding).
+
+    Returns ``(logits [B, T or 1, V], new_k [L, B, H_kv, T, D], new_v)``.
+    """
+
+    def __init__(self, causal_lm, *, with_cache: bool, last_only: bool):
+        super().__init__()
+        self.family = check_supported(causal_lm)
+        self.model, self.lm_head = causal_lm.model, causal_lm.lm_head
+        self.config = causal_lm.config
+        self.with_cache, self.last_only = with_cache, last_only
+        window = getattr(self.config, "sliding_window", None)
+        if self.family == "qwen2" and not getattr(self.config, "use_sliding_window", False):
+            window = None
+        self.window = window
+
+    def forward(self, input_ids, positions, *rest):
+        rest = list(rest)
+        k_cache = v_cache = valid = None
+        if self.with_cache:
+            k_cache, v_cache, valid = rest[0], rest[1], rest[2]
+            rest = rest[3:]
+        last = rest[0] if self.last_only else None
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(hidden, position_ids=positions)
+        mask = self._mask(positions, valid)
+        cache = _StepCache(k_cache, v_cache)
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
+                           past_key_values=cache, use_cache=True)
+        if last is not None:
+            hidden = hidden[torch.arange(hidden.shape[0]), last].unsqueeze(1)
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
+
+    def _mask(self, positions, valid):
+        """Boolean ``[B, 1, T, S + T]``: what each new token may attend to (module doc)."""
+        t = positions.shape[1]
+        new_keys = positions.unsqueeze(1)                       # [B, 1, T] key positions
+        queries = positions.unsqueeze(2)                        # [B, T, 1]
+        order = torch.arange(t, device=positions.device)
+        mask = (order.unsqueeze(0) <= order.unsqueeze(1)).unsqueeze(0)   # [1, T, T] causal by index
+        if self.window is not None:
+            mask = mask & (new_keys > queries - self.window)
+        if valid is not None:
+            slots = torch.arange(valid.shape[1], device=positions.device).view(1, 1, -1)
+            cached = valid.unsqueeze(1)                          # [B, 1, S]
+            if self.window is not None:
+                cached = cached & (slots > queries - self.window)
+            mask = torch.cat([cached.expand(-1, t, -1), mask.expand(positions.shape[0], -1, -1)], dim=2)
+        return mask.unsqueeze(1).expand(positions.shape[0], 1, t, -1)
+
+
+def cache_shape(config, batch: int, length: int) -> tuple:
+    """``[L, B, H_kv, S, D]`` of a KV cache for ``config``."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (config.num_hidden_layers, batch, kv_heads, length, head_dim)

@@ -1,0 +1,93 @@
+"""The LLM step function (kiln.llm.decoder) against Hugging Face generate, token for token.
+
+Tiny random-weight Llama (grouped-query attention), Qwen2 (attention biases) and Mistral
+(a sliding window shorter than the generation, so the window is exercised), batched
+prompts of different lengths with right padding: each row must equal its solo greedy
+generate from transformers.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.errors import UnsupportedModelError  # noqa: E402
+from kiln.llm import decoder, kv  # noqa: E402
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _model(family):
+    torch.manual_seed(0)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**COMMON)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**COMMON)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=6)
+        model = transformers.MistralForCausalLM(cfg)
+    for p in model.parameters():        # random biases too, and logits far from ties
+        torch.nn.init.normal_(p, std=0.3)
+    model.generation_config.eos_token_id = None     # compare whole runs; stopping is the runtime's job
+    return model.eval()
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 17, 3, 88, 42, 7, 9], [11, 2], [60, 61, 62, 63, 64]]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_batched_greedy_equals_hugging_face_for_each_prompt(family):
+    model = _model(family)
+    prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
+    step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
+    n = 12
+    shape = decoder.cache_shape(model.config, len(PROMPTS), 32)
+    got = kv.greedy(prefill, step, PROMPTS, n, shape)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == _hf_greedy(model, prompt, n), (family, prompt)
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*Llama family"):
+        decoder.DecoderStep(transformers.GPT2LMHeadModel(cfg), with_cache=False, last_only=True)
+
+
+def test_cache_refuses_to_overflow():
+    cache = kv.KVCache((1, 1, 1, 4, 2))
+    cache.write(torch.zeros(1, 1, 1, 3, 2), torch.zeros(1, 1, 1, 3, 2), torch.tensor([3]))
+    with pytest.raises(ValueError, match="needs 5 cache positions; the cache holds 4"):
+        cache.write(torch.zeros(1, 1, 1, 2, 2), torch.zeros(1, 1, 1, 2, 2), torch.tensor([2]))
+
+
+def test_steps_compiled_by_kiln_equal_hugging_face(tmp_path, monkeypatch):
+    """Prefill compiled for an 8-token context bucket (prompts padded into it) and decode
+    for a 32-slot cache, through kiln.trace and its engines: still HF's tokens."""
+    import kiln
+    monkeypatch.setenv("KILN_CACHE_URL", "off")
+    model = _model("llama")
+    batch, width, slots = len(PROMPTS), 8, 32
+    shape = decoder.cache_shape(model.config, batch, slots)
+    prefill = kiln.trace(decoder.DecoderStep(model, with_cache=False, last_only=True).eval(),
+                         (torch.zeros(batch, width, dtype=torch.int64), torch.arange(width).repeat(batch, 1),
+                          torch.full((batch,), width - 1)))
+    valid = torch.zeros(batch, slots, dtype=torch.bool)
+    valid[:, :4] = True
+    step = kiln.trace(decoder.DecoderStep(model, with_cache=True, last_only=False).eval(),
+                      (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), 4), torch.zeros(shape),
+                       torch.zeros(shape), valid))
+    got = kv.greedy(kv.padded(prefill, width), step, PROMPTS, 12, shape)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == _hf_greedy(model, prompt, 12), prompt
+    with pytest.raises(ValueError, match="longer than the context bucket"):
+        kv.greedy(kv.padded(prefill, width), step, [list(range(1, 11))], 2, shape)
