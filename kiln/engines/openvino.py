@@ -26,7 +26,6 @@ XML part), then the payload: the compiled model, or the IR's XML then weights.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import io
 import json
@@ -70,9 +69,9 @@ _MOVES = _INT64_SAFE - {"arange", "argmax", "argmin", "full", "full_like", "scal
                         "zeros", "zeros_like", "ones", "ones_like", "_to_copy", "bitwise_not"}
 
 
-# Ops the FX frontend converts that its torch.compile op table does not list: whole SDPA
-# (kiln's capture keeps it, kiln.graph.capture.KEEP_WHOLE; it becomes OpenVINO's
-# ScaledDotProductAttention) and reshape (converted as a view): see _for_openvino.
+# Ops capture leaves that OpenVINO's op table does not list, decomposed for it before
+# conversion (whole SDPA, kiln.graph.capture.KEEP_WHOLE, and the reshapes of its output):
+# see _for_openvino.
 _CONVERTED = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.reshape.default}
 
 
@@ -276,62 +275,31 @@ def _convert(partition, example_inputs):
     """
     import openvino as ov
     from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-    partition = _for_openvino(partition)
+    partition = _for_openvino(partition, example_inputs)
     shapes = [(list(t.shape), _ov_type(t.dtype)) for t in example_inputs]
     with torch.no_grad(), quiet(_LOGGERS):
         return ov.convert_model(TorchFXPythonDecoder(partition), input=shapes or None)
 
 
-def _for_openvino(partition):
-    """The partition as OpenVINO's FX frontend should read it; the partition itself is
-    not changed (other engines build from it): the copy shares its weights.
+def _for_openvino(partition, example_inputs):
+    """The partition with whole attention and reshapes decomposed to the core ATen ops
+    OpenVINO's FX frontend reads; the partition itself is not changed (other engines
+    build from it).
 
-    * ``aten.reshape`` is spelled ``aten.view``, which the frontend knows. Capture leaves
-      a few reshapes (views of the output of an op it keeps whole,
-      :data:`kiln.graph.capture.KEEP_WHOLE`); OpenVINO's tensors have no strides, so
-      to it the two are the same Reshape.
-    * A masked ``scaled_dot_product_attention`` gets torch's answer for a row whose
-      every key is masked: zeros. OpenVINO's ScaledDotProductAttention gives NaN there
-      (a softmax over nothing but -inf); the rows with nothing to attend to are found
-      from the mask and set to zero after it.
+    Capture keeps ``scaled_dot_product_attention`` whole (and the views of its output
+    as reshapes, :data:`kiln.graph.capture.KEEP_WHOLE`). OpenVINO's conversion of whole
+    SDPA is not trusted: on a Llama decoder step (grouped-query heads, a causal mask
+    built from positions) it gave logits off by 0.12 where torch's decomposition is
+    exact, and with every key of a row masked it gives NaN where torch gives zeros. So
+    OpenVINO gets torch's own decomposition, re-traced here, which is what it ran
+    before attention was kept whole.
     """
-    aten = torch.ops.aten
-    nodes = partition.graph.nodes
-    if not any(n.target is aten.reshape.default or _guarded_sdpa(n) for n in nodes):
+    if not any(n.target in _CONVERTED for n in partition.graph.nodes):
         return partition
-    graph = copy.deepcopy(partition.graph)
-    for node in list(graph.nodes):
-        if node.target is aten.reshape.default:
-            node.target = aten.view.default
-        elif _guarded_sdpa(node):
-            _zero_fully_masked_rows(graph, node)
-    return torch.fx.GraphModule(partition, graph)
-
-
-def _sdpa_mask(node):
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-
-
-def _guarded_sdpa(node) -> bool:
-    return (node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default
-            and _sdpa_mask(node) is not None)
-
-
-def _zero_fully_masked_rows(graph, sdpa):
-    """out = where(row has a key to attend to, sdpa(...), 0), the row read off the mask."""
-    aten = torch.ops.aten
-    mask = _sdpa_mask(sdpa)
-    with graph.inserting_after(sdpa):
-        if mask.meta["val"].dtype == torch.bool:
-            valid = graph.call_function(aten.any.dim, (mask, -1, True))
-        else:
-            peak = graph.call_function(aten.amax.default, (mask, [-1], True))
-            valid = graph.call_function(aten.gt.Scalar, (peak, float("-inf")))
-    with graph.inserting_after(valid):
-        zero = graph.call_function(aten.scalar_tensor.default, (0.0,), {"dtype": sdpa.meta["val"].dtype})
-    with graph.inserting_after(zero):
-        out = graph.call_function(aten.where.self, (valid, sdpa, zero))
-    sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with torch.no_grad():
+        return make_fx(partition, decomposition_table=core_aten_decompositions())(*example_inputs)
 
 
 def _check_io(model, partition, example_inputs):

@@ -6,7 +6,7 @@ do: *context encoding* (prefill: the prompt, T tokens, no cache) and *token gene
 the shapes differ. The cache is a graph input and the new keys and values are graph
 outputs, so the engines (ONNX Runtime, OpenVINO, Inductor) see a pure function of
 fixed shapes; the runtime owns the cache buffer and writes each step's keys and values
-into it in place (:mod:`kiln.llm.kv`), never reallocating it.
+into it in place (:mod:`kiln.runtime.kv`), never reallocating it.
 
 Why wrap the model's own modules instead of writing Llama again: the layers, the rotary
 embedding (with every ``rope_scaling`` variant) and the attention call are transformers'

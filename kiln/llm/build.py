@@ -1,0 +1,66 @@
+"""Compile a Hugging Face decoder into a :class:`kiln.runtime.llm.LLM`: one prefill graph
+per context bucket and one decode graph, each through :func:`kiln.trace` (so engine
+choice, the compile cache and the accuracy check against eager apply as for any model).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from kiln.compiler.api import trace
+from kiln.errors import CompilerArgsError
+from kiln.llm.decoder import DecoderStep, cache_shape, check_supported
+from kiln.runtime.llm import LLM
+
+
+def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
+                tokenizer=None, **trace_options) -> LLM:
+    """``model``: a ``*ForCausalLM`` of the Llama family. ``context_buckets``: the prompt
+    widths prefill is compiled for (a prompt runs in the smallest that fits);
+    ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
+    Hugging Face tokenizer stored in the artifact. Other keywords go to ``kiln.trace``."""
+    family = check_supported(model)
+    buckets = sorted({int(w) for w in context_buckets})
+    if batch_size < 1 or not buckets or buckets[0] < 1:
+        raise CompilerArgsError("batch_size and every context bucket must be positive")
+    if buckets[-1] > cache_length:
+        raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
+                                "the prompt's keys must fit in the cache")
+    model = model.eval()
+    shape = cache_shape(model.config, batch_size, cache_length)
+    prefill = {w: trace(DecoderStep(model, with_cache=False, last_only=True).eval(),
+                        _prefill_example(batch_size, w), **trace_options) for w in buckets}
+    decode = trace(DecoderStep(model, with_cache=True, last_only=False).eval(),
+                   _decode_example(shape), **trace_options)
+    eos = model.generation_config.eos_token_id
+    meta = {"family": family, "batch_size": batch_size, "context_buckets": buckets,
+            "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
+            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
+    return LLM(prefill, decode, meta, _tokenizer_files(tokenizer))
+
+
+def _prefill_example(batch, width):
+    return (torch.zeros(batch, width, dtype=torch.int64), torch.arange(width).repeat(batch, 1),
+            torch.full((batch,), width - 1))
+
+
+def _decode_example(shape):
+    batch, slots = shape[1], shape[3]
+    valid = torch.zeros(batch, slots, dtype=torch.bool)
+    valid[:, : slots // 2] = True
+    return (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), slots // 2),
+            torch.zeros(shape), torch.zeros(shape), valid)
+
+
+def _tokenizer_files(tokenizer) -> dict:
+    if tokenizer is None:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="kiln-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        out = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                out[name] = f.read()
+        return out

@@ -1,0 +1,63 @@
+"""An LLM compiled into one .kiln artifact (prefill per context bucket + decode), saved,
+loaded in a fresh process without the model's code, and generating Hugging Face's tokens."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kiln  # noqa: E402
+from kiln.errors import CompilerArgsError, InputError  # noqa: E402
+from kiln.llm.build import compile_llm  # noqa: E402
+from tests.conftest import run_py  # noqa: E402
+from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    model = _model("llama")
+    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32)
+    path = tmp_path_factory.mktemp("llm") / "tiny.kiln"
+    llm.save(path)
+    return model, llm, path
+
+
+def test_artifact_generates_hugging_face_tokens_in_a_fresh_process(compiled, tmp_path):
+    model, llm, path = compiled
+    expected = [_hf_greedy(model, p, 12) for p in PROMPTS]
+    assert llm.generate(PROMPTS, 12) == expected
+    code = f"""
+import json, sys, kiln
+m = kiln.load({str(path)!r})
+print(repr(m))
+print(json.dumps(m.generate({PROMPTS!r}, 12)))
+print(json.dumps(m.generate([[3, 1, 4]], 5)))
+assert not any(k.startswith(('transformers', 'tests')) for k in sys.modules), 'model code imported'
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "context buckets [4, 8]" in lines[0]
+    assert json.loads(lines[1]) == expected
+    assert json.loads(lines[2]) == [_hf_greedy(model, [3, 1, 4], 5)]      # fewer rows than the batch
+
+
+def test_bad_requests_are_clear_errors(compiled):
+    _, llm, _ = compiled
+    with pytest.raises(InputError, match="longer than the largest context bucket \\(8\\)"):
+        llm.generate([list(range(1, 10))], 2)
+    with pytest.raises(InputError, match="compiled batch size"):
+        llm.generate([[1]] * 4, 2)
+    with pytest.raises(InputError, match="exceed the compiled cache of 32"):
+        llm.generate([[1, 2]], 31)
+    with pytest.raises(InputError, match="at least one token"):
+        llm.generate([[]], 2)
+
+
+def test_bad_compile_options_are_clear_errors():
+    model = _model("llama")
+    with pytest.raises(CompilerArgsError, match="exceeds cache_length"):
+        compile_llm(model, context_buckets=(64,), cache_length=32)
+    with pytest.raises(kiln.errors.UnsupportedModelError):
+        compile_llm(torch.nn.Linear(2, 2))
