@@ -17,7 +17,7 @@ from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model  # noqa: E402
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     model = _model("llama")
-    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32)
+    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32, optlevel=1)
     path = tmp_path_factory.mktemp("llm") / "tiny.kiln"
     llm.save(path)
     return model, llm, path

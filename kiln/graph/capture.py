@@ -225,10 +225,12 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
 
 # What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
 # Ops kept whole when the graph is lowered to core ATen. Scaled dot-product attention is
-# the one that matters: every engine has a fused form of it (ONNX's Attention op from
-# opset 23, OpenVINO's ScaledDotProductAttention, Inductor's and eager's flash-attention
-# CPU kernel), and none recognises the dozen ops its decomposition leaves behind (the
-# scale split over Q and K, the safe-softmax guard for fully masked rows).
+# the one that matters: engines have a fused form of it (ONNX's Attention op from opset
+# 23, Inductor's and eager's flash-attention CPU kernel) and do not recognise the dozen
+# ops its decomposition leaves behind (the scale split over Q and K, the safe-softmax
+# guard for fully masked rows). OpenVINO converts it whole too, but not in every form
+# (repeated key/value heads): it decomposes those in its own copy of the partition
+# (kiln.engines.openvino._for_openvino).
 KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 
