@@ -223,7 +223,6 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
     return captured
 
 
-# What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
 # Ops kept whole when the graph is lowered to core ATen. Scaled dot-product attention is
 # the one that matters: engines have a fused form of it (ONNX's Attention op from opset
 # 23, Inductor's and eager's flash-attention CPU kernel) and do not recognise the dozen
@@ -242,6 +241,7 @@ def decompositions():
     return table
 
 
+# What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
 _VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible with input tensor")
 
 
