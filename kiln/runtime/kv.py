@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime import sampling
+
 
 class KVCache:
     def __init__(self, shape: tuple, dtype=torch.float32):
@@ -38,8 +40,18 @@ class KVCache:
 
 
 def greedy(prefill, decode, prompts: list, max_new_tokens: int, cache_shape: tuple, pad_id: int = 0) -> list:
-    """Greedy continuation of each prompt (lists of token ids), batched with right padding:
-    the new tokens of each, ``max_new_tokens`` long."""
+    """Greedy continuation of each prompt, ``max_new_tokens`` long (no stop tokens)."""
+    return generate(prefill, decode, prompts, max_new_tokens, cache_shape, pad_id=pad_id)
+
+
+def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape: tuple, *, params=None,
+             eos_token_ids=(), pad_id: int = 0) -> list:
+    """The new tokens of each prompt (lists of token ids), batched with right padding.
+    ``params``: :class:`kiln.runtime.sampling.SamplingParams` (greedy when None). A row
+    ends after it emits one of ``eos_token_ids`` (kept, as Hugging Face keeps it) or
+    after ``max_new_tokens``; the batch stops when every row has ended."""
+    params = params or sampling.SamplingParams()
+    rng = params.generator()
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
     width = int(lengths.max())
@@ -48,21 +60,32 @@ def greedy(prefill, decode, prompts: list, max_new_tokens: int, cache_shape: tup
         ids[b, :len(p)] = torch.tensor(p)
     positions = torch.arange(width).unsqueeze(0).expand(batch, -1).contiguous()
     cache = KVCache(cache_shape)
+    out = [[] for _ in prompts]
+    done = [max_new_tokens <= 0] * batch
+    stop = set(eos_token_ids)
     with torch.no_grad():
         logits, new_k, new_v = prefill(ids, positions, lengths - 1)
         cache.write(new_k, new_v, lengths)
-        out = [[] for _ in prompts]
-        token = logits[:, -1].argmax(-1)
-        for step in range(max_new_tokens):
+        while not all(done):
+            token = sampling.choose(logits[:, -1], params, _history(prompts, out), rng)
             for b in range(batch):
-                out[b].append(int(token[b]))
-            if step + 1 == max_new_tokens:
+                if not done[b]:
+                    out[b].append(int(token[b]))
+                    done[b] = len(out[b]) >= max_new_tokens or int(token[b]) in stop
+            if all(done):
                 break
             logits, new_k, new_v = decode(token.unsqueeze(1), cache.lengths.unsqueeze(1).clone(),
                                           cache.k, cache.v, cache.valid())
             cache.write(new_k, new_v, torch.ones(batch, dtype=torch.int64))
-            token = logits[:, -1].argmax(-1)
     return out
+
+
+def _history(prompts, out) -> torch.Tensor:
+    """``[B, N]`` ids each row has seen, padded by repeating its last id (a repeat changes
+    nothing in the repetition penalty, which looks only at which ids occur)."""
+    rows = [list(p) + o for p, o in zip(prompts, out)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows])
 
 
 def padded(prefill, width: int):

@@ -5,7 +5,7 @@ The artifact nests one compiled artifact per graph (``prefill/<width>.kiln``,
 ``decode/<slots>.kiln``) and, when it was compiled with one, the tokenizer's files
 (``tokenizer/<name>``). The manifest's ``llm`` entry says what the graphs were built for:
 ``batch_size``, ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the end-of-
-sequence ids. Generation runs :func:`kiln.runtime.kv.greedy` over the compiled graphs.
+sequence ids. Generation runs :func:`kiln.runtime.kv.generate` over the compiled graphs.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kiln.runtime import kv
 
 
 class LLM:
-    """``generate(prompts, max_new_tokens)``: greedy continuations of token-id lists."""
+    """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
 
     def __init__(self, prefill: dict, decode, meta: dict, tokenizer_files: dict, manifest: dict | None = None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
@@ -42,8 +42,11 @@ class LLM:
         raise InputError(f"a prompt of {width} tokens is longer than the largest context bucket "
                          f"({self.max_context}); compile with a larger context bucket")
 
-    def generate(self, prompts: list, max_new_tokens: int) -> list:
-        """Greedy continuation of each prompt (a list of token ids), ``max_new_tokens`` each."""
+    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
+        """The continuation of each prompt (a list of token ids): greedy, or sampled per
+        ``params`` (:class:`kiln.runtime.sampling.SamplingParams`); each ends after the
+        model's end-of-sequence token (kept) unless ``stop_at_eos=False``, or after
+        ``max_new_tokens``."""
         if not prompts or len(prompts) > self.batch_size:
             raise InputError(f"give 1 to {self.batch_size} prompts (the compiled batch size); got {len(prompts)}")
         if any(not p for p in prompts):
@@ -54,8 +57,9 @@ class LLM:
             raise InputError(f"{width} prompt tokens + {max_new_tokens} new ones exceed the compiled "
                              f"cache of {slots} positions")
         rows = list(prompts) + [prompts[0]] * (self.batch_size - len(prompts))   # real rows, no NaN
-        out = kv.greedy(self._prefill_for(width), self.decode, rows, max_new_tokens,
-                        tuple(self.meta["cache_shape"]))
+        eos = self.meta["eos_token_ids"] if stop_at_eos else ()
+        out = kv.generate(self._prefill_for(width), self.decode, rows, max_new_tokens,
+                          tuple(self.meta["cache_shape"]), params=params, eos_token_ids=eos)
         return out[:len(prompts)]
 
     def to_bytes(self) -> bytes:

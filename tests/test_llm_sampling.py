@@ -1,0 +1,84 @@
+"""Next-token choice (kiln.runtime.sampling) against Hugging Face's logits processors, and
+stop tokens and seeded sampling through the generation loop."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.errors import InputError  # noqa: E402
+from kiln.llm import decoder  # noqa: E402
+from kiln.runtime import kv, sampling  # noqa: E402
+from tests.test_llm_decoder import PROMPTS, _model  # noqa: E402
+
+
+def _hf_scores(logits, history, p):
+    from transformers import generation as g
+    procs = g.LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        procs.append(g.RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    if p.do_sample:
+        procs.append(g.TemperatureLogitsWarper(p.temperature))
+        if p.top_k:
+            procs.append(g.TopKLogitsWarper(p.top_k))
+        if p.top_p < 1.0:
+            procs.append(g.TopPLogitsWarper(p.top_p))
+    return procs(history, logits.clone())
+
+
+@pytest.mark.parametrize("params", [
+    sampling.SamplingParams(),
+    sampling.SamplingParams(repetition_penalty=1.3),
+    sampling.SamplingParams(do_sample=True, temperature=0.7),
+    sampling.SamplingParams(do_sample=True, top_k=5),
+    sampling.SamplingParams(do_sample=True, top_p=0.8),
+    sampling.SamplingParams(do_sample=True, temperature=1.3, top_k=20, top_p=0.9, repetition_penalty=1.2),
+])
+def test_scores_equal_hugging_face_processors(params):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    history = torch.randint(0, 50, (4, 7))
+    got = sampling.process(logits, params, history)
+    want = _hf_scores(logits, history, params)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_parameters_are_clear_errors():
+    for kw, msg in [({"temperature": 0}, "temperature"), ({"top_k": -1}, "top_k"),
+                    ({"top_p": 0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty")]:
+        with pytest.raises(InputError, match=msg):
+            sampling.SamplingParams(**kw)
+
+
+@pytest.fixture(scope="module")
+def steps():
+    model = _model("llama")
+    return (model, decoder.DecoderStep(model, with_cache=False, last_only=True).eval(),
+            decoder.DecoderStep(model, with_cache=True, last_only=False).eval(),
+            decoder.cache_shape(model.config, len(PROMPTS), 40))
+
+
+def test_stop_token_ends_each_row_as_hugging_face_does(steps):
+    model, prefill, step, shape = steps
+    eos = 2
+    got = kv.generate(prefill, step, PROMPTS, 12, shape, eos_token_ids=[eos])
+    for prompt, tokens in zip(PROMPTS, got):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref, prompt
+    assert any(t[-1] == eos and len(t) < 12 for t in got)        # the case is exercised
+
+
+def test_seeded_sampling_repeats_and_top_k_1_is_greedy(steps):
+    _, prefill, step, shape = steps
+    params = sampling.SamplingParams(do_sample=True, temperature=1.5, top_p=0.95, seed=7)
+    first = kv.generate(prefill, step, PROMPTS, 10, shape, params=params)
+    assert kv.generate(prefill, step, PROMPTS, 10, shape, params=params) == first
+    other = kv.generate(prefill, step, PROMPTS, 10, shape, params=sampling.SamplingParams(
+        do_sample=True, temperature=1.5, top_p=0.95, seed=8))
+    assert other != first
+    top1 = sampling.SamplingParams(do_sample=True, top_k=1, seed=1)
+    assert kv.generate(prefill, step, PROMPTS, 10, shape, params=top1) == kv.greedy(prefill, step, PROMPTS, 10, shape)
