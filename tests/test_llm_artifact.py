@@ -62,3 +62,20 @@ def test_bad_compile_options_are_clear_errors():
         compile_llm(model, context_buckets=(64,), cache_length=32)
     with pytest.raises(kiln.errors.UnsupportedModelError):
         compile_llm(torch.nn.Linear(2, 2))
+
+
+def test_hugging_face_generate_signature_with_left_padding_and_eos(compiled):
+    """``hf_generate(input_ids, attention_mask, generation_config)`` returns what
+    transformers' ``generate`` returns for a left-padded batch, rows ending at EOS padded."""
+    model, llm, _ = compiled
+    ids = torch.tensor([[0, 0, 5, 17, 3], [11, 2, 9, 4, 8], [0, 0, 0, 60, 61]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [3]])).long()
+    config = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, generation_config=config)
+    got = llm.hf_generate(ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(got, want)
+    assert (want[:, 5:] == 2).any()                     # a row did stop at EOS
+    assert llm.hf_generate(ids[:1, 2:], max_new_tokens=3).shape == (1, 6)
+    with pytest.raises(InputError, match="settings kiln does not know"):
+        llm.hf_generate(ids, attention_mask=mask, num_beams=4)

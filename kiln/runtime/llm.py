@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import kv
+from kiln.runtime import kv, sampling
+
+# transformers.GenerationConfig's settings kiln honours, with that class's defaults.
+_HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                "repetition_penalty": 1.0, "eos_token_id": None, "pad_token_id": None, "seed": None}
 
 
 class LLM:
@@ -51,16 +55,53 @@ class LLM:
             raise InputError(f"give 1 to {self.batch_size} prompts (the compiled batch size); got {len(prompts)}")
         if any(not p for p in prompts):
             raise InputError("every prompt needs at least one token")
+        eos = self.meta["eos_token_ids"] if stop_at_eos else ()
+        return self._generate_rows(prompts, max_new_tokens, params, eos)
+
+    def hf_generate(self, input_ids, attention_mask=None, generation_config=None, **overrides):
+        """Hugging Face's ``generate`` for decoder-only models: ``[B, T]`` ids (left or right
+        padded, ``attention_mask`` marking the real tokens) → ``[B, T + N]``, the input
+        followed by each row's new tokens, rows that stopped early padded with
+        ``pad_token_id``. Settings come from ``generation_config`` (a transformers
+        ``GenerationConfig`` or anything with its attributes) and keyword overrides,
+        with GenerationConfig's defaults (``top_k=50`` when sampling, as there)."""
+        import torch
+        cfg = {**_HF_DEFAULTS, **{k: getattr(generation_config, k) for k in _HF_DEFAULTS
+                                  if generation_config is not None and getattr(generation_config, k, None) is not None},
+               **overrides}
+        unknown = set(overrides) - set(_HF_DEFAULTS)
+        if unknown:
+            raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
+        ids = torch.as_tensor(input_ids)
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if ids.dim() != 2 or mask.shape != ids.shape:
+            raise InputError(f"input_ids must be [batch, tokens] with attention_mask of the same shape; got "
+                             f"{tuple(ids.shape)} and {tuple(mask.shape)}")
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        if any(not p for p in prompts):
+            raise InputError("every row of attention_mask needs at least one real token")
+        eos = cfg["eos_token_id"]
+        eos = self.meta["eos_token_ids"] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        params = sampling.SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
+                                         top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
+                                         repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])
+        rows = []
+        for start in range(0, len(prompts), self.batch_size):        # the compiled batch at a time
+            rows += self._generate_rows(prompts[start:start + self.batch_size], cfg["max_new_tokens"], params, eos)
+        pad = cfg["pad_token_id"] if cfg["pad_token_id"] is not None else (eos[0] if eos else 0)
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=ids.dtype)
+        return torch.cat([ids, new], dim=1)
+
+    def _generate_rows(self, prompts, max_new_tokens, params, eos):
         width = max(len(p) for p in prompts)
         slots = self.meta["cache_shape"][3]
         if width + max_new_tokens > slots:
             raise InputError(f"{width} prompt tokens + {max_new_tokens} new ones exceed the compiled "
                              f"cache of {slots} positions")
         rows = list(prompts) + [prompts[0]] * (self.batch_size - len(prompts))   # real rows, no NaN
-        eos = self.meta["eos_token_ids"] if stop_at_eos else ()
-        out = kv.generate(self._prefill_for(width), self.decode, rows, max_new_tokens,
-                          tuple(self.meta["cache_shape"]), params=params, eos_token_ids=eos)
-        return out[:len(prompts)]
+        return kv.generate(self._prefill_for(width), self.decode, rows, max_new_tokens,
+                           tuple(self.meta["cache_shape"]), params=params, eos_token_ids=eos)[:len(prompts)]
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
