@@ -1,0 +1,66 @@
+"""transformers-neuronx's spelling of LLM compilation, for scripts that swap
+``transformers_neuronx`` for ``kiln.transformers_neuronx`` in their imports::
+
+    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=1, n_positions=128,
+                                                       context_length_estimate=64)
+    model.to_neuron()                                   # compile (kiln.llm.build.compile_llm)
+    ids = model.sample(input_ids, sequence_length=256, top_k=50)
+
+``n_positions`` is the KV cache length (its largest value when a list of token-generation
+buckets is given: kiln's decode graph is compiled for that one length today);
+``context_length_estimate`` the prompt buckets (default: ``n_positions``). Options kiln
+cannot honour yet are errors that say so: ``tp_degree`` above 1 (no tensor parallelism)
+and ``amp`` other than fp32.
+"""
+from __future__ import annotations
+
+from kiln.errors import CompilerArgsError, InputError
+
+
+class NeuronAutoModelForCausalLM:
+    def __init__(self, model, *, batch_size, n_positions, context_length_estimate):
+        self.model = model
+        self.batch_size = batch_size
+        self.n_positions = n_positions
+        self.context_length_estimate = context_length_estimate
+        self.compiled = None
+
+    @classmethod
+    def from_pretrained(cls, path, batch_size: int = 1, n_positions=2048, tp_degree: int = 1, amp: str = "f32",
+                        context_length_estimate=None, **kwargs):
+        if tp_degree != 1:
+            raise CompilerArgsError(f"tp_degree={tp_degree}: kiln has no tensor parallelism yet; use tp_degree=1 "
+                                    "(the whole model on this host's cores)")
+        if amp not in ("f32", "fp32", "float32"):
+            raise CompilerArgsError(f"amp={amp!r}: kiln's LLM path compiles fp32 today; use amp='f32'")
+        if kwargs:
+            raise CompilerArgsError(f"from_pretrained() options kiln does not know yet: {sorted(kwargs)}")
+        from transformers import AutoModelForCausalLM
+        positions = max(n_positions) if isinstance(n_positions, (list, tuple)) else int(n_positions)
+        context = context_length_estimate if context_length_estimate is not None else positions
+        context = list(context) if isinstance(context, (list, tuple)) else [int(context)]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+        return cls(model, batch_size=batch_size, n_positions=positions, context_length_estimate=context)
+
+    def to_neuron(self):
+        """Compile the prefill and decode graphs (kiln's engines, chosen by measurement)."""
+        from kiln.llm.build import compile_llm
+        self.compiled = compile_llm(self.model, batch_size=self.batch_size,
+                                    context_buckets=self.context_length_estimate, cache_length=self.n_positions)
+        return self
+
+    def sample(self, input_ids, sequence_length: int = 128, top_k: int = 50, temperature: float = 1.0,
+               top_p: float = 1.0, start_ids=None, streamer=None):
+        """Prompt plus new tokens up to ``sequence_length`` in all, top-k sampled
+        (``top_k=1`` is greedy), as ``[batch, tokens]``."""
+        if self.compiled is None:
+            raise InputError("call to_neuron() before sample(): the model is not compiled yet")
+        if start_ids is not None or streamer is not None:
+            raise InputError("sample(start_ids=, streamer=) are not supported by kiln yet")
+        new = sequence_length - input_ids.shape[1]
+        if new < 1:
+            raise InputError(f"sequence_length={sequence_length} leaves no room after the "
+                             f"{input_ids.shape[1]}-token prompt")
+        greedy = top_k == 1
+        return self.compiled.hf_generate(input_ids, max_new_tokens=new, do_sample=not greedy,
+                                         top_k=top_k, temperature=temperature, top_p=top_p)
