@@ -1,0 +1,111 @@
+"""The NxD Inference classes kiln implements (see the package docstring)."""
+from __future__ import annotations
+
+import os
+
+from kiln.errors import CompilerArgsError, InputError
+
+ARTIFACT = "model.kiln"
+
+
+class OnDeviceSamplingConfig:
+    def __init__(self, top_k: int = 1, top_p: float = 1.0, temperature: float = 1.0, do_sample: bool = False,
+                 dynamic: bool = False, **kwargs):
+        if kwargs:
+            raise CompilerArgsError(f"OnDeviceSamplingConfig options kiln does not know yet: {sorted(kwargs)}")
+        self.top_k, self.top_p, self.temperature = top_k, top_p, temperature
+        self.do_sample = do_sample or top_k > 1
+        self.dynamic = dynamic
+
+
+class NeuronConfig:
+    def __init__(self, tp_degree: int = 1, batch_size: int = 1, max_context_length: int | None = None,
+                 seq_len: int = 128, on_device_sampling_config: OnDeviceSamplingConfig | None = None,
+                 enable_bucketing: bool = False, context_encoding_buckets=None, token_generation_buckets=None,
+                 torch_dtype="float32", quantized: bool = False, max_batch_size: int | None = None, **kwargs):
+        problems = []
+        if tp_degree != 1:
+            problems.append(f"tp_degree={tp_degree}: kiln has no tensor parallelism yet (use 1)")
+        if quantized:
+            problems.append("quantized=True: kiln's LLM path has no quantized weights yet")
+        if str(torch_dtype).replace("torch.", "") not in ("float32", "fp32"):
+            problems.append(f"torch_dtype={torch_dtype}: kiln's LLM path compiles float32 today")
+        if kwargs:
+            problems.append(f"options kiln does not know yet: {sorted(kwargs)}")
+        if problems:
+            raise CompilerArgsError("NeuronConfig: " + "; ".join(problems))
+        self.tp_degree, self.batch_size, self.seq_len = tp_degree, max_batch_size or batch_size, seq_len
+        self.max_context_length = max_context_length or seq_len
+        self.on_device_sampling_config = on_device_sampling_config
+        self.enable_bucketing = enable_bucketing
+        self.context_encoding_buckets = context_encoding_buckets
+        self.token_generation_buckets = token_generation_buckets
+        self.torch_dtype = "float32"
+
+    def context_buckets(self) -> list:
+        if self.enable_bucketing and self.context_encoding_buckets:
+            return sorted(int(b) for b in self.context_encoding_buckets)
+        return [int(self.max_context_length)]
+
+
+def load_pretrained_config(model_path):
+    """A loader of the checkpoint's Hugging Face config (NxD Inference's ``load_config``)."""
+    def load():
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(model_path)
+    return load
+
+
+class InferenceConfig:
+    def __init__(self, neuron_config: NeuronConfig, load_config=None, **kwargs):
+        self.neuron_config = neuron_config
+        self.hf_config = load_config() if load_config is not None else None
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+
+class LlamaInferenceConfig(InferenceConfig):
+    pass
+
+
+class NeuronLlamaForCausalLM:
+    def __init__(self, model_path, config: InferenceConfig):
+        self.model_path, self.config = model_path, config
+        self.llm = None
+
+    def compile(self, compiled_model_path):
+        """Compile the prefill and decode graphs and write ``model.kiln`` into the directory."""
+        from transformers import AutoModelForCausalLM
+        from kiln.llm.build import compile_llm
+        nc = self.config.neuron_config
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="float32").eval()
+        llm = compile_llm(model, batch_size=nc.batch_size, context_buckets=nc.context_buckets(),
+                          cache_length=nc.seq_len)
+        os.makedirs(compiled_model_path, exist_ok=True)
+        llm.save(os.path.join(compiled_model_path, ARTIFACT))
+
+    def load(self, compiled_model_path):
+        from kiln.runtime.loader import load
+        path = os.path.join(compiled_model_path, ARTIFACT)
+        if not os.path.exists(path):
+            raise InputError(f"{path} does not exist: call compile({compiled_model_path!r}) first")
+        self.llm = load(path)
+
+
+class HuggingFaceGenerationAdapter:
+    """``generate(input_ids, attention_mask=, generation_config=, **settings)`` as transformers
+    has it, over a loaded NeuronLlamaForCausalLM; its OnDeviceSamplingConfig gives the
+    defaults (``top_k=1``: greedy)."""
+
+    def __init__(self, model: NeuronLlamaForCausalLM):
+        self.model = model
+
+    def generate(self, input_ids, attention_mask=None, generation_config=None, **settings):
+        if self.model.llm is None:
+            raise InputError("load() the compiled model before generate()")
+        sampling = self.model.config.neuron_config.on_device_sampling_config
+        if sampling is not None and generation_config is None:
+            settings = {"do_sample": sampling.do_sample, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                        "temperature": sampling.temperature, **settings}
+        return self.model.llm.hf_generate(input_ids, attention_mask=attention_mask,
+                                          generation_config=generation_config, **settings)

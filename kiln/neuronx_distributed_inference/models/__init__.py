@@ -1,0 +1,1 @@
+"""NxD Inference: ``models``."""

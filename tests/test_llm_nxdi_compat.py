@@ -1,0 +1,44 @@
+"""An NxD Inference script after swapping its package for kiln.neuronx_distributed_inference:
+config, compile to a directory, load, generate through the Hugging Face adapter."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.errors import CompilerArgsError, InputError  # noqa: E402
+from tests.test_llm_decoder import _hf_greedy, _model  # noqa: E402
+
+
+def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_URL", "off")
+    from kiln.neuronx_distributed_inference.models.config import NeuronConfig, OnDeviceSamplingConfig
+    from kiln.neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig,
+                                                                               NeuronLlamaForCausalLM)
+    from kiln.neuronx_distributed_inference.utils.hf_adapter import (HuggingFaceGenerationAdapter,
+                                                                    load_pretrained_config)
+    model = _model("llama")
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "compiled")
+    model.save_pretrained(path)
+    nc = NeuronConfig(tp_degree=1, batch_size=2, max_context_length=8, seq_len=32,
+                      on_device_sampling_config=OnDeviceSamplingConfig(top_k=1))
+    cfg = LlamaInferenceConfig(nc, load_config=load_pretrained_config(path))
+    assert cfg.hf_config.num_hidden_layers == 2
+    m = NeuronLlamaForCausalLM(path, cfg)
+    with pytest.raises(InputError, match="compile"):
+        m.load(out)
+    m.compile(out)
+    m.load(out)
+    ids = torch.tensor([[0, 5, 17, 3], [11, 2, 9, 4]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    got = HuggingFaceGenerationAdapter(m).generate(ids, attention_mask=mask, max_new_tokens=10)
+    assert got[0, 4:].tolist() == _hf_greedy(model, [5, 17, 3], 10)
+    assert got[1, 4:].tolist() == _hf_greedy(model, [11, 2, 9, 4], 10)
+
+
+@pytest.mark.parametrize("kw, msg", [({"tp_degree": 8}, "tensor parallelism"), ({"quantized": True}, "quantized"),
+                                     ({"torch_dtype": "bfloat16"}, "float32 today"),
+                                     ({"fused_qkv": True}, "does not know yet")])
+def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
+    from kiln.neuronx_distributed_inference.models.config import NeuronConfig
+    with pytest.raises(CompilerArgsError, match=msg):
+        NeuronConfig(**kw)
