@@ -38,3 +38,18 @@ def kiln_cli():
     exe = os.path.join(os.path.dirname(sys.executable), "kiln")
     assert os.path.exists(exe), "kiln console script not installed (pip install -e .)"
     return exe
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tmp_path_factory):
+    """(HF model, compiled kiln.LLM, saved path): the tiny random Llama of
+    tests/test_llm_decoder.py, decode for 3 requests at once, context buckets 4 and 8,
+    32 cache positions; shared by the LLM artifact, scheduler, server and CLI tests."""
+    pytest.importorskip("transformers")
+    from kiln.llm.build import compile_llm
+    from tests.test_llm_decoder import _model
+    model = _model("llama")
+    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32, optlevel=1)
+    path = tmp_path_factory.mktemp("llm") / "tiny.kiln"
+    llm.save(path)
+    return model, llm, path

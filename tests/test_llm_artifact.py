@@ -15,12 +15,8 @@ from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    model = _model("llama")
-    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32, optlevel=1)
-    path = tmp_path_factory.mktemp("llm") / "tiny.kiln"
-    llm.save(path)
-    return model, llm, path
+def compiled(tiny_llm):
+    return tiny_llm
 
 
 def test_artifact_generates_hugging_face_tokens_in_a_fresh_process(compiled, tmp_path):
@@ -48,8 +44,8 @@ def test_bad_requests_are_clear_errors(compiled):
     _, llm, _ = compiled
     with pytest.raises(InputError, match="longer than the largest context bucket \\(8\\)"):
         llm.generate([list(range(1, 10))], 2)
-    with pytest.raises(InputError, match="compiled batch size"):
-        llm.generate([[1]] * 4, 2)
+    with pytest.raises(InputError, match="max_new_tokens must be at least 1"):
+        llm.generate([[1]], 0)
     with pytest.raises(InputError, match="exceed the compiled cache of 32"):
         llm.generate([[1, 2]], 31)
     with pytest.raises(InputError, match="at least one token"):

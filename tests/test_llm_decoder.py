@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from kiln.errors import UnsupportedModelError  # noqa: E402
 from kiln.llm import decoder  # noqa: E402
-from kiln.runtime import kv  # noqa: E402
+from kiln.runtime import kv, scheduler  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -53,7 +53,7 @@ def test_batched_greedy_equals_hugging_face_for_each_prompt(family):
     step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
     n = 12
     shape = decoder.cache_shape(model.config, len(PROMPTS), 32)
-    got = kv.greedy(prefill, step, PROMPTS, n, shape)
+    got = scheduler.greedy(prefill, step, PROMPTS, n, shape)
     for prompt, tokens in zip(PROMPTS, got):
         assert tokens == _hf_greedy(model, prompt, n), (family, prompt)
 
@@ -66,32 +66,32 @@ def test_unsupported_architecture_is_a_clear_error():
 
 def test_cache_refuses_to_overflow():
     cache = kv.KVCache((1, 1, 1, 4, 2))
-    cache.write(torch.zeros(1, 1, 1, 3, 2), torch.zeros(1, 1, 1, 3, 2), torch.tensor([3]))
+    cache.write_slot(0, torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
     with pytest.raises(ValueError, match="needs 5 cache positions; the cache holds 4"):
-        cache.write(torch.zeros(1, 1, 1, 2, 2), torch.zeros(1, 1, 1, 2, 2), torch.tensor([2]))
+        cache.write_slot(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
 
 
 def test_steps_compiled_by_kiln_equal_hugging_face(tmp_path, monkeypatch):
-    """Prefill compiled for an 8-token context bucket (prompts padded into it) and decode
-    for a 32-slot cache, through kiln.trace and its engines: still HF's tokens."""
+    """Prefill compiled for an 8-token context bucket (batch 1, prompts padded into it) and
+    decode for 3 rows of a 32-slot cache, through kiln.trace and its engines: HF's tokens."""
     import kiln
     monkeypatch.setenv("KILN_CACHE_URL", "off")
     model = _model("llama")
     batch, width, slots = len(PROMPTS), 8, 32
     shape = decoder.cache_shape(model.config, batch, slots)
     prefill = kiln.trace(decoder.DecoderStep(model, with_cache=False, last_only=True).eval(),
-                         (torch.zeros(batch, width, dtype=torch.int64), torch.arange(width).repeat(batch, 1),
-                          torch.full((batch,), width - 1)))
+                         (torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0),
+                          torch.tensor([width - 1])))
     valid = torch.zeros(batch, slots, dtype=torch.bool)
     valid[:, :4] = True
     step = kiln.trace(decoder.DecoderStep(model, with_cache=True, last_only=False).eval(),
                       (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), 4), torch.zeros(shape),
                        torch.zeros(shape), valid))
-    got = kv.greedy(kv.padded(prefill, width), step, PROMPTS, 12, shape)
+    got = scheduler.greedy(kv.padded(prefill, width), step, PROMPTS, 12, shape)
     for prompt, tokens in zip(PROMPTS, got):
         assert tokens == _hf_greedy(model, prompt, 12), prompt
     with pytest.raises(ValueError, match="longer than the context bucket"):
-        kv.greedy(kv.padded(prefill, width), step, [list(range(1, 11))], 2, shape)
+        scheduler.greedy(kv.padded(prefill, width), step, [list(range(1, 11))], 2, shape)
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_real_smollm2_chat_greedy_equals_hugging_face_fp32():
     assert "Paris" in tok.decode(expected)
     prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
     step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
-    got = kv.greedy(prefill, step, [prompt], 32, decoder.cache_shape(model.config, 1, 96))[0]
+    got = scheduler.greedy(prefill, step, [prompt], 32, decoder.cache_shape(model.config, 1, 96))[0]
     assert got == expected
 
 

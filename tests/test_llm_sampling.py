@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from kiln.errors import InputError  # noqa: E402
 from kiln.llm import decoder  # noqa: E402
-from kiln.runtime import kv, sampling  # noqa: E402
+from kiln.runtime import sampling, scheduler  # noqa: E402
 from tests.test_llm_decoder import PROMPTS, _model  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def steps():
 def test_stop_token_ends_each_row_as_hugging_face_does(steps):
     model, prefill, step, shape = steps
     eos = 2
-    got = kv.generate(prefill, step, PROMPTS, 12, shape, eos_token_ids=[eos])
+    got = scheduler.generate(prefill, step, PROMPTS, 12, shape, eos_token_ids=[eos])
     for prompt, tokens in zip(PROMPTS, got):
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -75,10 +75,10 @@ def test_stop_token_ends_each_row_as_hugging_face_does(steps):
 def test_seeded_sampling_repeats_and_top_k_1_is_greedy(steps):
     _, prefill, step, shape = steps
     params = sampling.SamplingParams(do_sample=True, temperature=1.5, top_p=0.95, seed=7)
-    first = kv.generate(prefill, step, PROMPTS, 10, shape, params=params)
-    assert kv.generate(prefill, step, PROMPTS, 10, shape, params=params) == first
-    other = kv.generate(prefill, step, PROMPTS, 10, shape, params=sampling.SamplingParams(
+    first = scheduler.generate(prefill, step, PROMPTS, 10, shape, params=params)
+    assert scheduler.generate(prefill, step, PROMPTS, 10, shape, params=params) == first
+    other = scheduler.generate(prefill, step, PROMPTS, 10, shape, params=sampling.SamplingParams(
         do_sample=True, temperature=1.5, top_p=0.95, seed=8))
     assert other != first
     top1 = sampling.SamplingParams(do_sample=True, top_k=1, seed=1)
-    assert kv.generate(prefill, step, PROMPTS, 10, shape, params=top1) == kv.greedy(prefill, step, PROMPTS, 10, shape)
+    assert scheduler.generate(prefill, step, PROMPTS, 10, shape, params=top1) == scheduler.greedy(prefill, step, PROMPTS, 10, shape)

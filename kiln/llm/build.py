@@ -17,8 +17,9 @@ from kiln.runtime.llm import LLM
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 tokenizer=None, **trace_options) -> LLM:
-    """``model``: a ``*ForCausalLM`` of the Llama family. ``context_buckets``: the prompt
-    widths prefill is compiled for (a prompt runs in the smallest that fits);
+    """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: the decode graph's
+    rows, i.e. requests generating at once. ``context_buckets``: the prompt widths prefill
+    is compiled for (batch 1; a prompt runs in the smallest that fits);
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
     Hugging Face tokenizer stored in the artifact. Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
@@ -31,19 +32,19 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     model = model.eval()
     shape = cache_shape(model.config, batch_size, cache_length)
     prefill = {w: trace(DecoderStep(model, with_cache=False, last_only=True).eval(),
-                        _prefill_example(batch_size, w), **trace_options) for w in buckets}
+                        _prefill_example(w), **trace_options) for w in buckets}
     decode = trace(DecoderStep(model, with_cache=True, last_only=False).eval(),
                    _decode_example(shape), **trace_options)
     eos = model.generation_config.eos_token_id
-    meta = {"family": family, "batch_size": batch_size, "context_buckets": buckets,
+    meta = {"family": family, "batch_size": batch_size, "prefill_batch": 1, "context_buckets": buckets,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
     return LLM(prefill, decode, meta, _tokenizer_files(tokenizer))
 
 
-def _prefill_example(batch, width):
-    return (torch.zeros(batch, width, dtype=torch.int64), torch.arange(width).repeat(batch, 1),
-            torch.full((batch,), width - 1))
+def _prefill_example(width):
+    """One prompt: the scheduler prefills each request alone as it joins the batch."""
+    return (torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0), torch.tensor([width - 1]))
 
 
 def _decode_example(shape):

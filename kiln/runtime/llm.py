@@ -4,14 +4,16 @@ loaded from one ``.kiln`` artifact (kind ``llm``) without the model's code.
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln``,
 ``decode/<slots>.kiln``) and, when it was compiled with one, the tokenizer's files
 (``tokenizer/<name>``). The manifest's ``llm`` entry says what the graphs were built for:
-``batch_size``, ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the end-of-
-sequence ids. Generation runs :func:`kiln.runtime.kv.generate` over the compiled graphs.
+``batch_size`` (decode rows: requests at once), ``prefill_batch`` (1: a prompt is prefilled
+alone, as it joins), ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the end-
+of-sequence ids. Generation runs :mod:`kiln.runtime.scheduler` over the compiled graphs.
 """
 from __future__ import annotations
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
 from kiln.runtime import kv, sampling
+from kiln.runtime.scheduler import Scheduler, generate
 
 # transformers.GenerationConfig's settings kiln honours, with that class's defaults.
 _HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
@@ -46,15 +48,20 @@ class LLM:
         raise InputError(f"a prompt of {width} tokens is longer than the largest context bucket "
                          f"({self.max_context}); compile with a larger context bucket")
 
+    def scheduler(self, **options) -> Scheduler:
+        """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
+        graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
+        return Scheduler(self._prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
+                         **options)
+
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
         """The continuation of each prompt (a list of token ids): greedy, or sampled per
         ``params`` (:class:`kiln.runtime.sampling.SamplingParams`); each ends after the
         model's end-of-sequence token (kept) unless ``stop_at_eos=False``, or after
-        ``max_new_tokens``."""
-        if not prompts or len(prompts) > self.batch_size:
-            raise InputError(f"give 1 to {self.batch_size} prompts (the compiled batch size); got {len(prompts)}")
-        if any(not p for p in prompts):
-            raise InputError("every prompt needs at least one token")
+        ``max_new_tokens``. Any number of prompts: they run through the continuous-batching
+        scheduler, ``batch_size`` at a time, each getting the tokens it would get alone."""
+        if not prompts:
+            raise InputError("give at least one prompt")
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
@@ -85,23 +92,15 @@ class LLM:
         params = sampling.SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
                                          top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
                                          repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])
-        rows = []
-        for start in range(0, len(prompts), self.batch_size):        # the compiled batch at a time
-            rows += self._generate_rows(prompts[start:start + self.batch_size], cfg["max_new_tokens"], params, eos)
+        rows = self._generate_rows(prompts, cfg["max_new_tokens"], params, eos)
         pad = cfg["pad_token_id"] if cfg["pad_token_id"] is not None else (eos[0] if eos else 0)
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=ids.dtype)
         return torch.cat([ids, new], dim=1)
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
-        width = max(len(p) for p in prompts)
-        slots = self.meta["cache_shape"][3]
-        if width + max_new_tokens > slots:
-            raise InputError(f"{width} prompt tokens + {max_new_tokens} new ones exceed the compiled "
-                             f"cache of {slots} positions")
-        rows = list(prompts) + [prompts[0]] * (self.batch_size - len(prompts))   # real rows, no NaN
-        return kv.generate(self._prefill_for(width), self.decode, rows, max_new_tokens,
-                           tuple(self.meta["cache_shape"]), params=params, eos_token_ids=eos)[:len(prompts)]
+        return generate(self._prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
+                        params=params, eos_token_ids=eos, max_context=self.max_context)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
@@ -129,6 +128,9 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     def nested(name):
         return load_nested(art.nested(name, f"{source}:{name}"), opts, f"{source}:{name}")
 
+    if meta.get("prefill_batch") != 1:
+        raise ArtifactError(f"{source}: this LLM artifact was compiled by an older kiln (prefill for a "
+                            "whole batch); compile it again with this version")
     prefill = {int(w): nested(name) for w, name in graphs.get("prefill", {}).items()}
     if not prefill:
         raise ArtifactError(f"{source}: the LLM artifact has no prefill graph")

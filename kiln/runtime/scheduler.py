@@ -1,0 +1,290 @@
+"""Continuous batching: requests join and leave the decode batch between steps.
+
+The decode graph is compiled for ``B`` rows. Each row is a *slot*: a request owns one
+slot of the KV cache (``[L, B, H_kv, S, D]``, :class:`kiln.runtime.kv.KVCache`) from its
+prefill to its last token, and the slot is free for the next request as soon as it
+ends. One :meth:`Scheduler.step`:
+
+1. drops cancelled requests (a client that went away) and frees their slots;
+2. admits waiting requests into free slots: each is prefilled alone, through the
+   batch-1 prefill graph of the smallest context bucket that fits, its keys and values
+   written into its slot, its first token chosen. While other requests are decoding,
+   at most ``prefills_per_step`` are admitted per step, so a burst of new prompts
+   delays the running streams by one prefill each, not by all of them;
+3. runs one decode step for every occupied slot at once (free rows get an empty cache
+   and attend only to themselves, so they cannot produce NaN), and appends each
+   request's next token.
+
+Why a request's tokens are exactly those it gets alone: every row of both graphs is a
+function of its own inputs only. Attention is masked per row (its own valid slots),
+and a matrix product reduces each row of its left operand on its own, in the same
+order whatever the other rows hold. Sampling draws from the request's own generator.
+``tests/test_llm_scheduler.py`` checks token equality for concurrent requests of
+different lengths against each one run alone.
+
+The memory budget is the cache: ``B`` slots of ``S`` positions. A request whose prompt
+plus ``max_new_tokens`` does not fit in a slot is refused when added
+(:class:`~kiln.errors.InputError`), and when ``max_queue`` requests already wait,
+:meth:`Scheduler.add` raises :class:`~kiln.errors.OverloadedError` at once (the
+server's 429) rather than queueing without bound.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kiln.errors import InputError, OverloadedError
+from kiln.runtime import sampling
+from kiln.runtime.kv import KVCache
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. ``on_token(request, token) -> bool`` is called from the scheduler's
+    thread after each new token (returning True ends the request: a stop string matched);
+    ``on_finish(request)`` once it has ended, whatever the reason."""
+    prompt: list
+    max_new_tokens: int
+    params: sampling.SamplingParams = field(default_factory=sampling.SamplingParams)
+    stop_token_ids: tuple = ()
+    on_token: Callable | None = None
+    on_finish: Callable | None = None
+    tokens: list = field(default_factory=list)
+    finish_reason: str | None = None       # "stop", "length", "cancelled" or "error"
+    error: BaseException | None = None
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+    token_times: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompt = [int(t) for t in self.prompt]
+        self.stop_token_ids = frozenset(int(t) for t in self.stop_token_ids)
+        self.generator = self.params.generator()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def history(self):
+        """``[1, N]`` ids seen so far, for the repetition penalty (None when it is off)."""
+        if self.params.repetition_penalty == 1.0:
+            return None
+        return torch.tensor([self.prompt + self.tokens])
+
+
+class Scheduler:
+    """Continuous batching over a prefill and a decode graph (module doc).
+
+    ``prefill_for(width)``: the batch-1 prefill callable for a prompt ``width`` tokens
+    long (raising InputError when none fits); ``decode``: the ``B``-row decode step;
+    ``cache_shape``: ``[L, B, H_kv, S, D]``."""
+
+    def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
+                 prefills_per_step: int = 1, max_context: int | None = None):
+        self.prefill_for, self.decode = prefill_for, decode
+        self.cache = KVCache(tuple(cache_shape))
+        self.slots: list = [None] * cache_shape[1]
+        self.waiting: collections.deque = collections.deque()
+        self.max_queue, self.prefills_per_step = max_queue, prefills_per_step
+        self.max_context = max_context
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def check(self, request: Request):
+        """Refuse (InputError) a request that can never run, before it waits for a slot."""
+        n = len(request.prompt)
+        if n == 0:
+            raise InputError("the prompt needs at least one token")
+        if self.max_context is not None and n > self.max_context:
+            raise InputError(f"a prompt of {n} tokens is longer than the largest context bucket "
+                             f"({self.max_context}); compile with a larger context bucket")
+        if request.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1; got {request.max_new_tokens}")
+        if n + request.max_new_tokens > self.cache.capacity:
+            raise InputError(f"{n} prompt tokens + {request.max_new_tokens} new ones exceed the compiled "
+                             f"cache of {self.cache.capacity} positions")
+
+    def add(self, request: Request) -> Request:
+        self.check(request)
+        with self.cond:
+            if self.closing:
+                raise OverloadedError("the scheduler is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise OverloadedError(f"{len(self.waiting)} requests are already waiting (the limit); "
+                                      "retry later")
+            self.waiting.append(request)
+            self.cond.notify()
+        return request
+
+    def cancel(self, request: Request):
+        """End ``request`` at the next step (its slot is freed then); a no-op once it is done."""
+        request.cancelled = True
+        with self.cond:
+            self.cond.notify()
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def active(self) -> list:
+        return [r for r in self.slots if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def usage(self) -> dict:
+        """Slots and cache positions in use, for metrics."""
+        used = sum(len(r.prompt) + len(r.tokens) for r in self.active)
+        return {"slots_used": len(self.active), "slots": len(self.slots), "waiting": len(self.waiting),
+                "positions_used": used, "positions": len(self.slots) * self.cache.capacity}
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self):
+        """Step until every added request has ended (the caller's thread)."""
+        while self.has_work():
+            self.step()
+
+    def step(self):
+        self._drop_cancelled()
+        self._admit()
+        if any(r is not None for r in self.slots):
+            self._decode()
+        self.steps += 1
+
+    def _drop_cancelled(self):
+        with self.cond:
+            gone = [r for r in self.waiting if r.cancelled]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._finish(r, "cancelled")
+        for slot, r in enumerate(self.slots):
+            if r is not None and r.cancelled:
+                self._free(slot, "cancelled")
+
+    def _admit(self):
+        limit = self.prefills_per_step if self.active else len(self.slots)
+        for _ in range(limit):
+            free = [s for s, r in enumerate(self.slots) if r is None]
+            with self.cond:
+                if not free or not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            self._prefill(free[0], request)
+
+    def _prefill(self, slot: int, request: Request):
+        n = len(request.prompt)
+        ids = torch.tensor([request.prompt])
+        try:
+            with torch.no_grad():
+                logits, new_k, new_v = self.prefill_for(n)(ids, torch.arange(n).unsqueeze(0), torch.tensor([n - 1]))
+        except Exception as e:  # noqa: BLE001 - this request's failure is its own
+            request.error = e
+            self._finish(request, "error")
+            return
+        self.cache.reset(slot)
+        self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n])
+        self.slots[slot] = request
+        self._append(slot, request, logits[0, -1:])
+
+    def _decode(self):
+        rows = len(self.slots)
+        tokens = torch.zeros(rows, 1, dtype=torch.int64)
+        for slot, r in enumerate(self.slots):
+            if r is not None:
+                tokens[slot, 0] = r.tokens[-1]
+        positions = self.cache.lengths.unsqueeze(1).clone()
+        try:
+            with torch.no_grad():
+                logits, new_k, new_v = self.decode(tokens, positions, self.cache.k, self.cache.v, self.cache.valid())
+        except Exception as e:  # noqa: BLE001 - every running request failed; the next ones may not
+            for slot, r in enumerate(self.slots):
+                if r is not None:
+                    r.error = e
+                    self._free(slot, "error")
+            return
+        for slot, r in enumerate(self.slots):
+            if r is not None:
+                self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1])
+                self._append(slot, r, logits[slot, -1:])
+
+    def _append(self, slot: int, request: Request, logits):
+        token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
+        request.tokens.append(token)
+        request.token_times.append(time.perf_counter())
+        stop = token in request.stop_token_ids
+        try:
+            if request.on_token is not None and request.on_token(request, token):
+                stop = True
+        except Exception as e:  # noqa: BLE001 - a failing listener ends its own request only
+            request.error = e
+            self._free(slot, "error")
+            return
+        if stop:
+            self._free(slot, "stop")
+        elif len(request.tokens) >= request.max_new_tokens:
+            self._free(slot, "length")
+
+    def _free(self, slot: int, reason: str):
+        request, self.slots[slot] = self.slots[slot], None
+        self.cache.reset(slot)
+        self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str):
+        if request.finish_reason is None:
+            request.finish_reason = reason
+            if request.on_finish is not None:
+                request.on_finish(request)
+
+    # -- background thread (the server) ------------------------------------------------------
+    def start(self, name: str = "kiln-llm-scheduler"):
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            with self.cond:
+                while not self.has_work() and not self.closing:
+                    self.cond.wait()
+                if self.closing and not self.has_work():
+                    return
+            self.step()
+
+    def close(self, timeout: float | None = None):
+        """Finish what was added, then stop the thread; later adds are refused."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape, *, params=None,
+             eos_token_ids=(), max_context=None) -> list:
+    """The new tokens of each prompt, every prompt a request through one :class:`Scheduler`
+    run on the caller's thread. ``prefill``: a step callable for any width (the eager
+    module), or ``prefill_for(width)`` when ``max_context`` is given (compiled buckets)."""
+    prefill_for = prefill if max_context is not None else (lambda width: prefill)
+    scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context)
+    params = params or sampling.SamplingParams()
+    requests = [Request(p, max_new_tokens, params, eos_token_ids) for p in prompts]
+    for r in requests:
+        scheduler.check(r)
+    for r in requests:
+        scheduler.add(r)
+    scheduler.run()
+    for r in requests:
+        if r.error is not None:
+            raise r.error
+    return [r.tokens for r in requests]
+
+
+def greedy(prefill, decode, prompts: list, max_new_tokens: int, cache_shape) -> list:
+    """Greedy continuation of each prompt, ``max_new_tokens`` long (no stop tokens)."""
+    return generate(prefill, decode, prompts, max_new_tokens, cache_shape)
