@@ -44,12 +44,35 @@ def kiln_cli():
 def tiny_llm(tmp_path_factory):
     """(HF model, compiled kiln.LLM, saved path): the tiny random Llama of
     tests/test_llm_decoder.py, decode for 3 requests at once, context buckets 4 and 8,
-    32 cache positions; shared by the LLM artifact, scheduler, server and CLI tests."""
+    32 cache positions, with :func:`tiny_tokenizer`; shared by the LLM artifact,
+    scheduler, server and CLI tests."""
     pytest.importorskip("transformers")
     from kiln.llm.build import compile_llm
     from tests.test_llm_decoder import _model
     model = _model("llama")
-    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32, optlevel=1)
+    llm = compile_llm(model, batch_size=3, context_buckets=(4, 8), cache_length=32, optlevel=1,
+                      tokenizer=tiny_tokenizer())
     path = tmp_path_factory.mktemp("llm") / "tiny.kiln"
     llm.save(path)
     return model, llm, path
+
+
+def tiny_tokenizer():
+    """A character-level Hugging Face tokenizer for the tiny test LLMs' 97-id vocabulary
+    (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 = end of sequence, then 93 characters), with a
+    chat template short enough for an 8-token context bucket: ``u:Hi\na:``."""
+    import string
+
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models
+    chars = [c for c in string.ascii_letters + string.digits + string.punctuation + " \n" if c not in "`~|"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<s>", "</s>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}a:{% endif %}")
+    return fast

@@ -10,6 +10,9 @@
 ``POST /v2/models/{name}/infer``             inference: JSON tensors or binary tensor data
 ``POST /v2/repository/index``                the models and their states
 ``GET  /metrics``                            Prometheus metrics
+``GET  /v1/models``                          LLM artifacts: the OpenAI API
+``POST /v1/completions``                     (:mod:`kiln.serving.openai_api`)
+``POST /v1/chat/completions``
 ==========================================  ==========================================
 
 (``/v2/models/{name}/versions/1/...`` works too; every model has version ``1``.)
@@ -40,6 +43,8 @@ from starlette.routing import Route
 from kiln._version import __version__
 from kiln.errors import (BadRequestError, BodyTimeoutError, BodyTooLargeError, InputError,
                          ModelUnavailableError, OverloadedError, RequestTimeoutError)
+from kiln.serving import openai_api
+from kiln.serving.body import inflate, read_body
 from kiln.serving.logs import log
 from kiln.serving.protocol import error_body, parse_body
 from kiln.serving.repository import ServerState, resolve_models
@@ -58,8 +63,9 @@ def error_response(status: int, message: str, headers=None) -> Response:
     return Response(error_body(message), status_code=status, headers=headers, media_type="application/json")
 
 
-def lookup_model(request: Request):
-    """(state, served model) for the request's path, or (state, an error response)."""
+def lookup_model(request: Request, allow_llm: bool = False):
+    """(state, served model) for the request's path, or (state, an error response). An LLM
+    has no tensors to describe or take; it answers on the OpenAI routes."""
     state: ServerState = request.app.state.kiln
     name = request.path_params["name"]
     sm = state.models.get(name)
@@ -69,6 +75,9 @@ def lookup_model(request: Request):
     version = request.path_params.get("version")
     if version is not None and version != "1":
         return state, error_response(404, f"model '{name}' has no version '{version}'; it has version '1'")
+    if getattr(sm, "kind", "model") == "llm" and not allow_llm:
+        return state, error_response(400, f"model '{name}' is an LLM: use the OpenAI routes "
+                                          "(/v1/completions, /v1/chat/completions)")
     return state, sm
 
 
@@ -108,7 +117,7 @@ async def model_config(request):
 
 
 async def model_ready(request):
-    state, sm = lookup_model(request)
+    state, sm = lookup_model(request, allow_llm=True)
     if isinstance(sm, Response):
         return sm
     ok = sm.ready and not state.draining
@@ -192,45 +201,6 @@ async def read_request(request: Request, sm, config: ServeConfig) -> tuple:
     return sm.decode(payload, binary)
 
 
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The request body, refused (:class:`BodyTooLargeError`) as soon as it passes ``limit``
-    bytes, before the rest is read, and (:class:`BodyTimeoutError`) when it takes longer than
-    ``timeout``."""
-    length = request.headers.get("content-length")
-    if length is not None and "transfer-encoding" in request.headers:
-        # RFC 9112 6.1: ambiguous framing (a request-smuggling pattern); refuse, do not guess
-        raise BadRequestError("a request must not have both Content-Length and Transfer-Encoding")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise BodyTooLargeError(f"request body of {length} bytes is over the limit of {limit} bytes")
-    chunks: list = []
-    size = 0
-
-    async def receive():
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
-            chunks.append(chunk)
-    try:
-        await asyncio.wait_for(receive(), timeout)
-    except asyncio.TimeoutError:
-        raise BodyTimeoutError(f"the request body did not arrive within {timeout:g} s "
-                               f"({size} bytes received)") from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    """Decompress a request body, refusing one that inflates past ``limit`` (a zip bomb)."""
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    out = d.decompress(body, limit + 1)
-    if len(out) > limit or d.unconsumed_tail:
-        raise BadRequestError(f"the {encoding} body inflates past the limit of {limit} bytes")
-    if not d.eof:
-        raise BadRequestError(f"the {encoding} body is truncated")
-    return out
-
-
 # -- the app -----------------------------------------------------------------------------------------
 async def http_error(request, exc):
     return error_response(exc.status_code, exc.detail or "error", getattr(exc, "headers", None))
@@ -254,7 +224,7 @@ def routes() -> list:
             Route("/v2/health/live", health_live, methods=["GET"]),
             Route("/v2/health/ready", health_ready, methods=["GET"]),
             Route("/v2/repository/index", repository_index, methods=["POST", "GET"]),
-            Route("/metrics", metrics_endpoint, methods=["GET"])] + out
+            Route("/metrics", metrics_endpoint, methods=["GET"])] + out + openai_api.routes()
 
 
 def build_app(models, config: ServeConfig | None = None, **settings) -> Starlette:

@@ -14,7 +14,9 @@ import zipfile
 
 from kiln.artifact.container import MANIFEST
 from kiln.errors import ArtifactError, KilnError
+from kiln.runtime.llm import LLM
 from kiln.runtime.model import Model
+from kiln.serving.llm import ServedLLM
 from kiln.serving.logs import log
 from kiln.serving.metrics import ServeMetrics
 from kiln.serving.models import ServedModel
@@ -22,15 +24,31 @@ from kiln.serving.settings import ServeConfig
 
 
 # -- names -----------------------------------------------------------------------------------------
-def model_name_of(path: str) -> str:
-    """The model name in an artifact's manifest (and a quick check that it is one)."""
+def manifest_of(path: str) -> dict:
+    """An artifact's manifest (and a quick check that it is one), without loading it."""
     if not os.path.exists(path):
         raise ArtifactError(f"{path}: no such file")
     try:
         with zipfile.ZipFile(path) as z:
-            return json.loads(z.read(MANIFEST)).get("model_name", "model")
+            manifest = json.loads(z.read(MANIFEST))
     except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
         raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: not a kiln artifact (its manifest is not an object)")
+    return manifest
+
+
+def model_name_of(path: str) -> str:
+    """The model name in an artifact's manifest (and a quick check that it is one)."""
+    return manifest_of(path).get("model_name", "model")
+
+
+def served(name: str, source, config: ServeConfig, metrics: ServeMetrics):
+    """The served form of a model: an LLM artifact behind the OpenAI routes, anything else
+    behind the Open Inference Protocol's."""
+    if isinstance(source, LLM) or isinstance(source, str) and manifest_of(source).get("kind") == "llm":
+        return ServedLLM(name, source, config, metrics)
+    return ServedModel(name, source, config, metrics)
 
 
 def default_name(path: str) -> str:
@@ -46,14 +64,14 @@ def default_name(path: str) -> str:
 def _spec_items(models) -> list:
     """``[(name or None, path or Model)]`` from a list of paths, ``name=path`` strings, models
     and pairs (a path that exists wins over reading ``=`` in it as a name)."""
-    if isinstance(models, (str, os.PathLike, Model)):
+    if isinstance(models, (str, os.PathLike, Model, LLM)):
         models = [models]
     items = []
     for spec in models:
         if isinstance(spec, tuple):
             items.append(spec)
-        elif isinstance(spec, Model):
-            items.append((spec.name, spec))
+        elif isinstance(spec, (Model, LLM)):
+            items.append((getattr(spec, "name", None) or spec.manifest.get("model_name", "llm"), spec))
         else:
             spec = os.fspath(spec)
             name, sep, path = spec.partition("=")
@@ -69,7 +87,7 @@ def resolve_models(models) -> dict:
     items = list(models.items()) if isinstance(models, dict) else _spec_items(models)
     out: dict = {}
     for name, src in items:
-        if not isinstance(src, Model):
+        if not isinstance(src, (Model, LLM)):
             src = os.fspath(src)
             name = name or default_name(src)
         if name in out:
@@ -99,7 +117,7 @@ class ServerState:
     def __init__(self, models: dict, config: ServeConfig):
         self.config = config
         self.metrics = ServeMetrics()
-        self.models = {name: ServedModel(name, src, config, self.metrics) for name, src in models.items()}
+        self.models = {name: served(name, src, config, self.metrics) for name, src in models.items()}
         self.draining = False
         self.failed = False
         self.in_flight = 0            # inference requests being handled
@@ -144,13 +162,15 @@ class ServerState:
         log("info", "draining", in_flight=self.in_flight)
         for sm in self.models.values():
             if sm.batcher is not None:
-                sm.batcher.flush()
+                sm.batcher.flush()      # an LLM's scheduler never waits to fill a batch
 
     async def shutdown(self):
         """Finish every queued and running request, then mark every model unavailable."""
         self.draining = True
         for sm in self.models.values():
-            if sm.batcher is not None and sm.batcher.started:
+            if isinstance(sm, ServedLLM):
+                await sm.close()
+            elif sm.batcher is not None and sm.batcher.started:
                 await sm.batcher.close()
             sm.ready, sm.state = False, "UNAVAILABLE"
             self.metrics.ready.labels(sm.name).set(0)

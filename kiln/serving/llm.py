@@ -1,0 +1,171 @@
+"""One served LLM: the loaded artifact, its tokenizer, its continuous-batching scheduler
+running in a thread of its own, and the bridge from that thread to the event loop.
+
+A request becomes a :class:`Generation`: the scheduler's
+:class:`~kiln.runtime.scheduler.Request` plus a :class:`~kiln.runtime.text.TextStream`
+(detokenization and stop strings, run on the scheduler's thread right after each token)
+and an ``asyncio.Queue`` of events the HTTP handler reads: ``("text", delta)`` as text
+becomes safe to show, then ``("end", finish_reason)``. The handler cancels the
+generation when its client goes away, which frees the KV-cache slot at the next step.
+
+The served model reports to the server's Prometheus registry: time to first token,
+inter-token latency, prompt and generated tokens, requests by finish reason, and, read
+at scrape time, KV-cache use, slots in use, queue depth and tokens per second over the
+last 10 seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+
+from kiln.errors import InputError
+from kiln.runtime.loader import load as load_artifact
+from kiln.runtime.scheduler import Request
+from kiln.runtime.text import TextStream, Tokenizer
+from kiln.serving.logs import log
+
+RATE_WINDOW_S = 10.0
+
+
+class Generation:
+    """A request in flight, as the HTTP handler sees it (module doc)."""
+
+    def __init__(self, served: "ServedLLM", prompt: list, max_tokens: int, params, stop: tuple, stop_ids: tuple):
+        self.served = served
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.text = TextStream(served.tokenizer, stop)
+        self.request = Request(prompt, max_tokens, params, stop_ids, on_token=self._on_token,
+                               on_finish=self._on_finish)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.request.tokens)
+
+    def _on_token(self, request, token) -> bool:        # the scheduler's thread
+        self.served.observe_token(request)
+        delta = self.text.push(token)
+        if delta:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ("text", delta))
+        return self.text.stopped
+
+    def _on_finish(self, request):                      # the scheduler's thread
+        tail = self.text.finish() if request.finish_reason in ("length", "stop") else ""
+        if tail:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ("text", tail))
+        self.served.observe_finish(request)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ("end", request.finish_reason))
+
+    def cancel(self):
+        self.served.scheduler.cancel(self.request)
+
+
+class ServedLLM:
+    """An LLM artifact behind the OpenAI routes; the server's lifecycle calls ``load``
+    (loading thread), ``start`` (event loop) and ``close``."""
+    kind = "llm"
+    batcher = None          # the Open Inference Protocol's routes answer that this is an LLM
+
+    def __init__(self, name: str, source, config, metrics):
+        self.name, self.source, self.config, self.metrics = name, source, config, metrics
+        self.ready, self.state, self.error = False, "LOADING", None
+        self.llm = self.tokenizer = self.scheduler = None
+        self.stop_token_ids: tuple = ()
+        self.created = int(time.time())
+        self._times: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def load(self) -> float:
+        started = time.perf_counter()
+        self.llm = self.source if not isinstance(self.source, str) else load_artifact(self.source,
+                                                                                       threads=self.config.threads)
+        if self.llm.tokenizer_files:
+            self.tokenizer = Tokenizer(self.llm.tokenizer_files)
+        eos = list(self.llm.meta["eos_token_ids"])
+        if self.tokenizer is not None and self.tokenizer.token_id("eos_token") is not None:
+            eos.append(self.tokenizer.token_id("eos_token"))
+        self.stop_token_ids = tuple(sorted(set(eos)))
+        self.warm_up()
+        self.scheduler = self.llm.scheduler(max_queue=self.config.max_queue)
+        self._register_metrics()
+        return time.perf_counter() - started
+
+    def warm_up(self):
+        """One short generation per context bucket, so no request pays for a first call."""
+        t0 = time.perf_counter()
+        room = self.llm.meta["cache_shape"][3] - 1
+        for width in self.llm.prefill:
+            self.llm.generate([[0] * min(width, room)], 1 if width >= room else 2, stop_at_eos=False)
+        log("info", "instance_warmed_up", model=self.name, calls=len(self.llm.prefill),
+            seconds=round(time.perf_counter() - t0, 3))
+
+    def start(self):
+        self.scheduler.start(name=f"kiln-llm-{self.name}")
+        self.ready, self.state = True, "READY"
+        self.metrics.ready.labels(self.name).set(1)
+        log("info", "model_ready", model=self.name, kind="llm", batch_size=self.llm.batch_size,
+            context_buckets=list(self.llm.prefill), cache_positions=self.scheduler.cache.capacity,
+            max_queue=self.config.max_queue, tokenizer=self.tokenizer is not None)
+
+    async def close(self):
+        if self.scheduler is not None and self.scheduler.thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
+
+    # -- requests ------------------------------------------------------------------------
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InputError(f"model '{self.name}' was compiled without a tokenizer; the OpenAI routes "
+                             "need one (compile_llm(..., tokenizer=...))")
+        return self.tokenizer
+
+    def submit(self, prompt: list, max_tokens: int | None, params, stop: tuple, stop_ids: tuple) -> Generation:
+        """Queue a generation; InputError for one that can never run, OverloadedError when
+        the queue is full. ``max_tokens=None``: as many as the cache has room for.
+        ``stop``: strings; ``stop_ids``: token ids (the model's end of sequence among them
+        unless the request ignores it)."""
+        self.require_tokenizer()
+        if max_tokens is None:
+            max_tokens = max(1, self.scheduler.cache.capacity - len(prompt))
+        gen = Generation(self, prompt, max_tokens, params, stop, stop_ids)
+        self.metrics.llm_prompt_tokens.labels(self.name).inc(len(prompt))
+        self.scheduler.add(gen.request)
+        return gen
+
+    # -- metrics -------------------------------------------------------------------------
+    def observe_token(self, request):
+        m, times = self.metrics, request.token_times
+        if len(times) == 1:
+            m.llm_ttft.labels(self.name).observe(times[0] - request.arrived)
+        else:
+            m.llm_itl.labels(self.name).observe(times[-1] - times[-2])
+        m.llm_generated_tokens.labels(self.name).inc()
+        with self._lock:
+            self._times.append(times[-1])
+
+    def observe_finish(self, request):
+        self.metrics.llm_finished.labels(self.name, request.finish_reason).inc()
+        if request.error is not None:
+            log("error", "generation_failed", model=self.name, error=f"{type(request.error).__name__}: "
+                                                                     f"{request.error}")
+
+    def tokens_per_second(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            while self._times and self._times[0] < now - RATE_WINDOW_S:
+                self._times.popleft()
+            return len(self._times) / RATE_WINDOW_S
+
+    def _register_metrics(self):
+        m, s = self.metrics, self.scheduler
+        m.llm_kv_usage.labels(self.name).set_function(
+            lambda: s.usage()["positions_used"] / max(1, s.usage()["positions"]))
+        m.llm_slots_used.labels(self.name).set_function(lambda: s.usage()["slots_used"])
+        m.queue_depth.labels(self.name).set_function(lambda: len(s.waiting))
+        m.llm_tokens_per_second.labels(self.name).set_function(self.tokens_per_second)

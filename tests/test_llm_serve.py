@@ -1,0 +1,177 @@
+"""``kiln serve`` on an LLM artifact: the OpenAI API over a real loopback socket, driven by
+the real ``openai`` client, answers equal to the same requests run alone in-process."""
+import concurrent.futures
+import json
+import re
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+
+from kiln.runtime.sampling import SamplingParams  # noqa: E402
+from kiln.runtime.scheduler import Request  # noqa: E402
+from kiln.runtime.text import Tokenizer  # noqa: E402
+from tests.test_serve import Server  # noqa: E402
+
+EOS = 2          # tests/conftest.py's tiny tokenizer's </s>
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llm, tmp_path_factory):
+    _, llm, path = tiny_llm
+    s = Server([f"tiny={path}"], tmp_path_factory.mktemp("llm-serve") / "server.log")
+    yield s, llm, Tokenizer(llm.tokenizer_files)
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    s, _, _ = served
+    return openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def solo(llm, prompt, n, params=SamplingParams(), stops=(EOS,)):
+    sched = llm.scheduler()
+    r = sched.add(Request(prompt, n, params, stops))
+    sched.run()
+    return r.tokens, r.finish_reason
+
+
+def test_models_completion_and_chat_equal_the_request_run_alone(served, client):
+    _, llm, tok = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    tokens, reason = solo(llm, tok.encode("Hi"), 10)
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, temperature=0)
+    assert out.choices[0].text == tok.decode(tokens)
+    assert out.choices[0].finish_reason == reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (2, len(tokens))
+    messages = [{"role": "user", "content": "Hey"}]
+    prompt = tok.encode_chat(messages)
+    assert prompt == tok.encode("u:Hey\na:", add_special_tokens=False)
+    tokens, reason = solo(llm, prompt, 16)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == tok.decode(tokens)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == reason
+    # sampled with a seed: the same as the in-process run with the same settings
+    params = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, top_k=20, seed=5)
+    tokens, _ = solo(llm, tok.encode("Hi"), 12, params)
+    out = client.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0.8, top_p=0.9,
+                                    seed=5, extra_body={"top_k": 20})
+    assert out.choices[0].text == tok.decode(tokens)
+
+
+def test_streaming_deltas_add_up_to_the_whole_answer_with_usage(served, client):
+    _, llm, tok = served
+    whole = client.completions.create(model="tiny", prompt="ab", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="ab", max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    messages = [{"role": "user", "content": "x"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_end_the_answer_before_them_streamed_or_not(served, client):
+    _, llm, tok = served
+    tokens, _ = solo(llm, tok.encode("Q"), 24, stops=())
+    text = tok.decode(tokens)
+    stop = text[6:8]                       # two characters from the middle of the answer
+    want = text[:text.index(stop)]
+    out = client.completions.create(model="tiny", prompt="Q", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt="Q", max_tokens=24, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_eight_concurrent_clients_each_get_their_solo_answer(served, client):
+    _, llm, tok = served
+    cases = [("Hi", 10), ("abc", 25), ("x", 3), ("Hello", 17), ("Zz", 9), ("42", 21), ("ok", 5), ("q?", 14)]
+    want = [tok.decode(solo(llm, tok.encode(p), n)[0]) for p, n in cases]
+
+    def ask(case):
+        p, n = case
+        return client.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, cases)) == want
+
+
+def test_bad_requests_get_openai_errors(served, client):
+    s, _, _ = served
+    with pytest.raises(openai.NotFoundError, match="`nope` does not exist"):
+        client.completions.create(model="nope", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="longer than the largest context bucket \\(8\\)"):
+        client.completions.create(model="tiny", prompt="a very long prompt", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="exceed the compiled cache of 32"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=40)
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be a number >= 0"):
+        client.completions.create(model="tiny", prompt="Hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported"):
+        client.completions.create(model="tiny", prompt="Hi", n=2)
+    status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "colour": "red"})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "colour" in body["error"]["message"]
+    status, body = s.post_json("/v1/chat/completions", {"model": "tiny", "messages": "Hi"})
+    assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
+    status, body = s.post_json("/v2/models/tiny/infer", {"inputs": []})
+    assert status == 400 and "is an LLM" in body["error"]
+    status, _, raw = s.request("POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    assert status == 400 and "not valid JSON" in json.loads(raw)["error"]["message"]
+
+
+def test_metrics_report_tokens_latency_and_the_kv_cache(served, client):
+    s, _, _ = served
+    client.completions.create(model="tiny", prompt="m", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    status, text = s.get("/metrics")
+    text = text.decode()
+    assert status == 200
+
+    def value(name):
+        found = re.search(rf'^{name}{{model="tiny"}} (\S+)$', text, re.M)
+        assert found, name
+        return float(found.group(1))
+    assert value("kiln_llm_time_to_first_token_seconds_count") >= 1
+    assert value("kiln_llm_inter_token_latency_seconds_count") >= 4
+    assert value("kiln_llm_generated_tokens_total") >= 5
+    assert value("kiln_llm_tokens_per_second") > 0
+    assert value("kiln_llm_kv_cache_usage_ratio") == 0          # nothing running now
+    assert value("kiln_serve_queue_depth") == 0
+    assert 'kiln_llm_generations_finished_total{model="tiny",reason="length"}' in text
+
+
+def test_a_full_queue_gets_429_at_once(tiny_llm, tmp_path):
+    _, llm, path = tiny_llm
+    s = Server([f"tiny={path}", "--max-queue", "1"], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        tok = Tokenizer(llm.tokenizer_files)
+        want = tok.decode(solo(llm, tok.encode("Hi"), 28, stops=())[0])
+
+        def ask(_):
+            started = time.perf_counter()
+            try:
+                out = c.completions.create(model="tiny", prompt="Hi", max_tokens=28, temperature=0,
+                                           extra_body={"ignore_eos": True})
+                return out.choices[0].text, time.perf_counter() - started
+            except openai.RateLimitError as e:
+                return e, time.perf_counter() - started
+
+        with concurrent.futures.ThreadPoolExecutor(30) as pool:
+            results = list(pool.map(ask, range(30)))
+        refused = [t for r, t in results if isinstance(r, openai.RateLimitError)]
+        answered = [r for r, _ in results if isinstance(r, str)]
+        assert refused and len(answered) >= 4, (len(refused), len(answered))
+        assert all(r == want for r in answered)
+        assert all("already waiting" in str(r) for r, _ in results if not isinstance(r, str))
+        assert s.get("/v2/health/ready")[0] == 200
+    finally:
+        s.stop()
