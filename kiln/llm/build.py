@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import torch
 
@@ -16,12 +17,14 @@ from kiln.runtime.llm import LLM
 
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
-                tokenizer=None, **trace_options) -> LLM:
+                tokenizer=None, on_graph=None, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: the decode graph's
     rows, i.e. requests generating at once. ``context_buckets``: the prompt widths prefill
     is compiled for (batch 1; a prompt runs in the smallest that fits);
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
-    Hugging Face tokenizer stored in the artifact. Other keywords go to ``kiln.trace``."""
+    Hugging Face tokenizer stored in the artifact. ``on_graph(name, index, count, seconds)``
+    is called after each graph is compiled (progress for the command line). Other keywords
+    go to ``kiln.trace``."""
     family = check_supported(model)
     buckets = sorted({int(w) for w in context_buckets})
     if batch_size < 1 or not buckets or buckets[0] < 1:
@@ -31,10 +34,17 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
                                 "the prompt's keys must fit in the cache")
     model = model.eval()
     shape = cache_shape(model.config, batch_size, cache_length)
-    prefill = {w: trace(DecoderStep(model, with_cache=False, last_only=True).eval(),
-                        _prefill_example(w), **trace_options) for w in buckets}
-    decode = trace(DecoderStep(model, with_cache=True, last_only=False).eval(),
-                   _decode_example(shape), **trace_options)
+    jobs = [(f"prefill {w}", DecoderStep(model, with_cache=False, last_only=True), _prefill_example(w))
+            for w in buckets]
+    jobs.append((f"decode {batch_size}x{cache_length}", DecoderStep(model, with_cache=True, last_only=False),
+                 _decode_example(shape)))
+    graphs = []
+    for k, (name, step, example) in enumerate(jobs):
+        started = time.perf_counter()
+        graphs.append(trace(step.eval(), example, **trace_options))
+        if on_graph is not None:
+            on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
+    prefill, decode = dict(zip(buckets, graphs[:-1])), graphs[-1]
     eos = model.generation_config.eos_token_id
     meta = {"family": family, "batch_size": batch_size, "prefill_batch": 1, "context_buckets": buckets,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,

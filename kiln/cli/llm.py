@@ -1,0 +1,164 @@
+"""``kiln llm compile | generate | chat``: an LLM from a checkpoint to an artifact, and
+text from the artifact, streamed to the terminal as it is generated.
+
+``generate`` and ``chat`` load only kiln's runtime (no compiler, no transformers): the
+tokenizer and chat template come from the artifact. Statistics (tokens, time to first
+token, decode rate) go to stderr so stdout holds only the generated text.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def add_parser(sub):
+    p = sub.add_parser("llm", help="compile an LLM (Llama family) and generate or chat with it")
+    llm_sub = p.add_subparsers(dest="llm_cmd", required=True)
+
+    c = llm_sub.add_parser("compile", help="compile a Hugging Face checkpoint directory or .gguf file")
+    c.add_argument("source", help="checkpoint directory (config + safetensors) or a .gguf file")
+    c.add_argument("-o", "--output", required=True, help="the .kiln artifact to write")
+    c.add_argument("--batch-size", type=int, default=4, help="requests generating at once (default 4)")
+    c.add_argument("--context-buckets", default="128",
+                   help="prompt widths prefill is compiled for, comma-separated (default 128)")
+    c.add_argument("--cache-length", type=int, default=256,
+                   help="KV-cache positions per request, prompt + generated (default 256)")
+    c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
+                   help="kiln's optimisation level (default 2: engines chosen by measurement)")
+    c.add_argument("--engine", default=None, help="compile every graph with this engine")
+    c.set_defaults(fn=cmd_compile)
+
+    for name, helptext in (("generate", "continue a prompt, streaming the text"),
+                           ("chat", "chat with the model on the terminal (its chat template)")):
+        g = llm_sub.add_parser(name, help=helptext)
+        g.add_argument("artifact", help="an LLM .kiln artifact")
+        if name == "generate":
+            g.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+            g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message")
+        else:
+            g.add_argument("--system", default=None, help="a system message to start with")
+        g.add_argument("--max-tokens", type=int, default=None,
+                       help="most tokens to generate (default: as many as the KV cache holds)")
+        g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--repetition-penalty", type=float, default=1.0)
+        g.add_argument("--seed", type=int, default=None)
+        g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+        g.add_argument("--threads", type=int, default=None, help="engine threads (default: all CPUs)")
+        g.set_defaults(fn=cmd_generate if name == "generate" else cmd_chat)
+
+
+def cmd_compile(args, console) -> int:
+    from kiln.errors import CompilerArgsError
+    from kiln.llm.build import compile_llm
+    from kiln.llm.source import load_pretrained
+    try:
+        buckets = [int(w) for w in args.context_buckets.split(",") if w.strip()]
+    except ValueError:
+        raise CompilerArgsError(f"--context-buckets must be integers separated by commas; got "
+                                f"{args.context_buckets!r}") from None
+    started = time.perf_counter()
+    print(f"kiln llm: loading {args.source}", file=sys.stderr, flush=True)
+    model, tokenizer = load_pretrained(args.source)
+    print(f"kiln llm: loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"parameters) in {time.perf_counter() - started:.1f}s; tokenizer: {'yes' if tokenizer else 'none'}",
+          file=sys.stderr, flush=True)
+
+    def progress(name, k, n, seconds):
+        print(f"kiln llm: compiled {name} ({k}/{n}) in {seconds:.1f}s", file=sys.stderr, flush=True)
+
+    options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine)) if v is not None}
+    llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
+                      tokenizer=tokenizer, on_graph=progress, **options)
+    llm.save(args.output)
+    print(f"kiln llm: wrote {args.output}: {llm!r} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _setup(args):
+    from kiln.errors import InputError
+    from kiln.runtime.loader import load
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling import SamplingParams
+    from kiln.runtime.text import Tokenizer
+    llm = load(args.artifact, threads=args.threads)
+    if not isinstance(llm, LLM):
+        raise InputError(f"{args.artifact} is not an LLM artifact (compile one with `kiln llm compile`)")
+    tokenizer = Tokenizer(llm.tokenizer_files)
+    greedy = args.temperature == 0
+    params = SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed)
+    stops = set(llm.meta["eos_token_ids"])
+    if tokenizer.token_id("eos_token") is not None:
+        stops.add(tokenizer.token_id("eos_token"))
+    return llm, tokenizer, params, tuple(sorted(stops))
+
+
+def _stream(llm, tokenizer, prompt, args, params, stop_ids, out=sys.stdout) -> str:
+    """Generate for ``prompt`` (ids), writing text to ``out`` as it comes; the whole text."""
+    from kiln.runtime.scheduler import Request
+    from kiln.runtime.text import TextStream
+    sched = llm.scheduler()
+    text = TextStream(tokenizer, tuple(args.stop))
+    room = llm.meta["cache_shape"][3] - len(prompt)
+    max_tokens = args.max_tokens if args.max_tokens is not None else max(1, room)
+
+    def on_token(request, token):
+        out.write(text.push(token))
+        out.flush()
+        return text.stopped
+
+    request = sched.add(Request(prompt, max_tokens, params, stop_ids, on_token=on_token))
+    sched.run()
+    out.write(text.finish())
+    out.flush()
+    if request.error is not None:
+        raise request.error
+    t = request.token_times
+    rate = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float("nan")
+    print(f"\n[{len(prompt)} prompt tokens, {len(t)} generated ({request.finish_reason}); first token "
+          f"{t[0] - request.arrived:.3f}s, {rate:.1f} tokens/s]", file=sys.stderr, flush=True)
+    return text.text
+
+
+def cmd_generate(args, console) -> int:
+    llm, tokenizer, params, stop_ids = _setup(args)
+    prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": prompt_text}])
+    else:
+        prompt = tokenizer.encode(prompt_text)
+    _stream(llm, tokenizer, prompt, args, params, stop_ids)
+    print()
+    return 0
+
+
+def cmd_chat(args, console) -> int:
+    from kiln.errors import InputError
+    llm, tokenizer, params, stop_ids = _setup(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"kiln llm chat: {llm!r}. /reset starts over, /exit or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            reply = _stream(llm, tokenizer, tokenizer.encode_chat(messages), args, params, stop_ids)
+        except InputError as e:
+            messages.pop()
+            print(f"kiln llm chat: {e}; /reset starts a new conversation", file=sys.stderr, flush=True)
+            continue
+        messages.append({"role": "assistant", "content": reply})

@@ -1,0 +1,73 @@
+"""``kiln llm compile | generate | chat`` as a user runs them: subprocesses of the console
+script, text compared with the same generation run in-process."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kiln.runtime.scheduler import Request  # noqa: E402
+from kiln.runtime.text import Tokenizer  # noqa: E402
+from tests.conftest import ROOT, tiny_tokenizer  # noqa: E402
+
+KILN = os.path.join(os.path.dirname(sys.executable), "kiln")
+
+
+def kiln(*args, stdin=None, timeout=300):
+    env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT, KILN_CACHE_URL="off")
+    return subprocess.run([KILN, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def expected(llm, prompt, n, stops=(2,)):
+    sched = llm.scheduler()
+    r = sched.add(Request(prompt, n, stop_token_ids=stops))
+    sched.run()
+    return Tokenizer(llm.tokenizer_files).decode(r.tokens)
+
+
+def test_generate_streams_the_models_text(tiny_llm):
+    _, llm, path = tiny_llm
+    tok = Tokenizer(llm.tokenizer_files)
+    r = kiln("llm", "generate", path, "Hi", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected(llm, tok.encode("Hi"), 12) + "\n"
+    assert "2 prompt tokens" in r.stderr and "tokens/s" in r.stderr
+    r = kiln("llm", "generate", path, "Hey", "--chat", "--max-tokens", "9")
+    assert r.stdout == expected(llm, tok.encode_chat([{"role": "user", "content": "Hey"}]), 9) + "\n"
+    r = kiln("llm", "generate", path, "a prompt far too long", "--max-tokens", "3")
+    assert r.returncode == 2 and "longer than the largest context bucket (8)" in r.stderr
+    r = kiln("llm", "generate", os.path.join(ROOT, "pyproject.toml"), "Hi")
+    assert r.returncode == 2 and "kiln: error:" in r.stderr
+
+
+def test_chat_keeps_the_conversation(tiny_llm):
+    _, llm, path = tiny_llm
+    tok = Tokenizer(llm.tokenizer_files)
+    r = kiln("llm", "chat", path, "--max-tokens", "1", stdin="A\n/reset\nB\n")
+    assert r.returncode == 0, r.stderr
+    first = expected(llm, tok.encode_chat([{"role": "user", "content": "A"}]), 1)
+    second = expected(llm, tok.encode_chat([{"role": "user", "content": "B"}]), 1)
+    assert r.stdout == first + second
+    # a conversation that outgrows the context bucket is a message, not a crash
+    r = kiln("llm", "chat", path, "--max-tokens", "1", stdin="A\nB\n")
+    assert r.returncode == 0 and "/reset starts a new conversation" in r.stderr
+
+
+def test_compile_a_checkpoint_directory(tiny_llm, tmp_path):
+    model, llm, _ = tiny_llm
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+    out = tmp_path / "m.kiln"
+    r = kiln("llm", "compile", checkpoint, "-o", out, "--batch-size", "2", "--context-buckets", "8",
+             "--cache-length", "32", "-O", "1")
+    assert r.returncode == 0, r.stderr
+    assert "compiled prefill 8 (1/2)" in r.stderr and "compiled decode 2x32 (2/2)" in r.stderr
+    tok = Tokenizer(llm.tokenizer_files)
+    r = kiln("llm", "generate", out, "Hi", "--max-tokens", "10")
+    assert r.returncode == 0 and r.stdout == expected(llm, tok.encode("Hi"), 10) + "\n"
+    r = kiln("llm", "compile", tmp_path / "missing", "-o", out)
+    assert r.returncode == 2 and "no such file or directory" in r.stderr
