@@ -84,9 +84,10 @@ def test_steps_compiled_by_kiln_equal_hugging_face(tmp_path, monkeypatch):
                           torch.tensor([width - 1])))
     valid = torch.zeros(batch, slots, dtype=torch.bool)
     valid[:, :4] = True
+    layers, _, heads, _, dim = shape
+    cache = [torch.zeros(batch, heads, slots, dim) for _ in range(2 * layers)]
     step = kiln.trace(decoder.DecoderStep(model, with_cache=True, last_only=False).eval(),
-                      (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), 4), torch.zeros(shape),
-                       torch.zeros(shape), valid))
+                      (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), 4), *cache, valid))
     got = scheduler.greedy(kv.padded(prefill, width), step, PROMPTS, 12, shape)
     for prompt, tokens in zip(PROMPTS, got):
         assert tokens == _hf_greedy(model, prompt, 12), prompt

@@ -13,14 +13,15 @@ import torch
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported
-from kiln.runtime.llm import LLM
+from kiln.runtime.llm import FORMAT, LLM
 
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
-                tokenizer=None, on_graph=None, **trace_options) -> LLM:
-    """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: the decode graph's
-    rows, i.e. requests generating at once. ``context_buckets``: the prompt widths prefill
-    is compiled for (batch 1; a prompt runs in the smallest that fits);
+                decode_batches=None, tokenizer=None, on_graph=None, **trace_options) -> LLM:
+    """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
+    at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
+    and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
+    widths prefill is compiled for (batch 1; a prompt runs in the smallest that fits);
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
     Hugging Face tokenizer stored in the artifact. ``on_graph(name, index, count, seconds)``
     is called after each graph is compiled (progress for the command line). Other keywords
@@ -29,6 +30,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     buckets = sorted({int(w) for w in context_buckets})
     if batch_size < 1 or not buckets or buckets[0] < 1:
         raise CompilerArgsError("batch_size and every context bucket must be positive")
+    rows = sorted({1, batch_size} if decode_batches is None else {int(b) for b in decode_batches} | {batch_size})
+    if rows[0] < 1 or rows[-1] > batch_size:
+        raise CompilerArgsError(f"decode_batches must lie in [1, batch_size={batch_size}]; got {decode_batches}")
     if buckets[-1] > cache_length:
         raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
                                 "the prompt's keys must fit in the cache")
@@ -36,17 +40,18 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     shape = cache_shape(model.config, batch_size, cache_length)
     jobs = [(f"prefill {w}", DecoderStep(model, with_cache=False, last_only=True), _prefill_example(w))
             for w in buckets]
-    jobs.append((f"decode {batch_size}x{cache_length}", DecoderStep(model, with_cache=True, last_only=False),
-                 _decode_example(shape)))
+    jobs += [(f"decode {b}x{cache_length}", DecoderStep(model, with_cache=True, last_only=False),
+              _decode_example(shape, b)) for b in rows]
     graphs = []
     for k, (name, step, example) in enumerate(jobs):
         started = time.perf_counter()
         graphs.append(trace(step.eval(), example, **trace_options))
         if on_graph is not None:
             on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
-    prefill, decode = dict(zip(buckets, graphs[:-1])), graphs[-1]
+    prefill, decode = dict(zip(buckets, graphs[:len(buckets)])), dict(zip(rows, graphs[len(buckets):]))
     eos = model.generation_config.eos_token_id
-    meta = {"family": family, "batch_size": batch_size, "prefill_batch": 1, "context_buckets": buckets,
+    meta = {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
+            "context_buckets": buckets,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
     return LLM(prefill, decode, meta, _tokenizer_files(tokenizer))
@@ -57,12 +62,12 @@ def _prefill_example(width):
     return (torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0), torch.tensor([width - 1]))
 
 
-def _decode_example(shape):
-    batch, slots = shape[1], shape[3]
-    valid = torch.zeros(batch, slots, dtype=torch.bool)
+def _decode_example(shape, rows):
+    layers, _, heads, slots, dim = shape
+    valid = torch.zeros(rows, slots, dtype=torch.bool)
     valid[:, : slots // 2] = True
-    return (torch.zeros(batch, 1, dtype=torch.int64), torch.full((batch, 1), slots // 2),
-            torch.zeros(shape), torch.zeros(shape), valid)
+    cache = [torch.zeros(rows, heads, slots, dim) for _ in range(2 * layers)]
+    return (torch.zeros(rows, 1, dtype=torch.int64), torch.full((rows, 1), slots // 2), *cache, valid)
 
 
 def _tokenizer_files(tokenizer) -> dict:

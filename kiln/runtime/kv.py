@@ -1,9 +1,10 @@
 """The KV cache the runtime owns, and the context-bucket padding of prefill.
 
-The cache is one preallocated ``[L, B, H_kv, S_max, D]`` pair; each step's new keys and
-values are written into their positions in place (position ``p`` of a sequence is at
-index ``p``), and a sequence's valid positions are its first ``length``. The loop that
-fills it is :mod:`kiln.runtime.scheduler`.
+The cache is preallocated, one ``[B, H_kv, S_max, D]`` buffer per layer for keys and one
+for values; each step's new keys and values are written into their positions in place
+(position ``p`` of a sequence is at index ``p``), and a sequence's valid positions are
+its first ``length``. A decode graph for fewer rows gets the first rows of each buffer
+as views. The loop that fills it is :mod:`kiln.runtime.scheduler`.
 """
 from __future__ import annotations
 
@@ -12,32 +13,49 @@ import torch
 
 
 class KVCache:
+    """Keys and values of ``B`` sequences (rows), one ``[B, H_kv, S, D]`` buffer per layer
+    and kind, allocated once. ``shape``: ``[L, B, H_kv, S, D]``."""
+
     def __init__(self, shape: tuple, dtype=torch.float32):
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.lengths = torch.zeros(shape[1], dtype=torch.int64)
+        layers, rows, heads, slots, dim = shape
+        self.k = [torch.zeros(rows, heads, slots, dim, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(rows, heads, slots, dim, dtype=dtype) for _ in range(layers)]
+        self.lengths = torch.zeros(rows, dtype=torch.int64)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def write_slot(self, slot: int, new_k, new_v):
-        """Append ``[L, H_kv, n, D]`` new keys and values after slot ``slot``'s current length."""
+        """Append ``[L, H_kv, n, D]`` new keys and values after row ``slot``'s current length."""
         start, n = int(self.lengths[slot]), new_k.shape[2]
         if start + n > self.capacity:
             raise ValueError(f"sequence {slot} needs {start + n} cache positions; the cache holds "
                              f"{self.capacity}")
-        self.k[:, slot, :, start:start + n] = new_k
-        self.v[:, slot, :, start:start + n] = new_v
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k[slot, :, start:start + n] = new_k[layer]
+            v[slot, :, start:start + n] = new_v[layer]
         self.lengths[slot] += n
 
+    def move(self, src: int, dst: int):
+        """Move row ``src``'s sequence to row ``dst`` (its valid positions only)."""
+        n = int(self.lengths[src])
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
     def reset(self, slot: int):
-        """Free a slot: its length is 0, so nothing in it is attended to (the values stay)."""
+        """Free a row: its length is 0, so nothing in it is attended to (the values stay)."""
         self.lengths[slot] = 0
 
     def valid(self) -> torch.Tensor:
-        """``[B, S_max]`` bool: the slots each sequence may attend to."""
+        """``[B, S_max]`` bool: the positions each sequence may attend to."""
         return torch.arange(self.capacity).unsqueeze(0) < self.lengths.unsqueeze(1)
+
+    def inputs(self, rows: int) -> list:
+        """A decode step's cache inputs for the first ``rows`` rows: views, not copies."""
+        return [k[:rows] for k in self.k] + [v[:rows] for v in self.v] + [self.valid()[:rows]]
 
 
 def padded(prefill, width: int):

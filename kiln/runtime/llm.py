@@ -1,12 +1,13 @@
 """A compiled LLM: prefill graphs per context bucket, a decode graph, and its metadata,
 loaded from one ``.kiln`` artifact (kind ``llm``) without the model's code.
 
-The artifact nests one compiled artifact per graph (``prefill/<width>.kiln``,
-``decode/<slots>.kiln``) and, when it was compiled with one, the tokenizer's files
-(``tokenizer/<name>``). The manifest's ``llm`` entry says what the graphs were built for:
-``batch_size`` (decode rows: requests at once), ``prefill_batch`` (1: a prompt is prefilled
-alone, as it joins), ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the end-
-of-sequence ids. Generation runs :mod:`kiln.runtime.scheduler` over the compiled graphs.
+The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
+context bucket, ``decode/<rows>.kiln`` for each decode batch size) and, when it was
+compiled with one, the tokenizer's files (``tokenizer/<name>``). The manifest's ``llm``
+entry says what the graphs were built for: ``format`` (2: prefill for one prompt, the
+cache one input per layer), ``batch_size`` (requests generating at once),
+``decode_batches``, ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the
+end-of-sequence ids. Generation runs :mod:`kiln.runtime.scheduler` over the graphs.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
 from kiln.runtime import kv, sampling
 from kiln.runtime.scheduler import Scheduler, generate
+
+FORMAT = 2          # the graphs' interface (module doc); load refuses others
 
 # transformers.GenerationConfig's settings kiln honours, with that class's defaults.
 _HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
@@ -23,15 +26,15 @@ _HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "t
 class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
 
-    def __init__(self, prefill: dict, decode, meta: dict, tokenizer_files: dict, manifest: dict | None = None):
+    def __init__(self, prefill: dict, decode: dict, meta: dict, tokenizer_files: dict, manifest: dict | None = None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
-        self.decode = decode
+        self.decode = dict(sorted(decode.items()))       # rows -> compiled model
         self.meta = meta
         self.tokenizer_files = tokenizer_files
         self.manifest = manifest or wrapper_manifest(
-            "llm", decode.manifest, llm=meta,
+            "llm", self.decode[max(self.decode)].manifest, llm=meta,
             graphs={"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
-                    "decode": f"decode/{meta['cache_shape'][3]}.kiln"})
+                    "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}})
 
     @property
     def batch_size(self) -> int:
@@ -104,7 +107,7 @@ class LLM:
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
-        blobs[self.manifest["graphs"]["decode"]] = self.decode.to_bytes()
+        blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         return Artifact(self.manifest, blobs).to_bytes()
 
@@ -115,8 +118,9 @@ class LLM:
         return str(path)
 
     def __repr__(self):
-        return (f"kiln.LLM({self.manifest.get('model_name')}; batch {self.batch_size}, context buckets "
-                f"{list(self.prefill)}, cache {self.meta['cache_shape'][3]} positions)")
+        return (f"kiln.LLM({self.manifest.get('model_name')}; batch {self.batch_size} (decode graphs for "
+                f"{list(self.decode)}), context buckets {list(self.prefill)}, cache {self.meta['cache_shape'][3]} "
+                "positions)")
 
 
 def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM:
@@ -128,13 +132,14 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     def nested(name):
         return load_nested(art.nested(name, f"{source}:{name}"), opts, f"{source}:{name}")
 
-    if meta.get("prefill_batch") != 1:
-        raise ArtifactError(f"{source}: this LLM artifact was compiled by an older kiln (prefill for a "
-                            "whole batch); compile it again with this version")
+    if meta.get("format") != FORMAT:
+        raise ArtifactError(f"{source}: this LLM artifact's graphs have another layout (format "
+                            f"{meta.get('format', 1)}; this kiln runs format {FORMAT}): compile it again")
     prefill = {int(w): nested(name) for w, name in graphs.get("prefill", {}).items()}
     if not prefill:
         raise ArtifactError(f"{source}: the LLM artifact has no prefill graph")
     tokenizer = {name[len("tokenizer/"):]: bytes(data) for name, data in art.blobs.items()
                  if name.startswith("tokenizer/")}
-    return LLM(prefill, nested(graphs["decode"]), meta, tokenizer, art.manifest)
+    decode = {int(b): nested(name) for b, name in graphs["decode"].items()}
+    return LLM(prefill, decode, meta, tokenizer, art.manifest)
 

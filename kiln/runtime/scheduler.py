@@ -1,19 +1,23 @@
 """Continuous batching: requests join and leave the decode batch between steps.
 
-The decode graph is compiled for ``B`` rows. Each row is a *slot*: a request owns one
-slot of the KV cache (``[L, B, H_kv, S, D]``, :class:`kiln.runtime.kv.KVCache`) from its
-prefill to its last token, and the slot is free for the next request as soon as it
-ends. One :meth:`Scheduler.step`:
+The KV cache (:class:`kiln.runtime.kv.KVCache`) has ``B`` rows. Each row is a *slot*: a
+request owns one slot from its prefill to its last token, and the slot is free for the
+next request as soon as it ends. Decode graphs are compiled for some batch sizes up to
+``B`` (by default 1 and ``B``); the running requests are kept in the first slots, so a
+step runs the smallest graph that covers them, on views of the cache's first rows: one
+stream alone does not pay for ``B`` rows. One :meth:`Scheduler.step`:
 
-1. drops cancelled requests (a client that went away) and frees their slots;
+1. drops cancelled requests (a client that went away) and frees their slots, then moves
+   requests from the last occupied slots into the freed ones (their valid positions
+   only), so the occupied slots are the first ones;
 2. admits waiting requests into free slots: each is prefilled alone, through the
    batch-1 prefill graph of the smallest context bucket that fits, its keys and values
    written into its slot, its first token chosen. While other requests are decoding,
    at most ``prefills_per_step`` are admitted per step, so a burst of new prompts
    delays the running streams by one prefill each, not by all of them;
-3. runs one decode step for every occupied slot at once (free rows get an empty cache
-   and attend only to themselves, so they cannot produce NaN), and appends each
-   request's next token.
+3. runs one decode step for every occupied slot at once (rows of the graph beyond them
+   get an empty cache and attend only to themselves, so they cannot produce NaN), and
+   appends each request's next token.
 
 Why a request's tokens are exactly those it gets alone: every row of both graphs is a
 function of its own inputs only. Attention is masked per row (its own valid slots),
@@ -81,12 +85,16 @@ class Scheduler:
     """Continuous batching over a prefill and a decode graph (module doc).
 
     ``prefill_for(width)``: the batch-1 prefill callable for a prompt ``width`` tokens
-    long (raising InputError when none fits); ``decode``: the ``B``-row decode step;
-    ``cache_shape``: ``[L, B, H_kv, S, D]``."""
+    long (raising InputError when none fits); ``decode``: ``{rows: decode step}``, the
+    largest for all ``B`` rows (or one step, for ``B`` rows); ``cache_shape``:
+    ``[L, B, H_kv, S, D]``."""
 
     def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
                  prefills_per_step: int = 1, max_context: int | None = None):
-        self.prefill_for, self.decode = prefill_for, decode
+        self.prefill_for = prefill_for
+        self.decode = dict(sorted(decode.items())) if isinstance(decode, dict) else {cache_shape[1]: decode}
+        if max(self.decode) != cache_shape[1]:
+            raise ValueError(f"the largest decode graph has {max(self.decode)} rows; the cache has {cache_shape[1]}")
         self.cache = KVCache(tuple(cache_shape))
         self.slots: list = [None] * cache_shape[1]
         self.waiting: collections.deque = collections.deque()
@@ -96,6 +104,8 @@ class Scheduler:
         self.closing = False
         self.thread: threading.Thread | None = None
         self.steps = 0
+        self.rows_run: dict = {}      # decode graph rows -> steps run with it
+        self.moves = 0                # requests moved to a lower slot
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: Request):
@@ -152,6 +162,7 @@ class Scheduler:
 
     def step(self):
         self._drop_cancelled()
+        self._compact()
         self._admit()
         if any(r is not None for r in self.slots):
             self._decode()
@@ -167,6 +178,18 @@ class Scheduler:
         for slot, r in enumerate(self.slots):
             if r is not None and r.cancelled:
                 self._free(slot, "cancelled")
+
+    def _compact(self):
+        """Move the requests in the last occupied slots into free ones before them."""
+        while True:
+            free = [s for s, r in enumerate(self.slots) if r is None]
+            used = [s for s, r in enumerate(self.slots) if r is not None]
+            if not free or not used or free[0] > used[-1]:
+                return
+            src, dst = used[-1], free[0]
+            self.cache.move(src, dst)
+            self.slots[dst], self.slots[src] = self.slots[src], None
+            self.moves += 1
 
     def _admit(self):
         limit = self.prefills_per_step if self.active else len(self.slots)
@@ -194,25 +217,25 @@ class Scheduler:
         self._append(slot, request, logits[0, -1:])
 
     def _decode(self):
-        rows = len(self.slots)
+        used = max(s for s, r in enumerate(self.slots) if r is not None) + 1
+        rows = next(b for b in self.decode if b >= used)
+        running = [(slot, r) for slot, r in enumerate(self.slots[:rows]) if r is not None]
         tokens = torch.zeros(rows, 1, dtype=torch.int64)
-        for slot, r in enumerate(self.slots):
-            if r is not None:
-                tokens[slot, 0] = r.tokens[-1]
-        positions = self.cache.lengths.unsqueeze(1).clone()
+        for slot, r in running:
+            tokens[slot, 0] = r.tokens[-1]
+        positions = self.cache.lengths[:rows].unsqueeze(1).clone()
         try:
             with torch.no_grad():
-                logits, new_k, new_v = self.decode(tokens, positions, self.cache.k, self.cache.v, self.cache.valid())
+                logits, new_k, new_v = self.decode[rows](tokens, positions, *self.cache.inputs(rows))
         except Exception as e:  # noqa: BLE001 - every running request failed; the next ones may not
-            for slot, r in enumerate(self.slots):
-                if r is not None:
-                    r.error = e
-                    self._free(slot, "error")
+            for slot, r in running:
+                r.error = e
+                self._free(slot, "error")
             return
-        for slot, r in enumerate(self.slots):
-            if r is not None:
-                self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1])
-                self._append(slot, r, logits[slot, -1:])
+        for slot, r in running:
+            self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1])
+            self._append(slot, r, logits[slot, -1:])
+        self.rows_run[rows] = self.rows_run.get(rows, 0) + 1
 
     def _append(self, slot: int, request: Request, logits):
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
@@ -269,7 +292,8 @@ def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape, *
              eos_token_ids=(), max_context=None) -> list:
     """The new tokens of each prompt, every prompt a request through one :class:`Scheduler`
     run on the caller's thread. ``prefill``: a step callable for any width (the eager
-    module), or ``prefill_for(width)`` when ``max_context`` is given (compiled buckets)."""
+    module), or ``prefill_for(width)`` when ``max_context`` is given (compiled buckets);
+    ``decode``: as for :class:`Scheduler`."""
     prefill_for = prefill if max_context is not None else (lambda width: prefill)
     scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context)
     params = params or sampling.SamplingParams()

