@@ -7,6 +7,8 @@ Rows (each where installed):
 * ``hf-fp32``      Hugging Face ``generate``, the GGUF dequantized to float32
 * ``kiln-fp32``    ``compile_llm`` at the default level (engines chosen by measurement),
                    loaded from its artifact; single stream through the scheduler
+* ``kiln-int8``,   the same with weight-only quantization (ONNX Runtime's MatMulNBits:
+  ``kiln-int4``    int8 in groups of 128, int4 in groups of 32), past the accuracy gate
 * ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (an optional extra:
                    ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
 
@@ -24,7 +26,7 @@ load <= 2 s.
 
 Usage::
 
-    python benchmarks/llm.py                     # ~6 minutes on 2 cores, compile included
+    python benchmarks/llm.py                     # ~15 minutes on 2 cores, compiles included
     python benchmarks/llm.py --reuse             # keep the compiled artifact between runs
 
 Results: a table on stdout and JSON (default ``benchmarks/results/llm.json``).
@@ -109,18 +111,6 @@ def bench_llamacpp(path, ids, new, threads) -> dict | None:
 
 
 # -- kiln --------------------------------------------------------------------------------------------
-def compile_kiln(model, tok, out, args) -> float:
-    from kiln.llm.build import compile_llm
-    os.environ["KILN_CACHE_URL"] = "off"
-    t0 = time.perf_counter()
-    llm = compile_llm(model, batch_size=args.streams, context_buckets=(args.prompt,),
-                      cache_length=args.prompt + args.new, tokenizer=tok,
-                      on_graph=lambda name, k, n, s: log(f"compiled {name} ({k}/{n}) in {s:.1f}s"))
-    seconds = time.perf_counter() - t0
-    llm.save(out)
-    return seconds
-
-
 def load_in_fresh_process(path) -> dict:
     code = ("import time, json; t0 = time.perf_counter(); import kiln; t1 = time.perf_counter(); "
             f"m = kiln.load({str(path)!r}); t2 = time.perf_counter(); "
@@ -168,12 +158,13 @@ def bench_server(path, ids, new, streams, tmp) -> dict:
         with concurrent.futures.ThreadPoolExecutor(streams) as pool:
             results = list(pool.map(stream, range(streams)))
         wall = time.perf_counter() - t0
-        rss = psutil.Process(s.proc.pid).memory_info().rss
+        mem = psutil.Process(s.proc.pid).memory_full_info()
         gaps = [b - a for _, t in results for a, b in zip(t, t[1:])]
         ttfts = [t[0] - start for start, t in results]
         return {"streams": streams, "aggregate_tok_s": streams * new / wall, "wall_s": wall,
                 "p95_itl_s": float(np.percentile(gaps, 95)), "p50_itl_s": float(np.percentile(gaps, 50)),
-                "mean_ttft_s": float(np.mean(ttfts)), "server_rss_mb": rss / 2**20}
+                "mean_ttft_s": float(np.mean(ttfts)), "server_rss_mb": mem.rss / 2**20,
+                "server_pss_mb": mem.pss / 2**20, "server_uss_mb": mem.uss / 2**20}
     finally:
         s.stop()
 
@@ -191,29 +182,73 @@ def copy_bandwidth_gbs() -> float:
 
 
 # -- report ------------------------------------------------------------------------------------------
+BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32}    # data + a scale per group
+
+
 def render(res) -> str:
-    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp")]
+    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp", "8-stream tok/s", "p95 ITL ms",
+             "compile s", "load s", "artifact MB", "USS MiB")]
     hf = res["peers"]["hf-fp32"]["decode_tok_s"]
     cpp = (res["peers"].get("llama.cpp") or {}).get("decode_tok_s")
-    for name, r in [*res["peers"].items(), ("kiln-fp32", res["kiln"]["single"])]:
+    for name, r in res["peers"].items():
         if r is None:
-            rows.append((name, "not installed", "", "", ""))
+            rows.append((name, "not installed") + ("",) * 9)
             continue
         rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / hf:.2f}x",
-                     f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-"))
-    width = [max(len(r[i]) for r in rows) for i in range(5)]
+                     f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-") + ("-",) * 6)
+    for name, k in res["kiln"].items():
+        one, srv = k["single"], k["server"]
+        rows.append((f"kiln-{name}", f"{one['ttft_s']:.3f}", f"{one['decode_tok_s']:.1f}",
+                     f"{one['decode_tok_s'] / hf:.2f}x", f"{one['decode_tok_s'] / cpp:.2f}x" if cpp else "-",
+                     f"{srv['aggregate_tok_s']:.1f}", f"{srv['p95_itl_s'] * 1e3:.1f}", f"{k['compile_s']:.1f}",
+                     f"{k['load']['load_s']:.2f}", f"{k['artifact_mb']:.0f}", f"{srv['server_uss_mb']:.0f}"))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
-    k = res["kiln"]
-    srv = k["server"]
-    lines += ["", f"kiln serve, {srv['streams']} streams: {srv['aggregate_tok_s']:.1f} tok/s aggregate, "
-                  f"p95 inter-token {srv['p95_itl_s'] * 1e3:.1f} ms (p50 {srv['p50_itl_s'] * 1e3:.1f}), "
-                  f"mean TTFT {srv['mean_ttft_s']:.2f} s, server RSS {srv['server_rss_mb']:.0f} MiB",
-              f"kiln compile (cold) {k['compile_s']:.1f} s; load {k['load']['load_s']:.2f} s "
-              f"(+ import kiln {k['load']['import_s']:.2f} s)",
-              f"bandwidth: decode reads {k['weights_mb']:.0f} MB of weights per step -> "
-              f"{k['achieved_gbs']:.1f} GB/s vs {res['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth "
-              f"({k['achieved_gbs'] / res['copy_bandwidth_gbs']:.0%})"]
+    lines.append("")
+    for name, k in res["kiln"].items():
+        gate = k.get("accuracy_gate")
+        lines.append(f"kiln-{name}: decode reads ~{k['weights_mb']:.0f} MB of weights per step -> "
+                     f"{k['achieved_gbs']:.1f} GB/s of {res['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth"
+                     + (f"; gate: perplexity x{gate['ppl_ratio']:.3f}, greedy agreement {gate['agreement']:.1%}"
+                        if gate else "")
+                     + f"; server RSS {k['server']['server_rss_mb']:.0f} MiB, PSS {k['server']['server_pss_mb']:.0f}")
+    lines.append(f"load excludes `import kiln` ({next(iter(res['kiln'].values()))['load']['import_s']:.2f} s)")
     return "\n".join(lines)
+
+
+def run_variant(name, model, tok, ids, args, work) -> dict:
+    """Compile (or reuse), load in a fresh process, single stream, then 8 streams served."""
+    artifact = work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
+    record = work / (artifact.name + ".json")
+    if args.reuse and artifact.exists() and record.exists():
+        k = json.loads(record.read_text())
+    else:
+        log(f"kiln compile {name} (cold: compile cache off)")
+        from kiln.llm.build import compile_llm
+        os.environ["KILN_CACHE_URL"] = "off"
+        t0 = time.perf_counter()
+        llm = compile_llm(model, batch_size=args.streams, context_buckets=(args.prompt,),
+                          cache_length=args.prompt + args.new, tokenizer=tok,
+                          on_graph=lambda g, i, n, sec: log(f"compiled {g} ({i}/{n}) in {sec:.1f}s"),
+                          **({} if name == "fp32" else {"quantize": name}))
+        k = {"compile_s": time.perf_counter() - t0, "accuracy_gate": llm.meta.get("accuracy_gate")}
+        llm.save(artifact)
+        del llm
+        record.write_text(json.dumps(k))
+    k["load"] = load_in_fresh_process(artifact)
+    k["artifact_mb"] = artifact.stat().st_size / 1e6
+    import kiln
+    llm = kiln.load(artifact, threads=args.threads)
+    k["engines"] = {"prefill": llm.prefill[args.prompt].manifest.get("engines"),
+                    "decode": {b: m.manifest.get("engines") for b, m in llm.decode.items()}}
+    log(f"kiln {name}: single stream")
+    k["single"] = bench_kiln_single(llm, ids, args.new)
+    k["weights_mb"] = sum(p.numel() for p in model.parameters()) * BYTES_PER_WEIGHT[name] / 1e6
+    k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
+    del llm
+    log(f"kiln {name}: serve, {args.streams} streams")
+    k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
+    return k
 
 
 def parse_args(argv=None):
@@ -222,7 +257,8 @@ def parse_args(argv=None):
     p.add_argument("--new", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams; also the decode batch")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--reuse", action="store_true", help="reuse the compiled artifact from a previous run")
+    p.add_argument("--reuse", action="store_true", help="reuse the compiled artifacts from a previous run")
+    p.add_argument("--variants", default="fp32,int8,int4", help="kiln builds: fp32, int8, int4 (weight-only)")
     p.add_argument("--work", default=os.path.expanduser("~/.cache/kiln/llm-bench"))
     p.add_argument("--json", default=str(HERE / "results" / "llm.json"))
     return p.parse_args(argv)
@@ -247,28 +283,8 @@ def main(argv=None):
     res["peers"]["llama.cpp"] = bench_llamacpp(path, ids, args.new, args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    artifact = work / f"smollm2-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
-    k = res["kiln"]
-    if args.reuse and artifact.exists():
-        k["compile_s"] = json.loads((work / (artifact.name + ".json")).read_text())["compile_s"]
-    else:
-        log("kiln compile (cold: compile cache off)")
-        k["compile_s"] = compile_kiln(model, tok, artifact, args)
-        (work / (artifact.name + ".json")).write_text(json.dumps({"compile_s": k["compile_s"]}))
-    k["params"] = sum(p.numel() for p in model.parameters())
-    del model
-    k["load"] = load_in_fresh_process(artifact)
-    import kiln
-    llm = kiln.load(artifact, threads=args.threads)
-    k["engines"] = {"prefill": llm.prefill[args.prompt].manifest.get("engines"),
-                    "decode": llm.decode.manifest.get("engines")}
-    log("kiln single stream")
-    k["single"] = bench_kiln_single(llm, ids, args.new)
-    k["weights_mb"] = k["params"] * 4 / 1e6         # every weight once per step (lm_head = embedding)
-    k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
-    del llm
-    log(f"kiln serve, {args.streams} streams")
-    k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
+    for name in args.variants.split(","):
+        res["kiln"][name] = run_variant(name, model, tok, ids, args, work)
     print(render(res))
     latency.write_json(res, args.json)
     print(f"\nJSON: {latency.display_path(args.json)}")

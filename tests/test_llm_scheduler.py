@@ -106,7 +106,7 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_run(tiny_llm):
         return llm.decode[3](*args)
 
     from kiln.runtime.scheduler import Scheduler
-    sched = Scheduler(llm._prefill_for, flaky, llm.meta["cache_shape"], max_context=llm.max_context)
+    sched = Scheduler(llm.prefill_for, flaky, llm.meta["cache_shape"], max_context=llm.max_context)
     first = sched.add(Request([5, 6], 6))
     sched.run()
     assert first.finish_reason == "error" and "engine failed" in str(first.error)

@@ -45,8 +45,19 @@ def test_too_strict_gate_fails_with_numbers():
 
 def test_bad_quantize_option():
     model, x = models.mlp()
-    with pytest.raises(kiln.CompilerArgsError, match="int8"):
-        kiln.trace(model, x, quantize="int4")
+    with pytest.raises(kiln.CompilerArgsError, match="'int8' or 'int4'"):
+        kiln.trace(model, x, quantize="int2")
+    with pytest.raises(kiln.CompilerArgsError, match="int4' is weight-only"):
+        kiln.trace(model, x, quantize="int4", quantize_mode="dynamic")
+
+
+def test_weight_only_int4_and_int8_on_a_plain_model():
+    model, x = models.mlp()
+    with torch.no_grad():
+        want = model(x)
+    for mode in ("int4", "int8"):
+        m = kiln.trace(model, x, quantize=mode, quantize_mode="weight_only", cache=False)
+        assert torch.nn.functional.cosine_similarity(m(x).flatten(), want.flatten(), dim=0) > 0.99, mode
 
 
 @pytest.mark.slow

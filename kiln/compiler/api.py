@@ -40,7 +40,10 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     ``quantize="int8"`` quantizes weights (``quantize_mode="dynamic"``, the
     default without data) or weights and activations calibrated on
     ``calibration_data``, an iterable of example inputs (``"static"``, the
-    default with data); the result must pass ``min_cosine``/``min_top1``.
+    default with data); ``quantize_mode="weight_only"`` keeps activations in float
+    with int8 weights per output channel, and ``quantize="int4"`` (weight-only
+    always) stores weights as int4 in groups of 32 (ONNX Runtime's MatMulNBits);
+    the result must pass ``min_cosine``/``min_top1``.
 
     Shapes and cores: ``buckets`` (``{input: {dim: [sizes]}}`` or a list of
     example inputs) compiles one variant per size, padded with ``pad_values``
@@ -63,7 +66,8 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         raise TypeError(f"trace() got unexpected keyword argument(s): {', '.join(unknown)}")
     calibration = tuple(settings.get("calibration_data") or ())
     if options.get("quantize") and options.get("quantize_mode") is None:
-        options["quantize_mode"] = "static" if calibration else "dynamic"
+        options["quantize_mode"] = ("weight_only" if options["quantize"] == "int4" else
+                                    "static" if calibration else "dynamic")
     opts = make_options(compiler_args, **options)          # parsed once, frozen
     progress = Progress(quiet=quiet)
     store = cache_mod.open_cache(cache)

@@ -29,8 +29,9 @@ class CompileOptions:
     validate: bool = True
     atol: float = 1e-3
     rtol: float = 1e-3
-    quantize: str | None = None       # "int8"
-    quantize_mode: str = "dynamic"    # dynamic: weights only; static: calibrated activations too
+    quantize: str | None = None       # "int8" or "int4"
+    quantize_mode: str = "dynamic"    # dynamic: int8 weights, activations per call; static: calibrated
+                                      # activations too; weight_only: int8 per channel / int4 in groups
     min_cosine: float = 0.99          # accuracy gate for quantized / auto-cast models
     min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
     pipeline_cores: int = 1           # split the graph into this many stages, one per kiln core
@@ -145,10 +146,14 @@ def check_supported(opts: CompileOptions):
     if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32"):
         raise CompilerArgsError(
             f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs: use bf16, fp16 or fp32")
-    if opts.quantize not in (None, "int8"):
-        raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8'")
-    if opts.quantize_mode not in ("dynamic", "static"):
-        raise CompilerArgsError(f"quantize_mode={opts.quantize_mode!r}: expected 'dynamic' or 'static'")
+    if opts.quantize not in (None, "int8", "int4"):
+        raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8' or 'int4'")
+    if opts.quantize_mode not in ("dynamic", "static", "weight_only"):
+        raise CompilerArgsError(f"quantize_mode={opts.quantize_mode!r}: expected 'dynamic', 'static' "
+                                "or 'weight_only'")
+    if opts.quantize == "int4" and opts.quantize_mode != "weight_only":
+        raise CompilerArgsError("quantize='int4' is weight-only (int4 weights in groups of 32, "
+                                "activations in float): use quantize_mode='weight_only'")
     if opts.device not in DEVICES:
         raise CompilerArgsError(f"device={opts.device!r}: expected one of {', '.join(DEVICES)}")
     if opts.min_partition_size < 1:

@@ -88,7 +88,7 @@ class OnnxRuntimeEngine(Engine):
     title = "ONNX Runtime"
     devices = ("cpu",)          # the onnxruntime package kiln depends on is a CPU build
     priority = {"cpu": 10}
-    quantizes = ("int8",)       # through ONNX Runtime's quantization tools (below)
+    quantizes = ("int8", "int4")   # through ONNX Runtime's quantization tools (below)
     package = "onnxruntime"
     blob_suffix = ".onnx"
     modules = ("onnxruntime", "onnxscript")
@@ -303,11 +303,16 @@ def _relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> b
 
 
 def _quantize(model: str, tmp: str, options, calibration) -> str:
-    """int8 through ONNX Runtime's own quantization tools.
+    """int8 / int4 through ONNX Runtime's own quantization tools.
 
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
     a list of partition input lists.
+    weight_only: MatMul weights packed for ``MatMulNBits`` (int8 in symmetric groups of 128,
+    or int4 in groups of 32, along the input dim, as GGUF's Q4 blocks), no calibration;
+    activations stay float between ops (the kernel quantizes each block of its input to
+    int8 on the fly, ``ACCURACY_LEVEL``), so a decode step, which reads every weight
+    once, reads ~4x (int8) or ~6x (int4) fewer bytes than in float32.
     """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -315,7 +320,9 @@ def _quantize(model: str, tmp: str, options, calibration) -> str:
     with quiet(EXPORTER_LOGGERS + ("root",)):
         quant_pre_process(model, prepared, skip_symbolic_shape=True)
         nodes = _weight_nodes(prepared)
-        if options.quantize_mode == "dynamic":
+        if options.quantize_mode == "weight_only":
+            _weight_only(prepared, out, _gemm_to_matmul(prepared, nodes), 4 if options.quantize == "int4" else 8)
+        elif options.quantize_mode == "dynamic":
             nodes = _gemm_to_matmul(prepared, nodes)
             quantize_dynamic(prepared, out, weight_type=QuantType.QInt8, per_channel=True,
                              nodes_to_quantize=nodes)
@@ -325,6 +332,46 @@ def _quantize(model: str, tmp: str, options, calibration) -> str:
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             nodes_to_quantize=nodes)
     return out
+
+
+INT4_GROUP = 32
+# MatMulNBits has no per-channel form (its quantizer refuses channel_wised_quantize for
+# the operator format); int8 uses groups of 128 along the input dim, finer than per channel.
+INT8_GROUP = 128
+# accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
+# integers. Measured on SmolLM2-135M's decode step (2 cores, AVX2): int4 16.2 ms against
+# 38.8 ms with float compute (level 0), int8 27.4 ms against 343 ms; the LLM gate
+# (kiln.llm.gate) judges what it costs in accuracy.
+ACCURACY_LEVEL = 4
+
+
+def _weight_only(path: str, out: str, nodes: list, bits: int):
+    """MatMul nodes in ``nodes`` to MatMulNBits (see :func:`_quantize`), written to ``out``.
+    With int4, the widest product (an LLM's output projection, whose errors every token's
+    choice sees) is kept at int8, as GGUF's Q4 files keep their output tensor wider."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    model = onnx.load(path)
+    head = _widest(model, nodes) if bits == 4 else None
+    for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, [n for n in nodes if n != head]),
+                                 (8, INT8_GROUP, [head] if head else [])):
+        if not chosen:
+            continue
+        q = MatMulNBitsQuantizer(model, bits=group, block_size=width, is_symmetric=True,
+                                 accuracy_level=ACCURACY_LEVEL, nodes_to_include=chosen)
+        q.process()
+        model = q.model.model
+    onnx.save_model(model, out, save_as_external_data=True, location=os.path.basename(out) + ".data")
+
+
+def _widest(model, nodes: list):
+    """The MatMul in ``nodes`` whose constant weight has the most output columns."""
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    best = (0, None)
+    for n in model.graph.node:
+        if n.name in nodes and len(dims.get(n.input[1], [])) == 2:
+            best = max(best, (dims[n.input[1]][1], n.name))
+    return best[1]
 
 
 def _weight_nodes(path: str) -> list:

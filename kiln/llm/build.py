@@ -11,21 +11,29 @@ import time
 import torch
 
 from kiln.compiler.api import trace
-from kiln.errors import CompilerArgsError
+from kiln.errors import CompilerArgsError, ValidationError
+from kiln.llm import gate
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported
 from kiln.runtime.llm import FORMAT, LLM
 
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
-                decode_batches=None, tokenizer=None, on_graph=None, **trace_options) -> LLM:
+                decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
+                max_ppl_ratio=None, min_agreement=None, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
     widths prefill is compiled for (batch 1; a prompt runs in the smallest that fits);
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
     Hugging Face tokenizer stored in the artifact. ``on_graph(name, index, count, seconds)``
-    is called after each graph is compiled (progress for the command line). Other keywords
-    go to ``kiln.trace``."""
+    is called after each graph is compiled (progress for the command line).
+    ``speculation_length=k`` adds the graph speculative decoding verifies ``k`` draft
+    tokens with (:mod:`kiln.runtime.speculative`).
+    ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
+    implied for LLMs) must pass :mod:`kiln.llm.gate`, perplexity within ``max_ppl_ratio``
+    of float32's and greedy agreement of at least ``min_agreement`` (defaults per mode in
+    ``gate.LIMITS``), or compiling fails with the numbers. Other keywords go to
+    ``kiln.trace``."""
     family = check_supported(model)
     buckets = sorted({int(w) for w in context_buckets})
     if batch_size < 1 or not buckets or buckets[0] < 1:
@@ -38,23 +46,55 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
                                 "the prompt's keys must fit in the cache")
     model = model.eval()
     shape = cache_shape(model.config, batch_size, cache_length)
+    quantize = trace_options.get("quantize")
+    if quantize:
+        trace_options.setdefault("quantize_mode", "weight_only")
+        # the LLM-level gate below judges accuracy; the per-graph cosine on one example is a floor
+        trace_options.setdefault("min_cosine", 0.9)
     jobs = [(f"prefill {w}", DecoderStep(model, with_cache=False, last_only=True), _prefill_example(w))
             for w in buckets]
     jobs += [(f"decode {b}x{cache_length}", DecoderStep(model, with_cache=True, last_only=False),
               _decode_example(shape, b)) for b in rows]
+    if speculation_length:
+        if not 1 <= speculation_length < cache_length:
+            raise CompilerArgsError(f"speculation_length must be in [1, cache_length); got {speculation_length}")
+        jobs.append((f"verify {speculation_length + 1}", DecoderStep(model, with_cache=True, last_only=False),
+                     _decode_example(shape, 1, speculation_length + 1)))
     graphs = []
     for k, (name, step, example) in enumerate(jobs):
         started = time.perf_counter()
         graphs.append(trace(step.eval(), example, **trace_options))
         if on_graph is not None:
             on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
-    prefill, decode = dict(zip(buckets, graphs[:len(buckets)])), dict(zip(rows, graphs[len(buckets):]))
+    prefill = dict(zip(buckets, graphs[:len(buckets)]))
+    decode = dict(zip(rows, graphs[len(buckets):len(buckets) + len(rows)]))
+    verify = graphs[-1] if speculation_length else None
     eos = model.generation_config.eos_token_id
     meta = {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
-            "context_buckets": buckets,
+            "context_buckets": buckets, "speculation_length": speculation_length,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
-    return LLM(prefill, decode, meta, _tokenizer_files(tokenizer))
+    llm = LLM(prefill, decode, meta, _tokenizer_files(tokenizer), verify=verify)
+    if quantize:
+        meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
+    return llm
+
+
+def _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement) -> dict:
+    limits = gate.LIMITS[quantize]
+    limits = (limits[0] if max_ppl_ratio is None else max_ppl_ratio,
+              limits[1] if min_agreement is None else min_agreement)
+    shape = llm.meta["cache_shape"]
+    ids = gate.gate_ids(tokenizer, model.config.vocab_size, min(64, shape[3] - 1))
+    reference = (DecoderStep(model, with_cache=False, last_only=True).eval(),
+                 DecoderStep(model, with_cache=True, last_only=False).eval())
+    rows = min(llm.decode)
+    result = gate.measure(reference, (llm.prefill_for(1), llm.decode[rows]), ids, shape, limits, rows)
+    if not result.passed:
+        raise ValidationError(f"the {quantize} model fails the accuracy gate: {result.describe()}. Relax "
+                              "it (max_ppl_ratio=, min_agreement=) or keep more precision"
+                              + (" (int8)" if quantize == "int4" else " (no quantize)"))
+    return result.to_dict()
 
 
 def _prefill_example(width):
@@ -62,12 +102,13 @@ def _prefill_example(width):
     return (torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0), torch.tensor([width - 1]))
 
 
-def _decode_example(shape, rows):
+def _decode_example(shape, rows, tokens=1):
     layers, _, heads, slots, dim = shape
     valid = torch.zeros(rows, slots, dtype=torch.bool)
     valid[:, : slots // 2] = True
     cache = [torch.zeros(rows, heads, slots, dim) for _ in range(2 * layers)]
-    return (torch.zeros(rows, 1, dtype=torch.int64), torch.full((rows, 1), slots // 2), *cache, valid)
+    positions = (slots // 2 + torch.arange(tokens)).repeat(rows, 1)
+    return (torch.zeros(rows, tokens, dtype=torch.int64), positions, *cache, valid)
 
 
 def _tokenizer_files(tokenizer) -> dict:

@@ -2,8 +2,9 @@
 loaded from one ``.kiln`` artifact (kind ``llm``) without the model's code.
 
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
-context bucket, ``decode/<rows>.kiln`` for each decode batch size) and, when it was
-compiled with one, the tokenizer's files (``tokenizer/<name>``). The manifest's ``llm``
+context bucket, ``decode/<rows>.kiln`` for each decode batch size, ``verify/<k+1>.kiln``
+when compiled for speculative decoding) and, when it was compiled with one, the
+tokenizer's files (``tokenizer/<name>``). The manifest's ``llm``
 entry says what the graphs were built for: ``format`` (2: prefill for one prompt, the
 cache one input per layer), ``batch_size`` (requests generating at once),
 ``decode_batches``, ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the
@@ -26,15 +27,19 @@ _HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "t
 class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
 
-    def __init__(self, prefill: dict, decode: dict, meta: dict, tokenizer_files: dict, manifest: dict | None = None):
+    def __init__(self, prefill: dict, decode: dict, meta: dict, tokenizer_files: dict, manifest: dict | None = None,
+                 verify=None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
         self.decode = dict(sorted(decode.items()))       # rows -> compiled model
+        self.verify = verify                             # speculative decoding's check (or None)
         self.meta = meta
         self.tokenizer_files = tokenizer_files
-        self.manifest = manifest or wrapper_manifest(
-            "llm", self.decode[max(self.decode)].manifest, llm=meta,
-            graphs={"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
-                    "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}})
+        graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
+                  "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}}
+        if verify is not None:
+            graphs["verify"] = f"verify/{meta['speculation_length'] + 1}.kiln"
+        self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
+                                                     graphs=graphs)
 
     @property
     def batch_size(self) -> int:
@@ -44,7 +49,7 @@ class LLM:
     def max_context(self) -> int:
         return max(self.prefill)
 
-    def _prefill_for(self, width: int):
+    def prefill_for(self, width: int):
         for w, model in self.prefill.items():
             if width <= w:
                 return kv.padded(model, w)
@@ -54,7 +59,7 @@ class LLM:
     def scheduler(self, **options) -> Scheduler:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
         graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
-        return Scheduler(self._prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
+        return Scheduler(self.prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
                          **options)
 
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
@@ -102,12 +107,14 @@ class LLM:
         return torch.cat([ids, new], dim=1)
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
-        return generate(self._prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
+        return generate(self.prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
                         params=params, eos_token_ids=eos, max_context=self.max_context)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
         blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
+        if self.verify is not None:
+            blobs[self.manifest["graphs"]["verify"]] = self.verify.to_bytes()
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         return Artifact(self.manifest, blobs).to_bytes()
 
@@ -141,5 +148,6 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     tokenizer = {name[len("tokenizer/"):]: bytes(data) for name, data in art.blobs.items()
                  if name.startswith("tokenizer/")}
     decode = {int(b): nested(name) for b, name in graphs["decode"].items()}
-    return LLM(prefill, decode, meta, tokenizer, art.manifest)
+    verify = nested(graphs["verify"]) if "verify" in graphs else None
+    return LLM(prefill, decode, meta, tokenizer, art.manifest, verify)
 

