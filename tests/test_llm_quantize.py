@@ -8,7 +8,7 @@ from kiln.errors import ValidationError  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from tests.test_llm_decoder import _model  # noqa: E402
 
-OPTIONS = dict(batch_size=2, context_buckets=(8,), cache_length=80, optlevel=1)
+OPTIONS = dict(batch_size=1, context_buckets=(8,), cache_length=80, optlevel=1)
 
 
 # The tiny random model's next-token distributions are nearly flat (perplexity ~109 over

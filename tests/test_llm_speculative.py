@@ -8,18 +8,21 @@ transformers = pytest.importorskip("transformers")
 from kiln.errors import CompilerArgsError, InputError  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from kiln.runtime.speculative import SpeculativeDecoder  # noqa: E402
-from tests.test_llm_decoder import COMMON, PROMPTS, _hf_greedy, _model  # noqa: E402
+from tests.test_llm_decoder import COMMON, PROMPTS, _hf_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = _model("llama")
+def models(tiny_llm):
+    """(HF target, the target compiled with a verify graph, an unrelated draft: the
+    session's tiny Llama, another random model with the same vocabulary)."""
     torch.manual_seed(1)
-    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})).eval()
-    other.generation_config.eos_token_id = None
-    options = dict(batch_size=1, context_buckets=(8,), cache_length=40, optlevel=1)
-    return (target, compile_llm(target, speculation_length=4, **options),
-            compile_llm(other, **options))
+    target = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})).eval()
+    for p in target.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    target.generation_config.eos_token_id = None
+    compiled = compile_llm(target, speculation_length=4, batch_size=1, context_buckets=(8,), cache_length=40,
+                           optlevel=1)
+    return target, compiled, tiny_llm[1]
 
 
 def test_output_is_the_targets_greedy_output_with_any_draft(models):

@@ -84,6 +84,10 @@ class ServedLLM:
     # -- lifecycle -----------------------------------------------------------------------
     def load(self) -> float:
         started = time.perf_counter()
+        if self.config.instances > 1:
+            log("warning", "instances_ignored", model=self.name,
+                reason="an LLM runs as one continuous-batching scheduler (its batch is its "
+                       "concurrency); --instances applies to the other models")
         self.llm = self.source if not isinstance(self.source, str) else load_artifact(self.source,
                                                                                        threads=self.config.threads)
         if self.llm.tokenizer_files:
