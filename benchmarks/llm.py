@@ -90,9 +90,9 @@ def bench_hf(model, ids, new) -> dict:
         model.generate(x, max_new_tokens=1, **kw)
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model.generate(x, max_new_tokens=new, min_new_tokens=new, **kw)
+        out = model.generate(x, max_new_tokens=new, min_new_tokens=new, **kw)
         total = time.perf_counter() - t0
-    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / (total - ttft)}
+    return {"ttft_s": ttft, "decode_tok_s": (new - 1) / (total - ttft), "tokens": out[0, len(ids):].tolist()}
 
 
 def bench_llamacpp(path, ids, new, threads) -> dict | None:
@@ -134,7 +134,16 @@ def bench_kiln_single(llm, ids, new, repeats=2) -> dict:
                "step_ms": (t[-1] - t[0]) / (len(t) - 1) * 1e3}
         best = run if best is None else best
         best = {k: (min if k != "decode_tok_s" else max)(best[k], run[k]) for k in run} if _ else run
+    best["tokens"] = r.tokens
     return best
+
+
+def same_prefix(a: list, b: list) -> int:
+    """How many leading tokens two greedy generations share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def bench_server(path, ids, new, streams, tmp) -> dict:
@@ -219,6 +228,8 @@ def render(res) -> str:
     lines.append("")
     for name, k in res["kiln"].items():
         gate = k.get("accuracy_gate")
+        lines.append(f"kiln-{name}: greedy tokens equal to Hugging Face's: the first "
+                     f"{k['greedy_tokens_equal_hf']} of {res['new_tokens']}")
         lines.append(f"kiln-{name}: decode reads ~{k['weights_mb']:.0f} MB of weights per step -> "
                      f"{k['achieved_gbs']:.1f} GB/s of {res['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth"
                      + (f"; gate: perplexity x{gate['ppl_ratio']:.3f} (limit {gate['max_ppl_ratio']}), greedy "
@@ -232,7 +243,7 @@ def render(res) -> str:
     return "\n".join(lines)
 
 
-def run_variant(name, model, tok, ids, args, work) -> dict:
+def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
     """Compile (or reuse), load in a fresh process, single stream, then 8 streams served."""
     artifact = work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
     record = work / (artifact.name + ".json")
@@ -268,6 +279,7 @@ def run_variant(name, model, tok, ids, args, work) -> dict:
                     "decode": {b: m.manifest.get("engines") for b, m in llm.decode.items()}}
     log(f"kiln {name}: single stream")
     k["single"] = bench_kiln_single(llm, ids, args.new)
+    k["greedy_tokens_equal_hf"] = same_prefix(k["single"].pop("tokens"), hf_tokens)
     k["weights_mb"] = sum(p.numel() for p in model.parameters()) * BYTES_PER_WEIGHT[name] / 1e6
     k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
     del llm
@@ -304,12 +316,13 @@ def main(argv=None):
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs()
     log("Hugging Face generate")
     res["peers"]["hf-fp32"] = bench_hf(model, ids, args.new)
+    hf_tokens = res["peers"]["hf-fp32"].pop("tokens")
     log("llama.cpp")
     res["peers"]["llama.cpp"] = bench_llamacpp(path, ids, args.new, args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
-        res["kiln"][name] = run_variant(name, model, tok, ids, args, work)
+        res["kiln"][name] = run_variant(name, model, tok, ids, args, work, hf_tokens)
     print(render(res))
     latency.write_json(res, args.json)
     print(f"\nJSON: {latency.display_path(args.json)}")
