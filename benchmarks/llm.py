@@ -9,7 +9,7 @@ Rows (each where installed):
                    loaded from its artifact; single stream through the scheduler
 * ``kiln-int8``,   the same with weight-only quantization (ONNX Runtime's MatMulNBits:
   ``kiln-int4``    int8 in groups of 128, int4 in groups of 32), past the accuracy gate
-* ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (an optional extra:
+* ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (the ``llm-bench`` extra,
                    ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
 
 Measures, for a 128-token prompt and 128 generated tokens (``--prompt``, ``--new``):
@@ -102,6 +102,7 @@ def bench_llamacpp(path, ids, new, threads) -> dict | None:
         return None
     llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
     llm.create_completion(ids, max_tokens=2, temperature=0)            # warm-up
+    llm.reset()                 # else it reuses the warm-up's KV cache for the same prompt
     times = []
     t0 = time.perf_counter()
     for _ in llm.create_completion(ids, max_tokens=new, temperature=0, stream=True):
