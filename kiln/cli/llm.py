@@ -1,8 +1,8 @@
 """``kiln llm compile | generate | chat``: an LLM from a checkpoint to an artifact, and
 text from the artifact, streamed to the terminal as it is generated.
 
-``generate`` and ``chat`` load only kiln's runtime (no compiler, no transformers): the
-tokenizer and chat template come from the artifact. Statistics (tokens, time to first
+``generate`` and ``chat`` run the artifact with kiln's runtime, without transformers or
+the model's code: the tokenizer and chat template come from the artifact. Statistics (tokens, time to first
 token, decode rate) go to stderr so stdout holds only the generated text.
 """
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Compile a Hugging Face decoder into a :class:`kiln.runtime.llm.LLM`: one prefill graph
-per context bucket and one decode graph, each through :func:`kiln.trace` (so engine
-choice, the compile cache and the accuracy check against eager apply as for any model).
+"""Compile a Hugging Face decoder into a :class:`kiln.runtime.llm.LLM`: a prefill graph
+per context bucket, a decode graph per decode batch size and, for speculative decoding,
+a verify graph, each through :func:`kiln.trace` (so engine choice, the compile cache and
+the accuracy check against eager apply as for any model); quantized builds then pass the
+LLM accuracy gate (:mod:`kiln.llm.gate`).
 """
 from __future__ import annotations
 
