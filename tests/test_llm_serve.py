@@ -120,6 +120,8 @@ def test_bad_requests_get_openai_errors(served, client):
         client.completions.create(model="tiny", prompt="Hi", n=2)
     status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "colour": "red"})
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "colour" in body["error"]["message"]
+    status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": "x"})
+    assert status == 400 and "'stream_options' must be an object" in body["error"]["message"]
     status, body = s.post_json("/v1/chat/completions", {"model": "tiny", "messages": "Hi"})
     assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
     status, body = s.post_json("/v2/models/tiny/infer", {"inputs": []})

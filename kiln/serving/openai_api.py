@@ -287,7 +287,8 @@ async def handle(request: Request, route: str):
         check_fields(payload, route)
         params, stop = sampling_of(payload), stops_of(payload)
         streaming = field(payload, "stream", bool, False)
-        include_usage = bool((payload.get("stream_options") or {}).get("include_usage")) if streaming else False
+        options = field(payload, "stream_options", dict, {}, message="an object")
+        include_usage = bool(options.get("include_usage")) and streaming
         if route == "chat":
             prompt = sm.require_tokenizer().encode_chat(messages_of(payload))
             max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
