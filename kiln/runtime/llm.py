@@ -1,5 +1,5 @@
-"""A compiled LLM: prefill graphs per context bucket, a decode graph, and its metadata,
-loaded from one ``.kiln`` artifact (kind ``llm``) without the model's code.
+"""A compiled LLM: prefill graphs per context bucket, decode graphs per batch size, their
+metadata, loaded from one ``.kiln`` artifact (kind ``llm``) without the model's code.
 
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
 context bucket, ``decode/<rows>.kiln`` for each decode batch size, ``verify/<k+1>.kiln``
