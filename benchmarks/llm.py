@@ -305,12 +305,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    import transformers
+    from kiln.llm.source import load_pretrained
     path = gguf_path()
-    folder, name = os.path.dirname(path), os.path.basename(path)
     log("loading SmolLM2-135M-Instruct (GGUF -> fp32)")
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model, tok = load_pretrained(path)
     ids = prompt_ids(tok, args.prompt)
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": latency.machine_info(args.threads),
            "prompt_tokens": len(ids), "new_tokens": args.new, "peers": {}, "kiln": {}}

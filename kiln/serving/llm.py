@@ -168,8 +168,10 @@ class ServedLLM:
 
     def _register_metrics(self):
         m, s = self.metrics, self.scheduler
-        m.llm_kv_usage.labels(self.name).set_function(
-            lambda: s.usage()["positions_used"] / max(1, s.usage()["positions"]))
+        def kv_usage():
+            u = s.usage()
+            return u["positions_used"] / max(1, u["positions"])
+        m.llm_kv_usage.labels(self.name).set_function(kv_usage)
         m.llm_slots_used.labels(self.name).set_function(lambda: s.usage()["slots_used"])
         m.queue_depth.labels(self.name).set_function(lambda: len(s.waiting))
         m.llm_tokens_per_second.labels(self.name).set_function(self.tokens_per_second)
