@@ -39,6 +39,7 @@ import datetime
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,36 +149,78 @@ def same_prefix(a: list, b: list) -> int:
 
 
 def bench_server(path, ids, new, streams, tmp) -> dict:
-    import openai
-    import psutil
     from tests.test_serve import Server
     s = Server([f"smol={path}", "--max-queue", str(4 * streams)], Path(tmp) / "server.log")
     try:
-        client = openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-        def stream(_):
-            times, t0 = [], time.perf_counter()
-            for chunk in client.completions.create(model="smol", prompt=ids, max_tokens=new, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True}):
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter())
-            return t0, times
-
-        stream(0)                                                      # warm-up
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-            results = list(pool.map(stream, range(streams)))
-        wall = time.perf_counter() - t0
-        mem = psutil.Process(s.proc.pid).memory_full_info()
-        anon = anonymous_mb(s.proc.pid)
-        gaps = [b - a for _, t in results for a, b in zip(t, t[1:])]
-        ttfts = [t[0] - start for start, t in results]
-        return {"streams": streams, "aggregate_tok_s": streams * new / wall, "wall_s": wall,
-                "p95_itl_s": float(np.percentile(gaps, 95)), "p50_itl_s": float(np.percentile(gaps, 50)),
-                "mean_ttft_s": float(np.mean(ttfts)), "server_rss_mb": mem.rss / 2**20,
-                "server_pss_mb": mem.pss / 2**20, "server_uss_mb": mem.uss / 2**20, "server_anon_mb": anon}
+        return bench_streams(f"http://{s.url}/v1", "smol", s.proc.pid, ids, new, streams)
     finally:
         s.stop()
+
+
+def bench_streams(base_url, model, pid, ids, new, streams) -> dict:
+    """``streams`` concurrent greedy completions of ``ids`` through the ``openai`` client,
+    each forced to ``new`` tokens; the server's memory afterwards."""
+    import openai
+    import psutil
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+    def stream(_):
+        times, t0 = [], time.perf_counter()
+        for chunk in client.completions.create(model=model, prompt=ids, max_tokens=new, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter())
+        return t0, times
+
+    stream(0)                                                          # warm-up
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        results = list(pool.map(stream, range(streams)))
+    wall = time.perf_counter() - t0
+    mem = psutil.Process(pid).memory_full_info()
+    gaps = [b - a for _, t in results for a, b in zip(t, t[1:])]
+    ttfts = [t[0] - start for start, t in results]
+    return {"streams": streams, "aggregate_tok_s": sum(len(t) for _, t in results) / wall, "wall_s": wall,
+            "tokens_per_stream": [len(t) for _, t in results],
+            "p95_itl_s": float(np.percentile(gaps, 95)), "p50_itl_s": float(np.percentile(gaps, 50)),
+            "mean_ttft_s": float(np.mean(ttfts)), "server_rss_mb": mem.rss / 2**20,
+            "server_pss_mb": mem.pss / 2**20, "server_uss_mb": mem.uss / 2**20, "server_anon_mb": anonymous_mb(pid)}
+
+
+def bench_llama_server(binary, path, ids, new, streams, threads, tmp) -> dict | None:
+    """llama.cpp's own server on the same GGUF with ``streams`` parallel slots (``-np``),
+    continuous batching, each slot's context ``prompt + new``."""
+    import socket
+    if not binary:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = streams * (len(ids) + new + 16)
+    log_file = open(Path(tmp) / "llama-server.log", "w")
+    proc = subprocess.Popen([binary, "-m", path, "-np", str(streams), "-c", str(ctx), "-t", str(threads),
+                             "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        import urllib.request
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"llama-server did not start; see {log_file.name}")
+            time.sleep(0.5)
+        res = bench_streams(f"http://127.0.0.1:{port}/v1", "smol", proc.pid, ids, new, streams)
+        res["binary"] = binary
+        return res
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log_file.close()
 
 
 def anonymous_mb(pid) -> float:
@@ -208,21 +251,26 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32}    #
 
 
 def render(res) -> str:
-    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp", "8-stream tok/s", "p95 ITL ms",
-             "compile s", "load s", "artifact MB", "heap MiB")]
+    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp", "8-stream tok/s", "vs llama-server",
+             "p95 ITL ms", "compile s", "load s", "artifact MB", "heap MiB")]
     hf = res["peers"]["hf-fp32"]["decode_tok_s"]
     cpp = (res["peers"].get("llama.cpp") or {}).get("decode_tok_s")
+    cpp_srv = (res["peers"].get("llama-server") or {}).get("aggregate_tok_s")
     for name, r in res["peers"].items():
         if r is None:
-            rows.append((name, "not installed") + ("",) * 9)
-            continue
-        rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / hf:.2f}x",
-                     f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-") + ("-",) * 6)
+            rows.append((name, "not installed") + ("",) * 10)
+        elif name == "llama-server":
+            rows.append((name,) + ("-",) * 4 + (f"{r['aggregate_tok_s']:.1f}", "1.00x", f"{r['p95_itl_s'] * 1e3:.1f}",
+                                                "-", "-", "-", f"{r['server_anon_mb']:.0f}"))
+        else:
+            rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / hf:.2f}x",
+                         f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-") + ("-",) * 7)
     for name, k in res["kiln"].items():
         one, srv = k["single"], k["server"]
         rows.append((f"kiln-{name}", f"{one['ttft_s']:.3f}", f"{one['decode_tok_s']:.1f}",
                      f"{one['decode_tok_s'] / hf:.2f}x", f"{one['decode_tok_s'] / cpp:.2f}x" if cpp else "-",
-                     f"{srv['aggregate_tok_s']:.1f}", f"{srv['p95_itl_s'] * 1e3:.1f}", f"{k['compile_s']:.1f}",
+                     f"{srv['aggregate_tok_s']:.1f}", f"{srv['aggregate_tok_s'] / cpp_srv:.2f}x" if cpp_srv else "-",
+                     f"{srv['p95_itl_s'] * 1e3:.1f}", f"{k['compile_s']:.1f}",
                      f"{k['load']['load_s']:.2f}", f"{k['artifact_mb']:.0f}", f"{srv['server_anon_mb']:.0f}"))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
@@ -297,6 +345,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reuse", action="store_true", help="reuse the compiled artifacts from a previous run")
     p.add_argument("--variants", default="fp32,int8,int4", help="kiln builds: fp32, int8, int4 (weight-only)")
+    p.add_argument("--llama-server", default=shutil.which("llama-server"),
+                   help="llama.cpp's llama-server binary, for the concurrent-streams peer "
+                        "(default: the one on PATH; built from llama.cpp's source, tools/server)")
     p.add_argument("--work", default=os.path.expanduser("~/.cache/kiln/llm-bench"))
     p.add_argument("--json", default=str(HERE / "results" / "llm.json"))
     return p.parse_args(argv)
@@ -320,6 +371,9 @@ def main(argv=None):
     res["peers"]["llama.cpp"] = bench_llamacpp(path, ids, args.new, args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    log(f"llama.cpp server, {args.streams} streams")
+    res["peers"]["llama-server"] = bench_llama_server(args.llama_server, path, ids, args.new, args.streams,
+                                                      args.threads, work)
     for name in args.variants.split(","):
         res["kiln"][name] = run_variant(name, model, tok, ids, args, work, hf_tokens)
     print(render(res))

@@ -91,17 +91,25 @@ ATTENTION = "kiln_cached"
 def cached_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function signature, for a step with a cache: softmax over
     the cached and the new keys together, without joining them. Query heads are grouped
-    under their key/value head (``[B, H_kv, G*T, D]``), so grouped-query attention needs
-    no copy of the cache either. ``attention_mask``: boolean ``[B, 1, T, S + T]``."""
+    under their key/value head (``[B*H_kv, G*T, D]``), so grouped-query attention needs
+    no copy of the cache either. ``attention_mask``: boolean ``[B, 1, T, S + T]``.
+
+    Written with 3-D ``bmm`` on views, not 4-D ``@``: torch decomposes a 4-D matmul into
+    ``expand`` + ``reshape`` + ``bmm``, which ONNX exports as an ``Expand`` (a copy of the
+    value cache) and a ``Transpose`` held apart from its ``MatMul`` (a copy of the key
+    cache), in every layer at every step. As ``bmm(q, k.transpose)`` ONNX Runtime fuses the
+    transpose into the product (``FusedMatMul``), and nothing copies the cache."""
     batch, heads, t, dim = query.shape
-    kv_heads = key.cache.shape[1]
+    kv_heads, slots = key.cache.shape[1], key.cache.shape[2]
     groups = heads // kv_heads
-    q = query.reshape(batch, kv_heads, groups * t, dim) * (scaling if scaling is not None else dim ** -0.5)
-    scores = torch.cat([q @ key.cache.transpose(-1, -2), q @ key.new.transpose(-1, -2)], dim=-1)
-    mask = attention_mask.unsqueeze(2).expand(batch, kv_heads, groups, t, -1).reshape(batch, kv_heads, groups * t, -1)
+    rows = batch * kv_heads
+    q = query.reshape(rows, groups * t, dim) * (scaling if scaling is not None else dim ** -0.5)
+    k_cache, k_new = key.cache.reshape(rows, slots, dim), key.new.reshape(rows, t, dim)
+    v_cache, v_new = value.cache.reshape(rows, slots, dim), value.new.reshape(rows, t, dim)
+    scores = torch.cat([torch.bmm(q, k_cache.transpose(1, 2)), torch.bmm(q, k_new.transpose(1, 2))], dim=-1)
+    mask = attention_mask.unsqueeze(2).expand(batch, kv_heads, groups, t, -1).reshape(rows, groups * t, -1)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    slots = key.cache.shape[2]
-    out = probs[..., :slots] @ value.cache + probs[..., slots:] @ value.new
+    out = torch.bmm(probs[..., :slots], v_cache) + torch.bmm(probs[..., slots:], v_new)
     return out.reshape(batch, heads, t, dim).transpose(1, 2).contiguous(), None
 
 

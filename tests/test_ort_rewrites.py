@@ -1,0 +1,93 @@
+"""kiln.engines.ort_rewrites: exact node-removing rewrites in the ONNX Runtime engine.
+
+Each rewrite must match the pattern torch's exporter writes (a Llama-style RMSNorm and
+3-D linear layers), leave the arithmetic alone (outputs equal eager PyTorch), and refuse
+when a value it would remove is used elsewhere."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from kiln import engines
+from kiln.compiler.options import CompileOptions
+from kiln.engines import onnxruntime as ort_engine
+from kiln.graph.capture import capture
+from kiln.runtime.options import RuntimeOptions
+from tests.conftest import assert_close
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+class RMSNorm(nn.Module):
+    """transformers' Llama RMSNorm, spelled as it is there; ``leak``: also return the
+    mean square, which the fusion must then leave in place."""
+
+    def __init__(self, dim, leak=False):
+        super().__init__()
+        self.weight, self.leak = nn.Parameter(1 + 0.2 * torch.randn(dim)), leak
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        out = self.weight * (x * torch.rsqrt(variance + 1e-5))
+        return (out, variance) if self.leak else out
+
+
+class Block(nn.Module):
+    """RMSNorm, two products sharing one input (query and key), one product of its own
+    (output); ``leak`` also returns the norm's mean square and the flattened activation
+    that query and key read."""
+
+    def __init__(self, leak=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = RMSNorm(16, leak)
+        self.q, self.k = nn.Linear(16, 16, bias=False), nn.Linear(16, 8, bias=False)
+        self.o = nn.Linear(24, 16, bias=False)
+        self.leak = leak
+
+    def forward(self, x):
+        h, variance = self.norm(x) if self.leak else (self.norm(x), None)
+        flat = h.reshape(-1, 16)
+        q, k = (flat @ self.q.weight.T).reshape(2, 5, 16), (flat @ self.k.weight.T).reshape(2, 5, 8)
+        out = self.o(torch.cat([q, k], dim=-1)) + x
+        return (out, variance, flat) if self.leak else out
+
+
+@pytest.fixture(autouse=True)
+def unoptimized_export(monkeypatch):
+    """As for a large partition: without the exporter's own optimizer, which would fuse
+    these itself (and costs tens of seconds on a 30-layer decoder)."""
+    monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+
+
+def _compile(module):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    captured = capture(module.eval(), (x,))
+    with torch.no_grad():
+        expected = module(x)
+    engine = engines.get("onnxruntime")
+    opts = CompileOptions(engine="onnxruntime", device="cpu")
+    blob = engine.compile(captured.graph_module, captured.example_inputs, opts)
+    got = engine.load(blob, RuntimeOptions(threads=1))(list(captured.example_inputs))
+    for a, e in zip(got, expected if isinstance(expected, tuple) else (expected,)):
+        assert_close(a, e, **TOL)
+    ops = collections.Counter(n.op_type for n in ort_engine.graph_of(blob).graph.node)
+    return ort_engine.header_of(blob).get("rewritten", {}), ops
+
+
+def test_rms_norm_and_3d_linears_rewritten_and_equal_eager():
+    rewritten, ops = _compile(Block())
+    assert rewritten == {"linear": 3, "rms_norm": 1}
+    assert ops["Reshape"] == 0 and ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
+    assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == 1, ops
+
+
+def test_rewrites_keep_values_used_elsewhere():
+    rewritten, ops = _compile(Block(leak=True))
+    # the flattened activation is an output: query and key keep their reshapes, the
+    # output projection (its own input) is still rewritten; the mean square is an
+    # output, so the norm stays unfused
+    assert rewritten.get("linear") == 1 and "rms_norm" not in rewritten, rewritten
+    assert ops["Reshape"] >= 1 and ops["SimplifiedLayerNormalization"] == 0, ops
