@@ -38,18 +38,19 @@ class Block(nn.Module):
     (output); ``leak`` also returns the norm's mean square and the flattened activation
     that query and key read."""
 
-    def __init__(self, leak=False):
+    def __init__(self, leak=False, dim=32):
         super().__init__()
         torch.manual_seed(0)
-        self.norm = RMSNorm(16, leak)
-        self.q, self.k = nn.Linear(16, 16, bias=False), nn.Linear(16, 8, bias=False)
-        self.o = nn.Linear(24, 16, bias=False)
-        self.leak = leak
+        self.norm = RMSNorm(dim, leak)
+        self.q, self.k = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim // 2, bias=False)
+        self.o = nn.Linear(dim + dim // 2, dim, bias=False)
+        self.leak, self.dim = leak, dim
 
     def forward(self, x):
         h, variance = self.norm(x) if self.leak else (self.norm(x), None)
-        flat = h.reshape(-1, 16)
-        q, k = (flat @ self.q.weight.T).reshape(2, 5, 16), (flat @ self.k.weight.T).reshape(2, 5, 8)
+        flat = h.reshape(-1, self.dim)
+        q = (flat @ self.q.weight.T).reshape(2, 5, self.dim)
+        k = (flat @ self.k.weight.T).reshape(2, 5, self.dim // 2)
         out = self.o(torch.cat([q, k], dim=-1)) + x
         return (out, variance, flat) if self.leak else out
 
@@ -61,18 +62,18 @@ def unoptimized_export(monkeypatch):
     monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
 
 
-def _compile(module):
+def _compile(module, tol=TOL, **options):
     torch.manual_seed(0)
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, module.dim)
     captured = capture(module.eval(), (x,))
     with torch.no_grad():
         expected = module(x)
     engine = engines.get("onnxruntime")
-    opts = CompileOptions(engine="onnxruntime", device="cpu")
+    opts = CompileOptions(engine="onnxruntime", device="cpu", **options)
     blob = engine.compile(captured.graph_module, captured.example_inputs, opts)
     got = engine.load(blob, RuntimeOptions(threads=1))(list(captured.example_inputs))
     for a, e in zip(got, expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(a, e, **TOL)
+        assert_close(a, e, **tol)
     ops = collections.Counter(n.op_type for n in ort_engine.graph_of(blob).graph.node)
     return ort_engine.header_of(blob).get("rewritten", {}), ops
 
@@ -91,3 +92,12 @@ def test_rewrites_keep_values_used_elsewhere():
     # output, so the norm stays unfused
     assert rewritten.get("linear") == 1 and "rms_norm" not in rewritten, rewritten
     assert ops["Reshape"] >= 1 and ops["SimplifiedLayerNormalization"] == 0, ops
+
+
+def test_rewritten_graph_goes_through_weight_only_quantization():
+    """ORT's quantization pre-processing copies the model file alone: the rewritten model
+    must carry its weights inline (a data file beside it was lost once, for weights big
+    enough that ORT's optimizer keeps them external)."""
+    rewritten, ops = _compile(Block(dim=512), tol={"atol": 0.05, "rtol": 0.05}, quantize="int8",
+                              quantize_mode="weight_only")
+    assert rewritten == {"linear": 3, "rms_norm": 1} and ops["MatMulNBits"] == 3, ops

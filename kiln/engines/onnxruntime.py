@@ -315,7 +315,10 @@ def _rewrite(path: str, tmp: str):
     if not counts:
         return None
     out = os.path.join(tmp, "rewritten.onnx")
-    onnx.save_model(model, out, save_as_external_data=True, location="rewritten.onnx.data")
+    # Weights inline, as torch's exporter saves them below protobuf's 2 GB: ORT's
+    # quantization pre-processing copies the model file alone, without its data file.
+    external = model.ByteSize() >= 2**31 - 2**24
+    onnx.save_model(model, out, save_as_external_data=external, location="rewritten.onnx.data")
     return out, counts
 
 
