@@ -18,7 +18,8 @@ def quantize(model: str, tmp: str, options, calibration) -> str:
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
     a list of partition input lists.
     weight_only: MatMul weights packed for ``MatMulNBits`` (int8 in symmetric groups of 128,
-    or int4 in groups of 32, along the input dim, as GGUF's Q4 blocks), no calibration;
+    or int4 in groups of 32 with a float minimum, along the input dim, as GGUF's Q4_1
+    blocks: :mod:`kiln.engines.ort_int4`), no calibration;
     activations stay float between ops (the kernel quantizes each block of its input to
     int8 on the fly, ``ACCURACY_LEVEL``), so a decode step, which reads every weight
     once, reads ~4x (int8) or ~6x (int4) fewer bytes than in float32.
@@ -47,6 +48,8 @@ INT4_GROUP = 32
 # MatMulNBits has no per-channel form (its quantizer refuses channel_wised_quantize for
 # the operator format); int8 uses groups of 128 along the input dim, finer than per channel.
 INT8_GROUP = 128
+# An int4 model's output projection: int8 in GGUF's Q8_0 groups.
+HEAD_GROUP = 32
 # accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
 # integers. Measured on SmolLM2-135M's decode step (2 cores, AVX2): int4 16.2 ms against
 # 38.8 ms with float compute (level 0), int8 27.4 ms against 343 ms; the LLM gate
@@ -55,19 +58,31 @@ ACCURACY_LEVEL = 4
 
 
 def _weight_only(path: str, out: str, nodes: list, bits: int):
-    """MatMul nodes in ``nodes`` to MatMulNBits (see :func:`_quantize`), written to ``out``.
-    With int4, the widest product (an LLM's output projection, whose errors every token's
-    choice sees) is kept at int8, as GGUF's Q4 files keep their output tensor wider."""
+    """MatMul nodes in ``nodes`` to MatMulNBits (see :func:`quantize`), written to ``out``.
+
+    int4 is :mod:`kiln.engines.ort_int4`'s blocks with a float minimum (GGUF's Q4_1,
+    exact for weights that came from it); a product it cannot take (input dim not a
+    multiple of 32) gets ORT's symmetric int4. The widest product (an LLM's output
+    projection, whose errors every token's choice sees) stays int8 in groups of 32, as
+    GGUF's Q4 files keep it (Q8_0: exact for weights that came from one)."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from kiln.engines import ort_int4
     model = onnx.load(path)
     head = _widest(model, nodes) if bits == 4 else None
-    for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, [n for n in nodes if n != head]),
-                                 (8, INT8_GROUP, [head] if head else [])):
+    rest = [n for n in nodes if n != head]
+    if bits == 4:
+        rest = ort_int4.apply(model, rest, ACCURACY_LEVEL)
+    for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, rest),
+                                 (8, HEAD_GROUP, [head] if head else [])):
         if not chosen:
             continue
+        # nodes_to_include does not exclude: the quantizer also takes every other MatMul
+        # with a constant weight (ort_int4's offset products among them) unless told not to
+        others = [n.name for n in model.graph.node if n.name not in chosen]
         q = MatMulNBitsQuantizer(model, bits=group, block_size=width, is_symmetric=True,
-                                 accuracy_level=ACCURACY_LEVEL, nodes_to_include=chosen)
+                                 accuracy_level=ACCURACY_LEVEL, nodes_to_include=chosen,
+                                 nodes_to_exclude=others)
         q.process()
         model = q.model.model
     onnx.save_model(model, out, save_as_external_data=True, location=os.path.basename(out) + ".data")
