@@ -33,3 +33,16 @@ def test_a_gate_too_strict_fails_with_the_numbers():
     with pytest.raises(ValidationError, match=r"int4 model fails the accuracy gate: perplexity \S+ vs \S+ in "
                                               r"float32 \(ratio \S+, limit 1.0001\); greedy agreement"):
         compile_llm(_model("llama"), quantize="int4", max_ppl_ratio=1.0001, min_agreement=1.0, **OPTIONS)
+
+
+def test_int4_of_a_decoder_exported_as_a_large_one(monkeypatch):
+    """A real decoder's graphs are too large for the exporter's own optimizer: kiln's
+    rewrites and quantization then meet the raw export (constants as nodes, weights behind
+    Transpose). The tiny model is forced down that path."""
+    from kiln.engines import onnxruntime as ort_engine
+    monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+    llm = compile_llm(_model("llama"), quantize="int4", **OPTIONS, **LIMITS["int4"])
+    assert llm.meta["accuracy_gate"]["passed"]
+    blob = llm.decode[1]._artifact.blobs[llm.decode[1].manifest["partitions"][0]["blob"]]
+    rewritten = ort_engine.header_of(blob)["rewritten"]
+    assert rewritten["rms_norm"] >= 2 and rewritten["transpose"] >= 7, rewritten

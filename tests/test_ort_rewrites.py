@@ -73,14 +73,17 @@ def _compile(module, tol=TOL, **options):
     blob = engine.compile(captured.graph_module, captured.example_inputs, opts)
     got = engine.load(blob, RuntimeOptions(threads=1))(list(captured.example_inputs))
     for a, e in zip(got, expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(a, e, **tol)
+        if isinstance(tol, float):  # int8: close in direction (cosine), as tests/test_quantize.py checks
+            assert torch.nn.functional.cosine_similarity(a.flatten(), e.flatten(), dim=0) > tol
+        else:
+            assert_close(a, e, **tol)
     ops = collections.Counter(n.op_type for n in ort_engine.graph_of(blob).graph.node)
     return ort_engine.header_of(blob).get("rewritten", {}), ops
 
 
 def test_rms_norm_and_3d_linears_rewritten_and_equal_eager():
     rewritten, ops = _compile(Block())
-    assert rewritten == {"linear": 3, "rms_norm": 1}
+    assert rewritten == {"transpose": 3, "linear": 3, "rms_norm": 1}
     assert ops["Reshape"] == 0 and ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
     assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == 1, ops
 
@@ -94,10 +97,14 @@ def test_rewrites_keep_values_used_elsewhere():
     assert ops["Reshape"] >= 1 and ops["SimplifiedLayerNormalization"] == 0, ops
 
 
-def test_rewritten_graph_goes_through_weight_only_quantization():
-    """ORT's quantization pre-processing copies the model file alone: the rewritten model
-    must carry its weights inline (a data file beside it was lost once, for weights big
-    enough that ORT's optimizer keeps them external)."""
-    rewritten, ops = _compile(Block(dim=512), tol={"atol": 0.05, "rtol": 0.05}, quantize="int8",
-                              quantize_mode="weight_only")
-    assert rewritten == {"linear": 3, "rms_norm": 1} and ops["MatMulNBits"] == 3, ops
+@pytest.mark.parametrize("mode", ["weight_only", "dynamic"])
+def test_rewritten_graph_goes_through_quantization(mode):
+    """weight_only quantizes the rewritten model in memory; dynamic goes through ORT's
+    pre-processing, which copies the model file alone: the weights must be inline (a data
+    file beside it was lost once, at a size where ORT's optimizer keeps them external)."""
+    # dynamic int8 quantizes each activation tensor with one scale: ~0.97 on this block
+    # with or without the rewrites
+    rewritten, ops = _compile(Block(dim=512), tol=0.99 if mode == "weight_only" else 0.95, quantize="int8",
+                              quantize_mode=mode)
+    assert rewritten == {"transpose": 3, "linear": 3, "rms_norm": 1}
+    assert ops["MatMulNBits" if mode == "weight_only" else "DynamicQuantizeLinear"] >= 1, ops

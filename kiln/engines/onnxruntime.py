@@ -47,7 +47,7 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.quiet import quiet
 from kiln.engines.base import Engine
-from kiln.engines import ort_fusions, ort_quantize, ort_rewrites
+from kiln.engines import ort_export, ort_fusions, ort_quantize, ort_rewrites
 from kiln import config
 
 _MAGIC = b"KILNORT2"
@@ -117,22 +117,24 @@ class OnnxRuntimeEngine(Engine):
             raise ValueError(f"unknown onnxruntime variant {variant!r}")
         optimize = sum(n.op == "call_function" for n in partition.graph.nodes) <= EXPORTER_OPTIMIZE_MAX_OPS
         with torch.no_grad(), quiet():
-            program = torch.onnx.export(partition, tuple(example_inputs), dynamo=True,
-                                        opset_version=EXPORT_OPSET, optimize=optimize, verbose=False,
-                                        report=False)
+            program = ort_export.export(partition, example_inputs, opset=EXPORT_OPSET, optimize=optimize,
+                                        registry=_registry())
         with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
-            model = os.path.join(tmp, "model.onnx")
-            program.save(model)
+            # the model stays in memory from export to quantization: each save and load
+            # of a 135M-parameter decoder costs seconds
+            proto = program.model_proto
             settings = {}
-            rewritten = _rewrite(model, tmp)
+            rewritten = ort_rewrites.rewrite(proto)
             if rewritten:
-                model, settings["rewritten"] = rewritten
+                settings["rewritten"] = rewritten
+            if options.quantize and variant is None:
+                model = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)])
+            else:
+                model = ort_quantize.save(proto, os.path.join(tmp, "model.onnx"))
             if variant == "transformers":
                 fused = os.path.join(tmp, "fused.onnx")
                 settings.update(variant=variant, **ort_fusions.optimize(model, fused))
                 model = fused
-            if options.quantize:
-                model = ort_quantize.quantize(model, tmp, options, calibration or [list(example_inputs)])
             level = _level(options)
             so = ort.SessionOptions()
             so.graph_optimization_level = _ORT_LEVEL[level]
@@ -304,22 +306,6 @@ def _relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> b
         for key, value in entries:
             init.external_data.add(key=key, value=value)
     return model.SerializeToString()
-
-
-def _rewrite(path: str, tmp: str):
-    """(the rewritten model's path, what was rewritten) after :mod:`ort_rewrites`, or None
-    when nothing matched (the model is then not written again)."""
-    import onnx
-    model = onnx.load(path)
-    counts = ort_rewrites.rewrite(model)
-    if not counts:
-        return None
-    out = os.path.join(tmp, "rewritten.onnx")
-    # Weights inline, as torch's exporter saves them below protobuf's 2 GB: ORT's
-    # quantization pre-processing copies the model file alone, without its data file.
-    external = model.ByteSize() >= 2**31 - 2**24
-    onnx.save_model(model, out, save_as_external_data=external, location="rewritten.onnx.data")
-    return out, counts
 
 
 def _level(options) -> str:

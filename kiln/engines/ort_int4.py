@@ -64,7 +64,7 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
     wanted, left, sums, out = set(nodes), [], {}, []
     for n in graph.node:
         weight = inits.get(n.input[1]) if n.op_type == "MatMul" and n.name in wanted else None
-        rank = ranks.get(n.input[0])
+        rank = ranks.get(n.input[0]) if weight is not None else None
         if weight is None or len(weight.dims) != 2 or weight.dims[0] % BLOCK or not rank:
             if n.name in wanted:
                 left.append(n.name)

@@ -11,8 +11,9 @@ import os
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 
 
-def quantize(model: str, tmp: str, options, calibration) -> str:
-    """int8 / int4 through ONNX Runtime's own quantization tools.
+def quantize(model, tmp: str, options, calibration) -> str:
+    """int8 / int4 through ONNX Runtime's own quantization tools; ``model`` an
+    ``onnx.ModelProto``, the quantized model's path returned.
 
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
@@ -22,18 +23,26 @@ def quantize(model: str, tmp: str, options, calibration) -> str:
     blocks: :mod:`kiln.engines.ort_int4`), no calibration;
     activations stay float between ops (the kernel quantizes each block of its input to
     int8 on the fly, ``ACCURACY_LEVEL``), so a decode step, which reads every weight
-    once, reads ~4x (int8) or ~6x (int4) fewer bytes than in float32.
+    once, reads ~4x (int8) or ~6x (int4) fewer bytes than in float32. It needs no
+    pre-processing (the weights are constants once :mod:`kiln.engines.ort_rewrites` has
+    folded their transposes), so the model is quantized in memory and written once.
     """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
-    prepared, out = os.path.join(tmp, "prepared.onnx"), os.path.join(tmp, "int8.onnx")
+    out = os.path.join(tmp, "quantized.onnx")
     with quiet(EXPORTER_LOGGERS + ("root",)):
-        quant_pre_process(model, prepared, skip_symbolic_shape=True)
-        nodes = _weight_nodes(prepared)
         if options.quantize_mode == "weight_only":
-            _weight_only(prepared, out, _gemm_to_matmul(prepared, nodes), 4 if options.quantize == "int4" else 8)
-        elif options.quantize_mode == "dynamic":
-            nodes = _gemm_to_matmul(prepared, nodes)
+            nodes = _gemm_to_matmul(model, _weight_nodes(model))
+            save(_weight_only(model, nodes, 4 if options.quantize == "int4" else 8), out)
+            return out
+        prepared = os.path.join(tmp, "prepared.onnx")
+        # ORT's pre-processing copies the model file alone: weights inline (save())
+        quant_pre_process(save(model, os.path.join(tmp, "model.onnx")), prepared, skip_symbolic_shape=True)
+        import onnx
+        model = onnx.load(prepared)
+        nodes = _gemm_to_matmul(model, _weight_nodes(model))
+        save(model, prepared)
+        if options.quantize_mode == "dynamic":
             quantize_dynamic(prepared, out, weight_type=QuantType.QInt8, per_channel=True,
                              nodes_to_quantize=nodes)
         else:
@@ -42,6 +51,15 @@ def quantize(model: str, tmp: str, options, calibration) -> str:
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             nodes_to_quantize=nodes)
     return out
+
+
+def save(model, path: str) -> str:
+    """Write ``model`` to ``path`` with its weights inline, as torch's exporter does below
+    protobuf's 2 GB limit (beyond it, in ``path + ".data"``); ``path`` returned."""
+    import onnx
+    external = model.ByteSize() >= 2**31 - 2**24
+    onnx.save_model(model, path, save_as_external_data=external, location=os.path.basename(path) + ".data")
+    return path
 
 
 INT4_GROUP = 32
@@ -57,18 +75,16 @@ HEAD_GROUP = 32
 ACCURACY_LEVEL = 4
 
 
-def _weight_only(path: str, out: str, nodes: list, bits: int):
-    """MatMul nodes in ``nodes`` to MatMulNBits (see :func:`quantize`), written to ``out``.
+def _weight_only(model, nodes: list, bits: int):
+    """MatMul nodes in ``nodes`` of ``model`` to MatMulNBits (see :func:`quantize`); the new model.
 
     int4 is :mod:`kiln.engines.ort_int4`'s blocks with a float minimum (GGUF's Q4_1,
     exact for weights that came from it); a product it cannot take (input dim not a
     multiple of 32) gets ORT's symmetric int4. The widest product (an LLM's output
     projection, whose errors every token's choice sees) stays int8 in groups of 32, as
     GGUF's Q4 files keep it (Q8_0: exact for weights that came from one)."""
-    import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     from kiln.engines import ort_int4
-    model = onnx.load(path)
     head = _widest(model, nodes) if bits == 4 else None
     rest = [n for n in nodes if n != head]
     if bits == 4:
@@ -85,7 +101,7 @@ def _weight_only(path: str, out: str, nodes: list, bits: int):
                                  nodes_to_exclude=others)
         q.process()
         model = q.model.model
-    onnx.save_model(model, out, save_as_external_data=True, location=os.path.basename(out) + ".data")
+    return model
 
 
 def _widest(model, nodes: list):
@@ -98,14 +114,13 @@ def _widest(model, nodes: list):
     return best[1]
 
 
-def _weight_nodes(path: str) -> list:
+def _weight_nodes(model) -> list:
     """MatMul/Gemm/Conv nodes whose weight is a constant: the ones int8 pays off for.
 
     Products of two activations (attention scores) stay in fp32: quantizing them
     costs accuracy for little speed.
     """
-    import onnx
-    graph = onnx.load(path).graph
+    graph = model.graph
     rank = {i.name: len(i.dims) for i in graph.initializer}
 
     def weight(n):
@@ -116,15 +131,13 @@ def _weight_nodes(path: str) -> list:
     return [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm", "Conv") and weight(n)]
 
 
-def _gemm_to_matmul(path: str, nodes: list) -> list:
+def _gemm_to_matmul(model, nodes: list) -> list:
     """Rewrite plain weight Gemms as MatMul + Add, in place; return the new node names.
 
     ORT's dynamic quantizer handles MatMul but not Gemm, and torch's exporter
     emits Gemm for every linear layer.
     """
-    import onnx
     from onnx import helper, numpy_helper
-    model = onnx.load(path)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     wanted, renamed, new_nodes = set(nodes), [], []
@@ -151,7 +164,6 @@ def _gemm_to_matmul(path: str, nodes: list) -> list:
         renamed.append(n.name)
     del graph.node[:]
     graph.node.extend(new_nodes)
-    onnx.save(model, path)
     return renamed
 
 

@@ -9,6 +9,10 @@ nodes without changing the arithmetic:
   ``mm``, ``view`` back; exported as ``Reshape → MatMul → Reshape``. ``MatMul`` with a 2-D
   right-hand side (and ``MatMulNBits`` after weight-only quantization) takes the 3-D
   activation itself, so both reshapes go.
+* ``transpose``: the exporter writes ``x @ W.T`` as ``MatMul(x, Transpose(W))`` with the
+  weight a constant; the transposed weight is stored instead (what ORT's constant folding
+  would do at session time), so quantizers see a constant weight without ORT's
+  pre-processing pass.
 * ``rms_norm``: transformers' RMSNorm (Llama, Mistral, Qwen2, ...) is written out as
   ``x * rsqrt(mean(x**2) + eps) * weight``, exported as seven ops that ORT's
   ``SimplifiedLayerNormalization`` fusion does not recognise (it expects ``Div``, the
@@ -33,7 +37,8 @@ import collections
 
 def rewrite(model) -> dict:
     """Apply the rewrites to ``model`` (an ``onnx.ModelProto``) in place; counts by name."""
-    counts = {"linear": _linear(model.graph), "rms_norm": _rms_norm(model.graph)}
+    counts = {"transpose": _weight_transposes(model.graph), "linear": _linear(model.graph),
+              "rms_norm": _rms_norm(model.graph)}
     return {k: v for k, v in counts.items() if v}
 
 
@@ -97,6 +102,28 @@ def _constant(attribute):
     if attribute.name in ("value_int", "value_ints", "value_float", "value_floats"):
         return np.array(value)
     return None
+
+
+def _weight_transposes(graph) -> int:
+    """``Transpose(initializer)`` → the transposed initializer, under the node's output name."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    g = _Graph(graph)
+    dead = []
+    for n in graph.node:
+        if n.op_type != "Transpose" or n.input[0] not in g.initializers or n.output[0] in g.outputs:
+            continue
+        value = numpy_helper.to_array(g.initializers[n.input[0]])
+        perm = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "perm"), None)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(np.transpose(value, perm)), n.output[0]))
+        dead.append(n)
+    g.remove(dead)
+    used = {i for n in graph.node for i in n.input} | g.outputs
+    keep = [i for i in graph.initializer if i.name in used]
+    if len(keep) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+    return len(dead)
 
 
 def _linear(graph) -> int:
