@@ -72,12 +72,10 @@ def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
             src = node.args[0]
             placement.on_device[node] = placement.on_device.get(src, False)
 
-    partitioner = CapabilityBasedPartitioner(gm, _Support(placement.on_device),
-                                             allows_single_node_partition=True)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     kept = []
-    for part in partitioner.propose_partitions():
-        nodes = sorted(part.nodes, key=order.__getitem__)
+    for nodes in _proposed(gm, placement):
+        nodes = sorted(nodes, key=order.__getitem__)
         size = sum(1 for n in nodes if is_compute(n))
         if size == 0:
             continue
@@ -92,6 +90,19 @@ def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
     kept.sort(key=lambda nodes: order[nodes[0]])
     placement.partitions = kept
     return placement
+
+
+def _proposed(gm: torch.fx.GraphModule, placement: Placement) -> list:
+    """Groups of device nodes: one group of all of them when every operation is on the
+    device (nothing to keep acyclic around), else torch.fx's capability-based partitioner.
+    The partitioner's cost grows faster than the graph: 7.6 s of a SmolLM2 compile per
+    30-layer graph (~2,600 nodes), all of it spent finding the one partition."""
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if all(n.op == "call_function" and placement.on_device.get(n, False) for n in ops):
+        return [ops] if ops else []
+    partitioner = CapabilityBasedPartitioner(gm, _Support(placement.on_device),
+                                             allows_single_node_partition=True)
+    return [part.nodes for part in partitioner.propose_partitions()]
 
 
 def _normalise(op) -> str:
