@@ -16,8 +16,8 @@ nodes without changing the arithmetic:
 * ``rms_norm``: transformers' RMSNorm (Llama, Mistral, Qwen2, ...) is written out as
   ``x * rsqrt(mean(x**2) + eps) * weight``, exported as seven ops that ORT's
   ``SimplifiedLayerNormalization`` fusion does not recognise (it expects ``Div``, the
-  exporter writes ``Reciprocal``). It becomes one ``SimplifiedLayerNormalization``, which
-  ORT then also folds with the residual add before it (``SkipSimplifiedLayerNormalization``).
+  exporter writes ``Reciprocal``). It becomes one ``SimplifiedLayerNormalization`` (ORT did
+  not go on to fold the residual add into it on SmolLM2's graph).
 
 torch's exporter has an optimizer (onnxscript's rewriter) that does both, and more; but its
 cost grows faster than the graph (42 s of a 65 s compile for SmolLM2's 30-layer decode
