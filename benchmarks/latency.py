@@ -277,6 +277,16 @@ def display_path(path) -> str:
     return path if rel.startswith("..") else rel
 
 
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    """Whether ``url`` answers 200 now (a server's health or readiness endpoint)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def pct(values, q) -> float:
     return float(np.percentile(np.asarray(values), q))
 

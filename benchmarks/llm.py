@@ -202,15 +202,8 @@ def bench_llama_server(binary, path, ids, new, streams, threads, tmp) -> dict | 
                              "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port)],
                             stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        import urllib.request
         deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+        while not latency.http_ok(f"http://127.0.0.1:{port}/health", timeout=2):
             if proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"llama-server did not start; see {log_file.name}")
             time.sleep(0.5)

@@ -138,7 +138,6 @@ class Server:
         self.port = None
 
     def wait_ready(self, timeout=600):
-        import urllib.request
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -148,13 +147,8 @@ class Server:
                     e = json.loads(line)
                     if e.get("event") == "listening":
                         self.port = e["port"]
-            else:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=5) as r:
-                        if r.status == 200:
-                            return
-                except OSError:
-                    pass
+            elif latency.http_ok(f"http://127.0.0.1:{self.port}/v2/health/ready"):
+                return
             time.sleep(0.2)
         raise RuntimeError("server did not become ready")
 

@@ -1,6 +1,7 @@
 """``kiln llm compile | generate | chat`` as a user runs them: subprocesses of the console
 script, text compared with the same generation run in-process."""
 import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,14 @@ def test_compile_a_checkpoint_directory(tiny_llm, tmp_path):
     assert r.returncode == 0 and r.stdout == expected(llm, tok.encode("Hi"), 10) + "\n"
     r = kiln("llm", "compile", tmp_path / "missing", "-o", out)
     assert r.returncode == 2 and "no such file or directory" in r.stderr
+
+
+def test_compile_quantized_reports_a_failed_gate_with_its_numbers(tiny_llm, tmp_path):
+    model, _, _ = tiny_llm
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    r = kiln("llm", "compile", checkpoint, "-o", tmp_path / "q.kiln", "--batch-size", "1", "--context-buckets",
+             "8", "--cache-length", "32", "-O", "1", "--quantize", "int4", "--max-ppl-ratio", "1.0001",
+             "--min-agreement", "1")
+    assert r.returncode != 0 and not (tmp_path / "q.kiln").exists()
+    assert re.search(r"int4 model fails the accuracy gate: perplexity \S+ vs \S+", r.stderr), r.stderr

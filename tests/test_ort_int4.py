@@ -3,6 +3,7 @@
 Weights that are Q4_1 blocks (as a GGUF file's, dequantized by transformers) must come
 back exactly; the compiled product must equal eager up to the kernel's int8 activations."""
 import collections
+import logging
 
 import numpy as np
 import torch
@@ -63,3 +64,22 @@ def test_compiled_product_equals_eager_up_to_int8_activations():
     blob = m._artifact.blobs[m.manifest["partitions"][0]["blob"]]
     ops = collections.Counter(n.op_type for n in graph_of(blob).graph.node)
     assert ops["MatMulNBits"] == 2 and ops["ReduceSum"] == 1, ops
+
+
+def test_importing_ort_quantizer_leaves_the_root_logger_alone():
+    """ORT's matmul_nbits_quantizer runs logging.basicConfig(INFO) on import; through
+    kiln it must not leave a handler on the user's root logger (it printed ~6,000 INFO
+    lines during one int8 LLM compile)."""
+    from tests.conftest import run_py
+    code = """
+import logging
+from kiln.quiet import import_quietly
+import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
+root = logging.getLogger()
+print(len(root.handlers), root.level)
+logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").info("must not print")
+"""
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", str(logging.WARNING)]
+    assert "must not print" not in r.stderr

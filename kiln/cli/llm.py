@@ -26,6 +26,15 @@ def add_parser(sub):
     c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
                    help="kiln's optimisation level (default 2: engines chosen by measurement)")
     c.add_argument("--engine", default=None, help="compile every graph with this engine")
+    c.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="weight-only quantization, held to the LLM accuracy gate (default: none, float32)")
+    c.add_argument("--max-ppl-ratio", type=float, default=None,
+                   help="the gate's most perplexity relative to float32 (default: int8 1.05, int4 1.25)")
+    c.add_argument("--min-agreement", type=float, default=None,
+                   help="the gate's least greedy agreement with float32 (default: int8 0.90, int4 0.75)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="processes compiling graphs side by side (default: one per CPU for models "
+                        "of 20M parameters or more)")
     c.set_defaults(fn=cmd_compile)
 
     for name, helptext in (("generate", "continue a prompt, streaming the text"),
@@ -68,9 +77,17 @@ def cmd_compile(args, console) -> int:
     def progress(name, k, n, seconds):
         print(f"kiln llm: compiled {name} ({k}/{n}) in {seconds:.1f}s", file=sys.stderr, flush=True)
 
-    options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine)) if v is not None}
+    options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
+                                 ("quantize", args.quantize), ("workers", args.workers),
+                                 ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
+               if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
                       tokenizer=tokenizer, on_graph=progress, **options)
+    gate = llm.meta.get("accuracy_gate")
+    if gate:
+        print(f"kiln llm: {args.quantize} accuracy gate passed: perplexity x{gate['ppl_ratio']:.3f} of float32's "
+              f"(limit x{gate['max_ppl_ratio']}), greedy agreement {gate['agreement']:.1%} (limit "
+              f"{gate['min_agreement']:.0%}) over {gate['tokens']} tokens", file=sys.stderr, flush=True)
     llm.save(args.output)
     print(f"kiln llm: wrote {args.output}: {llm!r} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0

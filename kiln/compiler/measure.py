@@ -16,7 +16,9 @@ runs, without serialising the weights first): the eager engine is built only whe
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -58,7 +60,14 @@ def time_runners(runners: dict, inputs, *, warmup=3, rounds=5, block=3, seconds=
     partition (torch's OpenMP threads) at 65-100 ms for its first three calls after
     an ONNX Runtime call on 2 cores. So before its block a runner makes untimed calls
     until one is within ``SETTLED`` of its fastest call so far (at most ``SETTLE_CALLS``).
+
+    Timings on this machine take turns with other kiln processes' (:func:`exclusive`).
     """
+    with exclusive():
+        return _time_runners(runners, inputs, warmup, rounds, block, seconds, min_rounds)
+
+
+def _time_runners(runners, inputs, warmup, rounds, block, seconds, min_rounds) -> dict:
     fastest: dict = {}
     for name, runner in runners.items():
         _settle(runner, inputs, fastest, name, warmup, warmup + SETTLE_CALLS)
@@ -77,6 +86,26 @@ def time_runners(runners: dict, inputs, *, warmup=3, rounds=5, block=3, seconds=
 
 
 SETTLED, SETTLE_CALLS = 1.25, 4
+
+
+@contextlib.contextmanager
+def exclusive():
+    """Hold the machine's measurement lock (a file lock in the temporary directory) while
+    timing: the graphs of one LLM compile in parallel processes (:mod:`kiln.llm.parallel`),
+    and two of them timing builds at once would each see the other's threads as noise
+    in the numbers that choose engines. Where file locks are unavailable, no lock."""
+    try:
+        import fcntl
+        f = open(os.path.join(tempfile.gettempdir(), "kiln-measure.lock"), "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _call_ms(runner, inputs) -> float:
@@ -119,8 +148,9 @@ def compare(runner, eager, inputs, cap: float) -> tuple:
 def probe(runner, inputs) -> float:
     """Median ms of PROBE_CALLS calls once settled: -O3's early look at a build."""
     fastest: dict = {}
-    _settle(runner, inputs, fastest, "build", 2, 2 + SETTLE_CALLS)
-    return statistics.median(_call_ms(runner, inputs) for _ in range(PROBE_CALLS))
+    with exclusive():
+        _settle(runner, inputs, fastest, "build", 2, 2 + SETTLE_CALLS)
+        return statistics.median(_call_ms(runner, inputs) for _ in range(PROBE_CALLS))
 
 
 def eager_runner(sub, threads: int):

@@ -143,6 +143,8 @@ def budget_seconds(opts: CompileOptions) -> float:
 
 def check_supported(opts: CompileOptions):
     """Reject option values that parse but are not implemented yet."""
+    if opts.optlevel not in (1, 2, 3):
+        raise CompilerArgsError(f"optlevel={opts.optlevel!r}: expected 1, 2 or 3 (-O1, -O2, -O3)")
     if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32"):
         raise CompilerArgsError(
             f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs: use bf16, fp16 or fp32")

@@ -20,20 +20,11 @@ from __future__ import annotations
 
 import collections
 
+from kiln.engines.ort_rewrites import GraphIndex
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 
 FUSED = ("Attention", "MultiHeadAttention", "SkipLayerNormalization", "EmbedLayerNormalization",
          "BiasGelu", "FastGelu", "Gelu", "GemmFastGelu", "LayerNormalization")
-
-
-def _index(graph):
-    """(value -> producing node, value -> consuming nodes, graph output names)."""
-    producer = {o: n for n in graph.node for o in n.output}
-    consumers = collections.defaultdict(list)
-    for n in graph.node:
-        for i in n.input:
-            consumers[i].append(n)
-    return producer, consumers, {o.name for o in graph.output}
 
 
 def optimize(path: str, out: str) -> dict:
@@ -72,9 +63,9 @@ def _gemm_3d(model) -> int:
     """
     from onnx import helper, numpy_helper
     graph = model.graph
-    shapes = _shapes(model)
-    inits = {i.name: i for i in graph.initializer}
-    producer, consumers, outputs = _index(graph)
+    index = GraphIndex(graph, shapes=_shapes(model))
+    shapes, inits = index.shapes, index.initializers
+    producer, consumers, outputs = index.producer, index.consumers, index.outputs
     dropped, new_nodes, count = set(), [], 0
     for n in graph.node:
         if n.output and n.output[0] in dropped:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from kiln.quiet import EXPORTER_LOGGERS, quiet
+from kiln.quiet import EXPORTER_LOGGERS, import_quietly, quiet
 
 
 def quantize(model, tmp: str, options, calibration) -> str:
@@ -83,8 +83,8 @@ def _weight_only(model, nodes: list, bits: int):
     multiple of 32) gets ORT's symmetric int4. The widest product (an LLM's output
     projection, whose errors every token's choice sees) stays int8 in groups of 32, as
     GGUF's Q4 files keep it (Q8_0: exact for weights that came from one)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     from kiln.engines import ort_int4
+    quantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
     head = _widest(model, nodes) if bits == 4 else None
     rest = [n for n in nodes if n != head]
     if bits == 4:
@@ -96,7 +96,7 @@ def _weight_only(model, nodes: list, bits: int):
         # nodes_to_include does not exclude: the quantizer also takes every other MatMul
         # with a constant weight (ort_int4's offset products among them) unless told not to
         others = [n.name for n in model.graph.node if n.name not in chosen]
-        q = MatMulNBitsQuantizer(model, bits=group, block_size=width, is_symmetric=True,
+        q = quantizer.MatMulNBitsQuantizer(model, bits=group, block_size=width, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, nodes_to_include=chosen,
                                  nodes_to_exclude=others)
         q.process()

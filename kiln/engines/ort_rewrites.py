@@ -42,10 +42,12 @@ def rewrite(model) -> dict:
     return {k: v for k, v in counts.items() if v}
 
 
-class _Graph:
-    """Producers, consumers, shapes and constants of a graph, and node removal."""
+class GraphIndex:
+    """Producers, consumers, shapes and constants of a graph, and node removal (also what
+    :mod:`kiln.engines.ort_fusions` indexes its graph with). ``shapes``: value name ->
+    static shape when the caller has inferred them, else those the graph records."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, shapes=None):
         from onnx import numpy_helper
         self.graph = graph
         self.producer = {o: n for n in graph.node for o in n.output}
@@ -54,8 +56,8 @@ class _Graph:
             for i in n.input:
                 self.consumers[i].append(n)
         self.outputs = {o.name for o in graph.output}
-        self.shapes = {}
-        for v in list(graph.input) + list(graph.value_info) + list(graph.output):
+        self.shapes = {} if shapes is None else shapes
+        for v in [] if shapes is not None else list(graph.input) + list(graph.value_info) + list(graph.output):
             dims = v.type.tensor_type.shape.dim
             if dims and all(d.HasField("dim_value") for d in dims):
                 self.shapes[v.name] = [d.dim_value for d in dims]
@@ -108,7 +110,7 @@ def _weight_transposes(graph) -> int:
     """``Transpose(initializer)`` → the transposed initializer, under the node's output name."""
     import numpy as np
     from onnx import helper, numpy_helper
-    g = _Graph(graph)
+    g = GraphIndex(graph)
     dead = []
     for n in graph.node:
         if n.op_type != "Transpose" or n.input[0] not in g.initializers or n.output[0] in g.outputs:
@@ -131,7 +133,7 @@ def _linear(graph) -> int:
 
     One flattened activation often feeds several products (query, key and value; gate and
     up): it goes when every one of its users is such a product."""
-    g = _Graph(graph)
+    g = GraphIndex(graph)
     dead, count = [], 0
     for flat in list(graph.node):
         if flat.op_type != "Reshape" or flat.output[0] in g.outputs:
@@ -152,7 +154,7 @@ def _linear(graph) -> int:
     return count
 
 
-def _product_and_back(g: _Graph, n, x_shape):
+def _product_and_back(g: GraphIndex, n, x_shape):
     """(n, the Reshape after it) when ``n`` is a constant-weight product whose result is
     only reshaped back to ``x_shape``'s leading dims."""
     # any 2-D right-hand side (a weight, often ``Transpose(weight)`` before ORT folds it)
@@ -180,7 +182,7 @@ def _rms_norm(graph) -> int:
     """``Mul(W, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps)))))`` →
     ``SimplifiedLayerNormalization(x, W, axis=-1, epsilon=eps)``."""
     from onnx import helper
-    g = _Graph(graph)
+    g = GraphIndex(graph)
     dead, added = [], []
     for scale in list(graph.node):
         match = _match_rms(g, scale)
@@ -197,7 +199,7 @@ def _rms_norm(graph) -> int:
     return len(added)
 
 
-def _match_rms(g: _Graph, scale):
+def _match_rms(g: GraphIndex, scale):
     """(x, weight, eps, the nodes the fused op replaces) when ``scale`` ends an RMSNorm."""
     if scale.op_type != "Mul":
         return None
@@ -219,7 +221,7 @@ def _match_rms(g: _Graph, scale):
     return None
 
 
-def _rsqrt_mean_square(g: _Graph, x, recip):
+def _rsqrt_mean_square(g: GraphIndex, x, recip):
     """(eps, [Pow, ReduceMean, Add, Sqrt, Reciprocal]) when ``recip`` is
     ``1 / sqrt(mean(x ** 2, last axis, keepdims) + eps)``."""
     chain = []

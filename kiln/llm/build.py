@@ -14,21 +14,23 @@ import torch
 
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.llm import gate
+from kiln.llm import gate, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported
 from kiln.runtime.llm import FORMAT, LLM
 
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
-                max_ppl_ratio=None, min_agreement=None, **trace_options) -> LLM:
+                max_ppl_ratio=None, min_agreement=None, workers=None, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
     widths prefill is compiled for (batch 1; a prompt runs in the smallest that fits);
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
     Hugging Face tokenizer stored in the artifact. ``on_graph(name, index, count, seconds)``
-    is called after each graph is compiled (progress for the command line).
+    is called after each graph is compiled (progress for the command line). ``workers``:
+    processes compiling graphs side by side (:mod:`kiln.llm.parallel`; default one per CPU
+    for models of 20M parameters or more, else 1, in this process).
     ``speculation_length=k`` adds the graph speculative decoding verifies ``k`` draft
     tokens with (:mod:`kiln.runtime.speculative`).
     ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
@@ -53,21 +55,24 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
         trace_options.setdefault("quantize_mode", "weight_only")
         # the LLM-level gate below judges accuracy; the per-graph cosine on one example is a floor
         trace_options.setdefault("min_cosine", 0.9)
-    jobs = [(f"prefill {w}", DecoderStep(model, with_cache=False, last_only=True), _prefill_example(w))
-            for w in buckets]
-    jobs += [(f"decode {b}x{cache_length}", DecoderStep(model, with_cache=True, last_only=False),
-              _decode_example(shape, b)) for b in rows]
+    prefill_step, decode_step = {"with_cache": False, "last_only": True}, {"with_cache": True, "last_only": False}
+    jobs = [(f"prefill {w}", prefill_step, _prefill_example(w)) for w in buckets]
+    jobs += [(f"decode {b}x{cache_length}", decode_step, _decode_example(shape, b)) for b in rows]
     if speculation_length:
         if not 1 <= speculation_length < cache_length:
             raise CompilerArgsError(f"speculation_length must be in [1, cache_length); got {speculation_length}")
-        jobs.append((f"verify {speculation_length + 1}", DecoderStep(model, with_cache=True, last_only=False),
+        jobs.append((f"verify {speculation_length + 1}", decode_step,
                      _decode_example(shape, 1, speculation_length + 1)))
-    graphs = []
-    for k, (name, step, example) in enumerate(jobs):
-        started = time.perf_counter()
-        graphs.append(trace(step.eval(), example, **trace_options))
-        if on_graph is not None:
-            on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
+    workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
+    if workers > 1:
+        graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph)
+    else:
+        graphs = []
+        for k, (name, step_kwargs, example) in enumerate(jobs):
+            started = time.perf_counter()
+            graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options))
+            if on_graph is not None:
+                on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
     prefill = dict(zip(buckets, graphs[:len(buckets)]))
     decode = dict(zip(rows, graphs[len(buckets):len(buckets) + len(rows)]))
     verify = graphs[-1] if speculation_length else None

@@ -1,0 +1,47 @@
+"""An LLM's graphs compiled in worker processes (kiln.llm.parallel): the same answers as
+compiling in this process, a worker's error raised here with its type and message, and
+the measurement lock that keeps parallel workers from timing builds at once."""
+import fcntl
+import os
+import tempfile
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.compiler import measure  # noqa: E402
+from kiln.errors import CompilerArgsError  # noqa: E402
+from kiln.llm import parallel  # noqa: E402
+from kiln.llm.build import compile_llm  # noqa: E402
+from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model  # noqa: E402
+
+
+def test_graphs_compiled_in_workers_generate_hugging_face_tokens():
+    model = _model("llama")
+    seen = []
+    llm = compile_llm(model, batch_size=1, context_buckets=(8,), cache_length=32, optlevel=1, workers=2,
+                      on_graph=lambda name, k, n, s: seen.append((name, k, n)))
+    assert sorted(name for name, _, _ in seen) == ["decode 1x32", "prefill 8"]
+    assert [(k, n) for _, k, n in seen] == [(1, 2), (2, 2)]     # in order of completion
+    assert sorted(llm.prefill) == [8] and sorted(llm.decode) == [1]
+    assert llm.generate(PROMPTS[:1], 10, stop_at_eos=False) == [_hf_greedy(model, PROMPTS[0], 10)]
+
+
+def test_a_workers_error_is_raised_with_its_type_and_message():
+    with pytest.raises(CompilerArgsError, match=r"(prefill|decode) \S+ graph: .*optlevel"):
+        compile_llm(_model("llama"), batch_size=2, context_buckets=(4,), cache_length=16, optlevel=7, workers=2)
+
+
+def test_small_models_compile_in_this_process():
+    assert parallel.default_workers(_model("llama"), 4) == 1         # spawning costs more than it saves
+
+
+def test_timings_hold_the_machine_wide_measurement_lock():
+    path = os.path.join(tempfile.gettempdir(), "kiln-measure.lock")
+    with measure.exclusive():
+        with open(path, "a") as other:             # another open file: what another process sees
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)       # released afterwards
+        fcntl.flock(other, fcntl.LOCK_UN)
