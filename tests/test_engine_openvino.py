@@ -212,3 +212,29 @@ def test_corrupt_blob_header_is_an_artifact_error():
     from kiln.runtime.options import RuntimeOptions
     with pytest.raises(kiln.ArtifactError, match="bad magic"):
         engines.get("openvino").load(b"not an openvino blob", RuntimeOptions())
+
+
+def test_loading_from_a_file_maps_the_weights_privately(mlp_ov, tmp_path):
+    """A compiled blob loaded from an artifact file is imported from a private,
+    copy-on-write mapping of its pages (OpenVINO keeps weights where they lie instead of
+    copying them); the answers are the same, and no write through it reaches the file."""
+    import mmap
+
+    from kiln.artifact.container import Artifact
+    from kiln.engines import openvino as ov_engine
+    model, x, compiled = mlp_ov
+    path = tmp_path / "mlp.kiln"
+    compiled.save(path)
+    assert_close(kiln.load(path)(x), model(x).detach(), atol=ATOL, rtol=RTOL)
+    art = Artifact.load(path)
+    name = next(n for n in art.blobs if n.endswith(".ovblob"))
+    before = path.read_bytes()
+    mapped = ov_engine._private_mapping(art.origin(name), len(art.blobs[name]))
+    assert isinstance(mapped, mmap.mmap) and mapped[:] == bytes(art.blobs[name])
+    mapped[0] ^= 0xFF                                    # copy-on-write: this process's page only
+    assert path.read_bytes() == before
+    mapped.close()
+    # a file replaced since the artifact was read (another inode) is not mapped
+    path.with_suffix(".new").write_bytes(before)
+    path.with_suffix(".new").replace(path)
+    assert ov_engine._private_mapping(art.origin(name), len(art.blobs[name])) is None

@@ -154,6 +154,7 @@ class OpenVinoEngine(Engine):
         config = _config(header["precision"],
                          INFERENCE_NUM_THREADS=str(runtime_options.resolved_threads()))
         core = _core()
+        mapped = None
         if header["kind"] == "ir":
             xml = bytes(payload[:header["xml"]])
             weights = ov.Tensor(np.frombuffer(payload[header["xml"]:], dtype=np.uint8))
@@ -164,12 +165,17 @@ class OpenVinoEngine(Engine):
                     f"an OpenVINO partition was compiled by OpenVINO {header['openvino']}, this is "
                     f"{self.version()}; compiled OpenVINO models load only in the version that "
                     "made them: recompile, or compile with --target generic")
-            # One copy, into a tensor OpenVINO owns; importing from it copies no further.
-            compiled = core.import_model(ov.Tensor(np.frombuffer(payload, dtype=np.uint8)), "CPU", config)
+            mapped = _private_mapping(origin, len(blob))
+            if mapped is not None:
+                start = len(blob) - len(payload)
+                tensor = ov.Tensor(np.frombuffer(mapped, dtype=np.uint8, offset=start), shared_memory=True)
+            else:   # no file (a fresh compile, bytes): one copy, into a tensor OpenVINO owns
+                tensor = ov.Tensor(np.frombuffer(payload, dtype=np.uint8))
+            compiled = core.import_model(tensor, "CPU", config)
         if (len(compiled.inputs), len(compiled.outputs)) != (header["inputs"], header["outputs"]):
             raise ArtifactError("OpenVINO blob does not match its header "
                                 f"({len(compiled.inputs)} inputs, {len(compiled.outputs)} outputs)")
-        return OvRunner(compiled)
+        return OvRunner(compiled, mapped)
 
 
 # -- op support -------------------------------------------------------------------
@@ -411,6 +417,29 @@ def _pack(header: dict) -> bytes:
     return _MAGIC + struct.pack("<I", len(raw)) + raw
 
 
+def _private_mapping(origin, length):
+    """The blob's bytes mapped again from its file, privately and copy-on-write, or None.
+
+    Importing a compiled model from memory OpenVINO may share (``shared_memory=True``)
+    lets it keep the weights where they lie instead of copying them into its heap; it
+    takes only writable memory, and the artifact's own mapping is read-only (engines must
+    not change a blob). A private mapping is writable without any write reaching the file.
+    SmolLM2-135M in float32 (three graphs): load 2.8-4.7 s and 3.7 GB of anonymous memory
+    with a copy, 2.0 s and 2.0 GB mapped. The file is the one the artifact verified
+    (``origin``: same device and inode, which kiln's writes by rename never reuse)."""
+    import mmap
+    if origin is None or length == 0:
+        return None
+    try:
+        with open(origin.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != (origin.dev, origin.ino):
+                return None
+            return mmap.mmap(f.fileno(), length, access=mmap.ACCESS_COPY, offset=origin.offset)
+    except (OSError, ValueError):
+        return None
+
+
 def _unpack(blob) -> tuple[dict, memoryview]:
     view = memoryview(blob)
     start = len(_MAGIC) + 4
@@ -436,9 +465,10 @@ class OvRunner:
     in Python-side dispatch.
     """
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, mapping=None):
         import openvino as ov
         self.compiled = compiled
+        self._mapping = mapping     # the artifact's pages OpenVINO reads the weights from
         self._tensor = ov.Tensor
         self._num_outputs = len(compiled.outputs)
         self._int64 = [i for i, p in enumerate(compiled.inputs) if p.get_element_type() == ov.Type.i64]
