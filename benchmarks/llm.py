@@ -8,9 +8,13 @@ Rows (each where installed):
 * ``kiln-fp32``    ``compile_llm`` at the default level (engines chosen by measurement),
                    loaded from its artifact; single stream through the scheduler
 * ``kiln-int8``,   the same with weight-only quantization (ONNX Runtime's MatMulNBits:
-  ``kiln-int4``    int8 in groups of 128, int4 in groups of 32), past the accuracy gate
+  ``kiln-int4``    int8 in groups of 128; int4 as GGUF's Q4_1 blocks of 32, exact for this
+                   file's weights), past the accuracy gate
 * ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (the ``llm-bench`` extra,
                    ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
+* ``llama-server`` llama.cpp's own server on the same file with ``-np 8`` parallel slots,
+                   the concurrent peer (``--llama-server PATH``, default the one on PATH;
+                   built from llama-cpp-python's vendored source with the web UI off)
 
 Measures, for a 128-token prompt and 128 generated tokens (``--prompt``, ``--new``):
 time to first token (prefill + first token), single-stream decode tokens/s (tokens after
