@@ -26,6 +26,9 @@ def add_parser(sub):
     c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
                    help="kiln's optimisation level (default 2: engines chosen by measurement)")
     c.add_argument("--engine", default=None, help="compile every graph with this engine")
+    c.add_argument("--prefill-chunk", type=int, default=None,
+                   help="also compile a chunk graph of this many tokens: long prompts are prefilled a "
+                        "chunk per step between decode steps, and may exceed the largest context bucket")
     c.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="weight-only quantization, held to the LLM accuracy gate (default: none, float32)")
     c.add_argument("--max-ppl-ratio", type=float, default=None,
@@ -79,6 +82,7 @@ def cmd_compile(args, console) -> int:
 
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
                                  ("quantize", args.quantize), ("workers", args.workers),
+                                 ("prefill_chunk", args.prefill_chunk),
                                  ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
                if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,

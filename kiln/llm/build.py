@@ -21,7 +21,8 @@ from kiln.runtime.llm import FORMAT, LLM
 
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
-                max_ppl_ratio=None, min_agreement=None, workers=None, **trace_options) -> LLM:
+                max_ppl_ratio=None, min_agreement=None, workers=None, prefill_chunk=None,
+                **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
@@ -32,7 +33,10 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     processes compiling graphs side by side (:mod:`kiln.llm.parallel`; default one per CPU
     for models of 20M parameters or more, else 1, in this process).
     ``speculation_length=k`` adds the graph speculative decoding verifies ``k`` draft
-    tokens with (:mod:`kiln.runtime.speculative`).
+    tokens with (:mod:`kiln.runtime.speculative`). ``prefill_chunk=c`` adds a graph that
+    prefills ``c`` prompt tokens of one row against its cache: the scheduler then prefills
+    long prompts a chunk per step between decode steps, and prompts longer than the
+    largest context bucket run (up to the cache).
     ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
     implied for LLMs) must pass :mod:`kiln.llm.gate`, perplexity within ``max_ppl_ratio``
     of float32's and greedy agreement of at least ``min_agreement`` (defaults per mode in
@@ -63,6 +67,10 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             raise CompilerArgsError(f"speculation_length must be in [1, cache_length); got {speculation_length}")
         jobs.append((f"verify {speculation_length + 1}", decode_step,
                      _decode_example(shape, 1, speculation_length + 1)))
+    if prefill_chunk:
+        if not 1 <= prefill_chunk < cache_length:
+            raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
+        jobs.append((f"chunk {prefill_chunk}", decode_step, _decode_example(shape, 1, prefill_chunk)))
     workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
     if workers > 1:
         graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph)
@@ -75,13 +83,16 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
                 on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
     prefill = dict(zip(buckets, graphs[:len(buckets)]))
     decode = dict(zip(rows, graphs[len(buckets):len(buckets) + len(rows)]))
-    verify = graphs[-1] if speculation_length else None
+    extra = graphs[len(buckets) + len(rows):]
+    verify = extra.pop(0) if speculation_length else None
+    chunk = extra.pop(0) if prefill_chunk else None
     eos = model.generation_config.eos_token_id
     meta = {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
             "context_buckets": buckets, "speculation_length": speculation_length,
+            "prefill_chunk": prefill_chunk or None,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
-    llm = LLM(prefill, decode, meta, _tokenizer_files(tokenizer), verify=verify)
+    llm = LLM(prefill, decode, meta, _tokenizer_files(tokenizer), verify=verify, chunk=chunk)
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm

@@ -54,6 +54,11 @@ class KVCache:
         """``[B, S_max]`` bool: the positions each sequence may attend to."""
         return torch.arange(self.capacity).unsqueeze(0) < self.lengths.unsqueeze(1)
 
+    def row_inputs(self, slot: int) -> list:
+        """One row's cache inputs (views): a chunk of a prompt prefilled against its cache."""
+        return ([k[slot:slot + 1] for k in self.k] + [v[slot:slot + 1] for v in self.v]
+                + [self.valid()[slot:slot + 1]])
+
     def inputs(self, rows: int) -> list:
         """A decode step's cache inputs for the first ``rows`` rows: views, not copies."""
         return [k[:rows] for k in self.k] + [v[:rows] for v in self.v] + [self.valid()[:rows]]

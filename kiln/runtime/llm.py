@@ -3,7 +3,8 @@ metadata, loaded from one ``.kiln`` artifact (kind ``llm``) without the model's 
 
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
 context bucket, ``decode/<rows>.kiln`` for each decode batch size, ``verify/<k+1>.kiln``
-when compiled for speculative decoding) and, when it was compiled with one, the
+when compiled for speculative decoding, ``chunk/<width>.kiln`` for chunked prefill) and,
+when it was compiled with one, the
 tokenizer's files (``tokenizer/<name>``). The manifest's ``llm``
 entry says what the graphs were built for: ``format`` (2: prefill for one prompt, the
 cache one input per layer), ``batch_size`` (requests generating at once),
@@ -11,6 +12,9 @@ cache one input per layer), ``batch_size`` (requests generating at once),
 end-of-sequence ids. Generation runs :mod:`kiln.runtime.scheduler` over the graphs.
 """
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
@@ -28,16 +32,19 @@ class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
 
     def __init__(self, prefill: dict, decode: dict, meta: dict, tokenizer_files: dict, manifest: dict | None = None,
-                 verify=None):
+                 verify=None, chunk=None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
         self.decode = dict(sorted(decode.items()))       # rows -> compiled model
         self.verify = verify                             # speculative decoding's check (or None)
+        self.chunk = chunk                               # chunked prefill's step (or None)
         self.meta = meta
         self.tokenizer_files = tokenizer_files
         graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
                   "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}}
         if verify is not None:
             graphs["verify"] = f"verify/{meta['speculation_length'] + 1}.kiln"
+        if chunk is not None:
+            graphs["chunk"] = f"chunk/{meta['prefill_chunk']}.kiln"
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
 
@@ -60,7 +67,10 @@ class LLM:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
         graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
         return Scheduler(self.prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
-                         **options)
+                         chunk=self._chunk(), **options)
+
+    def _chunk(self):
+        return None if self.chunk is None else (self.meta["prefill_chunk"], self.chunk)
 
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
         """The continuation of each prompt (a list of token ids): greedy, or sampled per
@@ -108,13 +118,15 @@ class LLM:
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         return generate(self.prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
-                        params=params, eos_token_ids=eos, max_context=self.max_context)
+                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk())
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
         blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
         if self.verify is not None:
             blobs[self.manifest["graphs"]["verify"]] = self.verify.to_bytes()
+        if self.chunk is not None:
+            blobs[self.manifest["graphs"]["chunk"]] = self.chunk.to_bytes()
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         return Artifact(self.manifest, blobs).to_bytes()
 
@@ -142,12 +154,19 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"{source}: this LLM artifact's graphs have another layout (format "
                             f"{meta.get('format', 1)}; this kiln runs format {FORMAT}): compile it again")
-    prefill = {int(w): nested(name) for w, name in graphs.get("prefill", {}).items()}
-    if not prefill:
+    if not graphs.get("prefill"):
         raise ArtifactError(f"{source}: the LLM artifact has no prefill graph")
+    names = [("prefill", int(w), name) for w, name in graphs["prefill"].items()]
+    names += [("decode", int(b), name) for b, name in graphs["decode"].items()]
+    names += [(kind, 0, graphs[kind]) for kind in ("verify", "chunk") if kind in graphs]
+    loaded = {"prefill": {}, "decode": {}, "verify": {}, "chunk": {}}
+    # The graphs load side by side: engines build their sessions in native code that lets
+    # go of the GIL (SmolLM2 fp32, three OpenVINO graphs: 2.0 s one after another).
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        for (kind, key, _), model in zip(names, pool.map(lambda entry: nested(entry[2]), names)):
+            loaded[kind][key] = model
     tokenizer = {name[len("tokenizer/"):]: bytes(data) for name, data in art.blobs.items()
                  if name.startswith("tokenizer/")}
-    decode = {int(b): nested(name) for b, name in graphs["decode"].items()}
-    verify = nested(graphs["verify"]) if "verify" in graphs else None
-    return LLM(prefill, decode, meta, tokenizer, art.manifest, verify)
+    return LLM(loaded["prefill"], loaded["decode"], meta, tokenizer, art.manifest, loaded["verify"].get(0),
+               loaded["chunk"].get(0))
 

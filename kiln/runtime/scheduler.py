@@ -15,9 +15,14 @@ stream alone does not pay for ``B`` rows. One :meth:`Scheduler.step`:
    written into its slot, its first token chosen. While other requests are decoding,
    at most ``prefills_per_step`` are admitted per step, so a burst of new prompts
    delays the running streams by one prefill each, not by all of them;
+   with *chunked prefill* (a chunk graph: ``width`` new tokens of one row against its
+   cache), only the prompt's first ``width`` tokens go through the prefill graph and the
+   rest one chunk per step, so a long prompt delays the running streams by a chunk at a
+   time, and prompts longer than the largest context bucket run (up to the cache);
 3. runs one decode step for every occupied slot at once (rows of the graph beyond them
-   get an empty cache and attend only to themselves, so they cannot produce NaN), and
-   appends each request's next token.
+   get an empty cache and attend only to themselves, so they cannot produce NaN; a row
+   still prefilling rides along and its output is dropped), and appends each request's
+   next token.
 
 Why a request's tokens are exactly those it gets alone: every row of both graphs is a
 function of its own inputs only. Attention is masked per row (its own valid slots),
@@ -64,6 +69,7 @@ class Request:
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     token_times: list = field(default_factory=list)
+    prefilled: int = 0                     # prompt tokens whose keys and values are in the cache
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]
@@ -73,6 +79,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is still to go through the chunk graph (chunked prefill)."""
+        return self.prefilled < len(self.prompt)
 
     def history(self):
         """``[1, N]`` ids seen so far, for the repetition penalty (None when it is off)."""
@@ -90,8 +101,9 @@ class Scheduler:
     ``[L, B, H_kv, S, D]``."""
 
     def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
-                 prefills_per_step: int = 1, max_context: int | None = None):
+                 prefills_per_step: int = 1, max_context: int | None = None, chunk=None):
         self.prefill_for = prefill_for
+        self.chunk = chunk            # (width, step) for chunked prefill, or None
         self.decode = dict(sorted(decode.items())) if isinstance(decode, dict) else {cache_shape[1]: decode}
         if max(self.decode) != cache_shape[1]:
             raise ValueError(f"the largest decode graph has {max(self.decode)} rows; the cache has {cache_shape[1]}")
@@ -106,6 +118,7 @@ class Scheduler:
         self.steps = 0
         self.rows_run: dict = {}      # decode graph rows -> steps run with it
         self.moves = 0                # requests moved to a lower slot
+        self.prefill_chunks = 0       # chunks run by chunked prefill
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: Request):
@@ -113,9 +126,10 @@ class Scheduler:
         n = len(request.prompt)
         if n == 0:
             raise InputError("the prompt needs at least one token")
-        if self.max_context is not None and n > self.max_context:
+        if self.max_context is not None and n > self.max_context and self.chunk is None:
             raise InputError(f"a prompt of {n} tokens is longer than the largest context bucket "
-                             f"({self.max_context}); compile with a larger context bucket")
+                             f"({self.max_context}); compile with a larger context bucket, or with "
+                             "prefill_chunk= to prefill long prompts in pieces")
         if request.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1; got {request.max_new_tokens}")
         if n + request.max_new_tokens > self.cache.capacity:
@@ -164,7 +178,8 @@ class Scheduler:
         self._drop_cancelled()
         self._compact()
         self._admit()
-        if any(r is not None for r in self.slots):
+        self._continue_prefills()
+        if any(r is not None and not r.prefilling for r in self.slots):
             self._decode()
         self.steps += 1
 
@@ -202,8 +217,10 @@ class Scheduler:
             self._prefill(free[0], request)
 
     def _prefill(self, slot: int, request: Request):
-        n = len(request.prompt)
-        ids = torch.tensor([request.prompt])
+        """The prompt through a prefill graph; with chunked prefill, its first chunk only
+        (the rest goes one chunk per step, :meth:`_continue_prefills`)."""
+        n = len(request.prompt) if self.chunk is None else min(len(request.prompt), self.chunk[0])
+        ids = torch.tensor([request.prompt[:n]])
         try:
             with torch.no_grad():
                 logits, new_k, new_v = self.prefill_for(n)(ids, torch.arange(n).unsqueeze(0), torch.tensor([n - 1]))
@@ -213,13 +230,51 @@ class Scheduler:
             return
         self.cache.reset(slot)
         self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n])
-        self.slots[slot] = request
-        self._append(slot, request, logits[0, -1:])
+        self.slots[slot], request.prefilled = request, n
+        if not request.prefilling:
+            self._append(slot, request, logits[0, -1:])
+
+    def _continue_prefills(self):
+        """Chunked prefill: the next chunk of a prompt still prefilling, for up to
+        ``prefills_per_step`` chunks while other requests decode (each chunk delays them by
+        one chunk, not by the whole prompt), for all of them when none does."""
+        if self.chunk is None:
+            return
+        budget = self.prefills_per_step if any(r is not None and not r.prefilling for r in self.slots) else None
+        done = 0
+        while budget is None or done < budget:
+            pending = [(s, r) for s, r in enumerate(self.slots) if r is not None and r.prefilling]
+            if not pending:
+                return
+            self._prefill_chunk(*pending[0])
+            done += 1
+
+    def _prefill_chunk(self, slot: int, request: Request):
+        """``width`` prompt tokens through the chunk graph against the row's cache; the last
+        chunk is padded on the right, after every real token, so no real token sees it."""
+        width, step = self.chunk
+        start = request.prefilled
+        real = min(width, len(request.prompt) - start)
+        ids = torch.tensor([request.prompt[start:start + real] + [0] * (width - real)])
+        try:
+            with torch.no_grad():
+                logits, new_k, new_v = step(ids, torch.arange(start, start + width).unsqueeze(0),
+                                            *self.cache.row_inputs(slot))
+        except Exception as e:  # noqa: BLE001 - this request's failure is its own
+            request.error = e
+            self._free(slot, "error")
+            return
+        self.cache.write_slot(slot, new_k[:, 0, :, :real], new_v[:, 0, :, :real])
+        request.prefilled += real
+        self.prefill_chunks += 1
+        if not request.prefilling:
+            self._append(slot, request, logits[0, real - 1:real])
 
     def _decode(self):
         used = max(s for s, r in enumerate(self.slots) if r is not None) + 1
         rows = next(b for b in self.decode if b >= used)
-        running = [(slot, r) for slot, r in enumerate(self.slots[:rows]) if r is not None]
+        # a row still prefilling rides along: its token and new keys are ignored
+        running = [(slot, r) for slot, r in enumerate(self.slots[:rows]) if r is not None and not r.prefilling]
         tokens = torch.zeros(rows, 1, dtype=torch.int64)
         for slot, r in running:
             tokens[slot, 0] = r.tokens[-1]
@@ -289,13 +344,13 @@ class Scheduler:
 
 
 def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape, *, params=None,
-             eos_token_ids=(), max_context=None) -> list:
+             eos_token_ids=(), max_context=None, chunk=None) -> list:
     """The new tokens of each prompt, every prompt a request through one :class:`Scheduler`
     run on the caller's thread. ``prefill``: a step callable for any width (the eager
     module), or ``prefill_for(width)`` when ``max_context`` is given (compiled buckets);
     ``decode``: as for :class:`Scheduler`."""
     prefill_for = prefill if max_context is not None else (lambda width: prefill)
-    scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context)
+    scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context, chunk=chunk)
     params = params or sampling.SamplingParams()
     requests = [Request(p, max_new_tokens, params, eos_token_ids) for p in prompts]
     for r in requests:
