@@ -57,3 +57,25 @@ def test_the_cache_still_bounds_a_chunked_prompt(chunked):
         llm.generate([list(range(1, 30))], 4)
     with pytest.raises(CompilerArgsError, match="prefill_chunk must be in"):
         compile_llm(_model("llama"), context_buckets=(4,), cache_length=32, prefill_chunk=32)
+
+
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15]          # a shared "system prompt": two chunks and a token
+
+
+def test_a_shared_prompt_prefix_is_reused_not_prefilled_again(chunked):
+    model, llm = chunked
+    sched = llm.scheduler()
+    first = sched.add(Request(SHARED + [40, 41], 5))
+    sched.run()                                      # finished: its row still holds the prefix
+    later = sched.add(Request(SHARED + [50, 51, 52], 5))
+    sched.step()
+    assert sched.reused_positions == len(SHARED)     # the whole shared prefix; the rest by chunks
+    running = sched.add(Request(SHARED + [60], 5))   # reuses the running request's row
+    sched.run()
+    assert sched.reused_positions == 2 * len(SHARED)
+    for r in (first, later, running):
+        assert r.tokens == _hf_greedy(model, r.prompt, 5), r.prompt
+    off = llm.scheduler(prefix_reuse=False)
+    again = off.add(Request(SHARED + [50, 51, 52], 5))
+    off.run()
+    assert off.reused_positions == 0 and again.tokens == later.tokens

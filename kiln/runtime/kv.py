@@ -24,13 +24,17 @@ class KVCache:
         self.keys, self.values = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.lengths = torch.zeros(shape[1], dtype=torch.int64)
+        # the token at each position of each row, where known: what a freed row still
+        # holds (its values stay until overwritten), for prefix reuse
+        self.held: list = [[] for _ in range(shape[1])]
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    def write_slot(self, slot: int, new_k, new_v):
-        """Append ``[L, H_kv, n, D]`` new keys and values after row ``slot``'s current length."""
+    def write_slot(self, slot: int, new_k, new_v, tokens=None):
+        """Append ``[L, H_kv, n, D]`` new keys and values after row ``slot``'s current length;
+        ``tokens``: the ``n`` token ids they belong to, when the caller knows them."""
         start, n = int(self.lengths[slot]), new_k.shape[2]
         if start + n > self.capacity:
             raise ValueError(f"sequence {slot} needs {start + n} cache positions; the cache holds "
@@ -38,6 +42,28 @@ class KVCache:
         self.keys[:, slot, :, start:start + n] = new_k
         self.values[:, slot, :, start:start + n] = new_v
         self.lengths[slot] += n
+        self.held[slot] = self.held[slot][:start] + (list(tokens) if tokens is not None else [None] * n)
+
+    def longest_prefix(self, prompt: list) -> tuple:
+        """``(row, n)``: the row holding the longest prefix of ``prompt`` (its keys and
+        values at positions ``0..n-1``, freed rows included), ``n`` 0 when none does."""
+        best = (0, 0)
+        for row, held in enumerate(self.held):
+            n = 0
+            for a, b in zip(held, prompt):
+                if a is None or a != b:
+                    break
+                n += 1
+            best = max(best, (n, -row))
+        return -best[1], best[0]
+
+    def copy_prefix(self, src: int, dst: int, n: int):
+        """Row ``dst`` starts as row ``src``'s first ``n`` positions (a shared prompt prefix)."""
+        if src != dst:
+            self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
+            self.values[:, dst, :, :n] = self.values[:, src, :, :n]
+        self.lengths[dst] = n
+        self.held[dst] = self.held[src][:n]
 
     def move(self, src: int, dst: int):
         """Move row ``src``'s sequence to row ``dst`` (its valid positions only)."""
@@ -45,6 +71,7 @@ class KVCache:
         self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
         self.values[:, dst, :, :n] = self.values[:, src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
+        self.held[dst] = self.held[src][:n]
 
     def reset(self, slot: int):
         """Free a row: its length is 0, so nothing in it is attended to (the values stay)."""

@@ -18,7 +18,11 @@ stream alone does not pay for ``B`` rows. One :meth:`Scheduler.step`:
    with *chunked prefill* (a chunk graph: ``width`` new tokens of one row against its
    cache), only the prompt's first ``width`` tokens go through the prefill graph and the
    rest one chunk per step, so a long prompt delays the running streams by a chunk at a
-   time, and prompts longer than the largest context bucket run (up to the cache);
+   time, and prompts longer than the largest context bucket run (up to the cache). With a
+   chunk graph, a prompt that shares a prefix of at least one chunk with what a row of
+   the cache holds (a running request, or a finished one whose row is not yet
+   overwritten: a shared system prompt) starts from a copy of those positions
+   (*prefix reuse*; ``prefix_reuse=False`` turns it off);
 3. runs one decode step for every occupied slot at once (rows of the graph beyond them
    get an empty cache and attend only to themselves, so they cannot produce NaN; a row
    still prefilling rides along and its output is dropped), and appends each request's
@@ -29,7 +33,11 @@ function of its own inputs only. Attention is masked per row (its own valid slot
 and a matrix product reduces each row of its left operand on its own, in the same
 order whatever the other rows hold. Sampling draws from the request's own generator.
 ``tests/test_llm_scheduler.py`` checks token equality for concurrent requests of
-different lengths against each one run alone.
+different lengths against each one run alone. The exception is prefix reuse: the shared
+positions' keys were computed by another request's graph call, whose shape (context
+bucket, chunk) may differ from the one this request would have used, so they can differ
+in the last bits, as a prompt padded into another context bucket does;
+``tests/test_llm_chunked.py`` checks Hugging Face's greedy tokens with reuse.
 
 The memory budget is the cache: ``B`` slots of ``S`` positions. A request whose prompt
 plus ``max_new_tokens`` does not fit in a slot is refused when added
@@ -101,9 +109,11 @@ class Scheduler:
     ``[L, B, H_kv, S, D]``."""
 
     def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
-                 prefills_per_step: int = 1, max_context: int | None = None, chunk=None):
+                 prefills_per_step: int = 1, max_context: int | None = None, chunk=None,
+                 prefix_reuse: bool = True):
         self.prefill_for = prefill_for
         self.chunk = chunk            # (width, step) for chunked prefill, or None
+        self.prefix_reuse = prefix_reuse and chunk is not None
         self.decode = dict(sorted(decode.items())) if isinstance(decode, dict) else {cache_shape[1]: decode}
         if max(self.decode) != cache_shape[1]:
             raise ValueError(f"the largest decode graph has {max(self.decode)} rows; the cache has {cache_shape[1]}")
@@ -119,6 +129,7 @@ class Scheduler:
         self.rows_run: dict = {}      # decode graph rows -> steps run with it
         self.moves = 0                # requests moved to a lower slot
         self.prefill_chunks = 0       # chunks run by chunked prefill
+        self.reused_positions = 0     # prompt positions copied from a shared prefix
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: Request):
@@ -219,6 +230,8 @@ class Scheduler:
     def _prefill(self, slot: int, request: Request):
         """The prompt through a prefill graph; with chunked prefill, its first chunk only
         (the rest goes one chunk per step, :meth:`_continue_prefills`)."""
+        if self.prefix_reuse and self._reuse_prefix(slot, request):
+            return
         n = len(request.prompt) if self.chunk is None else min(len(request.prompt), self.chunk[0])
         ids = torch.tensor([request.prompt[:n]])
         try:
@@ -229,10 +242,24 @@ class Scheduler:
             self._finish(request, "error")
             return
         self.cache.reset(slot)
-        self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n])
+        self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
         self.slots[slot], request.prefilled = request, n
         if not request.prefilling:
             self._append(slot, request, logits[0, -1:])
+
+    def _reuse_prefix(self, slot: int, request: Request) -> bool:
+        """Start ``request`` from the longest prefix of its prompt some row of the cache holds
+        (a running request's, or a finished one's whose row is not yet overwritten), when
+        that saves at least one chunk; the rest is prefilled by chunks. Its first token
+        needs its last prompt token's logits, so that token is always computed."""
+        row, n = self.cache.longest_prefix(request.prompt)
+        n = min(n, len(request.prompt) - 1)
+        if n < self.chunk[0]:
+            return False
+        self.cache.copy_prefix(row, slot, n)
+        self.slots[slot], request.prefilled = request, n
+        self.reused_positions += n
+        return True
 
     def _continue_prefills(self):
         """Chunked prefill: the next chunk of a prompt still prefilling, for up to
@@ -264,7 +291,7 @@ class Scheduler:
             request.error = e
             self._free(slot, "error")
             return
-        self.cache.write_slot(slot, new_k[:, 0, :, :real], new_v[:, 0, :, :real])
+        self.cache.write_slot(slot, new_k[:, 0, :, :real], new_v[:, 0, :, :real], request.prompt[start:start + real])
         request.prefilled += real
         self.prefill_chunks += 1
         if not request.prefilling:
@@ -288,7 +315,7 @@ class Scheduler:
                 self._free(slot, "error")
             return
         for slot, r in running:
-            self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1])
+            self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1], r.tokens[-1:])
             self._append(slot, r, logits[slot, -1:])
         self.rows_run[rows] = self.rows_run.get(rows, 0) + 1
 
