@@ -221,7 +221,6 @@ def test_loading_from_a_file_maps_the_weights_privately(mlp_ov, tmp_path):
     import mmap
 
     from kiln.artifact.container import Artifact
-    from kiln.engines import openvino as ov_engine
     model, x, compiled = mlp_ov
     path = tmp_path / "mlp.kiln"
     compiled.save(path)
@@ -229,7 +228,7 @@ def test_loading_from_a_file_maps_the_weights_privately(mlp_ov, tmp_path):
     art = Artifact.load(path)
     name = next(n for n in art.blobs if n.endswith(".ovblob"))
     before = path.read_bytes()
-    mapped = ov_engine._private_mapping(art.origin(name), len(art.blobs[name]))
+    mapped = art.origin(name).map_private(len(art.blobs[name]))
     assert isinstance(mapped, mmap.mmap) and mapped[:] == bytes(art.blobs[name])
     mapped[0] ^= 0xFF                                    # copy-on-write: this process's page only
     assert path.read_bytes() == before
@@ -237,4 +236,4 @@ def test_loading_from_a_file_maps_the_weights_privately(mlp_ov, tmp_path):
     # a file replaced since the artifact was read (another inode) is not mapped
     path.with_suffix(".new").write_bytes(before)
     path.with_suffix(".new").replace(path)
-    assert ov_engine._private_mapping(art.origin(name), len(art.blobs[name])) is None
+    assert art.origin(name).map_private(len(art.blobs[name])) is None

@@ -69,6 +69,21 @@ class Origin:
             return False
         return (st.st_dev, st.st_ino) == (self.dev, self.ino)
 
+    def map_private(self, length: int):
+        """The blob's ``length`` bytes mapped again from this file, privately and
+        copy-on-write (writable, and no write reaches the file), or None when the path no
+        longer names the file the artifact was read from (kiln writes by rename, so the
+        same device and inode mean the same bytes). For engines that import from memory
+        they may keep but only take writable (OpenVINO's shared tensors)."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != (self.dev, self.ino) or length <= 0:
+                    return None
+                return mmap.mmap(f.fileno(), length, access=mmap.ACCESS_COPY, offset=self.offset)
+        except (OSError, ValueError):
+            return None
+
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
