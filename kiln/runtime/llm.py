@@ -160,8 +160,9 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     names += [("decode", int(b), name) for b, name in graphs["decode"].items()]
     names += [(kind, 0, graphs[kind]) for kind in ("verify", "chunk") if kind in graphs]
     loaded = {"prefill": {}, "decode": {}, "verify": {}, "chunk": {}}
-    # The graphs load side by side: engines build their sessions in native code that lets
-    # go of the GIL (SmolLM2 fp32, three OpenVINO graphs: 2.0 s one after another).
+    # The graphs load side by side, which helps a little: SmolLM2's three graphs took
+    # 1.38 -> 1.14 s (int4, ONNX Runtime) and 2.2 -> 2.0 s (fp32, OpenVINO, whose imports
+    # barely overlap) on 2 cores.
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
         for (kind, key, _), model in zip(names, pool.map(lambda entry: nested(entry[2]), names)):
             loaded[kind][key] = model
