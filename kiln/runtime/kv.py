@@ -42,7 +42,9 @@ class KVCache:
         self.keys[:, slot, :, start:start + n] = new_k
         self.values[:, slot, :, start:start + n] = new_v
         self.lengths[slot] += n
-        self.held[slot] = self.held[slot][:start] + (list(tokens) if tokens is not None else [None] * n)
+        held = self.held[slot]           # appended in place: a decode step writes one token per row
+        del held[start:]
+        held.extend(tokens if tokens is not None else [None] * n)
 
     def longest_prefix(self, prompt: list) -> tuple:
         """``(row, n)``: the row holding the longest prefix of ``prompt`` (its keys and
