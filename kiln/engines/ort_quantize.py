@@ -57,7 +57,11 @@ def save(model, path: str) -> str:
     """Write ``model`` to ``path`` with its weights inline, as torch's exporter does below
     protobuf's 2 GB limit (beyond it, in ``path + ".data"``); ``path`` returned."""
     import onnx
-    external = model.ByteSize() >= 2**31 - 2**24
+    from google.protobuf.message import EncodeError
+    try:
+        external = model.ByteSize() >= 2**31 - 2**24
+    except EncodeError:                 # protobuf refuses to even size a message over 2 GB
+        external = True
     onnx.save_model(model, path, save_as_external_data=external, location=os.path.basename(path) + ".data")
     return path
 
