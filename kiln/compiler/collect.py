@@ -183,13 +183,16 @@ def _run_jobs(jobs, workers, stream, quiet) -> list:
     while pending or running:
         while pending and len(running) < workers:
             job = pending.pop(0)
-            running[job] = subprocess.Popen(
-                [sys.executable, "-c", "from kiln.compiler.collect import worker_main; worker_main()", job],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # output to files, not pipes: a chatty worker would fill a pipe read only at its exit
+            with open(job + ".out", "w") as out, open(job + ".err", "w") as err:
+                running[job] = subprocess.Popen(
+                    [sys.executable, "-c", "from kiln.compiler.collect import worker_main; worker_main()", job],
+                    env=env, stdout=out, stderr=err)
         for job, proc in list(running.items()):
             if proc.poll() is None:
                 continue
-            out, err = proc.communicate()
+            with open(job + ".out", errors="replace") as f_out, open(job + ".err", errors="replace") as f_err:
+                out, err = f_out.read(), f_err.read()
             del running[job]
             line = next((ln for ln in out.splitlines() if ln.startswith("KILN-RESULT ")), None)
             result = json.loads(line[len("KILN-RESULT "):]) if line else {

@@ -104,15 +104,17 @@ def _run(tmp, n_jobs, workers, names, on_graph) -> None:
         while pending or running:
             while pending and len(running) < workers:
                 k = pending.pop(0)
-                running[k] = (time.perf_counter(), subprocess.Popen(
-                    [sys.executable, "-c", "from kiln.llm.parallel import worker_main; worker_main()", tmp, str(k)],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                # output to files, not pipes: a worker's warnings could fill a pipe nobody
+                # reads until it exits, and it would never exit
+                with open(os.path.join(tmp, f"{k}.out"), "w") as out, open(os.path.join(tmp, f"{k}.err"), "w") as err:
+                    running[k] = (time.perf_counter(), subprocess.Popen(
+                        [sys.executable, "-c", "from kiln.llm.parallel import worker_main; worker_main()",
+                         tmp, str(k)], env=env, stdout=out, stderr=err))
             for k, (started, proc) in list(running.items()):
                 if proc.poll() is None:
                     continue
-                out, err = proc.communicate()
                 del running[k]
-                seconds = _check(out, err, proc.returncode, names[k])
+                seconds = _check(_read(tmp, f"{k}.out"), _read(tmp, f"{k}.err"), proc.returncode, names[k])
                 log.info("kiln llm: %s graph compiled in a worker: %s", names[k],
                          ", ".join(f"{what} {s:.1f}" for what, s in seconds.items()))
                 done += 1
@@ -123,6 +125,11 @@ def _run(tmp, n_jobs, workers, names, on_graph) -> None:
         for _, proc in running.values():       # an error or ^C: no orphaned compiles
             proc.kill()
             proc.wait()
+
+
+def _read(tmp, name) -> str:
+    with open(os.path.join(tmp, name), errors="replace") as f:
+        return f.read()
 
 
 def _check(out, err, returncode, name) -> dict:
