@@ -19,7 +19,8 @@ PROMPTS = [[5, 17, 3], [11, 2, 60, 61], [60, 61, 62, 63, 64, 7, 9, 9, 9, 30, 31]
 @pytest.fixture(scope="module")
 def chunked():
     model = _model("llama")
-    llm = compile_llm(model, batch_size=2, context_buckets=(4,), cache_length=32, prefill_chunk=4, optlevel=1)
+    llm = compile_llm(model, batch_size=2, context_buckets=(4,), cache_length=32, prefill_chunk=4, optlevel=1,
+                      decode_batches=(2,))
     return model, llm
 
 

@@ -45,3 +45,12 @@ def test_timings_hold_the_machine_wide_measurement_lock():
     with open(path, "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)       # released afterwards
         fcntl.flock(other, fcntl.LOCK_UN)
+
+
+def test_a_model_that_cannot_be_sent_to_workers_compiles_here_with_a_warning(caplog):
+    model = _model("llama")
+    model.not_picklable = lambda: None          # e.g. a hook some library attached
+    with caplog.at_level("WARNING", logger="kiln"):
+        llm = compile_llm(model, batch_size=1, context_buckets=(4,), cache_length=16, optlevel=1, workers=2)
+    assert "cannot be sent to worker processes" in caplog.text
+    assert llm.generate([[5, 6]], 4, stop_at_eos=False) == [_hf_greedy(model, [5, 6], 4)]

@@ -72,9 +72,8 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
         jobs.append((f"chunk {prefill_chunk}", decode_step, _decode_example(shape, 1, prefill_chunk)))
     workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
-    if workers > 1:
-        graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph)
-    else:
+    graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph) if workers > 1 else None
+    if graphs is None:
         graphs = []
         for k, (name, step_kwargs, example) in enumerate(jobs):
             started = time.perf_counter()

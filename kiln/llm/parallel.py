@@ -58,7 +58,7 @@ def default_workers(model, n_jobs: int) -> int:
     the measurement lock): SmolLM2-135M int4's three graphs on 2 cores took 108 s one after
     another, 97-102 s in two workers and 86 s in three. Memory: a worker peaked at 3.2-4.2 GB
     for that model's 540 MB of float32 weights, so each is budgeted :func:`worker_bytes`."""
-    if n_jobs < 2:
+    if n_jobs < 2 or len(process_cpus()) < 2:
         return 1
     if sum(p.numel() for p in model.parameters()) < PARALLEL_MIN_PARAMETERS:
         return 1
@@ -82,12 +82,18 @@ def compile_graphs(model, jobs, trace_options: dict, workers: int, on_graph=None
     """Compile ``jobs`` (``(name, step_kwargs, example)``: a :class:`DecoderStep` of
     ``model`` built with ``step_kwargs``, traced at ``example``) in up to ``workers``
     processes; the compiled graphs in the order of ``jobs``. A worker's failure is raised
-    here with its message, as the in-process compile would have raised it."""
+    here with its message, as the in-process compile would have raised it. None when the
+    model cannot be pickled for the workers (the caller compiles in its own process)."""
     from kiln.runtime.loader import load
     with tempfile.TemporaryDirectory(prefix="kiln-llm-") as tmp:
-        torch.save({"model": model, "options": trace_options,
-                    "jobs": [(name, kwargs, example) for name, kwargs, example in jobs]},
-                   os.path.join(tmp, "jobs.pt"))
+        try:
+            torch.save({"model": model, "options": trace_options,
+                        "jobs": [(name, kwargs, example) for name, kwargs, example in jobs]},
+                       os.path.join(tmp, "jobs.pt"))
+        except Exception as e:  # noqa: BLE001 - a model that does not pickle (hooks, closures)
+            log.warning("kiln llm: compiling the graphs one after another in this process: the model "
+                        "cannot be sent to worker processes (%s: %s)", type(e).__name__, e)
+            return None
         _run(tmp, len(jobs), workers, [name for name, _, _ in jobs], on_graph)
         started = time.perf_counter()
         graphs = [load(os.path.join(tmp, f"{k}.kiln"), trust_native_code=True) for k in range(len(jobs))]
