@@ -82,3 +82,48 @@ def test_seeded_sampling_repeats_and_top_k_1_is_greedy(steps):
     assert other != first
     top1 = sampling.SamplingParams(do_sample=True, top_k=1, seed=1)
     assert scheduler.generate(prefill, step, PROMPTS, 10, shape, params=top1) == scheduler.greedy(prefill, step, PROMPTS, 10, shape)
+
+
+@pytest.mark.parametrize("params", [
+    sampling.SamplingParams(do_sample=True, temperature=0.7),
+    sampling.SamplingParams(do_sample=True, top_k=5),
+    sampling.SamplingParams(do_sample=True, top_p=0.8),
+    sampling.SamplingParams(do_sample=True, top_p=0.999),                 # needs more than the first candidates
+    sampling.SamplingParams(do_sample=True, temperature=1.3, top_k=20, top_p=0.9, repetition_penalty=1.2),
+])
+@pytest.mark.parametrize("vocab, spread", [(50, 3.0), (5000, 1.0), (5000, 8.0)])
+def test_distribution_is_hugging_faces(params, vocab, spread):
+    """The candidate-only distribution choose() draws from equals softmax of transformers'
+    processed scores: same tokens kept, same probabilities."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * spread
+    history = torch.randint(0, vocab, (6, 7), generator=gen)
+    want = _hf_scores(logits, history, params).softmax(-1)
+    for row in range(6):
+        index, probs = sampling.distribution(logits[row:row + 1], params, history[row:row + 1])
+        got = torch.zeros(vocab).index_put_((index,), probs)
+        assert torch.equal(got > 0, want[row] > 0), row
+        torch.testing.assert_close(got, want[row], atol=1e-6, rtol=1e-5)
+        if params.top_k or params.top_p < 1:
+            assert torch.all(probs[:-1] >= probs[1:])                      # candidates, most likely first
+
+
+def test_top_k_ties_are_kept_as_hugging_face_keeps_them():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    index, probs = sampling.distribution(logits, sampling.SamplingParams(do_sample=True, top_k=2))
+    assert sorted(index.tolist()) == [0, 2, 3]
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+def test_draws_follow_the_distribution():
+    """20,000 seeded draws: each token's frequency within 4 standard errors of its probability."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -8.0]])
+    params = sampling.SamplingParams(do_sample=True, top_p=0.9, seed=3)
+    gen = params.generator()
+    n = 20000
+    counts = torch.bincount(torch.cat([sampling.choose(logits, params, generator=gen) for _ in range(n)]),
+                            minlength=6).double()
+    want = _hf_scores(logits, None, params).softmax(-1)[0].double()
+    assert counts[want == 0].sum() == 0
+    err = 4 * (want * (1 - want) / n).sqrt() + 1e-12
+    assert torch.all((counts / n - want).abs() <= err), (counts / n, want)

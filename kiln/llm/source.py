@@ -1,17 +1,25 @@
 """Reading a decoder and its tokenizer from where Hugging Face keeps them: a checkpoint
 directory (safetensors and config) or a GGUF file, which transformers dequantizes to
-float32 weights (it needs the ``gguf`` package). Only local files: nothing is downloaded."""
+float32 weights (it needs the ``gguf`` package). Only local files: nothing is downloaded.
+
+transformers reads a GGUF file's header once for the config, once for the tokenizer and
+once for the weights, parsing every field (SmolLM2's 49,152-token vocabulary and its
+merges) each time, and builds the same tensor-name table once per module of the model:
+for SmolLM2-135M, 24 s of a 26 s load. :func:`_gguf_parsed_once` shares one parse per file
+and one table per architecture for the length of the load.
+"""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 
 from kiln.errors import CompilerArgsError, UnsupportedModelError
 
 
 def load_pretrained(source: str):
     """``(model, tokenizer or None)`` from a checkpoint directory or a ``.gguf`` file."""
-    import torch
-    import transformers
     source = os.fspath(source)
     if not os.path.exists(source):
         raise CompilerArgsError(f"{source}: no such file or directory (give a Hugging Face checkpoint "
@@ -22,6 +30,13 @@ def load_pretrained(source: str):
         folder, where = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
     else:
         folder, where = source, {}
+    with _gguf_parsed_once() if where else contextlib.nullcontext():
+        return _load(folder, where, source)
+
+
+def _load(folder, where, source):
+    import torch
+    import transformers
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                   local_files_only=True, **where)
@@ -34,3 +49,34 @@ def load_pretrained(source: str):
     except (OSError, ValueError):
         tokenizer = None              # the graphs still compile; text in and out needs one
     return model.eval(), tokenizer
+
+
+_GGUF_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """For the length of a load, ``gguf.GGUFReader(path)`` returns one reader per file and
+    ``gguf.get_tensor_name_map`` one table per (architecture, layers): transformers imports
+    both from ``gguf`` at each call, so standing in for them on the module covers its three
+    reads. Readers only read (a read-only memory map), so sharing one changes nothing it
+    computes. The stand-ins are process-wide, hence the lock; the originals come back after."""
+    try:
+        import gguf
+    except ImportError:             # transformers' own error says what to install
+        yield
+        return
+    with _GGUF_LOCK:
+        original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers = {}
+
+        def reader(path, mode="r"):
+            key = (os.path.abspath(os.fspath(path)), mode)
+            if key not in readers:
+                readers[key] = original_reader(path, mode)
+            return readers[key]
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(original_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
