@@ -58,18 +58,28 @@ def test_chat_keeps_the_conversation(tiny_llm):
 
 
 def test_compile_a_checkpoint_directory(tiny_llm, tmp_path):
-    model, llm, _ = tiny_llm
+    model, llm, draft = tiny_llm
     checkpoint = tmp_path / "ckpt"
     model.save_pretrained(checkpoint)
     tiny_tokenizer().save_pretrained(checkpoint)
     out = tmp_path / "m.kiln"
     r = kiln("llm", "compile", checkpoint, "-o", out, "--batch-size", "1", "--context-buckets", "8",
-             "--cache-length", "32", "-O", "1")
+             "--cache-length", "32", "-O", "1", "--speculation-length", "3")
     assert r.returncode == 0, r.stderr
-    assert "compiled prefill 8 (1/2)" in r.stderr and "compiled decode 1x32 (2/2)" in r.stderr
+    assert "compiled prefill 8 (1/3)" in r.stderr and "compiled decode 1x32 (2/3)" in r.stderr
+    assert "compiled verify 4 (3/3)" in r.stderr
     tok = Tokenizer(llm.tokenizer_files)
     r = kiln("llm", "generate", out, "Hi", "--max-tokens", "10")
     assert r.returncode == 0 and r.stdout == expected(llm, tok.encode("Hi"), 10) + "\n"
+    # speculative decoding, the session's tiny LLM (the same weights) drafting: the same text
+    r = kiln("llm", "generate", out, "Hi", "--max-tokens", "10", "--draft", draft)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected(llm, tok.encode("Hi"), 10) + "\n"
+    assert re.search(r"draft tokens accepted (\d+)/\1 \(100%\)", r.stderr), r.stderr
+    r = kiln("llm", "generate", draft, "Hi", "--draft", out)
+    assert r.returncode == 2 and "compile it with speculation_length" in r.stderr
+    r = kiln("llm", "generate", out, "Hi", "--draft", draft, "--temperature", "0.5")
+    assert r.returncode == 2 and "greedily" in r.stderr
     r = kiln("llm", "compile", tmp_path / "missing", "-o", out)
     assert r.returncode == 2 and "no such file or directory" in r.stderr
 

@@ -31,3 +31,53 @@ def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
     from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
     with pytest.raises(CompilerArgsError, match=msg):
         NeuronAutoModelForCausalLM.from_pretrained("unused", **kw)
+
+
+class _Streamer:
+    """transformers' streamer protocol: put(tensor) per piece, end() once."""
+
+    def __init__(self):
+        self.pieces, self.ended = [], False
+
+    def put(self, value):
+        self.pieces.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_fused_speculative_decoder_script_runs_after_swapping_the_import(tmp_path, monkeypatch):
+    """transformers-neuronx's speculative script: draft and target to_neuron(), then
+    FusedSpeculativeDecoder(draft, target, k).to_neuron() and sample(): the target's greedy
+    tokens, streamed prompt first, stopping after eos_token_id."""
+    monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "cache"))     # the target's graphs are the draft's
+    from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
+    from kiln.transformers_neuronx.fused_speculation import FusedSpeculativeDecoder
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    kw = dict(batch_size=1, n_positions=32, context_length_estimate=8)
+    draft = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), **kw)   # the target as its own draft
+    target = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), **kw)
+    draft.to_neuron()
+    target.to_neuron()
+    fsd = FusedSpeculativeDecoder(draft, target, 3)
+    prompt = [5, 17, 3, 88]
+    with pytest.raises(InputError, match="to_neuron"):
+        fsd.sample(torch.tensor([prompt]), sequence_length=20)
+    fsd.to_neuron()                                            # compiles the target's verify graph only
+    assert target.compiled.meta["speculation_length"] == 3 and target.compiled.verify is not None
+    streamer = _Streamer()
+    out = fsd.sample(torch.tensor([prompt]), sequence_length=20, streamer=streamer)
+    want = _hf_greedy(model, prompt, 16)
+    assert out.tolist() == [prompt + want]
+    assert streamer.pieces[0] == [prompt] and [p[0][0] for p in streamer.pieces[1:]] == want and streamer.ended
+    assert fsd.stats.acceptance_rate == 1.0 and fsd.stats.rounds <= 4     # k + 1 tokens per round
+    eos = want[1]
+    stop = FusedSpeculativeDecoder(draft, target, 3, eos_token_id=eos)
+    stop.to_neuron()
+    assert stop.sample(torch.tensor([prompt]), sequence_length=20).tolist() == [prompt + want[:want.index(eos) + 1]]
+    with pytest.raises(InputError, match="one sequence"):
+        fsd.sample(torch.tensor([prompt, prompt]), sequence_length=20)
+    for bad, msg in [({"buckets": [32]}, "buckets"), ({"output_scores": True}, "scores"), ({"k": 0}, "positive")]:
+        with pytest.raises(CompilerArgsError, match=msg):
+            FusedSpeculativeDecoder(draft, target, **{"k": 3, **bad})

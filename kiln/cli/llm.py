@@ -38,6 +38,9 @@ def add_parser(sub):
     c.add_argument("--workers", type=int, default=None,
                    help="processes compiling graphs side by side (default: one per CPU for models "
                         "of 20M parameters or more)")
+    c.add_argument("--speculation-length", type=int, default=None,
+                   help="also compile the graph that verifies this many draft tokens at once "
+                        "(speculative decoding: `kiln llm generate --draft`)")
     c.set_defaults(fn=cmd_compile)
 
     for name, helptext in (("generate", "continue a prompt, streaming the text"),
@@ -58,6 +61,10 @@ def add_parser(sub):
         g.add_argument("--seed", type=int, default=None)
         g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         g.add_argument("--threads", type=int, default=None, help="engine threads (default: all CPUs)")
+        g.add_argument("--draft", default=None,
+                       help="a smaller LLM artifact with the same vocabulary proposing tokens for this one "
+                            "to verify (speculative decoding; greedy; this artifact needs "
+                            "--speculation-length)")
         g.set_defaults(fn=cmd_generate if name == "generate" else cmd_chat)
 
 
@@ -83,6 +90,7 @@ def cmd_compile(args, console) -> int:
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
                                  ("quantize", args.quantize), ("workers", args.workers),
                                  ("prefill_chunk", args.prefill_chunk),
+                                 ("speculation_length", args.speculation_length),
                                  ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
                if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
@@ -114,13 +122,25 @@ def _setup(args):
     stops = set(llm.meta["eos_token_ids"])
     if tokenizer.token_id("eos_token") is not None:
         stops.add(tokenizer.token_id("eos_token"))
+    if args.draft is not None:
+        from kiln.runtime.speculative import SpeculativeDecoder
+        if not greedy:
+            raise InputError("--draft decodes greedily (the target's own tokens): leave --temperature at 0")
+        draft = load(args.draft, threads=args.threads)
+        if not isinstance(draft, LLM):
+            raise InputError(f"--draft {args.draft} is not an LLM artifact")
+        llm = SpeculativeDecoder(llm, draft)
     return llm, tokenizer, params, tuple(sorted(stops))
 
 
 def _stream(llm, tokenizer, prompt, args, params, stop_ids, out=sys.stdout) -> str:
-    """Generate for ``prompt`` (ids), writing text to ``out`` as it comes; the whole text."""
+    """Generate for ``prompt`` (ids), writing text to ``out`` as it comes; the whole text.
+    ``llm``: a :class:`~kiln.runtime.llm.LLM`, or a speculative decoder over one."""
     from kiln.runtime.scheduler import Request
+    from kiln.runtime.speculative import SpeculativeDecoder
     from kiln.runtime.text import TextStream
+    if isinstance(llm, SpeculativeDecoder):
+        return _stream_speculative(llm, tokenizer, prompt, args, stop_ids, out)
     sched = llm.scheduler()
     text = TextStream(tokenizer, tuple(args.stop))
     room = llm.meta["cache_shape"][3] - len(prompt)
@@ -141,6 +161,27 @@ def _stream(llm, tokenizer, prompt, args, params, stop_ids, out=sys.stdout) -> s
     rate = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float("nan")
     print(f"\n[{len(prompt)} prompt tokens, {len(t)} generated ({request.finish_reason}); first token "
           f"{t[0] - request.arrived:.3f}s, {rate:.1f} tokens/s]", file=sys.stderr, flush=True)
+    return text.text
+
+
+def _stream_speculative(spec, tokenizer, prompt, args, stop_ids, out) -> str:
+    from kiln.runtime.text import TextStream
+    text, started, times = TextStream(tokenizer, tuple(args.stop)), time.perf_counter(), []
+    room = min(spec.target.meta["cache_shape"][3], spec.draft.meta["cache_shape"][3]) - len(prompt) - spec.k
+    max_tokens = args.max_tokens if args.max_tokens is not None else max(1, room)
+
+    def on_token(token):
+        times.append(time.perf_counter())
+        out.write(text.push(token))
+        out.flush()
+        return text.stopped
+    tokens, stats = spec.generate(prompt, max_tokens, stop_token_ids=stop_ids, on_token=on_token)
+    out.write(text.finish())
+    out.flush()
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
+    print(f"\n[{len(prompt)} prompt tokens, {len(tokens)} generated; first token {times[0] - started:.3f}s, "
+          f"{rate:.1f} tokens/s; draft tokens accepted {stats.accepted}/{stats.proposed} "
+          f"({stats.acceptance_rate:.0%}) in {stats.rounds} rounds of k={spec.k}]", file=sys.stderr, flush=True)
     return text.text
 
 

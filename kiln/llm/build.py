@@ -63,10 +63,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     jobs = [(f"prefill {w}", prefill_step, _prefill_example(w)) for w in buckets]
     jobs += [(f"decode {b}x{cache_length}", decode_step, _decode_example(shape, b)) for b in rows]
     if speculation_length:
-        if not 1 <= speculation_length < cache_length:
-            raise CompilerArgsError(f"speculation_length must be in [1, cache_length); got {speculation_length}")
-        jobs.append((f"verify {speculation_length + 1}", decode_step,
-                     _decode_example(shape, 1, speculation_length + 1)))
+        jobs.append(_verify_job(shape, speculation_length))
     if prefill_chunk:
         if not 1 <= prefill_chunk < cache_length:
             raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
@@ -95,6 +92,25 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm
+
+
+def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM:
+    """``llm`` (compiled from ``model``) with a verify graph for ``speculation_length``
+    draft tokens, compiling only that graph: for a target compiled before it was known to
+    need speculative decoding (transformers-neuronx's ``FusedSpeculativeDecoder``)."""
+    check_supported(model)
+    name, step_kwargs, example = _verify_job(tuple(llm.meta["cache_shape"]), speculation_length)
+    verify = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
+    meta = {**llm.meta, "speculation_length": speculation_length}
+    return LLM(llm.prefill, llm.decode, meta, llm.tokenizer_files, verify=verify, chunk=llm.chunk)
+
+
+def _verify_job(shape, speculation_length):
+    if not 1 <= speculation_length < shape[3]:
+        raise CompilerArgsError(f"speculation_length must be in [1, cache_length={shape[3]}); got "
+                                f"{speculation_length}")
+    return (f"verify {speculation_length + 1}", {"with_cache": True, "last_only": False},
+            _decode_example(shape, 1, speculation_length + 1))
 
 
 def _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement) -> dict:

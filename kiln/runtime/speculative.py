@@ -49,7 +49,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target, draft):
         if target.verify is None:
-            raise InputError("the target has no verify graph: compile it with speculation_length=k")
+            raise InputError("the target has no verify graph: compile it with speculation_length=k "
+                             "(kiln llm compile --speculation-length k)")
         if 1 not in draft.decode:
             raise InputError(f"the draft needs a one-row decode graph; it has {sorted(draft.decode)}")
         if target.meta["vocab_size"] != draft.meta["vocab_size"]:
@@ -58,7 +59,14 @@ class SpeculativeDecoder:
         self.target, self.draft = target, draft
         self.k = target.meta["speculation_length"]
 
-    def generate(self, prompt: list, max_new_tokens: int, stop_token_ids=()) -> tuple:
+    def __repr__(self) -> str:
+        return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, k={self.k})"
+
+    def generate(self, prompt: list, max_new_tokens: int, stop_token_ids=(), on_token=None) -> tuple:
+        """``(tokens, stats)``: the target's greedy continuation of ``prompt`` (ids), ending
+        after a stop token or ``max_new_tokens``. ``on_token(token)`` is called for each
+        token as it is accepted (streaming); returning True ends generation there (a stop
+        string seen in the text)."""
         n, k, stops = len(prompt), self.k, set(stop_token_ids)
         room = min(self.target.meta["cache_shape"][3], self.draft.meta["cache_shape"][3])
         if not prompt or max_new_tokens < 1 or n + max_new_tokens + k > room:
@@ -67,10 +75,17 @@ class SpeculativeDecoder:
         target = KVCache(_one_row(self.target.meta["cache_shape"]))
         draft = KVCache(_one_row(self.draft.meta["cache_shape"]))
         stats = SpeculationStats()
+        out, ended = [], False
+
+        def emit(token):
+            nonlocal ended
+            out.append(token)
+            stop_here = bool(on_token is not None and on_token(token))
+            ended = stop_here or token in stops or len(out) >= max_new_tokens
         with torch.no_grad():
-            out = [self._prefill(self.target, target, prompt)]
+            emit(self._prefill(self.target, target, prompt))
             self._prefill(self.draft, draft, prompt)
-            while len(out) < max_new_tokens and out[-1] not in stops:
+            while not ended:
                 context = prompt + out
                 self._catch_up(draft, context)
                 steps = min(k, max_new_tokens - len(out))
@@ -80,8 +95,8 @@ class SpeculativeDecoder:
                 stats.rounds, stats.proposed, stats.accepted = (stats.rounds + 1, stats.proposed + steps,
                                                                 stats.accepted + accepted)
                 for t in proposal[:accepted] + [token]:
-                    out.append(t)
-                    if t in stops or len(out) >= max_new_tokens:
+                    emit(t)
+                    if ended:
                         break
         return out, stats
 
