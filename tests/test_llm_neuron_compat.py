@@ -14,11 +14,13 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
     from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
     model = _model("llama")
     model.save_pretrained(tmp_path / "ckpt")
-    neuron = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), batch_size=1, n_positions=32,
+    # n_positions as a list: token-generation buckets (the cache holds the largest)
+    neuron = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), batch_size=1, n_positions=[16, 32],
                                                         tp_degree=1, amp="f32", context_length_estimate=8)
     with pytest.raises(InputError, match="to_neuron"):
         neuron.sample(torch.tensor([[1, 2]]), sequence_length=8)
     neuron.to_neuron()
+    assert neuron.compiled.meta["cache_shape"][3] == 32 and sorted(neuron.compiled.windows) == [16]
     prompt = [5, 17, 3, 88]
     out = neuron.sample(torch.tensor([prompt]), sequence_length=20, top_k=1)
     assert out[0, :4].tolist() == prompt

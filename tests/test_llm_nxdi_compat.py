@@ -42,3 +42,10 @@ def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
     from kiln.neuronx_distributed_inference.models.config import NeuronConfig
     with pytest.raises(CompilerArgsError, match=msg):
         NeuronConfig(**kw)
+
+
+def test_token_generation_buckets_become_sequence_buckets():
+    from kiln.neuronx_distributed_inference.models.config import NeuronConfig
+    assert NeuronConfig(seq_len=64).sequence_buckets() is None
+    assert NeuronConfig(seq_len=64, enable_bucketing=True, token_generation_buckets=[32, 16]).sequence_buckets() == [16, 32]
+    assert NeuronConfig(seq_len=1024, enable_bucketing=True).sequence_buckets() == [128, 256, 512]

@@ -23,6 +23,10 @@ def add_parser(sub):
                    help="prompt widths prefill is compiled for, comma-separated (default 128)")
     c.add_argument("--cache-length", type=int, default=256,
                    help="KV-cache positions per request, prompt + generated (default 256)")
+    c.add_argument("--sequence-buckets", default=None,
+                   help="smaller cache windows to compile decode graphs for as well, comma-separated "
+                        "(e.g. 256,512 with --cache-length 2048): a step attends over the smallest "
+                        "window holding the running sequences, not the whole cache")
     c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
                    help="kiln's optimisation level (default 2: engines chosen by measurement)")
     c.add_argument("--engine", default=None, help="compile every graph with this engine")
@@ -69,14 +73,9 @@ def add_parser(sub):
 
 
 def cmd_compile(args, console) -> int:
-    from kiln.errors import CompilerArgsError
     from kiln.llm.build import compile_llm
     from kiln.llm.source import load_pretrained
-    try:
-        buckets = [int(w) for w in args.context_buckets.split(",") if w.strip()]
-    except ValueError:
-        raise CompilerArgsError(f"--context-buckets must be integers separated by commas; got "
-                                f"{args.context_buckets!r}") from None
+    buckets = _integers(args.context_buckets, "--context-buckets")
     started = time.perf_counter()
     print(f"kiln llm: loading {args.source}", file=sys.stderr, flush=True)
     model, tokenizer = load_pretrained(args.source)
@@ -87,7 +86,9 @@ def cmd_compile(args, console) -> int:
     def progress(name, k, n, seconds):
         print(f"kiln llm: compiled {name} ({k}/{n}) in {seconds:.1f}s", file=sys.stderr, flush=True)
 
+    windows = _integers(args.sequence_buckets, "--sequence-buckets") if args.sequence_buckets else None
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
+                                 ("sequence_buckets", windows),
                                  ("quantize", args.quantize), ("workers", args.workers),
                                  ("prefill_chunk", args.prefill_chunk),
                                  ("speculation_length", args.speculation_length),
@@ -103,6 +104,14 @@ def cmd_compile(args, console) -> int:
     llm.save(args.output)
     print(f"kiln llm: wrote {args.output}: {llm!r} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0
+
+
+def _integers(text: str, flag: str) -> list:
+    from kiln.errors import CompilerArgsError
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise CompilerArgsError(f"{flag} must be integers separated by commas; got {text!r}") from None
 
 
 def _setup(args):

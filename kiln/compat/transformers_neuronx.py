@@ -6,8 +6,8 @@
     model.to_neuron()                                   # compile (kiln.llm.build.compile_llm)
     ids = model.sample(input_ids, sequence_length=256, top_k=50)
 
-``n_positions`` is the KV cache length (its largest value when a list of token-generation
-buckets is given: kiln's decode graph is compiled for that one length today);
+``n_positions`` is the KV cache length, or a list of token-generation buckets: the cache
+holds the largest, and decode graphs are compiled for each (kiln's sequence buckets);
 ``context_length_estimate`` the prompt buckets (default: ``n_positions``). Options kiln
 cannot honour yet are errors that say so: ``tp_degree`` above 1 (no tensor parallelism)
 and ``amp`` other than fp32.
@@ -18,8 +18,9 @@ from kiln.errors import CompilerArgsError, InputError
 
 
 class NeuronAutoModelForCausalLM:
-    def __init__(self, model, *, batch_size, n_positions, context_length_estimate):
+    def __init__(self, model, *, batch_size, n_positions, context_length_estimate, sequence_buckets=None):
         self.model = model
+        self.sequence_buckets = sequence_buckets
         self.batch_size = batch_size
         self.n_positions = n_positions
         self.context_length_estimate = context_length_estimate
@@ -36,17 +37,20 @@ class NeuronAutoModelForCausalLM:
         if kwargs:
             raise CompilerArgsError(f"from_pretrained() options kiln does not know yet: {sorted(kwargs)}")
         from transformers import AutoModelForCausalLM
-        positions = max(n_positions) if isinstance(n_positions, (list, tuple)) else int(n_positions)
+        windows = sorted(int(n) for n in n_positions) if isinstance(n_positions, (list, tuple)) else None
+        positions = windows[-1] if windows else int(n_positions)
         context = context_length_estimate if context_length_estimate is not None else positions
         context = list(context) if isinstance(context, (list, tuple)) else [int(context)]
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
-        return cls(model, batch_size=batch_size, n_positions=positions, context_length_estimate=context)
+        return cls(model, batch_size=batch_size, n_positions=positions, context_length_estimate=context,
+                   sequence_buckets=windows)
 
     def to_neuron(self):
         """Compile the prefill and decode graphs (kiln's engines, chosen by measurement)."""
         from kiln.llm.build import compile_llm
         self.compiled = compile_llm(self.model, batch_size=self.batch_size,
-                                    context_buckets=self.context_length_estimate, cache_length=self.n_positions)
+                                    context_buckets=self.context_length_estimate, cache_length=self.n_positions,
+                                    sequence_buckets=self.sequence_buckets)
         return self
 
     def sample(self, input_ids, sequence_length: int = 128, top_k: int = 50, temperature: float = 1.0,

@@ -22,7 +22,7 @@ from kiln.runtime.llm import FORMAT, LLM
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
                 max_ppl_ratio=None, min_agreement=None, workers=None, prefill_chunk=None,
-                **trace_options) -> LLM:
+                sequence_buckets=None, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
@@ -36,7 +36,11 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     tokens with (:mod:`kiln.runtime.speculative`). ``prefill_chunk=c`` adds a graph that
     prefills ``c`` prompt tokens of one row against its cache: the scheduler then prefills
     long prompts a chunk per step between decode steps, and prompts longer than the
-    largest context bucket run (up to the cache).
+    largest context bucket run (up to the cache). ``sequence_buckets``: smaller cache
+    windows to compile the decode (and chunk) graphs for as well, so that steps attend
+    over the smallest window holding the running sequences rather than all
+    ``cache_length`` positions (:mod:`kiln.runtime.kv`); each window adds a graph per
+    decode batch size.
     ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
     implied for LLMs) must pass :mod:`kiln.llm.gate`, perplexity within ``max_ppl_ratio``
     of float32's and greedy agreement of at least ``min_agreement`` (defaults per mode in
@@ -59,15 +63,8 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
         trace_options.setdefault("quantize_mode", "weight_only")
         # the LLM-level gate below judges accuracy; the per-graph cosine on one example is a floor
         trace_options.setdefault("min_cosine", 0.9)
-    prefill_step, decode_step = {"with_cache": False, "last_only": True}, {"with_cache": True, "last_only": False}
-    jobs = [(f"prefill {w}", prefill_step, _prefill_example(w)) for w in buckets]
-    jobs += [(f"decode {b}x{cache_length}", decode_step, _decode_example(shape, b)) for b in rows]
-    if speculation_length:
-        jobs.append(_verify_job(shape, speculation_length))
-    if prefill_chunk:
-        if not 1 <= prefill_chunk < cache_length:
-            raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
-        jobs.append((f"chunk {prefill_chunk}", decode_step, _decode_example(shape, 1, prefill_chunk)))
+    jobs, keys, windows = _jobs(shape, buckets, rows, speculation_length, prefill_chunk,
+                                sequence_buckets)
     workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
     graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph) if workers > 1 else None
     if graphs is None:
@@ -77,21 +74,48 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options))
             if on_graph is not None:
                 on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
-    prefill = dict(zip(buckets, graphs[:len(buckets)]))
-    decode = dict(zip(rows, graphs[len(buckets):len(buckets) + len(rows)]))
-    extra = graphs[len(buckets) + len(rows):]
-    verify = extra.pop(0) if speculation_length else None
-    chunk = extra.pop(0) if prefill_chunk else None
+    built: dict = {}
+    for (kind, key), graph in zip(keys, graphs):
+        built.setdefault(kind, {})[key] = graph
+    window_graphs = {w: {"decode": built[("window", w, "decode")],
+                         "chunk": built.get(("window", w, "chunk"), {}).get(0)} for w in windows[:-1]}
     eos = model.generation_config.eos_token_id
     meta = {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
             "context_buckets": buckets, "speculation_length": speculation_length,
-            "prefill_chunk": prefill_chunk or None,
+            "prefill_chunk": prefill_chunk or None, "sequence_buckets": windows,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
-    llm = LLM(prefill, decode, meta, _tokenizer_files(tokenizer), verify=verify, chunk=chunk)
+    llm = LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
+              verify=built.get("verify", {}).get(0), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm
+
+
+def _jobs(shape, buckets, rows, speculation_length, prefill_chunk, sequence_buckets) -> tuple:
+    """``(jobs, keys, windows)``: each graph to compile as ``(name, DecoderStep options,
+    example)``, the ``(kind, key)`` it is filed under, and the cache windows."""
+    cache_length = shape[3]
+    prefill_step, decode_step = {"with_cache": False, "last_only": True}, {"with_cache": True, "last_only": False}
+    jobs = [(f"prefill {w}", prefill_step, _prefill_example(w)) for w in buckets]
+    jobs += [(f"decode {b}x{cache_length}", decode_step, _decode_example(shape, b)) for b in rows]
+    if speculation_length:
+        jobs.append(_verify_job(shape, speculation_length))
+    if prefill_chunk:
+        if not 1 <= prefill_chunk < cache_length:
+            raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
+        jobs.append((f"chunk {prefill_chunk}", decode_step, _decode_example(shape, 1, prefill_chunk)))
+    windows = _windows(sequence_buckets, cache_length)
+    keys = [("prefill", w) for w in buckets] + [("decode", b) for b in rows]
+    keys += [("verify", 0)] * bool(speculation_length) + [("chunk", 0)] * bool(prefill_chunk)
+    for window in windows[:-1]:
+        small = (*shape[:3], window, shape[4])
+        jobs += [(f"decode {b}x{window}", decode_step, _decode_example(small, b)) for b in rows]
+        keys += [(("window", window, "decode"), b) for b in rows]
+        if prefill_chunk and window > prefill_chunk:
+            jobs.append((f"chunk {prefill_chunk}x{window}", decode_step, _decode_example(small, 1, prefill_chunk)))
+            keys.append((("window", window, "chunk"), 0))
+    return jobs, keys, windows
 
 
 def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM:
@@ -102,7 +126,16 @@ def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM
     name, step_kwargs, example = _verify_job(tuple(llm.meta["cache_shape"]), speculation_length)
     verify = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
     meta = {**llm.meta, "speculation_length": speculation_length}
-    return LLM(llm.prefill, llm.decode, meta, llm.tokenizer_files, verify=verify, chunk=llm.chunk)
+    return LLM(llm.prefill, llm.decode, meta, llm.tokenizer_files, verify=verify, chunk=llm.chunk,
+               windows=llm.windows)
+
+
+def _windows(sequence_buckets, cache_length) -> list:
+    windows = sorted({int(w) for w in (sequence_buckets or ())} | {cache_length})
+    if windows[0] < 1 or windows[-1] > cache_length:
+        raise CompilerArgsError(f"sequence_buckets must lie in [1, cache_length={cache_length}]; got "
+                                f"{list(sequence_buckets)}")
+    return windows
 
 
 def _verify_job(shape, speculation_length):

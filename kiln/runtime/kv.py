@@ -5,11 +5,21 @@ for values; each step's new keys and values are written into their positions in 
 (position ``p`` of a sequence is at index ``p``), and a sequence's valid positions are
 its first ``length``. A decode graph for fewer rows gets the first rows of each buffer
 as views. The loop that fills it is :mod:`kiln.runtime.scheduler`.
+
+**Sequence-length windows.** A decode step attends over every position its cache input
+has, valid or not: SmolLM2's one-row int4 step took 12.3 ms with a 256-position cache and
+24.8 ms with 2048 (8 rows: 37.7 and 109.6 ms), whatever the sequences' lengths. So graphs
+may be compiled for smaller windows ``W`` (sequence-length buckets) and the cache laid
+out for the smallest window that holds every running sequence: the same preallocated
+memory viewed as ``[L, B, H_kv, W, D]``, contiguous, so a window's rows are views the
+engines take as they are (a ``[:, :, :W]`` slice of the full layout would not be
+contiguous and would be copied at every step). Moving to another window re-lays the
+held positions out once (a copy), when the longest running sequence crosses a window's
+edge or the long ones end; steps between pay nothing.
 """
 from __future__ import annotations
 
 import torch
-
 
 
 class KVCache:
@@ -20,25 +30,57 @@ class KVCache:
     step's new keys for every layer are written with one copy, not one per layer: at 30
     layers and 8 rows that was 480 small copies, ~10 % of a SmolLM2 decode step."""
 
-    def __init__(self, shape: tuple, dtype=torch.float32):
-        self.keys, self.values = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
+    def __init__(self, shape: tuple, dtype=torch.float32, windows=()):
+        self.shape = tuple(shape)
+        self.windows = sorted({int(w) for w in windows if int(w) < shape[3]} | {shape[3]})
+        self._memory = (torch.zeros(shape, dtype=dtype).view(-1), torch.zeros(shape, dtype=dtype).view(-1))
+        self.window = 0
+        self._lay_out(self.windows[0])
         self.lengths = torch.zeros(shape[1], dtype=torch.int64)
         # the token at each position of each row, where known: what a freed row still
         # holds (its values stay until overwritten), for prefix reuse
         self.held: list = [[] for _ in range(shape[1])]
+        self.relayouts = 0
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        """Positions a row may hold (the largest window)."""
+        return self.shape[3]
+
+    def _lay_out(self, window: int):
+        layers, rows, heads, _, dim = self.shape
+        n = layers * rows * heads * window * dim
+        self.keys, self.values = (m[:n].view(layers, rows, heads, window, dim) for m in self._memory)
+        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        self.window = window
+
+    def fit(self, positions: int, shrink: bool = True):
+        """Lay the cache out for the smallest window holding ``positions`` (every row's
+        need); ``shrink=False`` only ever grows it. Positions beyond the new window are
+        dropped from what freed rows hold (running rows never have any there)."""
+        if positions > self.capacity:
+            raise ValueError(f"{positions} positions exceed the cache's {self.capacity}")
+        window = next(w for w in self.windows if w >= positions)
+        if window == self.window or (window < self.window and not shrink):
+            return
+        old = self.window
+        kept = min(old, window)
+        saved = (self.keys[..., :kept, :].clone(), self.values[..., :kept, :].clone())
+        self._lay_out(window)
+        for buf, data in zip((self.keys, self.values), saved):
+            buf[..., :kept, :] = data
+            buf[..., kept:, :] = 0
+        for held in self.held:
+            del held[window:]
+        self.relayouts += 1
 
     def write_slot(self, slot: int, new_k, new_v, tokens=None):
         """Append ``[L, H_kv, n, D]`` new keys and values after row ``slot``'s current length;
         ``tokens``: the ``n`` token ids they belong to, when the caller knows them."""
         start, n = int(self.lengths[slot]), new_k.shape[2]
-        if start + n > self.capacity:
+        if start + n > self.window:
             raise ValueError(f"sequence {slot} needs {start + n} cache positions; the cache holds "
-                             f"{self.capacity}")
+                             f"{self.capacity}, laid out for {self.window}")
         self.keys[:, slot, :, start:start + n] = new_k
         self.values[:, slot, :, start:start + n] = new_v
         self.lengths[slot] += n
@@ -80,8 +122,8 @@ class KVCache:
         self.lengths[slot] = 0
 
     def valid(self) -> torch.Tensor:
-        """``[B, S_max]`` bool: the positions each sequence may attend to."""
-        return torch.arange(self.capacity).unsqueeze(0) < self.lengths.unsqueeze(1)
+        """``[B, W]`` bool: the positions each sequence may attend to (W: the window)."""
+        return torch.arange(self.window).unsqueeze(0) < self.lengths.unsqueeze(1)
 
     def row_inputs(self, slot: int) -> list:
         """One row's cache inputs (views): a chunk of a prompt prefilled against its cache."""

@@ -3,16 +3,19 @@ metadata, loaded from one ``.kiln`` artifact (kind ``llm``) without the model's 
 
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
 context bucket, ``decode/<rows>.kiln`` for each decode batch size, ``verify/<k+1>.kiln``
-when compiled for speculative decoding, ``chunk/<width>.kiln`` for chunked prefill) and,
-when it was compiled with one, the
-tokenizer's files (``tokenizer/<name>``). The manifest's ``llm``
-entry says what the graphs were built for: ``format`` (2: prefill for one prompt, the
-cache one input per layer), ``batch_size`` (requests generating at once),
-``decode_batches``, ``context_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and the
-end-of-sequence ids. Generation runs :mod:`kiln.runtime.scheduler` over the graphs.
+when compiled for speculative decoding, ``chunk/<width>.kiln`` for chunked prefill,
+``window/<W>/decode/<rows>.kiln`` and ``window/<W>/chunk/<width>.kiln`` for each smaller
+cache window, the sequence-length buckets) and, when it was compiled with one, the
+tokenizer's files (``tokenizer/<name>``). The manifest's ``llm`` entry says what the
+graphs were built for: ``format`` (2: prefill for one prompt, the cache one input per
+layer), ``batch_size`` (requests generating at once), ``decode_batches``,
+``context_buckets``, ``sequence_buckets``, ``cache_shape`` ``[L, B, H_kv, S, D]`` and
+the end-of-sequence ids. An artifact without windows (from before them) runs every step
+over the whole cache, as it did. Generation runs :mod:`kiln.runtime.scheduler` over the graphs.
 """
 from __future__ import annotations
 
+import collections
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,11 +35,14 @@ class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
 
     def __init__(self, prefill: dict, decode: dict, meta: dict, tokenizer_files: dict, manifest: dict | None = None,
-                 verify=None, chunk=None):
+                 verify=None, chunk=None, windows=None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
         self.decode = dict(sorted(decode.items()))       # rows -> compiled model
         self.verify = verify                             # speculative decoding's check (or None)
         self.chunk = chunk                               # chunked prefill's step (or None)
+        # smaller cache windows (sequence-length buckets): window -> {"decode": {rows: model},
+        # "chunk": model or None}; the full cache's graphs are decode and chunk above
+        self.windows = dict(sorted((windows or {}).items()))
         self.meta = meta
         self.tokenizer_files = tokenizer_files
         graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
@@ -45,6 +51,11 @@ class LLM:
             graphs["verify"] = f"verify/{meta['speculation_length'] + 1}.kiln"
         if chunk is not None:
             graphs["chunk"] = f"chunk/{meta['prefill_chunk']}.kiln"
+        if self.windows:
+            graphs["windows"] = {str(w): {"decode": {str(b): f"window/{w}/decode/{b}.kiln" for b in g["decode"]},
+                                          **({"chunk": f"window/{w}/chunk/{meta['prefill_chunk']}.kiln"}
+                                             if g.get("chunk") is not None else {})}
+                                 for w, g in self.windows.items()}
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
 
@@ -67,10 +78,30 @@ class LLM:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
         graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
         return Scheduler(self.prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
-                         chunk=self._chunk(), **options)
+                         chunk=self._chunk(), windows=self._windows(), **options)
 
     def _chunk(self):
         return None if self.chunk is None else (self.meta["prefill_chunk"], self.chunk)
+
+    def _windows(self) -> dict:
+        return {w: (g["decode"], g.get("chunk")) for w, g in self.windows.items()}
+
+    def warm_graphs(self) -> int:
+        """Call every decode and chunk graph once on an empty cache (a graph's first call
+        is its slowest), so no request pays for it; returns how many were called."""
+        import torch
+        layers, _, heads, slots, dim = self.meta["cache_shape"]
+        calls = [(slots, rows, 1, g) for rows, g in self.decode.items()]
+        calls += [(w, rows, 1, g) for w, wg in self.windows.items() for rows, g in wg["decode"].items()]
+        width = self.meta.get("prefill_chunk")
+        calls += [(slots, 1, width, self.chunk)] if self.chunk is not None else []
+        calls += [(w, 1, width, wg["chunk"]) for w, wg in self.windows.items() if wg.get("chunk") is not None]
+        with torch.no_grad():
+            for window, rows, tokens, graph in calls:
+                cache = [torch.zeros(rows, heads, window, dim)] * (2 * layers)
+                graph(torch.zeros(rows, tokens, dtype=torch.int64), torch.arange(tokens).repeat(rows, 1), *cache,
+                      torch.zeros(rows, window, dtype=torch.bool))
+        return len(calls)
 
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
         """The continuation of each prompt (a list of token ids): greedy, or sampled per
@@ -118,7 +149,8 @@ class LLM:
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         return generate(self.prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
-                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk())
+                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
+                        windows=self._windows())
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
@@ -127,6 +159,11 @@ class LLM:
             blobs[self.manifest["graphs"]["verify"]] = self.verify.to_bytes()
         if self.chunk is not None:
             blobs[self.manifest["graphs"]["chunk"]] = self.chunk.to_bytes()
+        for w, names in self.manifest["graphs"].get("windows", {}).items():
+            graphs = self.windows[int(w)]
+            blobs.update({name: graphs["decode"][int(b)].to_bytes() for b, name in names["decode"].items()})
+            if "chunk" in names:
+                blobs[names["chunk"]] = graphs["chunk"].to_bytes()
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         return Artifact(self.manifest, blobs).to_bytes()
 
@@ -159,7 +196,10 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
     names = [("prefill", int(w), name) for w, name in graphs["prefill"].items()]
     names += [("decode", int(b), name) for b, name in graphs["decode"].items()]
     names += [(kind, 0, graphs[kind]) for kind in ("verify", "chunk") if kind in graphs]
-    loaded = {"prefill": {}, "decode": {}, "verify": {}, "chunk": {}}
+    for w, entry in graphs.get("windows", {}).items():
+        names += [((int(w), "decode"), int(b), name) for b, name in entry["decode"].items()]
+        names += [((int(w), "chunk"), 0, entry["chunk"])] if "chunk" in entry else []
+    loaded = collections.defaultdict(dict)
     # The graphs load side by side, which helps a little: SmolLM2's three graphs took
     # 1.38 -> 1.14 s (int4, ONNX Runtime) and 2.2 -> 2.0 s (fp32, OpenVINO, whose imports
     # barely overlap) on 2 cores.
@@ -168,6 +208,8 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
             loaded[kind][key] = model
     tokenizer = {name[len("tokenizer/"):]: bytes(data) for name, data in art.blobs.items()
                  if name.startswith("tokenizer/")}
+    windows = {int(w): {"decode": loaded[(int(w), "decode")], "chunk": loaded[(int(w), "chunk")].get(0)}
+               for w in graphs.get("windows", {})}
     return LLM(loaded["prefill"], loaded["decode"], meta, tokenizer, art.manifest, loaded["verify"].get(0),
-               loaded["chunk"].get(0))
+               loaded["chunk"].get(0), windows=windows)
 

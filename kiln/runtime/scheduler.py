@@ -110,14 +110,23 @@ class Scheduler:
 
     def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
                  prefills_per_step: int = 1, max_context: int | None = None, chunk=None,
-                 prefix_reuse: bool = True):
+                 prefix_reuse: bool = True, windows=None):
         self.prefill_for = prefill_for
         self.chunk = chunk            # (width, step) for chunked prefill, or None
         self.prefix_reuse = prefix_reuse and chunk is not None
         self.decode = dict(sorted(decode.items())) if isinstance(decode, dict) else {cache_shape[1]: decode}
         if max(self.decode) != cache_shape[1]:
             raise ValueError(f"the largest decode graph has {max(self.decode)} rows; the cache has {cache_shape[1]}")
-        self.cache = KVCache(tuple(cache_shape))
+        # window -> (decode steps by rows, chunk step or None): the graphs for a cache laid
+        # out for fewer positions (sequence-length buckets; kiln.runtime.kv)
+        self.graphs = {cache_shape[3]: (self.decode, None if chunk is None else chunk[1])}
+        for window, (steps, chunk_step) in (windows or {}).items():
+            if sorted(steps) != sorted(self.decode):
+                raise ValueError(f"window {window} has decode graphs for {sorted(steps)} rows; the full "
+                                 f"cache has {sorted(self.decode)}")
+            self.graphs[int(window)] = (dict(sorted(steps.items())), chunk_step)
+        self.cache = KVCache(tuple(cache_shape), windows=self.graphs)
+        self.window_steps: dict = {}  # window -> decode steps run in it
         self.slots: list = [None] * cache_shape[1]
         self.waiting: collections.deque = collections.deque()
         self.max_queue, self.prefills_per_step = max_queue, prefills_per_step
@@ -188,11 +197,18 @@ class Scheduler:
     def step(self):
         self._drop_cancelled()
         self._compact()
+        self.cache.fit(max([self._needs(r) for r in self.active], default=0))
         self._admit()
         self._continue_prefills()
         if any(r is not None and not r.prefilling for r in self.slots):
             self._decode()
         self.steps += 1
+
+    def _needs(self, request: Request) -> int:
+        """Cache positions ``request`` needs laid out for its next graph call."""
+        if request.prefilling:
+            return min(len(request.prompt), request.prefilled + self.chunk[0])
+        return len(request.prompt) + len(request.tokens)
 
     def _drop_cancelled(self):
         with self.cond:
@@ -242,6 +258,7 @@ class Scheduler:
             self._finish(request, "error")
             return
         self.cache.reset(slot)
+        self.cache.fit(n, shrink=False)
         self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
         self.slots[slot], request.prefilled = request, n
         if not request.prefilling:
@@ -279,9 +296,11 @@ class Scheduler:
     def _prefill_chunk(self, slot: int, request: Request):
         """``width`` prompt tokens through the chunk graph against the row's cache; the last
         chunk is padded on the right, after every real token, so no real token sees it."""
-        width, step = self.chunk
+        width = self.chunk[0]
         start = request.prefilled
         real = min(width, len(request.prompt) - start)
+        self.cache.fit(start + real, shrink=False)
+        step = self.graphs[self.cache.window][1]
         ids = torch.tensor([request.prompt[start:start + real] + [0] * (width - real)])
         try:
             with torch.no_grad():
@@ -306,9 +325,10 @@ class Scheduler:
         for slot, r in running:
             tokens[slot, 0] = r.tokens[-1]
         positions = self.cache.lengths[:rows].unsqueeze(1).clone()
+        window = self.cache.window
         try:
             with torch.no_grad():
-                logits, new_k, new_v = self.decode[rows](tokens, positions, *self.cache.inputs(rows))
+                logits, new_k, new_v = self.graphs[window][0][rows](tokens, positions, *self.cache.inputs(rows))
         except Exception as e:  # noqa: BLE001 - every running request failed; the next ones may not
             for slot, r in running:
                 r.error = e
@@ -318,6 +338,7 @@ class Scheduler:
             self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1], r.tokens[-1:])
             self._append(slot, r, logits[slot, -1:])
         self.rows_run[rows] = self.rows_run.get(rows, 0) + 1
+        self.window_steps[window] = self.window_steps.get(window, 0) + 1
 
     def _append(self, slot: int, request: Request, logits):
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
@@ -371,13 +392,13 @@ class Scheduler:
 
 
 def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape, *, params=None,
-             eos_token_ids=(), max_context=None, chunk=None) -> list:
+             eos_token_ids=(), max_context=None, chunk=None, windows=None) -> list:
     """The new tokens of each prompt, every prompt a request through one :class:`Scheduler`
     run on the caller's thread. ``prefill``: a step callable for any width (the eager
     module), or ``prefill_for(width)`` when ``max_context`` is given (compiled buckets);
     ``decode``: as for :class:`Scheduler`."""
     prefill_for = prefill if max_context is not None else (lambda width: prefill)
-    scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context, chunk=chunk)
+    scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context, chunk=chunk, windows=windows)
     params = params or sampling.SamplingParams()
     requests = [Request(p, max_new_tokens, params, eos_token_ids) for p in prompts]
     for r in requests:

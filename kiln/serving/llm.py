@@ -102,8 +102,8 @@ class ServedLLM:
         return time.perf_counter() - started
 
     def warm_up(self):
-        """One short generation per context bucket (and one through the chunk graph), so no
-        request pays for a first call."""
+        """One short generation per context bucket (and one through the chunk graph), then
+        one call of every decode and chunk graph, so no request pays for a first call."""
         t0 = time.perf_counter()
         room = self.llm.meta["cache_shape"][3] - 1
         widths = list(self.llm.prefill)
@@ -111,7 +111,8 @@ class ServedLLM:
             widths.append(min(self.llm.meta["prefill_chunk"] + 1, room))
         for width in widths:
             self.llm.generate([[0] * min(width, room)], 1 if width >= room else 2, stop_at_eos=False)
-        log("info", "instance_warmed_up", model=self.name, calls=len(widths),
+        calls = len(widths) + self.llm.warm_graphs()
+        log("info", "instance_warmed_up", model=self.name, calls=calls,
             seconds=round(time.perf_counter() - t0, 3))
 
     def start(self):

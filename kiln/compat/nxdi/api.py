@@ -47,6 +47,15 @@ class NeuronConfig:
             return sorted(int(b) for b in self.context_encoding_buckets)
         return [int(self.max_context_length)]
 
+    def sequence_buckets(self) -> list | None:
+        """Token-generation buckets, as NxD Inference makes them: the given ones, or with
+        bucketing on, powers of two from 128 below ``seq_len`` (the cache holds seq_len)."""
+        if not self.enable_bucketing:
+            return None
+        if self.token_generation_buckets:
+            return sorted(int(b) for b in self.token_generation_buckets)
+        return [1 << k for k in range(7, 32) if 1 << k < self.seq_len]
+
 
 def load_pretrained_config(model_path):
     """A loader of the checkpoint's Hugging Face config (NxD Inference's ``load_config``)."""
@@ -80,7 +89,7 @@ class NeuronLlamaForCausalLM:
         nc = self.config.neuron_config
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="float32").eval()
         llm = compile_llm(model, batch_size=nc.batch_size, context_buckets=nc.context_buckets(),
-                          cache_length=nc.seq_len)
+                          cache_length=nc.seq_len, sequence_buckets=nc.sequence_buckets())
         os.makedirs(compiled_model_path, exist_ok=True)
         llm.save(os.path.join(compiled_model_path, ARTIFACT))
 
