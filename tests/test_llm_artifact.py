@@ -58,6 +58,8 @@ def test_bad_compile_options_are_clear_errors():
         compile_llm(model, context_buckets=(64,), cache_length=32)
     with pytest.raises(kiln.errors.UnsupportedModelError):
         compile_llm(torch.nn.Linear(2, 2))
+    with pytest.raises(CompilerArgsError, match="exceeds the 128 positions GPT2LMHeadModel has learned"):
+        compile_llm(_model("gpt2"), context_buckets=(8,), cache_length=256)
 
 
 def test_hugging_face_generate_signature_with_left_padding_and_eos(compiled):

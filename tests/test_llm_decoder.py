@@ -26,6 +26,9 @@ def _model(family):
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(**COMMON)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_inner=64, n_layer=2, n_head=4, n_positions=128)
+        model = transformers.GPT2LMHeadModel(cfg)
     else:
         cfg = transformers.MistralConfig(**COMMON, sliding_window=6)
         model = transformers.MistralForCausalLM(cfg)
@@ -46,7 +49,7 @@ def _hf_greedy(model, prompt, n):
 PROMPTS = [[5, 17, 3, 88, 42, 7, 9], [11, 2], [60, 61, 62, 63, 64]]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
 def test_batched_greedy_equals_hugging_face_for_each_prompt(family):
     model = _model(family)
     prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
@@ -59,9 +62,10 @@ def test_batched_greedy_equals_hugging_face_for_each_prompt(family):
 
 
 def test_unsupported_architecture_is_a_clear_error():
-    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*Llama family"):
-        decoder.DecoderStep(transformers.GPT2LMHeadModel(cfg), with_cache=False, last_only=True)
+    cfg = transformers.OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                 num_attention_heads=2, word_embed_proj_dim=16)
+    with pytest.raises(UnsupportedModelError, match="OPTForCausalLM.*Llama family and GPT-2"):
+        decoder.DecoderStep(transformers.OPTForCausalLM(cfg), with_cache=False, last_only=True)
 
 
 def test_cache_refuses_to_overflow():
@@ -71,12 +75,13 @@ def test_cache_refuses_to_overflow():
         cache.write_slot(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
 
 
-def test_steps_compiled_by_kiln_equal_hugging_face(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_steps_compiled_by_kiln_equal_hugging_face(family, tmp_path, monkeypatch):
     """Prefill compiled for an 8-token context bucket (batch 1, prompts padded into it) and
     decode for 3 rows of a 32-slot cache, through kiln.trace and its engines: HF's tokens."""
     import kiln
     monkeypatch.setenv("KILN_CACHE_URL", "off")
-    model = _model("llama")
+    model = _model(family)
     batch, width, slots = len(PROMPTS), 8, 32
     shape = decoder.cache_shape(model.config, batch, slots)
     prefill = kiln.trace(decoder.DecoderStep(model, with_cache=False, last_only=True).eval(),

@@ -15,7 +15,7 @@ import torch
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
 from kiln.llm import gate, parallel
-from kiln.llm.decoder import DecoderStep, cache_shape, check_supported
+from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
 from kiln.runtime.llm import FORMAT, LLM
 
 
@@ -23,7 +23,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
                 max_ppl_ratio=None, min_agreement=None, workers=None, prefill_chunk=None,
                 sequence_buckets=None, **trace_options) -> LLM:
-    """``model``: a ``*ForCausalLM`` of the Llama family. ``batch_size``: requests generating
+    """``model``: a ``*ForCausalLM`` of the Llama family, or GPT-2. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
     widths prefill is compiled for (batch 1; a prompt runs in the smallest that fits);
@@ -47,6 +47,10 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     ``gate.LIMITS``), or compiling fails with the numbers. Other keywords go to
     ``kiln.trace``."""
     family = check_supported(model)
+    limit = max_positions(model.config)
+    if limit is not None and cache_length > limit:
+        raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
+                                f"has learned position embeddings for; use cache_length <= {limit}")
     buckets = sorted({int(w) for w in context_buckets})
     if batch_size < 1 or not buckets or buckets[0] < 1:
         raise CompilerArgsError("batch_size and every context bucket must be positive")

@@ -33,9 +33,14 @@ from torch import nn
 
 from kiln.errors import UnsupportedModelError
 
-# Architectures whose decoder layers take (hidden, mask, position_embeddings, cache) the
-# Llama way and whose model keeps embed_tokens / layers / norm / rotary_emb.
-SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+# Architectures whose decoder layers call ``past_key_values.update`` and transformers'
+# attention interface: the Llama family (layers take rotary position embeddings; the
+# model keeps embed_tokens / layers / norm / rotary_emb) and GPT-2 (learned position
+# embeddings added at the input; the model keeps wte / wpe / h / ln_f).
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+             "GPT2LMHeadModel": "gpt2"}
+_PARTS = {"gpt2": ("transformer", ("wte", "wpe", "h", "ln_f"))}
+_LLAMA_PARTS = ("model", ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
 def check_supported(model) -> str:
@@ -44,14 +49,21 @@ def check_supported(model) -> str:
     if arch not in SUPPORTED:
         raise UnsupportedModelError(
             f"kiln's LLM path does not support {arch} yet: it compiles decoder-only models of the "
-            f"Llama family ({', '.join(sorted(SUPPORTED))}); other architectures can still be "
+            f"Llama family and GPT-2 ({', '.join(sorted(SUPPORTED))}); other architectures can still be "
             "compiled as plain graphs with kiln.trace")
-    inner = getattr(model, "model", None)
-    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, a)]
+    where, parts = _PARTS.get(SUPPORTED[arch], _LLAMA_PARTS)
+    inner = getattr(model, where, None)
+    missing = [a for a in parts if not hasattr(inner, a)]
     if missing:
         raise UnsupportedModelError(f"{arch} lacks {', '.join(missing)} where kiln expects them "
                                     "(a transformers version kiln does not know?)")
     return SUPPORTED[arch]
+
+
+def max_positions(config) -> int | None:
+    """Positions a model with learned position embeddings (GPT-2) has embeddings for; None
+    for rotary ones, which extend past their training length."""
+    return getattr(config, "n_positions", None) if config.model_type == "gpt2" else None
 
 
 class _Split:
@@ -139,7 +151,8 @@ class DecoderStep(nn.Module):
     def __init__(self, causal_lm, *, with_cache: bool, last_only: bool):
         super().__init__()
         self.family = check_supported(causal_lm)
-        self.model, self.lm_head = causal_lm.model, causal_lm.lm_head
+        self.model = getattr(causal_lm, _PARTS.get(self.family, _LLAMA_PARTS)[0])
+        self.lm_head = causal_lm.lm_head
         self.config = causal_lm.config
         self.with_cache, self.last_only = with_cache, last_only
         window = getattr(self.config, "sliding_window", None)
@@ -155,8 +168,6 @@ class DecoderStep(nn.Module):
             k_cache, v_cache, valid = rest[:layers], rest[layers:2 * layers], rest[2 * layers]
             rest = rest[2 * layers + 1:]
         last = rest[0] if self.last_only else None
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb(hidden, position_ids=positions)
         mask = self._mask(positions, valid)
         cache = _StepCache(k_cache, v_cache)
         previous = self.config._attn_implementation
@@ -164,15 +175,28 @@ class DecoderStep(nn.Module):
             _register_attention()
             self.config._attn_implementation = ATTENTION
         try:
-            for layer in self.model.layers[: self.config.num_hidden_layers]:
-                hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
-                               past_key_values=cache, use_cache=True)
+            hidden = self._layers(input_ids, positions, mask, cache)
         finally:
             self.config._attn_implementation = previous
         if last is not None:
             hidden = hidden[torch.arange(hidden.shape[0]), last].unsqueeze(1)
-        logits = self.lm_head(self.model.norm(hidden))
+        norm = self.model.ln_f if self.family == "gpt2" else self.model.norm
+        logits = self.lm_head(norm(hidden))
         return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
+
+    def _layers(self, input_ids, positions, mask, cache):
+        """The embeddings and every decoder layer, each family's way."""
+        if self.family == "gpt2":
+            hidden = self.model.wte(input_ids) + self.model.wpe(positions)
+            for layer in self.model.h[: self.config.num_hidden_layers]:
+                hidden = layer(hidden, past_key_values=cache, attention_mask=mask, use_cache=True)
+            return hidden
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(hidden, position_ids=positions)
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
+                           past_key_values=cache, use_cache=True)
+        return hidden
 
     def _mask(self, positions, valid):
         """Boolean ``[B, 1, T, S + T]``: what each new token may attend to (module doc)."""
