@@ -8,6 +8,7 @@ the runtime flattens call arguments in.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import re
 import warnings
@@ -234,11 +235,38 @@ KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 
 def decompositions():
-    """torch.export's core-ATen decomposition table without the ops in KEEP_WHOLE."""
+    """torch.export's core-ATen decomposition table without the ops in KEEP_WHOLE, and
+    with :func:`_flash_attention_for_cpu` in place of torch's."""
     table = torch.export.default_decompositions()
     for op in KEEP_WHOLE:
         table.pop(op, None)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if flash in table:
+        table[flash] = _flash_attention_for_cpu(table[flash])
     return table
+
+
+def _flash_attention_for_cpu(torch_decomposition):
+    """torch's decomposition of the CPU flash-attention op returns the attention
+    *weights* as its second output, where the op returns their log-sum-exp (``[N, H,
+    L]``): harmless for inference, which drops it, wrong in a training graph, which saves
+    it for the backward pass (torch 2.13). This one returns the real log-sum-exp of the
+    scaled, masked scores, in float32 as the kernel does."""
+    def decompose(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        output, _ = torch_decomposition(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        if key.size(1) != query.size(1):                        # grouped-query attention
+            repeat = query.size(1) // key.size(1)
+            key = key.repeat_interleave(repeat, dim=1)
+        scale_ = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
+        scores = (query.float() @ key.float().transpose(-2, -1)) * scale_
+        if is_causal:
+            keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                      else scores + attn_mask.float())
+        return output, torch.logsumexp(scores, dim=-1)
+    return decompose
 
 
 # What torch says when a view's strides do not allow it (fake/meta tensors, then eager).

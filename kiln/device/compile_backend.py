@@ -1,0 +1,46 @@
+"""``torch.compile(model, backend="kiln")``: Dynamo captures the Python, AOTAutograd
+splits each captured graph into a forward and (when gradients are needed) a backward
+graph of ATen operations, and kiln compiles each through its own compiler
+(:func:`kiln.device.graphs.compile_graph`): engines chosen by measurement, host
+fallback, the compile cache, the check against eager. Graph breaks are Dynamo's
+business and are allowed; a graph kiln cannot compile runs eagerly with a warning.
+
+Registered under ``"kiln"`` through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(backend="kiln")`` works without importing kiln first;
+:func:`register_neuron_name` adds TorchNeuron's ``"neuron"`` spelling (an opt-in:
+another package may own that name). Options: ``torch.compile(model, backend="kiln",
+options={"optlevel": 1, "engine": "onnxruntime", ...})``, any ``kiln.trace`` option.
+"""
+from __future__ import annotations
+
+import itertools
+
+_graph_ids = itertools.count()
+
+
+def backend(gm, example_inputs, options=None):
+    """The Dynamo backend: ``gm`` with AOTAutograd's forward and backward graphs compiled
+    by kiln."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kiln.device.graphs import compile_graph
+    options = dict(options or {})
+    number = next(_graph_ids)
+
+    def compiler(kind):
+        def compile_one(graph, inputs):
+            run = compile_graph(graph, inputs, name=f"torch.compile graph {number} {kind}", **options)
+            return make_boxed_func(run)
+        return compile_one
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        inference_compiler=compiler("inference"))(gm, example_inputs)
+
+
+def register_neuron_name():
+    """Make ``torch.compile(backend="neuron")`` mean kiln's backend (TorchNeuron's
+    spelling), unless a backend of that name is registered already."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    if "neuron" not in _BACKENDS:
+        register_backend(name="neuron")(backend)

@@ -1,0 +1,187 @@
+"""``torch.compile(model, backend="kiln")``: training and inference through kiln's
+compiler equal PyTorch eager step by step; graphs kiln cannot compile run eagerly with
+a warning that says why; recompiles are counted and, when they keep coming, named."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.device import metrics
+from tests.conftest import run_py
+
+OPTIONS = {"optlevel": 1}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    metrics.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+class _CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)   # a bias before batch norm has no gradient
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.fc = nn.Linear(8 * 2 * 2, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+class _Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        # no biases: the key projection's bias has no gradient (softmax ignores a shift
+        # shared by all keys), and AdamW turns that gradient's rounding noise into steps
+        # of full size that differ between any two correct implementations
+        self.block = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, bias=False)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)).mean(1))
+
+
+def _data(kind):
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4, (8,), generator=g)
+    if kind == "mlp":
+        return torch.randn(8, 16, generator=g), y
+    if kind == "cnn":
+        return torch.randn(8, 3, 12, 12, generator=g), y
+    return torch.randint(0, 50, (8, 10), generator=g), y
+
+
+MODELS = {"mlp": _mlp, "cnn": _CNN, "transformer": _Transformer}
+
+
+class _Trainer:
+    """AdamW with weight decay, gradient clipping, a warm-up LR schedule and gradient
+    accumulation over two half batches; ``step()`` returns the step's loss."""
+
+    def __init__(self, model, run, x, y):
+        self.model, self.run, self.x, self.y = model, run, x, y
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 3))
+
+    def step(self):
+        self.opt.zero_grad()
+        total = 0.0
+        for part in (slice(0, 4), slice(4, 8)):
+            loss = F.cross_entropy(self.run(self.x[part]), self.y[part]) / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        return total
+
+
+def _compiles():
+    return metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile")
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_training_equals_eager_and_stops_compiling(kind):
+    torch.manual_seed(0)
+    ref = MODELS[kind]()
+    model = copy.deepcopy(ref)
+    x, y = _data(kind)
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)      # nothing ran eagerly
+        eager = _Trainer(ref, ref, x, y)
+        expected = [eager.step() for _ in range(4)]
+        trainer = _Trainer(model, compiled, x, y)
+        got = [trainer.step() for _ in range(2)]
+        after_two = _compiles()
+        got += [trainer.step() for _ in range(2)]
+    assert after_two >= 2                                   # a forward and a backward graph at least
+    assert _compiles() == after_two, metrics.report()       # static shapes: nothing new after step 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    for (name, b), c in zip(ref.named_buffers(), model.buffers()):    # batch-norm statistics
+        torch.testing.assert_close(c, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert metrics.metric_data("ExecuteTime")[0] > 0
+
+
+def test_inference_under_no_grad_equals_eager():
+    torch.manual_seed(0)
+    model = _Transformer().eval()
+    x, _ = _data("transformer")
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(compiled(x[:4]), model(x[:4]), rtol=1e-4, atol=1e-5)
+    assert metrics.counter_value("UncachedCompile") == 2
+
+
+def test_graph_that_cannot_compile_runs_eagerly_with_the_reason():
+    model = _mlp()
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend="kiln", options={"engine": "no-such-engine"}, dynamic=False)
+    with pytest.warns(RuntimeWarning, match="runs eagerly.*no-such-engine"):
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    assert metrics.counter_value("EagerGraphs") >= 1
+
+
+def test_dynamic_shapes_run_eagerly_with_a_warning():
+    model = _mlp()
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=True)
+    x = torch.randn(5, 16)
+    with pytest.warns(RuntimeWarning, match="symbolic.*dynamic=False"):
+        torch.testing.assert_close(compiled(x), model(x))
+    assert metrics.counter_value("UncachedCompile") == 0 and metrics.counter_value("EagerGraphs") >= 1
+
+
+def test_changing_shapes_warn_naming_the_input_and_shapes():
+    model = _mlp().eval()
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    caught = []
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (2, 3, 5):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    messages = [str(w.message) for w in caught if "different input shapes" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert "[2, 16] then [5, 16]" in messages[0] and "compiled for 3" in messages[0]
+    report = metrics.report()
+    assert "Metric: CompileTime\n  TotalSamples: 3" in report and "Counter: UncachedCompile\n  Value: 3" in report
+
+
+def test_backend_names_resolve_in_a_fresh_process():
+    """``backend="kiln"`` works without importing kiln (the entry point), and
+    ``"neuron"`` after kiln's opt-in."""
+    code = (
+        "import torch, warnings\n"
+        "warnings.simplefilter('error', RuntimeWarning)\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "x = torch.randn(3, 4)\n"
+        "out = torch.compile(m, backend='kiln', options={'optlevel': 1})(x)\n"
+        "torch.testing.assert_close(out, m(x))\n"
+        "import kiln.device.compile_backend as cb\n"
+        "cb.register_neuron_name()\n"
+        "torch._dynamo.reset()\n"
+        "out = torch.compile(m, backend='neuron', options={'optlevel': 1})(x)\n"
+        "torch.testing.assert_close(out, m(x))\n"
+        "from kiln.device import metrics\n"
+        "print('compiles', metrics.counter_value('UncachedCompile'))\n")
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiles 2" in proc.stdout
