@@ -58,9 +58,10 @@ def _symbolic(inputs) -> bool:
     return any(isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape) for x in inputs)
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, **options):
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_inputs=False, **options):
     """A callable ``f(*tensors) -> list of tensors``: ``gm`` compiled by kiln, or ``gm``
-    itself (eager) with a warning when it cannot be."""
+    itself (eager) with a warning when it cannot be. ``real_inputs``: the examples are
+    real data (a device's flush), used as they are."""
     inputs = list(example_inputs)
     ops = sum(n.op == "call_function" for n in gm.graph.nodes)
     metrics.sample("TensorsGraphSize", ops)
@@ -74,7 +75,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, **opti
     # checks with real tensors
     with unset_fake_temporarily():
         try:
-            compiled = trace(gm, tuple(real_example(x) for x in inputs), name=name, quiet=True, **options)
+            examples = tuple(inputs) if real_inputs else tuple(real_example(x) for x in inputs)
+            compiled = trace(gm, examples, name=name, quiet=True, **options)
         except KilnError as e:
             return _eager(gm, name, str(e))
     metrics.sample("CompileTime", time.perf_counter() - started)

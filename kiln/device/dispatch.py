@@ -1,0 +1,408 @@
+"""Where every operation on a kiln device tensor goes: recorded into the current trace,
+or run now on the host data.
+
+An operation is **recorded** (not run) when it is functional, or an in-place update of a
+tensor that is not a view and has no views (recorded as its functional form, and the
+tensor rebound to the result), or a view of a pending tensor. Recording runs the
+operation on meta tensors for the output's shape, dtype and strides; whatever meta
+cannot do is run now instead.
+
+An operation **runs now** on the host data (after flushing what it depends on) when it
+returns something other than tensors (``item()``, ``equal``), draws random numbers
+(``dropout``, ``uniform_``: from the CPU generator, in program order, so seeds give CPU's
+numbers), mutates a view or a tensor with views, has a data-dependent output shape
+(``nonzero``), or under ``torch.use_deterministic_algorithms(True)`` (op by op, as
+TorchNeuron does). Views of concrete tensors run now too: they cost nothing and share
+memory as views must.
+
+Two rewrites keep a training step's program the same from one step to the next:
+``_foreach_*`` operations are split per tensor, and Python float arguments of arithmetic
+(AdamW's bias corrections, a scheduled learning rate) become 0-dim tensor inputs, so a
+new learning rate is new data, not a new program.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.device import rewrites
+from kiln.device import tensor as dt
+from kiln.device import trace as tr
+
+aten = torch.ops.aten
+LOCK = threading.RLock()
+POLICY = tr.Policy()
+DEBUG = False
+_current = [tr.Trace()]
+
+# in-place changes of a tensor's shape or strides: a wrapper's metadata is fixed
+_METADATA_INPLACE = {"resize_", "resize_as_", "set_", "t_", "transpose_", "squeeze_", "unsqueeze_",
+                     "as_strided_", "swapdims_", "swapaxes_", "_resize_output_"}
+
+
+def current() -> tr.Trace:
+    return _current[0]
+
+
+def dispatch(func, args, kwargs):
+    with LOCK:
+        return _dispatch(func, args, kwargs)
+
+
+class _Info:
+    """What the dispatcher needs to know about an operation, worked out once."""
+    __slots__ = ("name", "foreach", "recordable", "mutation", "view", "schema")
+
+    def __init__(self, func):
+        schema = self.schema = func._schema
+        self.name = schema.name.split("::")[-1]
+        self.foreach = self.name.startswith("_foreach_")
+        self.recordable = _recordable(func, schema)
+        self.mutation = schema.is_mutable or func is aten.native_batch_norm.default
+        self.view = _is_view(schema)
+
+
+_INFO: dict = {}
+
+
+def _info(func) -> _Info:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _Info(func)
+    return info
+
+
+def _any_device_tensor(tree) -> bool:
+    for a in tree:
+        if isinstance(a, dt.DeviceTensor):
+            return True
+        if isinstance(a, (list, tuple)) and _any_device_tensor(a):
+            return True
+    return False
+
+
+def _dispatch(func, args, kwargs):
+    info = _info(func)
+    if info.foreach:
+        return rewrites.foreach(_dispatch, func, info.name, args, kwargs)
+    if info.name in _METADATA_INPLACE:
+        raise RuntimeError(f"kiln device: {func} changes a tensor's shape or strides in place, which "
+                           "kiln's device tensors do not support; use the out-of-place form")
+    target = kwargs.get("device")
+    leaving = target is not None and torch.device(target).type != dt.device_type()
+    factory = not (_any_device_tensor(args) or _any_device_tensor(kwargs.values()))
+    if factory or leaving or not info.recordable or torch.are_deterministic_algorithms_enabled():
+        return run_now(func, args, kwargs)
+    lifted = rewrites.lift_scalars(_dispatch, func, args, kwargs)
+    if lifted is not NotImplemented:
+        return lifted
+    if info.mutation:
+        out = _record_mutation(func, info.name, info.schema, args, kwargs)
+    elif info.view:
+        out = _record_view(func, args, kwargs)
+    else:
+        out = _record(func, args, kwargs)
+    if out is NotImplemented:
+        return run_now(func, args, kwargs)
+    if POLICY.mode == "eager" and len(current()) >= POLICY.window:
+        materialize()
+    return out
+
+
+def _recordable(func, schema) -> bool:
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    for ret in schema.returns:
+        text = str(ret.type)
+        if text not in ("Tensor", "List[Tensor]", "Optional[Tensor]"):
+            return False
+    return bool(schema.returns) or schema.is_mutable
+
+
+def _is_view(schema) -> bool:
+    ret = schema.returns[0] if schema.returns else None
+    return ret is not None and ret.alias_info is not None and not ret.alias_info.is_write
+
+
+# ---- running now ---------------------------------------------------------------------
+
+def materialize(reason: str = "observed"):
+    """Flush the current trace: run it and give every live pending tensor its data."""
+    with LOCK:
+        if DEBUG:
+            import traceback
+            print("FLUSH", reason, len(current()), "".join(traceback.format_stack(limit=8)[:-1]))
+        trace = current()
+        if not len(trace):
+            return
+        _current[0] = tr.Trace()
+        bound = tr.flush(trace, POLICY, at_step=reason == "optimizer step")
+        _bind(trace, bound)
+
+
+def _bind(trace, bound):
+    seen = {d.untyped_storage().data_ptr() for _, d in trace.inputs if d.numel()}
+    views = []
+    for cell, data in bound:
+        meta = trace.metas[cell.value]
+        if data.shape != meta.shape or data.dtype != meta.dtype:
+            raise RuntimeError(f"kiln device: a compiled graph returned {data.dtype}{list(data.shape)} "
+                               f"where {meta.dtype}{list(meta.shape)} was expected")
+        if data.numel() > 1 and data.stride() != meta.stride() and _dense(meta):
+            data = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).copy_(data)
+        ptr = data.untyped_storage().data_ptr() if data.numel() else None
+        if ptr is not None and ptr in seen and cell.live_base() is None:
+            data = data.clone()       # never let two tensors share memory that are not views
+        elif ptr is not None:
+            seen.add(ptr)
+        cell.data, cell.value = data, None
+        if cell.live_base() is not None:
+            views.append(cell)
+    for cell in views:
+        _rederive(cell)
+
+
+def _dense(meta) -> bool:
+    return meta.is_contiguous() or meta.is_contiguous(memory_format=torch.channels_last) \
+        if meta.dim() == 4 else meta.is_contiguous() or (meta.dim() == 2 and meta.t().is_contiguous())
+
+
+def _rederive(cell):
+    """Make a view's data a real view of its base's data again (after a flush)."""
+    base = cell.live_base()
+    if base is None or base._kc.data is None:
+        return
+    _, func, args, kwargs, index = cell.base
+    res = func(base._kc.data, *_host(args), **_host(kwargs))
+    cell.data = res if index is None else res[index]
+
+
+def _host(tree):
+    def one(a):
+        if isinstance(a, dt.DeviceTensor):
+            return a.host()
+        if isinstance(a, torch.device) and a.type == dt.device_type():
+            return torch.device("cpu")
+        return a
+    return pytree.tree_map(one, tree)
+
+
+def _is_pending(tree) -> bool:
+    return any(isinstance(a, dt.DeviceTensor) and a._kc.data is None for a in pytree.tree_leaves(tree))
+
+
+def run_now(func, args, kwargs):
+    """Run ``func`` on the host data now: after flushing the trace if the operation reads
+    a pending tensor, or writes data the trace still has to read."""
+    schema = func._schema
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    if _is_pending((args, kwargs)) or any(_read_by_trace(_arg(schema, i, args, kwargs)) for i in written):
+        materialize(f"run now: {func}")
+    out = func(*_host(args), **_host(kwargs))
+    ret = schema.returns
+    if ret and ret[0].alias_info is not None and ret[0].alias_info.is_write:
+        return _written_arg(schema, args, kwargs)
+    if not ret:
+        return None
+    target = kwargs.get("device")
+    if target is not None and torch.device(target).type != dt.device_type():
+        return out
+    base = args[0] if args and isinstance(args[0], dt.DeviceTensor) else None
+    if _is_view(schema) and base is not None:
+        if isinstance(out, torch.Tensor) and _same_layout(base._kc.data, out):
+            return dt.alias(base, out)            # detach, .data: the same cell
+        wrapped = pytree.tree_map(lambda t: dt.wrap(t) if isinstance(t, torch.Tensor) else t, out)
+        outs = wrapped if isinstance(wrapped, (list, tuple)) else [wrapped]
+        for i, o in enumerate(outs):
+            dt.note_view(o, base, func, args, kwargs, i if isinstance(wrapped, (list, tuple)) else None)
+        return wrapped
+    return pytree.tree_map(lambda t: dt.wrap(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _arg(schema, i, args, kwargs):
+    return args[i] if i < len(args) else kwargs.get(schema.arguments[i].name)
+
+
+def _read_by_trace(a) -> bool:
+    """Whether writing ``a`` (or any tensor in it) now would change what the trace, when
+    it runs, reads: the same memory, through whichever tensor or view."""
+    trace = current()
+    if not len(trace):
+        return False
+    for t in pytree.tree_leaves(a):
+        if isinstance(t, torch.Tensor):
+            data = t._kc.data if isinstance(t, dt.DeviceTensor) else t
+            if data is not None and data.numel() and trace.reads_memory(data):
+                return True
+    return False
+
+
+def _written_arg(schema, args, kwargs):
+    alias = schema.returns[0].alias_info
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set == alias.before_set:
+            return args[i] if i < len(args) else kwargs[a.name]
+    return args[0]
+
+
+# ---- recording -----------------------------------------------------------------------
+
+def _meta_like(data: torch.Tensor):
+    return torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
+
+
+def _meta_of(a):
+    """The meta tensor standing for one argument, for running an operation on meta;
+    raises TypeError for a host tensor the device cannot take as an input."""
+    if isinstance(a, dt.DeviceTensor):
+        cell = a._kc
+        return current().metas[cell.value] if cell.value is not None else _meta_like(cell.data)
+    if isinstance(a, torch.Tensor):
+        if a.dim() != 0 or a.device.type != "cpu":
+            raise TypeError("a host tensor with dimensions")
+        return _meta_like(a)
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    return a
+
+
+def _sig(a):
+    """A hashable stand-in for an argument, as far as output shapes and dtypes go."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple(_sig(x) for x in a))
+    if isinstance(a, float) and a != a:
+        return "nan"
+    return a
+
+
+_META_CACHE: dict = {}
+
+
+def meta_call(func, args, kwargs):
+    """``func`` run on meta stand-ins of its arguments (output shapes, dtypes, strides),
+    remembered per operation and argument signature: the same step recorded again costs
+    a dictionary lookup, not a shape computation."""
+    try:
+        key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()))
+        hit = _META_CACHE.get(key)
+    except TypeError:               # an unhashable constant
+        key, hit = None, None
+    if hit is not None:
+        if isinstance(hit, Exception):
+            raise hit
+        return hit
+    try:
+        out = func(*_map(_meta_of, args), **{k: _map(_meta_of, v) for k, v in kwargs.items()})
+    except Exception as e:
+        if key is not None:
+            _META_CACHE[key] = e
+        raise
+    if key is not None:
+        _META_CACHE[key] = out
+    return out
+
+
+def _map(fn, a):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map(fn, x) for x in a)
+    return fn(a)
+
+
+def _ref_of(trace, a):
+    """The argument as the graph will read it: a value of ``trace``. 0-dim host tensors
+    (an optimizer's step count) are copied in as inputs."""
+    if isinstance(a, dt.DeviceTensor):
+        cell = a._kc
+        if cell.value is not None:
+            return tr.Ref(cell.value)
+        return trace.input(cell.data, _meta_like(cell.data))
+    if isinstance(a, torch.Tensor):
+        snap = a.detach().clone()
+        return trace.input(snap, _meta_like(snap))
+    if isinstance(a, torch.device) and a.type == dt.device_type():
+        return torch.device("cpu")
+    return a
+
+
+def _record(func, args, kwargs):
+    """Record a functional operation; returns its pending output(s), or NotImplemented."""
+    try:
+        meta_out = meta_call(func, args, kwargs)
+    except Exception:
+        return NotImplemented
+    single = isinstance(meta_out, torch.Tensor)
+    metas = [meta_out] if single else list(meta_out)
+    if any(m is not None and not isinstance(m, torch.Tensor) for m in metas):
+        return NotImplemented
+    trace = current()
+    gargs = _map(lambda a: _ref_of(trace, a), args)
+    gkwargs = {k: _map(lambda a: _ref_of(trace, a), v) for k, v in kwargs.items()}
+    outs = trace.record(func, gargs, gkwargs, metas, single)
+    tensors = []
+    for k, m in zip(outs, metas):
+        if k is None:
+            tensors.append(None)
+            continue
+        t = dt.pending(m, k)
+        trace.hold(k, t._kc)
+        tensors.append(t)
+    if single:
+        return tensors[0]
+    return tensors if isinstance(meta_out, list) else tuple(tensors)
+
+
+def _record_view(func, args, kwargs):
+    base = args[0]
+    if not isinstance(base, dt.DeviceTensor) or base._kc.data is not None:
+        return run_now(func, args, kwargs)        # a view of host data: free, and shares memory
+    meta_in = _meta_of(base)
+    try:
+        meta_out = meta_call(func, args, kwargs)
+    except Exception:
+        return NotImplemented
+    if isinstance(meta_out, torch.Tensor) and _same_layout(meta_in, meta_out):
+        return dt.alias(base, meta_out)           # detach, .data, alias: the same cell
+    out = _record(func, args, kwargs)
+    if out is NotImplemented:
+        return out
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    for i, o in enumerate(outs):
+        dt.note_view(o, base, func, args, kwargs, i if isinstance(out, (list, tuple)) else None)
+    return out
+
+
+def _same_layout(a, b) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.storage_offset() == b.storage_offset())
+
+
+def _record_mutation(func, name, schema, args, kwargs):
+    """An in-place update recorded as its functional form, the updated tensors rebound
+    to the results; NotImplemented (run now) for views, tensors with views, and
+    operations without a functional form."""
+    plan = rewrites.functional_form(func, name, schema, args, kwargs)
+    if plan is None:
+        return NotImplemented
+    functional, fargs, fkwargs, targets, returns = plan
+    for t in targets:
+        if not isinstance(t, dt.DeviceTensor) or t._kc.live_base() is not None or t._kc.has_live_views():
+            return NotImplemented
+    try:    # the in-place form on meta: the errors eager would raise (a dtype it cannot hold)
+        meta_call(func, args, kwargs)
+    except Exception:
+        return NotImplemented
+    out = _record(functional, fargs, fkwargs)
+    if out is NotImplemented:
+        return out
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    updated = outs[-len(targets):] if targets else []
+    for t, new in zip(targets, updated):
+        if new.dtype != t.dtype:
+            new = _record(aten._to_copy.default, (new,), {"dtype": t.dtype})
+        t._kc.data, t._kc.value = None, new._kc.value
+        current().hold(new._kc.value, t._kc)
+    return returns(args, outs)

@@ -1,0 +1,70 @@
+"""How kiln's device runs what it records: eager mode or lazy mode.
+
+* **eager** (TorchNeuron's adaptive eager execution; the default): operations queue up
+  and run when a value is observed (``item()``, ``print``, ``cpu()``), when
+  :attr:`Policy.window` operations are queued, and at the end of every optimizer step.
+  A window ending an optimizer step is a training step, which repeats: it is compiled
+  the first time it is seen. Any other window is interpreted op by op on CPU kernels
+  the first time and compiled the second (a one-off is not worth a compile); once
+  compiled, it runs compiled from then on.
+  ``torch.use_deterministic_algorithms(True)`` turns queuing off: op by op.
+* **lazy** (torch-neuronx's XLA device): nothing runs until :func:`mark_step` or an
+  observed value; a whole training step becomes one program, compiled the first time
+  it is seen.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from kiln.device import dispatch, metrics, registration, trace
+
+_hooks: list = []
+
+
+def device(name: str = "kiln") -> torch.device:
+    """Register kiln's device (once per process) and return ``torch.device(name, 0)``."""
+    registration.register(name)
+    if not _hooks:
+        _hooks.append(register_optimizer_step_post_hook(_after_optimizer_step))
+    return torch.device(name, 0)
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    if dispatch.POLICY.mode == "eager":
+        dispatch.materialize("optimizer step")
+
+
+def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None, **options):
+    """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
+    compiled (default ``optlevel=1``: the first engine that compiles a graph, untimed)."""
+    if mode not in ("eager", "lazy"):
+        raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
+    dispatch.materialize()
+    policy = dispatch.POLICY
+    policy.mode = mode
+    policy.compile_after = compile_after if compile_after is not None else (1 if mode == "lazy" else 2)
+    if window is not None:
+        policy.window = window
+    if options:
+        policy.options = dict(options)
+    return policy
+
+
+def mode() -> str:
+    return dispatch.POLICY.mode
+
+
+def mark_step():
+    """Run what was recorded since the last step (lazy mode's step boundary)."""
+    metrics.count("MarkStep")
+    dispatch.materialize()
+
+
+def synchronize():
+    dispatch.materialize()
+
+
+def forget_compiled():
+    """Drop the compiled programs kept in this process (tests; memory)."""
+    trace.forget_programs()

@@ -1,0 +1,144 @@
+"""Registering kiln as a PyTorch device through PrivateUse1.
+
+PyTorch has one PrivateUse1 backend per process, and one name for it. :func:`register`
+names it ``"kiln"`` (or ``"neuron"``, for TorchNeuron scripts, as an opt-in) and sets up
+what PyTorch asks of a backend: the device module (``torch.kiln``: device count, seeding,
+``synchronize``, autocast dtypes), hooks and a device guard (PyTorch's Python-backend
+helper, which is experimental: it is feature-tested here and its absence is a clear
+error), and a fallback kernel that receives the operations with no device tensor
+argument to dispatch on: factories such as ``torch.zeros(..., device="kiln")``.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kiln.device import tensor as dt
+
+_LOCK = threading.Lock()
+_registered: list = []
+
+
+class DeviceUnavailable(RuntimeError):
+    """This torch cannot host a Python PrivateUse1 backend, or the name is taken."""
+
+
+def _helper():
+    try:
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    except ImportError:
+        _setup_privateuseone_for_python_backend = None
+    if _setup_privateuseone_for_python_backend is None or not hasattr(torch._C, "_acc"):
+        raise DeviceUnavailable(
+            f"kiln's device needs PyTorch's Python PrivateUse1 backend support "
+            f"(torch.utils.backend_registration._setup_privateuseone_for_python_backend, "
+            f"torch 2.13); this is torch {torch.__version__}. torch.compile(backend='kiln') and "
+            f"kiln.trace work without it")
+    return _setup_privateuseone_for_python_backend
+
+
+class DeviceModule:
+    """``torch.kiln`` (or ``torch.neuron``): what PyTorch and scripts ask of a device."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        """kiln cores (``kiln.cores()``): the CPUs a model may own, as Neuron counts
+        NeuronCores."""
+        from kiln.host import cores
+        return max(1, len(cores.visible()))
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(index) -> None:
+        pass
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """Run everything queued (eager mode) or recorded (lazy mode) now."""
+        from kiln.device.dispatch import materialize
+        materialize()
+
+    # the device's random numbers are the CPU generator's, drawn in program order
+    # (torch.manual_seed calls manual_seed_all here too: the generator, not torch.manual_seed)
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def seed() -> None:
+        torch.default_generator.seed()
+
+    seed_all = seed
+
+    @staticmethod
+    def initial_seed() -> int:
+        return torch.default_generator.initial_seed()
+
+    @staticmethod
+    def get_rng_state(device=None):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, device=None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def get_amp_supported_dtype():
+        return [torch.bfloat16, torch.float16]
+
+    @staticmethod
+    def _is_compiled() -> bool:
+        return True
+
+
+def _factory(op, *args, **kwargs):
+    from kiln.device.dispatch import dispatch
+    return dispatch(op, args, kwargs)
+
+
+def register(name: str = "kiln") -> str:
+    """Make ``torch.device(name)`` kiln's device; returns the name. Idempotent; a second
+    name in one process is an error (PrivateUse1 has one name per process)."""
+    with _LOCK:
+        if _registered:
+            if _registered[0] != name:
+                raise DeviceUnavailable(
+                    f"kiln's device is registered as '{_registered[0]}' in this process; PyTorch allows "
+                    f"one PrivateUse1 name per process, so '{name}' cannot be added")
+            return name
+        setup = _helper()
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", name):
+            raise DeviceUnavailable(f"PyTorch's PrivateUse1 backend is already named '{current}' in this "
+                                    f"process (another package registered it); kiln cannot register '{name}'")
+        setup(rename=name if current != name else None, backend_module=DeviceModule())
+        dt.set_device_type(name)
+        library = torch.library.Library("_", "IMPL")
+        library.fallback(_factory, dispatch_key="PrivateUse1")
+        from kiln.device import autocast
+        _registered.append(name)
+        # kept alive: the registrations live as long as their libraries
+        _registered.extend([library, autocast.register(name)])
+        return name
+
+
+def registered_name():
+    return _registered[0] if _registered else None

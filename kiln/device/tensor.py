@@ -1,0 +1,136 @@
+"""The tensor of kiln's device: a PyTorch wrapper subclass on the ``kiln`` (PrivateUse1)
+device whose data lives in host memory.
+
+A :class:`DeviceTensor` points at a :class:`Cell`, which holds its value in one of two
+states:
+
+* **concrete**: ``data`` is an ordinary CPU tensor with the same shape and dtype; CPU
+  kernels read and write it in place, with no copy.
+* **pending**: ``value`` is a value index in the current
+  :class:`~kiln.device.trace.Trace` (an operation recorded, not yet run). Reading it
+  (``item()``, ``print``, ``cpu()``) flushes the trace.
+
+Aliases that are the whole tensor (``detach``, ``.data``, ``alias``) share one cell, so
+an in-place update through either is seen by both with nothing to copy. Other views
+(slices, transposes, reshapes) get a cell of their own that remembers its base and how
+it was made (``base``); the base's cell knows its live views (``views``). After a flush
+a view is re-derived from its base's data, so the two share memory as views must, and
+mutating a view (or a tensor with views) runs at once on that shared memory instead of
+being recorded (see :mod:`kiln.device.dispatch`).
+
+Every operation on these tensors arrives at ``__torch_dispatch__`` (below autograd, so
+backward passes arrive too) and goes to :func:`kiln.device.dispatch.dispatch`.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_DEVICE = ["kiln"]     # the PrivateUse1 name: "kiln", or "neuron" when the user opts in
+
+
+def device_type() -> str:
+    return _DEVICE[0]
+
+
+def set_device_type(name: str):
+    _DEVICE[0] = name
+
+
+class Cell:
+    """What a device tensor (and its whole-tensor aliases) holds."""
+    __slots__ = ("data", "value", "base", "views", "__weakref__")
+
+    def __init__(self, data=None, value=None):
+        self.data = data          # a CPU tensor, or None while pending
+        self.value = value        # value index in the current trace while pending
+        self.base = None          # (weakref to the base DeviceTensor, op, args after the base,
+        #                            kwargs, output index) for views
+        self.views = None         # weak set of the cells of live views of this one
+
+    def has_live_views(self) -> bool:
+        return bool(self.views) and any(True for _ in self.views)
+
+    def live_base(self):
+        """The base tensor of this view while it lives, else None: a view whose base is
+        gone (a backward pass's temporary, typically) aliases nothing anyone can see,
+        and is from then on a tensor of its own."""
+        if self.base is None:
+            return None
+        base = self.base[0]()
+        if base is None:
+            self.base = None
+        return base
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor on kiln's device; see the module docstring."""
+
+    @staticmethod
+    def __new__(cls, like, cell):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
+            dtype=like.dtype, device=torch.device(_DEVICE[0], 0), requires_grad=False)
+        t._kc = cell
+        return t
+
+    def __init__(self, like, cell):
+        super().__init__()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from kiln.device.dispatch import dispatch
+        return dispatch(func, args, kwargs or {})
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def host(self) -> torch.Tensor:
+        """The concrete CPU tensor (shared memory, not a copy), flushing pending work first."""
+        if self._kc.data is None:
+            from kiln.device.dispatch import materialize
+            materialize()
+        return self._kc.data
+
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(self.host())
+        grad = f", grad_fn=<{type(self.grad_fn).__name__}>" if self.grad_fn is not None else ""
+        body = text[:-1] if text.endswith(")") else text
+        body = body.split(", grad_fn=")[0].split(", requires_grad=")[0]
+        return f"{body}, device='{self.device}'{grad})"
+
+    __str__ = __repr__
+
+    def numpy(self, *, force=False):
+        """A copy's NumPy array: the data is in host memory already (a real device
+        would refuse; copying keeps the device tensor from being changed behind its back)."""
+        return self.host().detach().clone().numpy()
+
+    def __reduce_ex__(self, protocol):
+        # torch.save writes the host data as an ordinary CPU tensor, so torch.load with
+        # weights_only=True reads it; load_state_dict copies it back onto the device
+        return self.host().detach().clone().__reduce_ex__(protocol)
+
+
+def wrap(data: torch.Tensor) -> DeviceTensor:
+    """A concrete device tensor over ``data`` (a CPU tensor), no copy."""
+    return DeviceTensor(data, Cell(data=data))
+
+
+def pending(meta: torch.Tensor, value: int) -> DeviceTensor:
+    """A pending device tensor shaped like ``meta`` (a meta tensor)."""
+    return DeviceTensor(meta, Cell(value=value))
+
+
+def alias(t: DeviceTensor, like) -> DeviceTensor:
+    """A whole-tensor alias of ``t`` (``detach``, ``.data``): the same cell."""
+    return DeviceTensor(like, t._kc)
+
+
+def note_view(view: DeviceTensor, base: DeviceTensor, func, args, kwargs, index):
+    """Record that ``view`` was made from ``base`` by ``func`` (its output ``index``)."""
+    view._kc.base = (weakref.ref(base), func, tuple(args[1:]), kwargs, index)
+    cell = base._kc
+    if cell.views is None:
+        cell.views = weakref.WeakSet()
+    cell.views.add(view._kc)

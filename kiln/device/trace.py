@@ -1,0 +1,226 @@
+"""The recorded operations of kiln's device, and what a flush does with them.
+
+A :class:`Trace` is a straight-line program of ATen operations over values: its inputs
+are the host tensors it reads, every other value is an operation's output, and every
+operation is functional (in-place updates were recorded as their functional forms and
+rebound by :mod:`kiln.device.dispatch`). Its key is built as it grows: operations,
+wiring, constants, and the shapes, strides and dtypes of its inputs, never their data,
+so a training step recorded again next iteration has the same key.
+
+A flush (:func:`flush`) chooses the program's outputs (the values some live tensor still
+holds), then runs it: through the compiled graph kept for its key, by interpreting it op
+by op on CPU kernels, or by compiling it first (:func:`kiln.device.graphs.compile_graph`:
+kiln's engines, the compile cache, the check against eager). When to compile is the
+mode's choice (:class:`Policy`): lazy mode compiles the first time a program is seen,
+eager mode the second (one-off windows are not worth a compile).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+import threading
+import time
+
+import torch
+import torch.fx as fx
+
+from kiln.device import metrics
+
+
+class Ref:
+    """A value of the trace inside an operation's recorded arguments."""
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __repr__(self):
+        return f"%{self.k}"
+
+
+@dataclasses.dataclass
+class Policy:
+    mode: str = "eager"           # "eager" (queue, fused windows) or "lazy" (until mark_step)
+    window: int = 512             # eager mode: flush when this many operations are queued
+    compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
+    #                               eager mode: 1 for windows ending an optimizer step)
+    options: dict = dataclasses.field(default_factory=lambda: {"optlevel": 1})
+
+
+@dataclasses.dataclass
+class _Op:
+    func: object
+    args: tuple
+    kwargs: dict
+    outs: list          # value index per output (None where the op returned None)
+    single: bool        # the op returns one tensor, not a tuple or list
+
+
+class Trace:
+    def __init__(self):
+        self.ops: list = []
+        self.metas: list = []             # value index -> meta tensor
+        self.inputs: list = []            # (value index, host tensor)
+        self._input_of: dict = {}         # id(host tensor) -> value index
+        self._memory: set = set()         # storage addresses of the inputs
+        self.holders: dict = {}           # value index -> weakref to the cell holding it
+        self._key = hashlib.blake2b(digest_size=16)
+
+    def __len__(self):
+        return len(self.ops)
+
+    def input(self, data: torch.Tensor, meta) -> Ref:
+        k = self._input_of.get(id(data))
+        if k is None:
+            k = len(self.metas)
+            self.metas.append(meta)
+            self.inputs.append((k, data))
+            self._input_of[id(data)] = k
+            if data.numel():
+                self._memory.add(data.untyped_storage().data_ptr())
+            self._key.update(f"in{k}:{data.dtype}{tuple(data.shape)}{data.stride()};".encode())
+        return Ref(k)
+
+    def reads_memory(self, data: torch.Tensor) -> bool:
+        return data.untyped_storage().data_ptr() in self._memory
+
+    def record(self, func, args, kwargs, out_metas, single) -> list:
+        outs = []
+        for meta in out_metas:
+            if meta is None:
+                outs.append(None)
+                continue
+            outs.append(len(self.metas))
+            self.metas.append(meta)
+        self.ops.append(_Op(func, args, kwargs, outs, single))
+        self._key.update(f"{func}{args!r}{kwargs!r}->{outs};".encode())
+        return outs
+
+    def hold(self, k: int, cell):
+        import weakref
+        self.holders[k] = weakref.ref(cell)
+
+    def live_outputs(self) -> list:
+        """(value index, cell) for each value a live tensor still holds."""
+        out = []
+        for k, ref in self.holders.items():
+            cell = ref()
+            if cell is not None and cell.value == k:
+                out.append((k, cell))
+        return out
+
+    def key(self, outputs) -> tuple:
+        return (self._key.hexdigest(), tuple(outputs))
+
+    def graph(self, outputs) -> fx.GraphModule:
+        """The program as an FX graph of flat tensors, dead code removed."""
+        g = fx.Graph()
+        env = {k: g.placeholder(f"in{k}") for k, _ in self.inputs}
+
+        def arg(a):
+            if isinstance(a, Ref):
+                return env[a.k]
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg(x) for x in a)
+            return a
+        for op in self.ops:
+            node = g.call_function(op.func, arg(op.args), {k: arg(v) for k, v in op.kwargs.items()})
+            if op.single:
+                env[op.outs[0]] = node
+                continue
+            for i, k in enumerate(op.outs):
+                if k is not None:
+                    env[k] = g.call_function(operator.getitem, (node, i))
+        g.output(tuple(env[k] for k in outputs))
+        g.eliminate_dead_code()
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    def interpret(self, outputs) -> list:
+        """Run the program op by op on CPU kernels."""
+        env = {k: data for k, data in self.inputs}
+
+        def arg(a):
+            if isinstance(a, Ref):
+                return env[a.k]
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg(x) for x in a)
+            return a
+        for op in self.ops:
+            res = op.func(*arg(op.args), **{k: arg(v) for k, v in op.kwargs.items()})
+            if op.single:
+                env[op.outs[0]] = res
+            else:
+                for k, r in zip(op.outs, res):
+                    if k is not None:
+                        env[k] = r
+        return [env[k] for k in outputs]
+
+
+class _Entry:
+    __slots__ = ("seen", "run", "name")
+
+    def __init__(self, name):
+        self.seen = 0
+        self.run = None
+        self.name = name
+
+
+_programs: dict = {}           # key -> _Entry
+_programs_lock = threading.Lock()
+
+
+def forget_programs():
+    with _programs_lock:
+        _programs.clear()
+
+
+def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
+    """Run ``trace``; returns ``(cell, host tensor)`` for each live output. ``at_step``:
+    the flush ends an optimizer step, so the program is a training step that will
+    repeat and is compiled the first time it is seen."""
+    live = trace.live_outputs()
+    if not trace.ops:
+        return []
+    outputs = [k for k, _ in live]
+    key = trace.key(outputs)
+    with _programs_lock:
+        entry = _programs.get(key)
+        if entry is None:
+            entry = _programs[key] = _Entry(f"kiln device graph {len(_programs)}")
+        entry.seen += 1
+    inputs = [data for _, data in trace.inputs]
+    threshold = 1 if at_step else policy.compile_after
+    if entry.run is None and entry.seen >= threshold and outputs:
+        entry.run = _compile(trace, outputs, inputs, entry.name, policy)
+    if entry.run is not None:
+        results = entry.run(*inputs)
+    else:
+        started = time.perf_counter()
+        results = trace.interpret(outputs)
+        metrics.count("InterpretedGraphs")
+        metrics.sample("ExecuteTime", time.perf_counter() - started)
+    return [(cell, data) for (_, cell), data in zip(live, results)]
+
+
+def _compile(trace, outputs, inputs, name, policy):
+    """Compile on a fresh thread: a flush usually happens inside ``__torch_dispatch__``
+    (a value was read), whose thread-local dispatch state (the Python key excluded)
+    would leak into torch.export's tracing and break it. Warnings are re-raised here,
+    in the caller's thread."""
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.device.graphs import compile_graph
+    gm = trace.graph(outputs)
+
+    def work():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = compile_graph(gm, inputs, name=name, real_inputs=True, **policy.options)
+        return run, caught
+    with ThreadPoolExecutor(1, thread_name_prefix="kiln-device-compile") as pool:
+        run, caught = pool.submit(work).result()
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return run

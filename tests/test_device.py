@@ -1,0 +1,199 @@
+"""kiln as a PyTorch device (``torch.device("kiln")``): tensors, printing, seeds,
+autocast and checkpoints behave as on a real device; training in eager and lazy modes
+equals CPU eager step by step; a whole step becomes one compiled program that is not
+recompiled once shapes are static; host-only operations and graphs that cannot compile
+still give the right answers."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.device import metrics, modes
+from tests.test_device_compile import MODELS, _data
+
+DEV = modes.device()
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    metrics.clear()
+    modes.forget_compiled()
+    yield
+    modes.set_mode("eager")
+
+
+def test_tensors_behave_like_a_device():
+    x = torch.arange(6.0).reshape(2, 3).to(DEV)
+    assert x.device == torch.device("kiln", 0) and x.device.type == "kiln"
+    y = x * 2 + 1
+    assert "device='kiln:0'" in repr(y) and "11." in repr(y)
+    assert y.sum().item() == 36.0 and float(y[1, 2]) == 11.0
+    assert torch.equal(y.cpu(), torch.arange(6.0).reshape(2, 3) * 2 + 1)
+    assert y.cpu().device.type == "cpu" and y.numpy().tolist() == [[1, 3, 5], [7, 9, 11]]
+    assert torch.kiln.device_count() >= 1 and torch.kiln.is_available()
+    torch.kiln.manual_seed(3)
+    a = torch.randn(5, device=DEV).cpu()
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.randn(5))              # the CPU generator, in program order
+    torch.kiln.synchronize()
+
+
+def test_views_and_in_place_updates_share_memory():
+    base = torch.zeros(3, 4, device=DEV)
+    row = base[1]
+    row.add_(2.0)                                      # through a view: the base sees it
+    base.t()[3].fill_(7.0)                             # a view of a view
+    expected = torch.zeros(3, 4)
+    expected[1] += 2.0
+    expected.t()[3].fill_(7.0)
+    assert torch.equal(base.cpu(), expected) and torch.equal(row.cpu(), expected[1])
+    alias = base.detach()
+    alias.mul_(3.0)                                    # a whole-tensor alias shares the cell
+    assert torch.equal(base.cpu(), expected * 3)
+
+
+def test_state_dict_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(DEV)
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)       # plain CPU tensors: no device class to trust
+    assert all(v.device.type == "cpu" for v in loaded.values())
+    other = torch.nn.Linear(4, 3).to(DEV)
+    other.load_state_dict(loaded)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(other(x.to(DEV)).cpu(), model(x.to(DEV)).cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_autocast_bf16_matches_cpu_autocast():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+    model.to(DEV)
+    with torch.autocast("kiln", dtype=torch.bfloat16):
+        dout = model(x.to(DEV))
+        dloss = F.cross_entropy(dout, y.to(DEV))
+    assert dout.dtype == torch.bfloat16 and dloss.dtype == torch.float32
+    torch.testing.assert_close(dout.cpu(), out, rtol=0, atol=0)
+    torch.testing.assert_close(dloss.cpu(), loss, rtol=1e-6, atol=1e-6)
+
+
+def _train(model, x, y, steps, *, device=None, lazy=False, autocast=False):
+    """AdamW + weight decay, clipping, a warm-up schedule and two accumulated half
+    batches; returns the loss per step and the compile count after each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    kind = (device or torch.device("cpu")).type
+    losses, compiles = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for part in (slice(0, 4), slice(4, 8)):
+            xs, ys = x[part], y[part]
+            if device is not None:
+                xs, ys = xs.to(device), ys.to(device)
+            with torch.autocast(kind, dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(xs), ys) / 2
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if lazy:
+            modes.mark_step()
+        losses.append(total)
+        compiles.append(metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile"))
+    return [float(t) for t in losses], compiles
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_training_equals_cpu_eager(kind, mode):
+    torch.manual_seed(0)
+    ref = MODELS[kind]()
+    model = copy.deepcopy(ref).to(DEV)
+    x, y = _data(kind)
+    modes.set_mode(mode)
+    expected, _ = _train(ref, x, y, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # every graph compiled
+        got, compiles = _train(model, x, y, 4, device=DEV, lazy=mode == "lazy")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    for (name, b), c in zip(ref.named_buffers(), model.buffers()):
+        torch.testing.assert_close(c.cpu(), b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert compiles[1] >= 1, metrics.report()
+    assert compiles[-1] == compiles[1], (compiles, metrics.report())   # nothing new after step 2
+    if mode == "lazy":
+        assert metrics.counter_value("MarkStep") == 4
+
+
+def test_bf16_autocast_training_follows_cpu():
+    torch.manual_seed(0)
+    ref = MODELS["mlp"]()
+    model = copy.deepcopy(ref).to(DEV)
+    x, y = _data("mlp")
+    modes.set_mode("lazy")
+    expected, _ = _train(ref, x, y, 3, autocast=True)
+    got, _ = _train(model, x, y, 3, device=DEV, lazy=True, autocast=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=2e-2, atol=2e-2)
+
+
+def test_host_only_operations_in_the_middle_of_a_graph():
+    modes.set_mode("lazy")
+    torch.manual_seed(1)
+    a = torch.randn(6, 5)
+    d = a.to(DEV)
+    h = (d * 2).relu()
+    idx = torch.nonzero(h > 0.5)                   # data-dependent shape: runs on the host
+    picked = h[h > 0.5]
+    torch.manual_seed(2)
+    dropped = F.dropout(h, 0.5)                    # random: the CPU generator, in order
+    out = (picked.sum() + dropped.sum()) * 3
+    modes.mark_step()
+    ch = (a * 2).relu()
+    torch.manual_seed(2)
+    expected = (ch[ch > 0.5].sum() + F.dropout(ch, 0.5).sum()) * 3
+    assert torch.equal(idx.cpu(), torch.nonzero(ch > 0.5))
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+def test_a_graph_that_fails_to_compile_runs_on_the_host_with_a_warning():
+    modes.set_mode("lazy", engine="no-such-engine")
+    x = torch.randn(4, 4)
+    d = x.to(DEV)
+    out = (d @ d).tanh() + 1
+    with pytest.warns(RuntimeWarning, match="runs eagerly.*no-such-engine"):
+        modes.mark_step()
+    torch.testing.assert_close(out.cpu(), (x @ x).tanh() + 1)
+    modes.set_mode("lazy", optlevel=1)
+
+
+def test_deterministic_algorithms_run_op_by_op():
+    modes.set_mode("eager")
+    torch.use_deterministic_algorithms(True)
+    try:
+        d = torch.ones(3, device=DEV)
+        out = (d + 1) * 2
+        assert out._kc.data is not None               # ran at once: nothing queued
+        assert out.cpu().tolist() == [4.0, 4.0, 4.0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert metrics.counter_value("UncachedCompile") == 0
+
+
+def test_changing_shapes_warn_in_lazy_mode():
+    modes.set_mode("lazy")
+    w = torch.randn(4, 4).to(DEV)
+    with pytest.warns(RuntimeWarning, match="different input shapes"):
+        for rows in (2, 3, 5):
+            out = torch.randn(rows, 4).to(DEV) @ w
+            modes.mark_step()
+            assert out.shape == (rows, 4)
+    assert metrics.counter_value("UncachedCompile") == 3
