@@ -12,13 +12,13 @@ import sys
 
 from rich.console import Console
 
-from kiln.cli import bench, cache, llm, observe, serve, trust
+from kiln.cli import bench, cache, llm, observe, run_xla, serve, trust
 from kiln.cli import compile as compile_cmds
 from kiln.cli import inspect as inspect_cmd
 
 COMMANDS = (compile_cmds.add_analyze, compile_cmds.add_compile, compile_cmds.add_run, inspect_cmd.add_parser,
             trust.add_parser, observe.add_ls, bench.add_parser, serve.add_parser, observe.add_monitor,
-            observe.add_top, cache.add_cache, cache.add_parallel_compile, llm.add_parser)
+            observe.add_top, cache.add_cache, cache.add_parallel_compile, llm.add_parser, run_xla.add_parser)
 
 
 def build_parser():
@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:   # its own parser; starlette/uvicorn load only when serving
         return serve.main(argv[1:])
+    if argv[:1] == ["run-xla"]:  # the script's arguments are the script's, flags included
+        return run_xla.main(argv[1:])
     args, extra = build_parser().parse_known_args(argv)
     takes_flags = args.cmd in compile_cmds.TAKES_BARE_COMPILER_FLAGS
     if extra:

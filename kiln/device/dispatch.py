@@ -86,7 +86,7 @@ def _any_device_tensor(tree) -> bool:
 def _dispatch(func, args, kwargs):
     info = _info(func)
     if info.foreach:
-        return rewrites.foreach(_dispatch, func, info.name, args, kwargs)
+        return rewrites.foreach(_dispatch, run_now, func, info.name, args, kwargs)
     if info.name in _METADATA_INPLACE:
         raise RuntimeError(f"kiln device: {func} changes a tensor's shape or strides in place, which "
                            "kiln's device tensors do not support; use the out-of-place form")
@@ -406,3 +406,6 @@ def _record_mutation(func, name, schema, args, kwargs):
         t._kc.data, t._kc.value = None, new._kc.value
         current().hold(new._kc.value, t._kc)
     return returns(args, outs)
+
+
+dt.set_handlers(dispatch, materialize)

@@ -55,6 +55,10 @@ def mode() -> str:
     return dispatch.POLICY.mode
 
 
+def policy():
+    return dispatch.POLICY
+
+
 def mark_step():
     """Run what was recorded since the last step (lazy mode's step boundary)."""
     metrics.count("MarkStep")

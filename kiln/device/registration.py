@@ -133,7 +133,8 @@ def register(name: str = "kiln") -> str:
         dt.set_device_type(name)
         library = torch.library.Library("_", "IMPL")
         library.fallback(_factory, dispatch_key="PrivateUse1")
-        from kiln.device import autocast
+        from kiln.device import autocast, dispatch
+        assert dispatch.current() is not None        # its handlers are installed on the tensor class
         _registered.append(name)
         # kept alive: the registrations live as long as their libraries
         _registered.extend([library, autocast.register(name)])

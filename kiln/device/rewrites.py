@@ -37,7 +37,7 @@ def _element_op(name: str, overload: str):
     return None
 
 
-def foreach(dispatch, func, name, args, kwargs):
+def foreach(dispatch, run_now, func, name, args, kwargs):
     """``_foreach_<op>(lists...)`` as ``<op>`` per element; run as a whole on the host
     when there is no per-element operation."""
     base = name[len("_foreach_"):]
@@ -47,7 +47,6 @@ def foreach(dispatch, func, name, args, kwargs):
     else:
         element = _element_op(base, func._overloadname)
     if element is None or not lists:
-        from kiln.device.dispatch import run_now
         return run_now(func, args, kwargs)
     params = element._schema.arguments
     n = len(lists[0])

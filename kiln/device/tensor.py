@@ -28,6 +28,13 @@ import weakref
 import torch
 
 _DEVICE = ["kiln"]     # the PrivateUse1 name: "kiln", or "neuron" when the user opts in
+# kiln.device.dispatch's dispatch and materialize, installed by that module when it loads
+# (it imports this one, so this one cannot import it)
+_HANDLERS: dict = {}
+
+
+def set_handlers(dispatch, materialize):
+    _HANDLERS["dispatch"], _HANDLERS["materialize"] = dispatch, materialize
 
 
 def device_type() -> str:
@@ -80,16 +87,14 @@ class DeviceTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from kiln.device.dispatch import dispatch
-        return dispatch(func, args, kwargs or {})
+        return _HANDLERS["dispatch"](func, args, kwargs or {})
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def host(self) -> torch.Tensor:
         """The concrete CPU tensor (shared memory, not a copy), flushing pending work first."""
         if self._kc.data is None:
-            from kiln.device.dispatch import materialize
-            materialize()
+            _HANDLERS["materialize"]()
         return self._kc.data
 
     def __repr__(self, *, tensor_contents=None):

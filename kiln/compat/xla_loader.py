@@ -1,0 +1,59 @@
+"""torch_xla's ``parallel_loader`` (``MpDeviceLoader``, ``ParallelLoader``) on kiln's
+device: batches moved to the device as they are taken, and ``mark_step`` between
+batches, so each training step is one program without the script calling it.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.compat import xla_model as xm
+
+
+def _to(data, device):
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, dict):
+        return type(data)((k, _to(v, device)) for k, v in data.items())
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_to(v, device) for v in data)
+    if hasattr(data, "_fields"):                       # a named tuple
+        return type(data)(*(_to(v, device) for v in data))
+    return data
+
+
+class PerDeviceLoader:
+    """Iterates ``loader`` with each batch on ``device``; marks the step before taking the
+    next batch (as torch_xla does: the step that used the last batch ends there) and
+    once more when the loader is exhausted."""
+
+    def __init__(self, loader, device, batches_per_execution: int = 1):
+        self._loader = loader
+        self._device = device
+        self._per = max(1, int(batches_per_execution))
+
+    def __iter__(self):
+        taken = 0
+        for batch in self._loader:
+            if taken and taken % self._per == 0:
+                xm.mark_step()
+            taken += 1
+            yield _to(batch, self._device)
+        xm.mark_step()
+
+    def __len__(self):
+        return len(self._loader)
+
+
+class ParallelLoader:
+    def __init__(self, loader, devices, batchdim=0, batches_per_execution=1, loader_prefetch_size=8,
+                 device_prefetch_size=4, host_to_device_transfer_threads=1, input_sharding=None):
+        self._loader = loader
+        self._per = batches_per_execution
+
+    def per_device_loader(self, device):
+        return PerDeviceLoader(self._loader, device, self._per)
+
+
+def MpDeviceLoader(loader, device, **kwargs):  # noqa: N802 (torch_xla's name)
+    """``for x, y in MpDeviceLoader(loader, device)``: batches on the device, a step each."""
+    return PerDeviceLoader(loader, device, kwargs.get("batches_per_execution", 1))

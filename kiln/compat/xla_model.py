@@ -1,0 +1,198 @@
+"""torch_xla's ``xla_model`` (``import torch_xla.core.xla_model as xm``) on kiln's lazy
+device: what torch-neuronx training scripts call, with the same names and defaults.
+
+Importing it puts kiln's device in lazy mode: nothing runs until ``xm.mark_step()`` (or
+a value is read), so a training step is one program, compiled once through kiln's
+compiler and cache. Compile settings come from ``NEURON_CC_FLAGS`` (``-O1``..``-O3``,
+``--optlevel``, ``--auto-cast``, ``--auto-cast-type``, ``--target``; the cache from
+``--cache_dir`` or ``NEURON_COMPILE_CACHE_URL``); flags that only mean something to
+Neuron's compiler (``--model-type``, ``--distribution-strategy``...) are ignored with a
+warning. Ranks and world size come from ``torch.distributed`` when it is initialised
+(``torchrun`` + ``dist.init_process_group("xla")``), else this is rank 0 of 1.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import warnings
+
+import torch
+
+from kiln import config
+from kiln.compat.common import neuron_cache_options
+from kiln.compiler.options import parse_compiler_args
+from kiln.device import metrics, modes
+from kiln.errors import CompilerArgsError
+
+REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "and", "or", "min", "max"
+_closures: list = []
+_KNOWN = ("-O1", "-O2", "-O3", "--optlevel", "-O", "--auto-cast", "--auto-cast-type", "--target")
+
+
+def device_options() -> dict:
+    """kiln.trace options for the device's graphs, from Neuron's environment."""
+    options = {"optlevel": 1}
+    flags, ignored = [], []
+    tokens = shlex.split(config.get("NEURON_CC_FLAGS"))
+    i = 0
+    while i < len(tokens):
+        flag = tokens[i].split("=", 1)[0]
+        takes_value = "=" not in tokens[i] and flag not in ("-O1", "-O2", "-O3") and i + 1 < len(tokens) \
+            and not tokens[i + 1].startswith("-")
+        group = tokens[i:i + 2] if takes_value else tokens[i:i + 1]
+        if flag in _KNOWN:
+            flags += group
+        elif not flag.startswith("--cache_dir") and flag != "--retry_failed_compilation":
+            ignored += group
+        i += len(group)
+    try:
+        options.update(parse_compiler_args(flags))
+    except CompilerArgsError as e:
+        raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
+    if ignored:
+        warnings.warn(f"kiln: NEURON_CC_FLAGS {' '.join(ignored)} mean nothing to kiln's compiler and are "
+                      "ignored", RuntimeWarning, stacklevel=3)
+    options.update(neuron_cache_options())
+    return options
+
+
+def xla_device(n=None, devkind=None) -> torch.device:
+    """kiln's device (lazy mode). ``n`` is accepted; one device per process, as
+    torch-neuronx gives one NeuronCore per process under torchrun."""
+    dev = modes.device()
+    if modes.mode() != "lazy" or not _configured:
+        modes.set_mode("lazy", **device_options())
+        _configured.append(True)
+    return dev
+
+
+_configured: list = []
+
+
+def xla_device_hw(device) -> str:
+    return "NEURON"
+
+
+def is_xla_tensor(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == modes.device().type
+
+
+def mark_step(wait: bool = False):
+    """End the step: run the recorded program, then the step closures."""
+    modes.mark_step()
+    pending, _closures[:] = list(_closures), []
+    for fn, args in pending:
+        fn(*args)
+
+
+def add_step_closure(closure, args=(), run_async=False):
+    """Run ``closure(*args)`` after the next ``mark_step``, when the step's values are
+    real (logging a loss without breaking the step into two programs)."""
+    _closures.append((closure, tuple(args)))
+
+
+def wait_device_ops(devices=None):
+    modes.synchronize()
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def get_ordinal(defval: int = 0) -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else defval
+
+
+def get_local_ordinal(defval: int = 0) -> int:
+    return int(os.environ.get("LOCAL_RANK", get_ordinal(defval)))
+
+
+def xrt_world_size(defval: int = 1) -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist else defval
+
+
+get_world_size = xrt_world_size
+
+
+def is_master_ordinal(local: bool = True) -> bool:
+    return (get_local_ordinal() if local else get_ordinal()) == 0
+
+
+def master_print(*args, fd=sys.stdout, finish=False, flush=True, **kwargs):
+    if is_master_ordinal(local=False):
+        print(*args, file=fd, flush=flush, **kwargs)
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list:
+    """Wait for every rank; returns each rank's payload."""
+    dist = _dist()
+    if dist is None:
+        return [payload]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, payload)
+    return out
+
+
+def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=True):
+    """Reduce ``inputs`` (a tensor or a list) over all ranks, in place; returns them."""
+    import torch.distributed as tdist
+    ops = {REDUCE_SUM: tdist.ReduceOp.SUM, REDUCE_MUL: tdist.ReduceOp.PRODUCT, REDUCE_MIN: tdist.ReduceOp.MIN,
+           REDUCE_MAX: tdist.ReduceOp.MAX, REDUCE_AND: tdist.ReduceOp.BAND, REDUCE_OR: tdist.ReduceOp.BOR}
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    dist = _dist()
+    for t in tensors:
+        if dist is not None:
+            dist.all_reduce(t, op=ops[reduce_type])
+        if scale != 1.0:
+            t.mul_(scale)
+    return inputs
+
+
+def reduce_gradients(optimizer, groups=None, pin_layout=True):
+    """Average every parameter's gradient over the ranks (data parallelism)."""
+    world = xrt_world_size()
+    if world <= 1:
+        return
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    all_reduce(REDUCE_SUM, grads, scale=1.0 / world)
+
+
+def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None, groups=None, pin_layout=True):
+    """All-reduce the gradients (when distributed), then ``optimizer.step()``;
+    ``mark_step`` too when ``barrier`` (otherwise the loader's next batch does it)."""
+    reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        mark_step()
+    return loss
+
+
+def _to_cpu(data):
+    if isinstance(data, torch.Tensor):
+        return data.detach().cpu()
+    if isinstance(data, dict):
+        return type(data)((k, _to_cpu(v)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_cpu(v) for v in data)
+    return data
+
+
+def save(data, file_or_path, master_only: bool = True, global_master: bool = False):
+    """``torch.save`` of ``data`` moved to the CPU, written by the master only (atomically:
+    a crash mid-write leaves the old file)."""
+    cpu = _to_cpu(data)
+    if master_only and not is_master_ordinal(local=not global_master):
+        return
+    if not isinstance(file_or_path, (str, os.PathLike)):
+        torch.save(cpu, file_or_path)
+        return
+    from kiln.atomic import write_atomic
+    write_atomic(os.fspath(file_or_path), lambda f: torch.save(cpu, f))
+
+
+def metrics_report() -> str:
+    return metrics.report()

@@ -1,0 +1,34 @@
+"""torch_xla's ``runtime`` (``import torch_xla.runtime as xr``) on kiln."""
+from __future__ import annotations
+
+from kiln.compat import xla_model as xm
+
+
+def world_size() -> int:
+    return xm.xrt_world_size()
+
+
+def global_ordinal() -> int:
+    return xm.get_ordinal()
+
+
+def local_ordinal() -> int:
+    return xm.get_local_ordinal()
+
+
+def device_type() -> str:
+    return "NEURON"
+
+
+def use_spmd(*args, **kwargs):
+    raise NotImplementedError("kiln's device has no SPMD partitioner; use torch.distributed "
+                              "(DDP, FSDP2) over the 'xla' backend")
+
+
+def initialize_cache(path: str, readonly: bool = False):
+    """torch_xla's persistent cache: the device's graphs use kiln's compile cache at
+    ``path`` (a directory or fsspec URL)."""
+    from kiln.device import modes
+    xm.xla_device()
+    options = dict(modes.policy().options, cache=path)
+    modes.set_mode("lazy", **options)

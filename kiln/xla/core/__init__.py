@@ -1,0 +1,1 @@
+"""torch_xla.core on kiln: see :mod:`kiln.xla`."""

@@ -1,0 +1,1 @@
+"""torch_xla.distributed on kiln: see :mod:`kiln.xla`."""

@@ -1,0 +1,114 @@
+"""torch_xla's spelling on kiln's lazy device: a torch-neuronx training script runs
+unchanged through ``kiln run-xla`` (or with its imports swapped to ``kiln.xla``) and
+trains as CPU eager does."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_py
+
+SCRIPT = os.path.join(ROOT, "tests", "data", "xla_mnist_mlp.py")
+
+
+def _cpu_losses(steps=6, batch=32):
+    """The script's loop on the CPU, PyTorch eager."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("mnist_cpu", SCRIPT)
+        source = open(SCRIPT).read().replace("import torch_xla.core.xla_model as xm", "") \
+            .replace("import torch_xla.debug.metrics as met", "").replace(
+                "import torch_xla.distributed.parallel_loader as pl", "")
+        namespace: dict = {"__name__": "mnist_cpu"}
+        exec(compile(source, spec.origin, "exec"), namespace)
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    images = torch.randn(steps * batch, 28 * 28)
+    labels = torch.randint(0, 10, (steps * batch,))
+    model = namespace["MLP"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for i in range(steps):
+        x, y = images[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch]
+        opt.zero_grad()
+        loss = torch.nn.NLLLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+def test_neuron_training_script_runs_unchanged_through_the_launcher(kiln_cli, tmp_path):
+    out = tmp_path / "ckpt.pt"
+    proc = subprocess.run([kiln_cli, "run-xla", SCRIPT, "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
+    got = [float(v) for v in line.split()[1:]]
+    expected, state = _cpu_losses()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    for name in ("Metric: CompileTime", "Metric: ExecuteTime", "Metric: TensorsGraphSize",
+                 "Counter: UncachedCompile", "Counter: MarkStep\n  Value: 6"):
+        assert name in proc.stdout, proc.stdout
+    assert "world 1 ordinal 0 master True" in proc.stdout
+    saved = torch.load(out, weights_only=True)["state_dict"]      # CPU tensors, no device class
+    for key, value in state.items():
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_swapped_imports_mark_step_closures_and_flags(tmp_path):
+    code = f"""
+import warnings, torch
+import kiln.xla.core.xla_model as xm
+import kiln.xla.debug.metrics as met
+import kiln.xla.runtime as xr
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dev = xm.xla_device()
+assert any("--model-type" in str(w.message) for w in caught), [str(w.message) for w in caught]
+from kiln.device import modes
+assert modes.mode() == "lazy" and modes.policy().options["optlevel"] == 1
+w = torch.nn.Parameter(torch.ones(3, device=dev))
+opt = torch.optim.SGD([w], lr=0.5)
+seen = []
+for step in range(3):
+    opt.zero_grad()
+    loss = (w * torch.arange(3.0, device=dev)).sum()
+    loss.backward()
+    xm.optimizer_step(opt)
+    xm.add_step_closure(lambda l: seen.append(float(l)), args=(loss,))
+    assert not seen or len(seen) == step          # closures wait for the step to end
+    xm.mark_step()
+assert seen == [3.0, 0.5, -2.0], seen
+assert torch.equal(w.cpu(), torch.tensor([1.0, -0.5, -2.0]))
+assert met.counter_value("MarkStep") == 3 and met.counter_value("UncachedCompile") >= 1
+assert "Counter: MarkStep" in met.short_metrics_report()
+assert xm.rendezvous("x", b"p") == [b"p"] and xr.world_size() == 1 and xr.global_ordinal() == 0
+xm.save({{"w": w}}, {str(tmp_path / "w.pt")!r})
+assert torch.load({str(tmp_path / "w.pt")!r}, weights_only=True)["w"].device.type == "cpu"
+print("ok")
+"""
+    proc = run_py(code, env={"NEURON_CC_FLAGS": "--model-type=transformer -O1 --retry_failed_compilation"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_bad_neuron_cc_flags_are_a_clear_error():
+    proc = run_py("import kiln.xla.core.xla_model as xm\nxm.xla_device()\n",
+                  env={"NEURON_CC_FLAGS": "--optlevel 7"})
+    assert proc.returncode != 0
+    assert "NEURON_CC_FLAGS" in proc.stderr and "expected 1, 2 or 3" in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["torch_xla.core.xla_model", "torch_xla.distributed.parallel_loader",
+                                    "torch_xla.debug.metrics", "torch_xla.distributed.xla_backend",
+                                    "torch_xla.runtime", "torch_neuronx"])
+def test_launcher_maps_the_module_paths(module):
+    code = (f"from kiln.compat import xla_launch\nxla_launch.install()\nimport importlib\n"
+            f"m = importlib.import_module({module!r})\nprint(m.__name__)\n")
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith("kiln.")
