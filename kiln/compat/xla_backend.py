@@ -28,7 +28,8 @@ def _host(tensors):
 
 
 def _finished(work, result):
-    work.wait()
+    if work is not None:
+        work.wait()
     future = torch.futures.Future()
     future.set_result(result)
     return _create_work_from_future(future)
@@ -40,9 +41,25 @@ class KilnProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout=timedelta(minutes=30)):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # the functional collectives (torch.ops.c10d.*, used by FSDP2 and DTensor) reach
+        # the group through its per-device backends: the device hands them host tensors
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     def getBackendName(self):
         return "kiln"
+
+    # a Python process group keeps its own name and description (device meshes ask)
+    def setGroupName(self, name) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -64,7 +81,9 @@ class KilnProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
-        return _finished(self._gloo.allgather_into_tensor_coalesced(_host(outputs), _host(inputs), opts), outputs)
+        for out, inp in zip(_host(outputs), _host(inputs)):       # gloo has no coalesced form
+            self._gloo._allgather_base(out, inp, opts).wait()
+        return _finished(None, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
@@ -78,7 +97,9 @@ class KilnProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        return _finished(self._gloo.reduce_scatter_tensor_coalesced(_host(outputs), _host(inputs), opts), outputs)
+        for out, inp in zip(_host(outputs), _host(inputs)):
+            self._gloo._reduce_scatter_base(out, inp, opts).wait()
+        return _finished(None, outputs)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
@@ -104,6 +125,33 @@ def _create(store, rank, size, timeout):
     return KilnProcessGroup(store, rank, size, timeout)
 
 
+def _fsdp2_storage_on_host():
+    """FSDP2 frees an unsharded parameter between uses by resizing its storage to 0 and
+    reallocates it the same way. A kiln device tensor's memory is its host tensor, held
+    by the tensor itself; it has no storage for FSDP2 to resize. Both become no-ops for
+    device tensors (the unsharded copy stays allocated in host memory; FSDP2 still
+    writes every all-gather into it), unchanged for every other tensor. torch 2.13's
+    layout; without those functions this does nothing."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:
+        return
+    if getattr(_fsdp_param.free_storage, "_kiln", False):
+        return
+    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+
+    def free_storage(tensor):
+        if not isinstance(tensor, DeviceTensor):
+            free(tensor)
+
+    def alloc_storage(tensor):
+        if not isinstance(tensor, DeviceTensor):
+            alloc(tensor)
+    free_storage._kiln = alloc_storage._kiln = True
+    _fsdp_param.free_storage = free_storage
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
+
+
 def register():
     """Register the ``"xla"`` and ``"kiln"`` backends (once per process) for the CPU and
     kiln's device."""
@@ -114,4 +162,5 @@ def register():
         for name in ("xla", "kiln"):
             if name not in dist.Backend.backend_list:
                 dist.Backend.register_backend(name, _create, devices=["cpu", device])
+        _fsdp2_storage_on_host()
         _done.append(True)

@@ -111,8 +111,16 @@ def _dispatch(func, args, kwargs):
     return out
 
 
+# uninitialised memory: no program computes it, and a compiled one would "disagree"
+_ALLOCATIONS = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
+
+
 def _recordable(func, schema) -> bool:
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    """ATen's functional operations only: collectives (``c10d``, ``_c10d_functional``) and
+    other libraries' operations may have effects beyond their outputs, so they run now."""
+    if func.namespace != "aten":
+        return False
+    if torch.Tag.nondeterministic_seeded in func.tags or schema.name.split("::")[-1] in _ALLOCATIONS:
         return False
     for ret in schema.returns:
         text = str(ret.type)
@@ -202,6 +210,8 @@ def run_now(func, args, kwargs):
         materialize(f"run now: {func}")
     out = func(*_host(args), **_host(kwargs))
     ret = schema.returns
+    if schema.name.startswith("c10d::"):
+        return _same_tensors(out, (args, kwargs))
     if ret and ret[0].alias_info is not None and ret[0].alias_info.is_write:
         return _written_arg(schema, args, kwargs)
     if not ret:
@@ -237,6 +247,13 @@ def _read_by_trace(a) -> bool:
             if data is not None and data.numel() and trace.reads_memory(data):
                 return True
     return False
+
+
+def _same_tensors(out, inputs):
+    """A collective's outputs (the tensors it wrote, a Work handle) with the device
+    tensors it was given in place of their host data."""
+    mine = {id(t._kc.data): t for t in pytree.tree_leaves(inputs) if isinstance(t, dt.DeviceTensor)}
+    return pytree.tree_map(lambda o: mine.get(id(o), dt.wrap(o) if isinstance(o, torch.Tensor) else o), out)
 
 
 def _written_arg(schema, args, kwargs):

@@ -38,8 +38,80 @@ def _helper():
     return _setup_privateuseone_for_python_backend
 
 
+class Event:
+    """A device event: kiln's device runs in program order on the host, so an event has
+    always happened by the time anyone can ask."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event) -> float:
+        return 0.0
+
+
+class Stream:
+    """A device stream: one, in program order (FSDP2 asks for several; they are all it)."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or Event()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        from kiln.device.dispatch import materialize
+        materialize()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_STREAM = Stream()
+
+
 class DeviceModule:
     """``torch.kiln`` (or ``torch.neuron``): what PyTorch and scripts ask of a device."""
+
+    Stream = Stream
+    Event = Event
+
+    @staticmethod
+    def current_stream(device=None) -> Stream:
+        return _STREAM
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream):
+        return stream or _STREAM
+
+    @staticmethod
+    def set_stream(stream):
+        pass
 
     @staticmethod
     def is_available() -> bool:

@@ -77,7 +77,7 @@ def _floating(t) -> bool:
 def lift_scalars(dispatch, func, args, kwargs):
     """``func`` re-dispatched with its Python float arguments as 0-dim tensors, or
     NotImplemented when there is nothing to lift."""
-    if not args or not _floating(args[0]):
+    if not args or not _floating(args[0]) or func.namespace != "aten":
         return NotImplemented
     name = func._schema.name.split("::")[-1]
     root, overload = name.rstrip("_"), func._overloadname

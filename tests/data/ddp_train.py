@@ -1,0 +1,50 @@
+"""Data-parallel training on kiln's device over 2 processes (torchrun), for
+tests/test_device_distributed.py: DDP, FSDP2 (fully_shard) or xm.optimizer_step's
+gradient all-reduce, on the 'xla' torch.distributed backend. Rank 0 prints the mean
+loss per step and writes the final parameters."""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import kiln.xla.core.xla_model as xm
+import kiln.xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+
+kind, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("xla")
+rank, world = dist.get_rank(), dist.get_world_size()
+device = xm.xla_device()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+if kind == "ddp":
+    from torch.nn.parallel import DistributedDataParallel
+    run = DistributedDataParallel(model)
+elif kind == "fsdp2":
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model)
+    run = model
+else:
+    run = model
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+half = slice(rank * 4 // world, (rank + 1) * 4 // world)
+losses = []
+for step in range(3):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(run(x[half].to(device)), y[half].to(device))
+    loss.backward()
+    if kind == "xm":
+        xm.optimizer_step(opt)
+    else:
+        opt.step()
+    xm.mark_step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    losses.append(float(total) / world)
+params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
+if rank == 0:
+    print("losses", " ".join(f"{v:.7f}" for v in losses))
+    torch.save(params, out)
+dist.destroy_process_group()

@@ -1,0 +1,47 @@
+"""Data parallelism on kiln's device over 2 processes (torchrun, loopback, the "xla"
+backend: gloo over host memory): DDP, FSDP2 (``fully_shard``) and torch-neuronx's
+``xm.optimizer_step`` all equal single-process training on the same global batch."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "tests", "data", "ddp_train.py")
+
+
+def _single_process():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "xm"])
+def test_two_processes_equal_one(kind, tmp_path):
+    out = tmp_path / "params.pt"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", SCRIPT, kind, str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
+    got = [float(v) for v in line.split()[1:]]
+    expected, state = _single_process()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    params = torch.load(out, weights_only=True)
+    for key, value in state.items():
+        torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
