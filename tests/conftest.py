@@ -21,6 +21,12 @@ os.environ.pop("KILN_TRUSTED_KEYS", None)
 os.environ.pop("KILN_TRUST_NATIVE_CODE", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# kiln's device (tests/test_device*.py) must be registered before the process's first
+# backward pass: PyTorch's autograd engine sizes its device queues then, once
+from kiln.device import modes as _device_modes  # noqa: E402
+
+_device_modes.device()
+
 
 def run_py(code: str, *, cwd=None, timeout=300, env=None):
     """Run Python code in a fresh interpreter; returns CompletedProcess (text)."""

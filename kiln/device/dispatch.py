@@ -90,6 +90,10 @@ def _dispatch(func, args, kwargs):
     if info.name in _METADATA_INPLACE:
         raise RuntimeError(f"kiln device: {func} changes a tensor's shape or strides in place, which "
                            "kiln's device tensors do not support; use the out-of-place form")
+    if func is aten.native_dropout.default and _is_pending(args[:1]):
+        out = _dropout(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     target = kwargs.get("device")
     leaving = target is not None and torch.device(target).type != dt.device_type()
     factory = not (_any_device_tensor(args) or _any_device_tensor(kwargs.values()))
@@ -370,6 +374,20 @@ def _record(func, args, kwargs):
     if single:
         return tensors[0]
     return tensors if isinstance(meta_out, list) else tuple(tensors)
+
+
+def _dropout(x, p, train=None):
+    """Dropout on a pending tensor without ending the program: the mask is drawn now,
+    on the host, exactly as CPU's ``native_dropout`` draws it (same generator, dtype and
+    order, so seeds give CPU's masks), and the program multiplies by it as an input."""
+    if not train or p == 0 or not x.dtype.is_floating_point:
+        return NotImplemented
+    keep = 1.0 - p
+    mask = torch.empty(x.shape, dtype=x.dtype).bernoulli_(keep)
+    scale = 0.0 if keep == 0 else 1.0 / keep
+    kept = _record(aten.mul.Tensor, (x, dt.wrap(mask)), {})
+    out = _record(aten.mul.Tensor, (kept, scale), {})
+    return out, dt.wrap(mask.to(torch.bool))
 
 
 def _record_view(func, args, kwargs):

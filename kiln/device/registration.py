@@ -18,6 +18,7 @@ from kiln.device import tensor as dt
 
 _LOCK = threading.Lock()
 _registered: list = []
+_broken: list = []          # why the registered device cannot train (raised on every use)
 
 
 class DeviceUnavailable(RuntimeError):
@@ -190,6 +191,8 @@ def register(name: str = "kiln") -> str:
     """Make ``torch.device(name)`` kiln's device; returns the name. Idempotent; a second
     name in one process is an error (PrivateUse1 has one name per process)."""
     with _LOCK:
+        if _broken:
+            raise DeviceUnavailable(_broken[0])
         if _registered:
             if _registered[0] != name:
                 raise DeviceUnavailable(
@@ -210,7 +213,26 @@ def register(name: str = "kiln") -> str:
         _registered.append(name)
         # kept alive: the registrations live as long as their libraries
         _registered.extend([library, autocast.register(name)])
+        _probe_autograd(name)
         return name
+
+
+def _probe_autograd(name: str):
+    """PyTorch's autograd engine sizes its per-device worker queues once, at the first
+    backward pass of the process, from the devices registered then. A device registered
+    after that can never run a backward pass; say so now, not mid-training."""
+    try:
+        x = torch.ones((), device=name, requires_grad=True)
+        (x * 2).backward()
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        _broken.append(
+            f"kiln's device was registered after this process's first backward pass; PyTorch's autograd "
+            f"engine only serves devices registered before it starts, so '{name}' tensors cannot be "
+            f"trained here. Register the device first: call kiln.device.modes.device() (or "
+            f"xm.xla_device()) at the top of the script, before any .backward()")
+        raise DeviceUnavailable(_broken[0]) from None
 
 
 def registered_name():

@@ -65,9 +65,20 @@ def foreach(dispatch, run_now, func, name, args, kwargs):
     return None if not func._schema.returns else results
 
 
+_SCALARS: dict = {}
+
+
 def _scalar(value: float, like) -> dt.DeviceTensor:
+    """A 0-dim device tensor holding ``value``; the same object for the same value (a
+    step's repeated constants are one input, not hundreds). Never written: internal."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    return dt.wrap(torch.tensor(value, dtype=dtype))
+    key = (value, dtype)
+    t = _SCALARS.get(key)
+    if t is None:
+        if len(_SCALARS) > 4096:           # a schedule's values come and go
+            _SCALARS.clear()
+        t = _SCALARS[key] = dt.wrap(torch.tensor(value, dtype=dtype))
+    return t
 
 
 def _floating(t) -> bool:
@@ -116,10 +127,26 @@ def functional_form(func, name, schema, args, kwargs):
     if func is aten._native_batch_norm_legit.default:
         return (aten._native_batch_norm_legit_functional.default, args, kwargs, [args[3], args[4]],
                 lambda a, outs: tuple(outs[:3]))
-    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    if written != [0] or not name.endswith("_"):
-        return None
-    functional = getattr(getattr(aten, name[:-1], None), func._overloadname, None)
+    functional = _functional_of(func, name, schema)
     if functional is None:
         return None
-    return functional, args, kwargs, [args[0]], lambda a, outs: a[0]
+    return functional, args, kwargs, [args[0]], _first
+
+
+def _first(args, outs):
+    return args[0]
+
+
+_FUNCTIONAL: dict = {}
+
+
+def _functional_of(func, name, schema):
+    """``add`` for ``add_``: the functional op for an op that writes only its first
+    argument, else None (worked out once per op)."""
+    if func not in _FUNCTIONAL:
+        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        found = None
+        if written == [0] and name.endswith("_"):
+            found = getattr(getattr(aten, name[:-1], None), func._overloadname, None)
+        _FUNCTIONAL[func] = found
+    return _FUNCTIONAL[func]

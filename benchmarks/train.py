@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Training-step throughput: kiln's device and torch.compile backend against PyTorch.
+
+Models (random weights, nothing downloaded):
+
+* ``bert`` - ``BertForSequenceClassification`` with 4 layers, hidden 256, 4 heads,
+  intermediate 1024, vocabulary 8192; batch 8, sequence 128; dropout on (0.1)
+* ``cnn``  - a small CNN (three conv + batch-norm + ReLU blocks, 32 -> 64 -> 64 channels,
+  global pooling, a linear head); batch 32, 3x32x32
+
+Runners, all in one process, each on its own copy of the same weights, the same batches,
+AdamW (lr 1e-4), in fp32 and under bf16 autocast:
+
+* ``eager``          PyTorch eager on the CPU (the baseline of every ratio)
+* ``inductor``       ``torch.compile(model)`` (default mode)
+* ``kiln-compile``   ``torch.compile(model, backend="kiln")``
+* ``kiln-lazy``      the model on ``torch.device("kiln")`` in lazy mode, ``mark_step()`` per step
+* ``kiln-eager``     the model on ``torch.device("kiln")`` in eager mode (adaptive fusion)
+
+Each runner trains ``--warmup`` steps (compiles happen there), then ``--steps`` timed steps,
+each ending when its loss is on the host. Reported: steps/s, the ratio to eager and to
+Inductor, compiles after warm-up, the warm-up time, and the largest difference of the timed
+losses from eager's (every runner starts from the same weights and data, and dropout draws
+from the same seeded generator, so the losses follow eager's).
+
+    python benchmarks/train.py                  # both models, fp32 and bf16
+    python benchmarks/train.py --model bert --precision fp32 --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RUNNERS = ("eager", "inductor", "kiln-compile", "kiln-lazy", "kiln-eager")
+TARGETS = {"kiln-lazy": ("eager", 1.3, "inductor", 1.0), "kiln-compile": ("eager", 1.3, "inductor", 1.0),
+           "kiln-eager": ("eager", 0.9, None, None)}
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+        def block(i, o, s):
+            return nn.Sequential(nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+        self.features = nn.Sequential(block(3, 32, 1), block(32, 64, 2), block(64, 64, 2))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def make_case(name: str):
+    """(model, batches: list of (inputs dict, labels), loss(model, inputs, labels))."""
+    g = torch.Generator().manual_seed(0)
+    if name == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+        cfg = BertConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         intermediate_size=1024, max_position_embeddings=128, num_labels=2)
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(cfg)
+        batches = [({"input_ids": torch.randint(0, 8192, (8, 128), generator=g)},
+                    torch.randint(0, 2, (8,), generator=g)) for _ in range(4)]
+
+        def loss(m, inputs, labels):
+            return F.cross_entropy(m(**inputs).logits.float(), labels)
+        return model, batches, loss
+    torch.manual_seed(0)
+    model = SmallCNN()
+    batches = [({"x": torch.randn(32, 3, 32, 32, generator=g)}, torch.randint(0, 10, (32,), generator=g))
+               for _ in range(4)]
+
+    def loss(m, inputs, labels):
+        return F.cross_entropy(m(inputs["x"]).float(), labels)
+    return model, batches, loss
+
+
+def _compile_count(kind):
+    if kind.startswith("kiln"):
+        from kiln.device import metrics
+        return metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile")
+    if kind == "inductor":
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+    return 0
+
+
+def run(kind, case, precision, warmup, steps):
+    model, batches, loss_fn = case
+    model = copy.deepcopy(model).train()
+    device = torch.device("cpu")
+    if kind in ("kiln-lazy", "kiln-eager"):
+        from kiln.device import modes
+        device = modes.device()
+        modes.set_mode(kind.split("-")[1])
+        model = model.to(device)
+    runner = model
+    if kind == "inductor":
+        torch._dynamo.reset()
+        runner = torch.compile(model)
+    elif kind == "kiln-compile":
+        torch._dynamo.reset()
+        runner = torch.compile(model, backend="kiln", dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(123)                     # dropout's draws: the same for every runner
+
+    def step(i):
+        inputs, labels = batches[i % len(batches)]
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(runner, inputs, labels.to(device))
+        loss.backward()
+        opt.step()
+        if kind == "kiln-lazy":
+            from kiln.device import modes
+            modes.mark_step()
+        return float(loss)
+    started = time.perf_counter()
+    losses = [step(i) for i in range(warmup)]
+    warm = time.perf_counter() - started
+    compiles = _compile_count(kind)
+    times = []
+    for i in range(warmup, warmup + steps):
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    return {"steps_per_s": 1.0 / median, "median_step_ms": median * 1e3, "warmup_s": warm,
+            "compiles_after_warmup": _compile_count(kind) - compiles, "losses": losses}
+
+
+def summarize(results):
+    for key, res in results.items():
+        if "error" in res:
+            continue
+        base = results.get(key.rsplit("/", 1)[0] + "/eager", {})
+        ind = results.get(key.rsplit("/", 1)[0] + "/inductor", {})
+        if "steps_per_s" in base:
+            res["vs_eager"] = res["steps_per_s"] / base["steps_per_s"]
+            res["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(res["losses"], base["losses"]))
+        if "steps_per_s" in ind:
+            res["vs_inductor"] = res["steps_per_s"] / ind["steps_per_s"]
+
+
+def table(results):
+    head = f"{'case':<28}{'steps/s':>9}{'ms/step':>9}{'x eager':>9}{'x induct':>9}{'compiles':>9}" \
+           f"{'warmup s':>10}{'loss diff':>11}"
+    lines = [head, "-" * len(head)]
+    for key, res in results.items():
+        if "error" in res:
+            lines.append(f"{key:<28} error: {res['error'][:90]}")
+            continue
+        lines.append(f"{key:<28}{res['steps_per_s']:>9.2f}{res['median_step_ms']:>9.1f}"
+                     f"{res.get('vs_eager', float('nan')):>9.2f}{res.get('vs_inductor', float('nan')):>9.2f}"
+                     f"{res['compiles_after_warmup']:>9}{res['warmup_s']:>10.1f}"
+                     f"{res.get('loss_diff_vs_eager', float('nan')):>11.2e}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("bert", "cnn", "all"), default="all")
+    p.add_argument("--precision", choices=("fp32", "bf16", "all"), default="all")
+    p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "train.json"))
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    from kiln.device import modes
+    modes.device()          # before any backward pass: autograd sizes its device queues once
+    torch.set_num_threads(os.cpu_count() or 1)
+    models = ("bert", "cnn") if args.model == "all" else (args.model,)
+    precisions = ("fp32", "bf16") if args.precision == "all" else (args.precision,)
+    results = {}
+    for name in models:
+        case = make_case(name)
+        for precision in precisions:
+            for kind in args.runners.split(","):
+                key = f"{name}/{precision}/{kind}"
+                print(f"[train] {key} ...", file=sys.stderr, flush=True)
+                try:
+                    results[key] = run(kind, case, precision, args.warmup, args.steps)
+                except Exception as e:             # a runner that fails is reported, not fatal
+                    results[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"[train] {key}: {results[key].get('steps_per_s', results[key].get('error'))}",
+                      file=sys.stderr, flush=True)
+    summarize(results)
+    print(table(results))
+    info = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "warmup": args.warmup, "steps": args.steps, "targets": TARGETS}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"info": info, "results": results}, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
