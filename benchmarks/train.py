@@ -17,7 +17,8 @@ AdamW (lr 1e-4), in fp32 and under bf16 autocast:
 * ``kiln-lazy``      the model on ``torch.device("kiln")`` in lazy mode, ``mark_step()`` per step
 * ``kiln-eager``     the model on ``torch.device("kiln")`` in eager mode (adaptive fusion)
 
-Each runner trains ``--warmup`` steps (compiles happen there), then ``--steps`` timed steps,
+Each runner runs in a process of its own (engine thread pools and compiled programs of
+one runner must not slow the next), trains ``--warmup`` steps (compiles happen there), then ``--steps`` timed steps,
 each ending when its loss is on the host. Reported: steps/s, the ratio to eager and to
 Inductor, compiles after warm-up, the warm-up time, and the largest difference of the timed
 losses from eager's (every runner starts from the same weights and data, and dropout draws
@@ -170,6 +171,35 @@ def table(results):
     return "\n".join(lines)
 
 
+def _in_child(key, args) -> dict:
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", key, "--json", out.name,
+               "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["exit code %d" % proc.returncode]
+            return {"error": tail[0]}
+        with open(out.name) as f:
+            return json.load(f)
+
+
+def _child(args) -> int:
+    name, precision, kind = args.one.split("/")
+    warnings.simplefilter("ignore")
+    from kiln.device import modes
+    modes.device()          # before any backward pass: autograd sizes its device queues once
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        result = run(kind, make_case(name), precision, args.warmup, args.steps)
+    except Exception as e:             # a runner that fails is reported, not fatal
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with open(args.json, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("bert", "cnn", "all"), default="all")
@@ -178,24 +208,19 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "train.json"))
+    p.add_argument("--one", help=argparse.SUPPRESS)     # model/precision/runner, in a child process
     args = p.parse_args(argv)
-    warnings.simplefilter("ignore")
-    from kiln.device import modes
-    modes.device()          # before any backward pass: autograd sizes its device queues once
-    torch.set_num_threads(os.cpu_count() or 1)
+    if args.one:
+        return _child(args)
     models = ("bert", "cnn") if args.model == "all" else (args.model,)
     precisions = ("fp32", "bf16") if args.precision == "all" else (args.precision,)
     results = {}
     for name in models:
-        case = make_case(name)
         for precision in precisions:
             for kind in args.runners.split(","):
                 key = f"{name}/{precision}/{kind}"
                 print(f"[train] {key} ...", file=sys.stderr, flush=True)
-                try:
-                    results[key] = run(kind, case, precision, args.warmup, args.steps)
-                except Exception as e:             # a runner that fails is reported, not fatal
-                    results[key] = {"error": f"{type(e).__name__}: {e}"}
+                results[key] = _in_child(key, args)
                 print(f"[train] {key}: {results[key].get('steps_per_s', results[key].get('error'))}",
                       file=sys.stderr, flush=True)
     summarize(results)

@@ -79,6 +79,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
             compiled = trace(gm, examples, name=name, quiet=True, **options)
         except KilnError as e:
             return _eager(gm, name, str(e))
+        except Exception as e:       # torch itself failing on the graph: still never a crash
+            return _eager(gm, name, f"{type(e).__name__}: {e}")
     metrics.sample("CompileTime", time.perf_counter() - started)
     hit = bool(compiled.manifest.get("cache", {}).get("hit"))
     metrics.count("CachedCompile" if hit else "UncachedCompile")

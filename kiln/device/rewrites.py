@@ -88,12 +88,14 @@ def _floating(t) -> bool:
 def lift_scalars(dispatch, func, args, kwargs):
     """``func`` re-dispatched with its Python float arguments as 0-dim tensors, or
     NotImplemented when there is nothing to lift."""
-    if not args or not _floating(args[0]) or func.namespace != "aten":
+    kind = _LIFT_KIND.get(func, "?")
+    if kind == "?":
+        kind = _LIFT_KIND[func] = _lift_kind(func)
+    if kind is None or not args or not _floating(args[0]):
         return NotImplemented
-    name = func._schema.name.split("::")[-1]
-    root, overload = name.rstrip("_"), func._overloadname
-    packet = getattr(aten, name)
-    if root in ("add", "sub", "mul", "div") and overload in ("Tensor", "Scalar"):
+    packet = getattr(aten, func._schema.name.split("::")[-1])
+    if kind == "arith":
+        overload = func._overloadname
         other = args[1]
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         changed = overload == "Scalar" and isinstance(other, float)
@@ -104,15 +106,32 @@ def lift_scalars(dispatch, func, args, kwargs):
         if not changed or not isinstance(other, torch.Tensor):
             return NotImplemented
         return dispatch(packet.Tensor, (args[0], other), {} if alpha == 1 else {"alpha": alpha})
-    if root in ("addcdiv", "addcmul") and overload == "default":
+    if kind == "addc":
         value = kwargs.get("value", args[3] if len(args) > 3 else 1)
         if not isinstance(value, float) or value == 1:
             return NotImplemented
         scaled = dispatch(aten.mul.Tensor, (args[1], _scalar(value, args[0])), {})
         return dispatch(packet.default, (args[0], scaled, args[2]), {})
-    if root == "lerp" and overload == "Scalar" and isinstance(args[2], float):
+    if kind == "lerp" and isinstance(args[2], float):
         return dispatch(packet.Tensor, (args[0], args[1], _scalar(args[2], args[0])), {})
     return NotImplemented
+
+
+_LIFT_KIND: dict = {}
+
+
+def _lift_kind(func):
+    """Which lifting rule applies to ``func`` (worked out once per op), or None."""
+    if func.namespace != "aten":
+        return None
+    root, overload = func._schema.name.split("::")[-1].rstrip("_"), func._overloadname
+    if root in ("add", "sub", "mul", "div") and overload in ("Tensor", "Scalar"):
+        return "arith"
+    if root in ("addcdiv", "addcmul") and overload == "default":
+        return "addc"
+    if root == "lerp" and overload == "Scalar":
+        return "lerp"
+    return None
 
 
 def functional_form(func, name, schema, args, kwargs):
