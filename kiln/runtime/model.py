@@ -13,6 +13,7 @@ artifacts that nest theirs; ``load`` picks the class from the manifest's kind.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -279,6 +280,9 @@ class CompiledModel(Model):
     def _build_program(self, runtime_options) -> Program:
         parts = self.manifest["partitions"]
         used = [engines.get(part["engine"]) for part in parts]
+        steps = self.manifest["program"].get("steps", [])
+        if len(parts) > 1 or any("partition" not in step for step in steps):
+            runtime_options = dataclasses.replace(runtime_options, spin=False)   # engines take turns
         native = [part for part, engine in zip(parts, used) if engine.native_code]
         if native:   # before any engine loads anything
             trust.require(self._artifact, native, self._source)

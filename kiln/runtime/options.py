@@ -14,6 +14,9 @@ from kiln import config
 class RuntimeOptions:
     threads: int | None = None        # engine threads; None = the CPUs the model may run on
     cpus: tuple | None = None         # the CPUs of the model's kiln core(s); None = the process's
+    # engine threads may busy-wait between calls: faster for one engine called back to back,
+    # ruinous when several partitions and host operations take turns on the same CPUs
+    spin: bool = True
 
     def resolved_threads(self) -> int:
         from kiln.host.cores import available_cpus
