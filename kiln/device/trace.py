@@ -117,15 +117,8 @@ class Trace:
         """The program as an FX graph of flat tensors, dead code removed."""
         g = fx.Graph()
         env = {k: g.placeholder(f"in{k}") for k, _ in self.inputs}
-
-        def arg(a):
-            if isinstance(a, Ref):
-                return env[a.k]
-            if isinstance(a, (list, tuple)):
-                return type(a)(arg(x) for x in a)
-            return a
         for op in self.ops:
-            node = g.call_function(op.func, arg(op.args), {k: arg(v) for k, v in op.kwargs.items()})
+            node = g.call_function(op.func, _resolve(op.args, env), _resolve(op.kwargs, env))
             if op.single:
                 env[op.outs[0]] = node
                 continue
@@ -139,15 +132,8 @@ class Trace:
     def interpret(self, outputs) -> list:
         """Run the program op by op on CPU kernels."""
         env = {k: data for k, data in self.inputs}
-
-        def arg(a):
-            if isinstance(a, Ref):
-                return env[a.k]
-            if isinstance(a, (list, tuple)):
-                return type(a)(arg(x) for x in a)
-            return a
         for op in self.ops:
-            res = op.func(*arg(op.args), **{k: arg(v) for k, v in op.kwargs.items()})
+            res = op.func(*_resolve(op.args, env), **_resolve(op.kwargs, env))
             if op.single:
                 env[op.outs[0]] = res
             else:
@@ -155,6 +141,18 @@ class Trace:
                     if k is not None:
                         env[k] = r
         return [env[k] for k in outputs]
+
+
+def _resolve(a, env):
+    """Recorded arguments with each value of the trace replaced by ``env[value]`` (graph
+    nodes when building the graph, tensors when interpreting)."""
+    if isinstance(a, Ref):
+        return env[a.k]
+    if isinstance(a, dict):
+        return {k: _resolve(v, env) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_resolve(x, env) for x in a)
+    return a
 
 
 class _Entry:
