@@ -134,6 +134,34 @@ def test_training_equals_cpu_eager(kind, mode):
         assert metrics.counter_value("MarkStep") == 4
 
 
+def test_an_optimizer_step_is_a_few_whole_foreach_operations():
+    """AdamW takes its foreach path on the device and each ``_foreach_*`` call is one
+    recorded operation (not one per parameter); the per-parameter bias corrections are
+    inputs, so the next step is the same program; parameters equal CPU's AdamW."""
+    from kiln.device import dispatch
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(5)])   # 10 parameters
+    model = copy.deepcopy(ref).to(DEV)
+    modes.set_mode("lazy")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, model)]
+    grads = [[torch.randn_like(p) for p in ref.parameters()] for _ in range(3)]
+    recorded = []
+    for step in range(3):
+        for m, opt in zip((ref, model), opts):
+            for p, g in zip(m.parameters(), grads[step]):
+                p.grad = g.to(p.device)
+            before = len(dispatch.current())
+            opt.step()
+            if m is model:
+                recorded.append(len(dispatch.current()) - before)
+        modes.mark_step()
+    # 8 _foreach_ calls and a multiply (the first step also makes 2 state tensors per parameter)
+    assert recorded[0] <= 20 + 12 and all(n <= 12 for n in recorded[1:]), recorded
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 2
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_autocast_training_follows_cpu():
     torch.manual_seed(0)
     ref = MODELS["mlp"]()

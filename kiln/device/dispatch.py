@@ -15,8 +15,8 @@ numbers), mutates a view or a tensor with views, has a data-dependent output sha
 TorchNeuron does). Views of concrete tensors run now too: they cost nothing and share
 memory as views must.
 
-Two rewrites keep a training step's program the same from one step to the next:
-``_foreach_*`` operations are split per tensor, and Python float arguments of arithmetic
+``_foreach_*`` operations (an optimizer step) are recorded whole, one operation per
+call (:mod:`kiln.device.foreach`). Python float arguments of arithmetic
 (AdamW's bias corrections, a scheduled learning rate) become 0-dim tensor inputs, so a
 new learning rate is new data, not a new program.
 """
@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.utils._pytree as pytree
 
-from kiln.device import rewrites
+from kiln.device import foreach, rewrites
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
 
@@ -86,7 +86,13 @@ def _any_device_tensor(tree) -> bool:
 def _dispatch(func, args, kwargs):
     info = _info(func)
     if info.foreach:
-        return rewrites.foreach(_dispatch, run_now, func, info.name, args, kwargs)
+        out = NotImplemented
+        if not torch.are_deterministic_algorithms_enabled():
+            out = foreach.record_whole(_record, meta_call, _rebind, func, info.name, args, kwargs)
+        if out is NotImplemented:
+            return foreach.split(_dispatch, run_now, func, args, kwargs)
+        _window()
+        return out
     if info.name in _METADATA_INPLACE:
         raise RuntimeError(f"kiln device: {func} changes a tensor's shape or strides in place, which "
                            "kiln's device tensors do not support; use the out-of-place form")
@@ -110,9 +116,13 @@ def _dispatch(func, args, kwargs):
         out = _record(func, args, kwargs)
     if out is NotImplemented:
         return run_now(func, args, kwargs)
+    _window()
+    return out
+
+
+def _window():
     if POLICY.mode == "eager" and len(current()) >= POLICY.window:
         materialize()
-    return out
 
 
 # uninitialised memory: no program computes it, and a compiled one would "disagree"
@@ -301,6 +311,7 @@ def _sig(a):
 
 
 _META_CACHE: dict = {}
+_MISSING = object()
 
 
 def meta_call(func, args, kwargs):
@@ -309,10 +320,10 @@ def meta_call(func, args, kwargs):
     a dictionary lookup, not a shape computation."""
     try:
         key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()))
-        hit = _META_CACHE.get(key)
+        hit = _META_CACHE.get(key, _MISSING)
     except TypeError:               # an unhashable constant
-        key, hit = None, None
-    if hit is not None:
+        key, hit = None, _MISSING
+    if hit is not _MISSING:         # None too: an in-place _foreach_ call returns nothing
         if isinstance(hit, Exception):
             raise hit
         return hit
@@ -438,9 +449,14 @@ def _record_mutation(func, name, schema, args, kwargs):
     for t, new in zip(targets, updated):
         if new.dtype != t.dtype:
             new = _record(aten._to_copy.default, (new,), {"dtype": t.dtype})
-        t._kc.data, t._kc.value = None, new._kc.value
-        current().hold(new._kc.value, t._kc)
+        _rebind(t, new)
     return returns(args, outs)
+
+
+def _rebind(t, new):
+    """Point ``t`` (updated in place) at ``new``'s pending value."""
+    t._kc.data, t._kc.value = None, new._kc.value
+    current().hold(new._kc.value, t._kc)
 
 
 dt.set_handlers(dispatch, materialize)

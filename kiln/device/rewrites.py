@@ -1,8 +1,5 @@
 """Rewrites that keep what the device records small in kind and stable from step to step.
 
-* :func:`foreach`: a ``_foreach_*`` operation (what optimizers and gradient clipping
-  use) becomes one operation per tensor, so each is recorded, lifted and run like any
-  other.
 * :func:`lift_scalars`: a Python float in arithmetic (``x * 0.9``, ``add_(g, alpha=-lr)``,
   ``addcdiv_(m, v, value=-step_size)``, ``lerp_(g, 0.1)``) becomes a 0-dim tensor input.
   AdamW's bias corrections and a scheduled learning rate change every step; as
@@ -21,54 +18,10 @@ from kiln.device import tensor as dt
 
 aten = torch.ops.aten
 
-_ELEMENT_OVERLOADS = {"List": ("Tensor", "default"), "Scalar": ("Scalar", "default"),
-                      "ScalarList": ("Scalar", "default"), "Tensor": ("Tensor", "default"),
-                      "default": ("default",)}
-
-
-def _element_op(name: str, overload: str):
-    packet = getattr(aten, name, None)
-    if packet is None:
-        return None
-    for candidate in _ELEMENT_OVERLOADS.get(overload, ()):
-        op = getattr(packet, candidate, None)
-        if op is not None:
-            return op
-    return None
-
-
-def foreach(dispatch, run_now, func, name, args, kwargs):
-    """``_foreach_<op>(lists...)`` as ``<op>`` per element; run as a whole on the host
-    when there is no per-element operation."""
-    base = name[len("_foreach_"):]
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    if base == "norm":
-        element = aten.linalg_vector_norm.default
-    else:
-        element = _element_op(base, func._overloadname)
-    if element is None or not lists:
-        return run_now(func, args, kwargs)
-    params = element._schema.arguments
-    n = len(lists[0])
-    results = []
-    for i in range(n):
-        eargs, ekwargs = [], dict(kwargs)
-        for pos, a in enumerate(args):
-            value = a[i] if isinstance(a, (list, tuple)) else a
-            if pos < len(params) and params[pos].kwarg_only:
-                ekwargs[params[pos].name] = value
-            else:
-                eargs.append(value)
-        if base == "norm":
-            ekwargs = {"dtype": ekwargs.get("dtype")}
-        results.append(dispatch(element, tuple(eargs), ekwargs))
-    return None if not func._schema.returns else results
-
-
 _SCALARS: dict = {}
 
 
-def _scalar(value: float, like) -> dt.DeviceTensor:
+def scalar(value: float, like) -> dt.DeviceTensor:
     """A 0-dim device tensor holding ``value``; the same object for the same value (a
     step's repeated constants are one input, not hundreds). Never written: internal."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
@@ -100,9 +53,9 @@ def lift_scalars(dispatch, func, args, kwargs):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         changed = overload == "Scalar" and isinstance(other, float)
         if isinstance(other, float):
-            other, changed = _scalar(other, args[0]), True
+            other, changed = scalar(other, args[0]), True
         if isinstance(alpha, float) and alpha != 1 and _floating(other):
-            other, alpha, changed = dispatch(aten.mul.Tensor, (other, _scalar(alpha, args[0])), {}), 1, True
+            other, alpha, changed = dispatch(aten.mul.Tensor, (other, scalar(alpha, args[0])), {}), 1, True
         if not changed or not isinstance(other, torch.Tensor):
             return NotImplemented
         return dispatch(packet.Tensor, (args[0], other), {} if alpha == 1 else {"alpha": alpha})
@@ -110,10 +63,10 @@ def lift_scalars(dispatch, func, args, kwargs):
         value = kwargs.get("value", args[3] if len(args) > 3 else 1)
         if not isinstance(value, float) or value == 1:
             return NotImplemented
-        scaled = dispatch(aten.mul.Tensor, (args[1], _scalar(value, args[0])), {})
+        scaled = dispatch(aten.mul.Tensor, (args[1], scalar(value, args[0])), {})
         return dispatch(packet.default, (args[0], scaled, args[2]), {})
     if kind == "lerp" and isinstance(args[2], float):
-        return dispatch(packet.Tensor, (args[0], args[1], _scalar(args[2], args[0])), {})
+        return dispatch(packet.Tensor, (args[0], args[1], scalar(args[2], args[0])), {})
     return NotImplemented
 
 

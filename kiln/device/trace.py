@@ -25,7 +25,7 @@ import time
 import torch
 import torch.fx as fx
 
-from kiln.device import metrics
+from kiln.device import foreach, metrics
 
 
 class Ref:
@@ -118,7 +118,12 @@ class Trace:
         g = fx.Graph()
         env = {k: g.placeholder(f"in{k}") for k, _ in self.inputs}
         for op in self.ops:
-            node = g.call_function(op.func, _resolve(op.args, env), _resolve(op.kwargs, env))
+            args, kwargs = _resolve(op.args, env), _resolve(op.kwargs, env)
+            if foreach.is_foreach(op.func):        # engines see the per-tensor operations
+                for i, k in enumerate(op.outs):
+                    env[k] = g.call_function(*foreach.element_call(op.func, args, kwargs, i))
+                continue
+            node = g.call_function(op.func, args, kwargs)
             if op.single:
                 env[op.outs[0]] = node
                 continue
