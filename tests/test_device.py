@@ -54,6 +54,15 @@ def test_views_and_in_place_updates_share_memory():
     assert torch.equal(base.cpu(), expected * 3)
 
 
+def test_assigning_data_replaces_the_tensor():
+    p = torch.nn.Parameter(torch.zeros(3, device=DEV))
+    p.data = torch.arange(4.0, device=DEV) * 2                    # a new shape and a pending value
+    assert p.shape == (4,) and p.requires_grad
+    assert torch.equal((p + 1).detach().cpu(), torch.arange(4.0) * 2 + 1)
+    with pytest.raises(TypeError, match="move it first"):
+        p.data = torch.ones(4)
+
+
 def test_state_dict_round_trip(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(DEV)

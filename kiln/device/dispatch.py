@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.utils._pytree as pytree
 
 from kiln.device import foreach, rewrites
 from kiln.device import tensor as dt
@@ -201,18 +200,47 @@ def _rederive(cell):
     cell.data = res if index is None else res[index]
 
 
+# Operations' arguments and results nest only in tuples, lists and (keyword) dicts: these
+# walk them without torch.utils._pytree's generality, which costs 30 us an operation.
+
+def _leaves(tree):
+    if isinstance(tree, (list, tuple)):
+        for a in tree:
+            yield from _leaves(a)
+    elif isinstance(tree, dict):
+        for a in tree.values():
+            yield from _leaves(a)
+    else:
+        yield tree
+
+
+def _tmap(fn, tree):
+    if isinstance(tree, (list, tuple)):
+        items = [_tmap(fn, a) for a in tree]
+        return items if type(tree) is list else tuple(items)
+    if isinstance(tree, dict):
+        return {k: _tmap(fn, a) for k, a in tree.items()}
+    return fn(tree)
+
+
+def _host_one(a):
+    if isinstance(a, dt.DeviceTensor):
+        return a.host()
+    if isinstance(a, torch.device) and a.type == dt.device_type():
+        return torch.device("cpu")
+    return a
+
+
 def _host(tree):
-    def one(a):
-        if isinstance(a, dt.DeviceTensor):
-            return a.host()
-        if isinstance(a, torch.device) and a.type == dt.device_type():
-            return torch.device("cpu")
-        return a
-    return pytree.tree_map(one, tree)
+    return _tmap(_host_one, tree)
 
 
 def _is_pending(tree) -> bool:
-    return any(isinstance(a, dt.DeviceTensor) and a._kc.data is None for a in pytree.tree_leaves(tree))
+    return any(isinstance(a, dt.DeviceTensor) and a._kc.data is None for a in _leaves(tree))
+
+
+def _wrap_one(t):
+    return dt.wrap(t) if isinstance(t, torch.Tensor) else t
 
 
 def run_now(func, args, kwargs):
@@ -237,12 +265,12 @@ def run_now(func, args, kwargs):
     if _is_view(schema) and base is not None:
         if isinstance(out, torch.Tensor) and _same_layout(base._kc.data, out):
             return dt.alias(base, out)            # detach, .data: the same cell
-        wrapped = pytree.tree_map(lambda t: dt.wrap(t) if isinstance(t, torch.Tensor) else t, out)
+        wrapped = _tmap(_wrap_one, out)
         outs = wrapped if isinstance(wrapped, (list, tuple)) else [wrapped]
         for i, o in enumerate(outs):
             dt.note_view(o, base, func, args, kwargs, i if isinstance(wrapped, (list, tuple)) else None)
         return wrapped
-    return pytree.tree_map(lambda t: dt.wrap(t) if isinstance(t, torch.Tensor) else t, out)
+    return _tmap(_wrap_one, out)
 
 
 def _arg(schema, i, args, kwargs):
@@ -255,7 +283,7 @@ def _read_by_trace(a) -> bool:
     trace = current()
     if not len(trace):
         return False
-    for t in pytree.tree_leaves(a):
+    for t in _leaves(a):
         if isinstance(t, torch.Tensor):
             data = t._kc.data if isinstance(t, dt.DeviceTensor) else t
             if data is not None and data.numel() and trace.reads_memory(data):
@@ -266,8 +294,8 @@ def _read_by_trace(a) -> bool:
 def _same_tensors(out, inputs):
     """A collective's outputs (the tensors it wrote, a Work handle) with the device
     tensors it was given in place of their host data."""
-    mine = {id(t._kc.data): t for t in pytree.tree_leaves(inputs) if isinstance(t, dt.DeviceTensor)}
-    return pytree.tree_map(lambda o: mine.get(id(o), dt.wrap(o) if isinstance(o, torch.Tensor) else o), out)
+    mine = {id(t._kc.data): t for t in _leaves(inputs) if isinstance(t, dt.DeviceTensor)}
+    return _tmap(lambda o: mine.get(id(o), _wrap_one(o)), out)
 
 
 def _written_arg(schema, args, kwargs):
@@ -280,8 +308,7 @@ def _written_arg(schema, args, kwargs):
 
 # ---- recording -----------------------------------------------------------------------
 
-def _meta_like(data: torch.Tensor):
-    return torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
+_meta_like = tr.meta_like
 
 
 def _meta_of(a):
@@ -300,9 +327,12 @@ def _meta_of(a):
 
 
 def _sig(a):
-    """A hashable stand-in for an argument, as far as output shapes and dtypes go."""
+    """A hashable stand-in for an argument, as far as output shapes and dtypes go (a
+    device tensor's is made with it: its shape, strides and dtype never change)."""
+    if type(a) is dt.DeviceTensor:
+        return a._ksig
     if isinstance(a, torch.Tensor):
-        return (a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
     if isinstance(a, (list, tuple)):
         return (type(a), tuple(_sig(x) for x in a))
     if isinstance(a, float) and a != a:
@@ -319,7 +349,7 @@ def meta_call(func, args, kwargs):
     remembered per operation and argument signature: the same step recorded again costs
     a dictionary lookup, not a shape computation."""
     try:
-        key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()))
+        key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
         hit = _META_CACHE.get(key, _MISSING)
     except TypeError:               # an unhashable constant
         key, hit = None, _MISSING
@@ -351,13 +381,18 @@ def _ref_of(trace, a):
         cell = a._kc
         if cell.value is not None:
             return tr.Ref(cell.value)
-        return trace.input(cell.data, _meta_like(cell.data))
+        return trace.input(cell.data)
     if isinstance(a, torch.Tensor):
-        snap = a.detach().clone()
-        return trace.input(snap, _meta_like(snap))
+        return trace.input(a.detach().clone())
     if isinstance(a, torch.device) and a.type == dt.device_type():
         return torch.device("cpu")
     return a
+
+
+def _refs(trace, a):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_refs(trace, x) for x in a)
+    return _ref_of(trace, a)
 
 
 def _record(func, args, kwargs):
@@ -371,8 +406,8 @@ def _record(func, args, kwargs):
     if any(m is not None and not isinstance(m, torch.Tensor) for m in metas):
         return NotImplemented
     trace = current()
-    gargs = _map(lambda a: _ref_of(trace, a), args)
-    gkwargs = {k: _map(lambda a: _ref_of(trace, a), v) for k, v in kwargs.items()}
+    gargs = _refs(trace, args)
+    gkwargs = {k: _refs(trace, v) for k, v in kwargs.items()} if kwargs else {}
     outs = trace.record(func, gargs, gkwargs, metas, single)
     tensors = []
     for k, m in zip(outs, metas):

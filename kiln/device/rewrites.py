@@ -46,12 +46,13 @@ def lift_scalars(dispatch, func, args, kwargs):
         kind = _LIFT_KIND[func] = _lift_kind(func)
     if kind is None or not args or not _floating(args[0]):
         return NotImplemented
-    packet = getattr(aten, func._schema.name.split("::")[-1])
+    packet = _PACKET.get(func) or _PACKET.setdefault(func, getattr(aten, func._schema.name.split("::")[-1]))
     if kind == "arith":
-        overload = func._overloadname
         other = args[1]
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
-        changed = overload == "Scalar" and isinstance(other, float)
+        if not isinstance(other, float) and not isinstance(alpha, float):
+            return NotImplemented            # the common case: nothing to lift
+        changed = func._overloadname == "Scalar" and isinstance(other, float)
         if isinstance(other, float):
             other, changed = scalar(other, args[0]), True
         if isinstance(alpha, float) and alpha != 1 and _floating(other):
@@ -71,6 +72,7 @@ def lift_scalars(dispatch, func, args, kwargs):
 
 
 _LIFT_KIND: dict = {}
+_PACKET: dict = {}
 
 
 def _lift_kind(func):

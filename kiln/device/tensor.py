@@ -28,6 +28,7 @@ import weakref
 import torch
 
 _DEVICE = ["kiln"]     # the PrivateUse1 name: "kiln", or "neuron" when the user opts in
+_TORCH_DEVICE = [None]  # torch.device(_DEVICE[0], 0), made once the name is registered
 # kiln.device.dispatch's dispatch and materialize, installed by that module when it loads
 # (it imports this one, so this one cannot import it)
 _HANDLERS: dict = {}
@@ -43,6 +44,7 @@ def device_type() -> str:
 
 def set_device_type(name: str):
     _DEVICE[0] = name
+    _TORCH_DEVICE[0] = None
 
 
 class Cell:
@@ -76,20 +78,36 @@ class DeviceTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like, cell):
+        # no __init__: every operation makes one of these, and a Python __init__ costs
+        device = _TORCH_DEVICE[0]
+        if device is None:
+            device = _TORCH_DEVICE[0] = torch.device(_DEVICE[0], 0)
+        shape, stride, offset, dtype = like.shape, like.stride(), like.storage_offset(), like.dtype
         t = torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(),
-            dtype=like.dtype, device=torch.device(_DEVICE[0], 0), requires_grad=False)
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=device, requires_grad=False)
         t._kc = cell
+        t._ksig = (dtype, shape, stride, offset, True)    # fixed: see kiln.device.dispatch._sig
         return t
-
-    def __init__(self, like, cell):
-        super().__init__()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _HANDLERS["dispatch"](func, args, kwargs or {})
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        """``param.data = other``: this tensor takes ``other``'s shape and cell (its data
+        or pending value), as a CPU tensor takes the other's storage."""
+        if not isinstance(new, DeviceTensor):
+            raise TypeError(f"cannot assign a tensor on {new.device} to .data of a tensor on "
+                            f"{self.device}; move it first: .to('{_DEVICE[0]}')")
+        torch.Tensor.data.__set__(self, new)
+        self._kc, self._ksig = new._kc, new._ksig
 
     def host(self) -> torch.Tensor:
         """The concrete CPU tensor (shared memory, not a copy), flushing pending work first."""

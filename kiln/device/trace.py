@@ -21,11 +21,17 @@ import hashlib
 import operator
 import threading
 import time
+import weakref
 
 import torch
 import torch.fx as fx
 
 from kiln.device import foreach, metrics
+
+
+def meta_like(data: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``data``'s shape, strides and dtype."""
+    return torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
 
 
 class Ref:
@@ -48,13 +54,16 @@ class Policy:
     options: dict = dataclasses.field(default_factory=lambda: {"optlevel": 1})
 
 
-@dataclasses.dataclass
 class _Op:
-    func: object
-    args: tuple
-    kwargs: dict
-    outs: list          # value index per output (None where the op returned None)
-    single: bool        # the op returns one tensor, not a tuple or list
+    __slots__ = ("func", "args", "kwargs", "outs", "single")
+
+    def __init__(self, func, args, kwargs, outs, single):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.outs = outs        # value index per output (None where the op returned None)
+        self.single = single    # the op returns one tensor, not a tuple or list
+
+
+_NAMES: dict = {}           # op -> its name, for keys (str() of an op runs Python)
 
 
 class Trace:
@@ -70,11 +79,11 @@ class Trace:
     def __len__(self):
         return len(self.ops)
 
-    def input(self, data: torch.Tensor, meta) -> Ref:
+    def input(self, data: torch.Tensor) -> Ref:
         k = self._input_of.get(id(data))
         if k is None:
             k = len(self.metas)
-            self.metas.append(meta)
+            self.metas.append(meta_like(data))
             self.inputs.append((k, data))
             self._input_of[id(data)] = k
             if data.numel():
@@ -94,11 +103,11 @@ class Trace:
             outs.append(len(self.metas))
             self.metas.append(meta)
         self.ops.append(_Op(func, args, kwargs, outs, single))
-        self._key.update(f"{func}{args!r}{kwargs!r}->{outs};".encode())
+        name = _NAMES.get(func) or _NAMES.setdefault(func, str(func))
+        self._key.update(f"{name}{args!r}{kwargs!r}->{outs};".encode())
         return outs
 
     def hold(self, k: int, cell):
-        import weakref
         self.holders[k] = weakref.ref(cell)
 
     def live_outputs(self) -> list:
