@@ -32,7 +32,7 @@ _KNOWN = ("-O1", "-O2", "-O3", "--optlevel", "-O", "--auto-cast", "--auto-cast-t
 
 def device_options() -> dict:
     """kiln.trace options for the device's graphs, from Neuron's environment."""
-    options = {"optlevel": 1}
+    options = {"optlevel": 2}          # neuronx-cc's default too
     flags, ignored = [], []
     tokens = shlex.split(config.get("NEURON_CC_FLAGS"))
     i = 0

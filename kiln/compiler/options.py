@@ -36,6 +36,8 @@ class CompileOptions:
     min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
     pipeline_cores: int = 1           # split the graph into this many stages, one per kiln core
     compile_budget: float | None = None   # seconds per graph for measuring builds; None: the level's default
+    whole_graph: bool = False         # when the first engine would leave ops on the host, compile the whole
+                                      # graph on an engine that takes every op (Inductor), if it is installed
 
     def to_dict(self):
         d = asdict(self)

@@ -8,6 +8,10 @@ normal floats, zeros for integers and booleans (an index of 0 is valid for any
 embedding or gather). Parameters and buffers are graph *inputs* in these graphs, never
 constants, so a training step's new weights flow in on every call.
 
+Graphs are compiled ``whole_graph``: when the first engine would leave operations on
+the host (a training graph's ``convolution_backward`` on ONNX Runtime), an engine that
+takes every operation (Inductor) compiles the whole graph instead.
+
 A graph kiln cannot compile (an operation no engine and no host kernel takes, a check
 against eager that fails, symbolic shapes) runs eagerly as PyTorch traced it, with a
 warning that names why: never a crash, never a silently wrong answer.
@@ -63,6 +67,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     itself (eager) with a warning when it cannot be. ``real_inputs``: the examples are
     real data (a device's flush), used as they are."""
     inputs = list(example_inputs)
+    # a training graph split around host operations runs slower than one compiled whole
+    options.setdefault("whole_graph", True)
     ops = sum(n.op == "call_function" for n in gm.graph.nodes)
     metrics.sample("TensorsGraphSize", ops)
     if _symbolic(inputs):

@@ -37,7 +37,7 @@ def _after_optimizer_step(optimizer, args, kwargs):
 
 def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None, **options):
     """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
-    compiled (default ``optlevel=1``: the first engine that compiles a graph, untimed)."""
+    compiled (default ``optlevel=2``: each partition timed against running it op by op)."""
     if mode not in ("eager", "lazy"):
         raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
     dispatch.materialize()

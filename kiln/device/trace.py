@@ -51,7 +51,9 @@ class Policy:
     window: int = 512             # eager mode: flush when this many operations are queued
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
-    options: dict = dataclasses.field(default_factory=lambda: {"optlevel": 1})
+    # -O2: each partition is timed against running it op by op and the faster kept, so a
+    # compiled program is never slower than interpreting it
+    options: dict = dataclasses.field(default_factory=lambda: {"optlevel": 2})
 
 
 class _Op:
