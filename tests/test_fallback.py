@@ -96,3 +96,20 @@ def test_host_ops_with_named_overloads_survive_save_load(tmp_path):
     assert ops == ["aten::add.Tensor", "aten::mul.Tensor"]
     c.save(tmp_path / "am.kiln")
     assert_close(kiln.load(tmp_path / "am.kiln")(a, b), (a + b) * b)
+
+
+def test_whole_graph_goes_to_inductor_when_the_first_engine_would_leave_ops_on_the_host():
+    """``whole_graph`` (what the device and torch.compile backend use): a graph the first
+    engine would split around a host op (lgamma has no ONNX translation) compiles whole
+    on Inductor, and still equals eager."""
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return torch.lgamma(x.relu() + 1.0) * 2.0 + x
+    x = torch.rand(4, 8) * 3
+    split = kiln.trace(Model(), x, optlevel=1, cache=False)
+    assert [s["op"] for s in split.manifest["program"]["steps"] if "op" in s] == ["aten::lgamma.default"]
+    whole = kiln.trace(Model(), x, optlevel=1, whole_graph=True, cache=False)
+    assert [p["engine"] for p in whole.manifest["partitions"]] == ["inductor"]
+    assert not [s for s in whole.manifest["program"]["steps"] if "op" in s]
+    assert any("whole_graph" in n for n in whole.report["notes"]), whole.report["notes"]
+    assert_close(whole(x), Model()(x))

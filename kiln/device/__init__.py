@@ -8,6 +8,7 @@ The ``kiln`` device (PrivateUse1, written in Python):
 * :mod:`kiln.device.tensor`: the device tensor (host data, or a pending value).
 * :mod:`kiln.device.dispatch` and :mod:`kiln.device.rewrites`: each operation recorded
   into the current program or run now on host data.
+* :mod:`kiln.device.foreach`: ``_foreach_*`` calls (optimizer steps) recorded whole.
 * :mod:`kiln.device.trace`: the recorded program, its key, and what a flush does.
 * :mod:`kiln.device.modes`: eager mode (queued windows) and lazy mode (``mark_step``).
 * :mod:`kiln.device.autocast`: CPU's auto-cast rules on the device.
