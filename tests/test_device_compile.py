@@ -100,7 +100,10 @@ def test_training_equals_eager_and_stops_compiling(kind):
     ref = MODELS[kind]()
     model = copy.deepcopy(ref)
     x, y = _data(kind)
-    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    # the CNN's backward graph whole on Inductor (whole_graph, the default); the others
+    # in ONNX Runtime partitions, which compile sooner
+    options = OPTIONS if kind == "cnn" else {**OPTIONS, "whole_graph": False}
+    compiled = torch.compile(model, backend="kiln", options=options, dynamic=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)      # nothing ran eagerly
         eager = _Trainer(ref, ref, x, y)
