@@ -171,6 +171,9 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
     assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 2
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-5, atol=1e-6)
+    a = torch.ones(3, device=DEV)
+    torch._foreach_add_([a, a, a.detach()], 1.5)          # one tensor three times: added three times
+    assert torch.equal(a.cpu(), torch.full((3,), 5.5))
 
 
 def test_bf16_autocast_training_follows_cpu():

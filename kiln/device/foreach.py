@@ -140,6 +140,8 @@ def record_whole(record, meta_call, rebind, func, name, args, kwargs):
     written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if inplace and written != [0]:
         return NotImplemented
+    if len({id(t._kc) for t in targets}) != len(targets):
+        return NotImplemented        # one tensor updated twice: per tensor, in order
     for t in targets:
         if t._kc.live_base() is not None or t._kc.has_live_views():
             return NotImplemented
