@@ -113,3 +113,10 @@ def test_whole_graph_goes_to_inductor_when_the_first_engine_would_leave_ops_on_t
     assert not [s for s in whole.manifest["program"]["steps"] if "op" in s]
     assert any("whole_graph" in n for n in whole.report["notes"]), whole.report["notes"]
     assert_close(whole(x), Model()(x))
+    from kiln.host import target
+    if not target.native("bf16"):        # Inductor would emulate bf16 op by op: no whole graph
+        xb = x.bfloat16()
+        narrow = kiln.trace(Model(), xb, optlevel=1, whole_graph=True, cache=False, atol=0.05, rtol=0.05)
+        assert not any("whole_graph" in n for n in narrow.report["notes"]), narrow.report["notes"]
+        assert [s["op"] for s in narrow.manifest["program"]["steps"] if "op" in s] == ["aten::lgamma.default"]
+        assert_close(narrow(xb).float(), Model()(xb).float(), atol=0.05, rtol=0.05)
