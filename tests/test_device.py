@@ -174,6 +174,10 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
     a = torch.ones(3, device=DEV)
     torch._foreach_add_([a, a, a.detach()], 1.5)          # one tensor three times: added three times
     assert torch.equal(a.cpu(), torch.full((3,), 5.5))
+    xs, ys = [torch.ones(2, device=DEV), torch.ones(2, device=DEV) * 2], [torch.ones(2), torch.ones(2) * 2]
+    for v in (xs, ys):
+        torch._foreach_add_(v, [v[1], v[0]])               # v[1] reads v[0] after v[0]'s update
+    assert torch.equal(torch.stack(xs).cpu(), torch.stack(ys))
 
 
 def test_bf16_autocast_training_follows_cpu():

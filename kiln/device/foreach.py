@@ -125,6 +125,22 @@ def _plan(func, name, args, kwargs):
     return _functional(func, name, overload), args, kwargs, None
 
 
+def _aliased(targets, args) -> bool:
+    """Whether recording the call whole could differ from running it tensor by tensor:
+    a tensor updated twice, or an updated tensor read at another position of another
+    list (it would be read after its update there, before it here)."""
+    index = {id(t._kc): i for i, t in enumerate(targets)}
+    if len(index) != len(targets):
+        return True
+    for a in args[1:]:
+        if isinstance(a, (list, tuple)):
+            for j, t in enumerate(a):
+                i = index.get(id(getattr(t, "_kc", None)))
+                if i is not None and i != j:
+                    return True
+    return False
+
+
 def record_whole(record, meta_call, rebind, func, name, args, kwargs):
     """Record a ``_foreach_*`` call as one operation; NotImplemented when it cannot be
     (the caller then splits it). ``record``, ``meta_call`` and ``rebind(tensor, new)``
@@ -140,8 +156,8 @@ def record_whole(record, meta_call, rebind, func, name, args, kwargs):
     written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if inplace and written != [0]:
         return NotImplemented
-    if len({id(t._kc) for t in targets}) != len(targets):
-        return NotImplemented        # one tensor updated twice: per tensor, in order
+    if _aliased(targets, fargs if scale is None else (fargs[0], scale[0], fargs[2])):
+        return NotImplemented        # per tensor, in order, as CPU's foreach kernels run
     for t in targets:
         if t._kc.live_base() is not None or t._kc.has_live_views():
             return NotImplemented
