@@ -482,14 +482,15 @@ def _record_mutation(func, name, schema, args, kwargs):
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     updated = outs[-len(targets):] if targets else []
     for t, new in zip(targets, updated):
-        if new.dtype != t.dtype:
-            new = _record(aten._to_copy.default, (new,), {"dtype": t.dtype})
         _rebind(t, new)
     return returns(args, outs)
 
 
 def _rebind(t, new):
-    """Point ``t`` (updated in place) at ``new``'s pending value."""
+    """Point ``t`` (updated in place) at ``new``'s pending value, cast to ``t``'s dtype
+    as an in-place update would (``int_tensor.add_(float_tensor)`` stays int)."""
+    if new.dtype != t.dtype:
+        new = _record(aten._to_copy.default, (new,), {"dtype": t.dtype})
     t._kc.data, t._kc.value = None, new._kc.value
     current().hold(new._kc.value, t._kc)
 

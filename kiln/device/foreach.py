@@ -144,7 +144,7 @@ def _aliased(targets, args) -> bool:
 def record_whole(record, meta_call, rebind, func, name, args, kwargs):
     """Record a ``_foreach_*`` call as one operation; NotImplemented when it cannot be
     (the caller then splits it). ``record``, ``meta_call`` and ``rebind(tensor, new)``
-    (point a tensor at a new pending value) are the dispatcher's."""
+    (point a tensor at a new pending value, in its dtype) are the dispatcher's."""
     if not _device_lists(args):
         return NotImplemented
     inplace = name.endswith("_")
@@ -179,7 +179,5 @@ def record_whole(record, meta_call, rebind, func, name, args, kwargs):
     if outs is NotImplemented or not inplace:
         return outs
     for t, new in zip(targets, outs):
-        if new.dtype != t.dtype:
-            new = record(aten._to_copy.default, (new,), {"dtype": t.dtype})
         rebind(t, new)
     return None
