@@ -188,3 +188,17 @@ def test_backend_names_resolve_in_a_fresh_process():
     proc = run_py(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiles 2" in proc.stdout
+
+
+def test_compiled_graphs_do_not_busy_wait_between_calls():
+    """A graph handed over at run time runs between host operations: ONNX Runtime's
+    threads must not spin after each call, taking the CPUs from that work."""
+    from kiln.device.graphs import compile_graph
+    gm = torch.fx.symbolic_trace(_mlp())
+    x = torch.randn(4, 16)
+    run = compile_graph(gm, [x], name="spin", real_inputs=True, engine="onnxruntime", cache=False)
+    sessions = [p.session for p in run.compiled.program.partitions if hasattr(p, "session")]
+    assert sessions and run.compiled.runtime_options.spin is False
+    for s in sessions:
+        assert s.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    torch.testing.assert_close(run(x)[0], gm(x))

@@ -83,6 +83,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
         try:
             examples = tuple(inputs) if real_inputs else tuple(real_example(x) for x in inputs)
             compiled = trace(gm, examples, name=name, quiet=True, **options)
+            compiled.take_turns()      # it runs between host operations, never back to back
         except KilnError as e:
             return _eager(gm, name, str(e))
         except Exception as e:       # torch itself failing on the graph: still never a crash
