@@ -52,9 +52,10 @@ def dispatch(func, args, kwargs):
 
 class _Info:
     """What the dispatcher needs to know about an operation, worked out once."""
-    __slots__ = ("name", "foreach", "recordable", "mutation", "view", "schema")
+    __slots__ = ("func", "name", "foreach", "recordable", "mutation", "view", "schema")
 
     def __init__(self, func):
+        self.func = func        # kept alive: the tables below are keyed by id(func)
         schema = self.schema = func._schema
         self.name = schema.name.split("::")[-1]
         self.foreach = self.name.startswith("_foreach_")
@@ -67,9 +68,10 @@ _INFO: dict = {}
 
 
 def _info(func) -> _Info:
-    info = _INFO.get(func)
+    # keyed by id: an OpOverload's __hash__ is Python code, and this runs for every op
+    info = _INFO.get(id(func))
     if info is None:
-        info = _INFO[func] = _Info(func)
+        info = _INFO[id(func)] = _Info(func)
     return info
 
 
@@ -334,7 +336,7 @@ def _sig(a):
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
     if isinstance(a, (list, tuple)):
-        return (type(a), tuple(_sig(x) for x in a))
+        return (type(a), tuple([_sig(x) for x in a]))
     if isinstance(a, float) and a != a:
         return "nan"
     return a
@@ -349,7 +351,8 @@ def meta_call(func, args, kwargs):
     remembered per operation and argument signature: the same step recorded again costs
     a dictionary lookup, not a shape computation."""
     try:
-        key = (func, _sig(args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
+        _info(func)                 # holds func alive, so its id names it
+        key = (id(func), _sig(args), tuple([(k, _sig(v)) for k, v in kwargs.items()]) if kwargs else ())
         hit = _META_CACHE.get(key, _MISSING)
     except TypeError:               # an unhashable constant
         key, hit = None, _MISSING
@@ -370,7 +373,8 @@ def meta_call(func, args, kwargs):
 
 def _map(fn, a):
     if isinstance(a, (list, tuple)):
-        return type(a)(_map(fn, x) for x in a)
+        items = [_map(fn, x) for x in a]
+        return items if type(a) is list else tuple(items)
     return fn(a)
 
 
@@ -391,7 +395,8 @@ def _ref_of(trace, a):
 
 def _refs(trace, a):
     if isinstance(a, (list, tuple)):
-        return type(a)(_refs(trace, x) for x in a)
+        items = [_refs(trace, x) for x in a]
+        return items if type(a) is list else tuple(items)
     return _ref_of(trace, a)
 
 

@@ -41,12 +41,12 @@ def _floating(t) -> bool:
 def lift_scalars(dispatch, func, args, kwargs):
     """``func`` re-dispatched with its Python float arguments as 0-dim tensors, or
     NotImplemented when there is nothing to lift."""
-    kind = _LIFT_KIND.get(func, "?")
+    kind = _LIFT_KIND.get(id(func), "?")      # by id: an op's __hash__ is Python code
     if kind == "?":
-        kind = _LIFT_KIND[func] = _lift_kind(func)
+        kind = _LIFT_KIND[id(func)] = _lift_kind(func)
     if kind is None or not args or not _floating(args[0]):
         return NotImplemented
-    packet = _PACKET.get(func) or _PACKET.setdefault(func, getattr(aten, func._schema.name.split("::")[-1]))
+    packet = _PACKET.get(id(func)) or _PACKET.setdefault(id(func), getattr(aten, func._schema.name.split("::")[-1]))
     if kind == "arith":
         other = args[1]
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)

@@ -65,13 +65,14 @@ class _Op:
         self.single = single    # the op returns one tensor, not a tuple or list
 
 
-_NAMES: dict = {}           # op -> its name, for keys (str() of an op runs Python)
+_NAMES: dict = {}           # id(op) -> its name, for keys (str() and hash() of an op run Python;
+#                             ops are never freed: torch keeps them in their packets)
 
 
 class Trace:
     def __init__(self):
         self.ops: list = []
-        self.metas: list = []             # value index -> meta tensor
+        self.metas: list = []             # value index -> meta tensor (None for inputs)
         self.inputs: list = []            # (value index, host tensor)
         self._input_of: dict = {}         # id(host tensor) -> value index
         self._memory: set = set()         # storage addresses of the inputs
@@ -85,7 +86,7 @@ class Trace:
         k = self._input_of.get(id(data))
         if k is None:
             k = len(self.metas)
-            self.metas.append(meta_like(data))
+            self.metas.append(None)       # an input's data is at hand: no meta tensor needed
             self.inputs.append((k, data))
             self._input_of[id(data)] = k
             if data.numel():
@@ -105,7 +106,7 @@ class Trace:
             outs.append(len(self.metas))
             self.metas.append(meta)
         self.ops.append(_Op(func, args, kwargs, outs, single))
-        name = _NAMES.get(func) or _NAMES.setdefault(func, str(func))
+        name = _NAMES.get(id(func)) or _NAMES.setdefault(id(func), str(func))
         self._key.update(f"{name}{args!r}{kwargs!r}->{outs};".encode())
         return outs
 
