@@ -202,3 +202,50 @@ def test_compiled_graphs_do_not_busy_wait_between_calls():
     for s in sessions:
         assert s.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     torch.testing.assert_close(run(x)[0], gm(x))
+
+
+class _PooledCNN(nn.Module):
+    """benchmarks/train.py's CNN, smaller: convolution, batch norm and ReLU blocks, then
+    a global mean over the image (which once failed to compile under bf16 autocast:
+    "Expected 4-dimensional input")."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8),
+                                      nn.ReLU())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def test_bf16_autocast_training_of_a_pooled_cnn_follows_eager():
+    """Batch norm of a bf16 convolution's output: PyTorch's dtype rules give its saved
+    statistics bf16 where CPU's kernel gives fp32. The forward graph is traced as CPU
+    computes it, so it compiles; the check against eager catches a wrong dtype."""
+    torch.manual_seed(0)
+    ref = _PooledCNN()
+    model = copy.deepcopy(ref)
+    x, y = _data("cnn")
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+
+    def train(m, run):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(run(x).float(), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    expected = train(ref, ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(model, compiled)
+    eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+    assert not [w for w in eager if "forward" in w], eager
+    # bf16 keeps 8 bits of mantissa: the two runs round differently, by ~1e-2 relative
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=3e-2, atol=3e-2)

@@ -20,7 +20,7 @@ from kiln.compiler import phases
 from kiln.compiler.options import CompileOptions, check_supported, parse_compiler_args
 from kiln.compiler.selection import resolve_device
 from kiln.graph.capture import Captured, bind_inputs, call_bound, capture, from_graph
-from kiln.graph.validation import compare, quality_gate
+from kiln.graph.validation import compare, narrowest_float, quality_gate
 from kiln.progress import Progress
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
@@ -137,7 +137,8 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
         with progress.phase("validate"):
             actual = compiled.run_flat(captured.example_inputs)
             manifest["validation"] = compare(captured.eager_outputs, actual,
-                                             [s.name for s in captured.output_specs], opts.atol, opts.rtol)
+                                             [s.name for s in captured.output_specs], opts.atol, opts.rtol,
+                                             computed_in=narrowest_float(captured.graph_module))
 
 
 def flat_sample(model, captured, sample):

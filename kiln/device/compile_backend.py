@@ -35,7 +35,28 @@ def backend(gm, example_inputs, options=None):
         return compile_one
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        inference_compiler=compiler("inference"))(gm, example_inputs)
+                        inference_compiler=compiler("inference"),
+                        decompositions=_decompositions())(gm, example_inputs)
+
+
+def _decompositions() -> dict:
+    import torch
+    # the functional form is what AOTAutograd's tracing meets (after functionalization)
+    return {torch.ops.aten._native_batch_norm_legit_functional.default: _mixed_batch_norm}
+
+
+def _mixed_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm of a bf16/fp16 input with fp32 parameters (a convolution's output under
+    auto-cast), traced as CPU's kernel computes it: in fp32, the output rounded back.
+    PyTorch's dtype rules give the saved statistics the input's dtype where CPU's
+    kernel gives fp32; engines follow the rules, so the compiled forward handed the
+    backward statistics of a dtype CPU's backward kernel refuses."""
+    import torch
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight is None or weight.dtype != torch.float32:
+        return NotImplemented
+    out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional.default(
+        x.float(), weight, bias, running_mean, running_var, training, momentum, eps)
+    return out.to(x.dtype), mean, invstd, new_mean, new_var
 
 
 def register_neuron_name():
