@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from kiln.device import foreach, rewrites
+from kiln.device import foreach, rewrites, walk
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
 
@@ -202,29 +202,6 @@ def _rederive(cell):
     cell.data = res if index is None else res[index]
 
 
-# Operations' arguments and results nest only in tuples, lists and (keyword) dicts: these
-# walk them without torch.utils._pytree's generality, which costs 30 us an operation.
-
-def _leaves(tree):
-    if isinstance(tree, (list, tuple)):
-        for a in tree:
-            yield from _leaves(a)
-    elif isinstance(tree, dict):
-        for a in tree.values():
-            yield from _leaves(a)
-    else:
-        yield tree
-
-
-def _tmap(fn, tree):
-    if isinstance(tree, (list, tuple)):
-        items = [_tmap(fn, a) for a in tree]
-        return items if type(tree) is list else tuple(items)
-    if isinstance(tree, dict):
-        return {k: _tmap(fn, a) for k, a in tree.items()}
-    return fn(tree)
-
-
 def _host_one(a):
     if isinstance(a, dt.DeviceTensor):
         return a.host()
@@ -234,11 +211,11 @@ def _host_one(a):
 
 
 def _host(tree):
-    return _tmap(_host_one, tree)
+    return walk.tmap(_host_one, tree)
 
 
 def _is_pending(tree) -> bool:
-    return any(isinstance(a, dt.DeviceTensor) and a._kc.data is None for a in _leaves(tree))
+    return any(isinstance(a, dt.DeviceTensor) and a._kc.data is None for a in walk.leaves(tree))
 
 
 def _wrap_one(t):
@@ -267,12 +244,12 @@ def run_now(func, args, kwargs):
     if _is_view(schema) and base is not None:
         if isinstance(out, torch.Tensor) and _same_layout(base._kc.data, out):
             return dt.alias(base, out)            # detach, .data: the same cell
-        wrapped = _tmap(_wrap_one, out)
+        wrapped = walk.tmap(_wrap_one, out)
         outs = wrapped if isinstance(wrapped, (list, tuple)) else [wrapped]
         for i, o in enumerate(outs):
             dt.note_view(o, base, func, args, kwargs, i if isinstance(wrapped, (list, tuple)) else None)
         return wrapped
-    return _tmap(_wrap_one, out)
+    return walk.tmap(_wrap_one, out)
 
 
 def _arg(schema, i, args, kwargs):
@@ -285,7 +262,7 @@ def _read_by_trace(a) -> bool:
     trace = current()
     if not len(trace):
         return False
-    for t in _leaves(a):
+    for t in walk.leaves(a):
         if isinstance(t, torch.Tensor):
             data = t._kc.data if isinstance(t, dt.DeviceTensor) else t
             if data is not None and data.numel() and trace.reads_memory(data):
@@ -296,8 +273,8 @@ def _read_by_trace(a) -> bool:
 def _same_tensors(out, inputs):
     """A collective's outputs (the tensors it wrote, a Work handle) with the device
     tensors it was given in place of their host data."""
-    mine = {id(t._kc.data): t for t in _leaves(inputs) if isinstance(t, dt.DeviceTensor)}
-    return _tmap(lambda o: mine.get(id(o), _wrap_one(o)), out)
+    mine = {id(t._kc.data): t for t in walk.leaves(inputs) if isinstance(t, dt.DeviceTensor)}
+    return walk.tmap(lambda o: mine.get(id(o), _wrap_one(o)), out)
 
 
 def _written_arg(schema, args, kwargs):
@@ -361,7 +338,7 @@ def meta_call(func, args, kwargs):
             raise hit
         return hit
     try:
-        out = func(*_map(_meta_of, args), **{k: _map(_meta_of, v) for k, v in kwargs.items()})
+        out = func(*walk.tmap(_meta_of, args), **{k: walk.tmap(_meta_of, v) for k, v in kwargs.items()})
     except Exception as e:
         if key is not None:
             _META_CACHE[key] = e
@@ -369,13 +346,6 @@ def meta_call(func, args, kwargs):
     if key is not None:
         _META_CACHE[key] = out
     return out
-
-
-def _map(fn, a):
-    if isinstance(a, (list, tuple)):
-        items = [_map(fn, x) for x in a]
-        return items if type(a) is list else tuple(items)
-    return fn(a)
 
 
 def _ref_of(trace, a):
