@@ -59,6 +59,22 @@ def test_changed_weights_shapes_or_options_miss(tmp_path):
     assert len(keys) == 5 and delta(s)["compiles"] == 4 and delta(s)["hits"] == 0
 
 
+def test_lazily_compiled_graph_modules_with_the_same_inputs_do_not_share_an_entry(tmp_path):
+    """AOTAutograd hands over _LazyGraphModules, which keep no code until first run:
+    two of them over the same inputs (a CNN's forward in fp32 and under bf16 autocast)
+    once had one fingerprint, and the second got the first's artifact."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.experimental.proxy_tensor import make_fx
+    url = str(tmp_path / "cache")
+    x = torch.randn(4, 8)
+    graphs = [_LazyGraphModule(torch.nn.Module(), make_fx(f)(x).graph)
+              for f in (lambda t: t * 2, lambda t: t + 2)]
+    compiled = [kiln.trace(g, (x,), cache=url, engine="onnxruntime") for g in graphs]
+    assert compiled[0].cache_key != compiled[1].cache_key
+    assert_close(compiled[0](x), x * 2)
+    assert_close(compiled[1](x), x + 2)
+
+
 def test_module_settings_are_part_of_the_fingerprint(tmp_path):
     """Same class, same weights, different non-tensor setting: must not share an entry."""
     url = str(tmp_path / "cache")

@@ -25,13 +25,11 @@ from kiln.artifact import specs
 from kiln.artifact.container import FORMAT_VERSION
 from kiln.host import target as target_mod
 
-KEY_VERSION = 2            # bump when what goes into a key changes
-
 _digests: dict = {}   # id(tensor) -> (weakref, state, digest), this process only
 _digests_lock = threading.Lock()
 
 
-KEY_VERSION = 2            # bump when what goes into a key changes
+KEY_VERSION = 3            # bump when what goes into a key changes (3: GraphModules' code)
 
 
 # -- keys ------------------------------------------------------------------------------------------
@@ -246,6 +244,11 @@ def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
     for name, mod in model.named_modules():
         state = {k: _settings(list(v.values()) if k in _HOOKS else v) for k, v in vars(mod).items()
                  if k not in _SKIP and not isinstance(v, torch.Tensor)}
+        if isinstance(mod, torch.fx.GraphModule):
+            # what it computes is its graph, not its class or state; a lazily compiled
+            # one (AOTAutograd's) has no _code yet, and two such graphs over the same
+            # inputs (a forward in fp32 and under bf16 autocast) once shared one key
+            state["graph"] = mod.code
         modules.append([name, _class_digest(type(mod)), state])
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     leaves, in_specs = [], []
