@@ -223,7 +223,8 @@ class _PooledCNN(nn.Module):
 def test_bf16_autocast_training_of_a_pooled_cnn_follows_eager():
     """Batch norm of a bf16 convolution's output: PyTorch's dtype rules give its saved
     statistics bf16 where CPU's kernel gives fp32. The forward graph is traced as CPU
-    computes it, so it compiles; the check against eager catches a wrong dtype."""
+    computes it, so it compiles, and both graphs pass the check against eager at bf16's
+    tolerance (nothing runs eagerly)."""
     torch.manual_seed(0)
     ref = _PooledCNN()
     model = copy.deepcopy(ref)
@@ -246,6 +247,6 @@ def test_bf16_autocast_training_of_a_pooled_cnn_follows_eager():
         warnings.simplefilter("always")
         got = train(model, compiled)
     eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
-    assert not [w for w in eager if "forward" in w], eager
+    assert not eager, eager
     # bf16 keeps 8 bits of mantissa: the two runs round differently, by ~1e-2 relative
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=3e-2, atol=3e-2)

@@ -21,7 +21,7 @@ def test_a_bf16_output_an_ulp_off_passes_a_tight_rtol():
 
 def test_a_bf16_output_that_is_wrong_still_fails_and_says_which_rtol():
     e = torch.linspace(1, 8, 64).bfloat16()
-    with pytest.raises(ValidationError, match=r"output .y. \(rtol 0\.015625: bfloat16\)"):
+    with pytest.raises(ValidationError, match=r"output .y. \(rtol 0\.015625, atol 0\.125: bfloat16\)"):
         compare([e], [(e.float() * 1.05).bfloat16()], ["y"], atol=1e-3, rtol=1e-3)
 
 
@@ -51,3 +51,12 @@ def test_a_float_output_of_another_dtype_fails_however_close():
     e = torch.linspace(1, 8, 8)
     with pytest.raises(ValidationError, match=r"output 'y': dtype bfloat16, eager gives float32"):
         compare([e], [e.bfloat16()], ["y"], atol=1, rtol=1)
+
+
+def test_a_bf16_sum_near_zero_is_held_to_the_outputs_scale():
+    """Elements that cancel to near zero carry the rounding of their terms' size."""
+    e = torch.tensor([64.0, 0.01, -32.0]).bfloat16()
+    a = torch.tensor([64.0, 0.26, -32.0]).bfloat16()       # off by half an ulp of 64
+    assert compare([e], [a], ["y"], atol=1e-3, rtol=1e-3)["passed"]
+    with pytest.raises(ValidationError):                    # three ulps of 64: wrong
+        compare([e], [torch.tensor([64.0, 1.5, -32.0]).bfloat16()], ["y"], atol=1e-3, rtol=1e-3)
