@@ -221,6 +221,22 @@ def test_a_graph_that_fails_to_compile_runs_on_the_host_with_a_warning():
     modes.set_mode("lazy", optlevel=1)
 
 
+def test_eager_mode_runs_the_queue_at_the_window_size():
+    from kiln.device import dispatch, trace
+    modes.set_mode("eager", window=4)
+    try:
+        outs = [torch.ones(3, device=DEV)]
+        for _ in range(10):
+            outs.append(outs[-1] + 1)
+            assert len(dispatch.current()) < 4            # never more than a window queued
+        assert outs[4]._kc.data is not None               # run without being read
+        assert outs[-1]._kc.data is None                  # the last window still queued
+        assert outs[-1].cpu().tolist() == [11.0, 11.0, 11.0]
+        assert metrics.counter_value("InterpretedGraphs") >= 2
+    finally:
+        modes.set_mode("eager", window=trace.Policy().window)
+
+
 def test_deterministic_algorithms_run_op_by_op():
     modes.set_mode("eager")
     torch.use_deterministic_algorithms(True)
