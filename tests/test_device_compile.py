@@ -250,3 +250,22 @@ def test_bf16_autocast_training_of_a_pooled_cnn_follows_eager():
     assert not eager, eager
     # bf16 keeps 8 bits of mantissa: the two runs round differently, by ~1e-2 relative
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=3e-2, atol=3e-2)
+
+
+def test_a_cache_entry_that_does_not_fit_the_graph_is_never_run(tmp_path, monkeypatch):
+    """A cache hit trusts its key; should a key ever name another graph's entry (as one
+    once did), the outputs' shapes and dtypes give it away and the graph is compiled again."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.compiler import keys
+    from kiln.device.graphs import compile_graph
+    monkeypatch.setattr(keys, "fingerprint", lambda *a, **k: "0" * 64)     # a broken key
+    x = torch.randn(4, 8)
+    url = str(tmp_path / "cache")
+    options = {"engine": "onnxruntime", "cache": url, "real_inputs": True}
+    doubled = compile_graph(make_fx(lambda t: t * 2)(x), [x], name="doubled", **options)
+    torch.testing.assert_close(doubled(x)[0], x * 2)
+    with pytest.warns(RuntimeWarning, match=r"does not fit it \(output 0 is torch.float32\[4, 8\], "
+                                            r"the graph's torch.float32\[8\]\); compiling it again"):
+        summed = compile_graph(make_fx(lambda t: t.sum(0))(x), [x], name="summed", **options)
+    torch.testing.assert_close(summed(x)[0], x.sum(0))

@@ -83,6 +83,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
         try:
             examples = tuple(inputs) if real_inputs else tuple(real_example(x) for x in inputs)
             compiled = trace(gm, examples, name=name, quiet=True, **options)
+            misfit = _misfit(compiled, gm) if compiled.manifest.get("cache", {}).get("hit") else None
+            if misfit:                 # never run another graph's artifact: compile afresh
+                warnings.warn(f"kiln: graph '{name}': the compile cache's entry does not fit it "
+                              f"({misfit}); compiling it again", RuntimeWarning, stacklevel=2)
+                compiled = trace(gm, examples, name=name, quiet=True, **{**options, "cache": False})
             compiled.take_turns()      # it runs between host operations, never back to back
         except KilnError as e:
             return _eager(gm, name, str(e))
@@ -105,6 +110,24 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
         return out
     run.compiled = compiled
     return run
+
+
+def _misfit(compiled, gm) -> str | None:
+    """Why a compiled model's outputs cannot be ``gm``'s (their shapes and dtypes against
+    the graph's own metadata, where it has some), or None. A cache hit trusts its key;
+    this catches a key that named the wrong entry (as one once did)."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outputs = [o for o in (outputs if isinstance(outputs, (tuple, list)) else [outputs]) if o is not None]
+    vals = [o.meta.get("val") if isinstance(o, torch.fx.Node) else None for o in outputs]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    specs = compiled.output_specs
+    if len(specs) != len(vals):
+        return f"{len(specs)} outputs, the graph has {len(vals)}"
+    for i, (spec, val) in enumerate(zip(specs, vals)):
+        if tuple(spec.shape) != tuple(val.shape) or spec.dtype != val.dtype:
+            return f"output {i} is {spec.dtype}{list(spec.shape)}, the graph's {val.dtype}{list(val.shape)}"
+    return None
 
 
 def _eager(gm, name, why):
