@@ -50,7 +50,7 @@ class Policy:
     mode: str = "eager"           # "eager" (queue, fused windows) or "lazy" (until mark_step)
     # eager mode: flush when this many operations are queued. Large enough for a small
     # model's whole training step (a 4-layer BERT step queues 642): split at 512, that
-    # step ran at 0.73x CPU eager, whole at 0.81x
+    # step ran at 0.73x CPU eager, whole level with lazy mode (docs/device.md)
     window: int = 2048
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
