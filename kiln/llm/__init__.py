@@ -1,3 +1,20 @@
-"""kiln's LLM path (issue 17, being built): decoders compiled into prefill and decode
-graphs with the KV cache as explicit tensors (:mod:`kiln.llm.decoder`); the cache and the
-generation loop are runtime (:mod:`kiln.runtime.kv`)."""
+"""kiln's LLM path, compile side: a Hugging Face decoder (Llama family or GPT-2) compiled
+into one ``.kiln`` artifact of fixed-shape graphs, prefill per context bucket, decode per
+decode batch size, and optionally verify (speculative decoding), chunk (chunked prefill)
+and smaller cache windows, each a :class:`kiln.llm.decoder.DecoderStep` with the KV cache
+as explicit input tensors and the new keys and values as outputs, compiled through
+:func:`kiln.trace`.
+
+* :mod:`kiln.llm.decoder`: the model's own layers as one step function over the cache;
+* :mod:`kiln.llm.build`: :func:`~kiln.llm.build.compile_llm`, which builds the graphs and
+  returns a :class:`kiln.runtime.llm.LLM`;
+* :mod:`kiln.llm.gate`: the accuracy gate an int8/int4 build must pass (perplexity and
+  greedy agreement against float32, teacher-forced on a fixed text);
+* :mod:`kiln.llm.parallel`: the graphs compiled side by side in worker processes;
+* :mod:`kiln.llm.source`: a decoder and its tokenizer read from a local checkpoint
+  directory or GGUF file.
+
+The runtime side needs none of this package: :mod:`kiln.runtime.llm` (the loaded artifact,
+``generate``), :mod:`kiln.runtime.kv` (the preallocated cache and its windows),
+:mod:`kiln.runtime.scheduler` (continuous batching, chunked prefill, prefix reuse),
+:mod:`kiln.runtime.speculative` and :mod:`kiln.runtime.sampling`. Usage: docs/llm.md."""
