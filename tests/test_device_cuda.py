@@ -188,3 +188,34 @@ def test_gpu_o3_keeps_its_fastest_measured_variant(on_gpu):
     best = min(timed, key=lambda c: c["latency_ms"])
     assert part.get("variant") == best.get("variant")
     assert_close(compiled(*args), _eager(model, args, {}), **TOL)
+
+
+@needs_gpu
+@needs_cxx
+def test_gpu_conv_net_at_torchs_default_flags_is_held_to_tf32():
+    """torch lets cuDNN convolutions use TF32 by default: eager's own answers then differ
+    from strict fp32 by more than atol=1e-3 on large outputs (ResNet-50: 0.38 on outputs up
+    to 254). The check holds such a graph to TF32's precision, and says so."""
+    from kiln.host import tf32
+    model, x = models.cnn()
+    compiled = kiln.trace(model, x, device="cuda")
+    v = compiled.manifest["validation"]
+    assert v["passed"]
+    if tf32.in_effect()["conv"]:             # Ampere on, torch's default flags
+        assert v["precision"] == "tf32"
+        assert any("TF32 precision" in n for n in compiled.manifest["report"]["notes"])
+    else:
+        assert v["precision"] == "fp32"
+
+
+@needs_gpu
+@needs_cxx
+def test_gpu_tf32_auto_cast_is_checked_at_tf32():
+    from kiln.host import tf32
+    if not tf32.computed_here():
+        pytest.skip("the GPU has no TF32 (before Ampere)")
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type tf32")
+    assert compiled.manifest["precision"]["type"] == "tf32"
+    assert compiled.manifest["validation"]["precision"] == "tf32"
+    assert_close(compiled(x), model(x).detach(), atol=1e-2, rtol=1e-2)

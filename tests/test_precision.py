@@ -75,3 +75,85 @@ def test_native_bf16_hosts_compute_on_openvino(monkeypatch):
     assert compiled.manifest["precision"]["emulated"] is False
     assert {p["engine"] for p in compiled.manifest["partitions"]} == {"openvino"}
     assert ov_backend._precision(kiln.compiler.driver.make_options("--auto-cast matmult")) == "bf16"
+
+
+# -- --auto-cast-type tf32: NVIDIA GPUs only -------------------------------------------------
+
+from types import SimpleNamespace   # noqa: E402
+
+from kiln.compiler import driver, options, phases, selection   # noqa: E402
+from kiln.errors import CompilerArgsError   # noqa: E402
+from kiln.host import tf32   # noqa: E402
+
+TF32_ARGS = "--auto-cast matmult --auto-cast-type tf32"
+
+
+def test_tf32_is_accepted_for_cuda(monkeypatch):
+    assert options.parse_compiler_args(TF32_ARGS) == {"auto_cast": "matmult", "auto_cast_type": "tf32"}
+    monkeypatch.setattr(selection, "cuda_available", lambda: True)
+    for device in ("cuda", "auto"):
+        opts = driver.make_options(TF32_ARGS, device=device)
+        assert opts.device == "cuda" and options.asks_tf32(opts)
+        assert not options.lossy(opts)          # held to eager at TF32's precision, not to the gate
+        assert options.tf32_ops(opts) == {"conv": True, "matmul": True}
+    assert options.tf32_ops(driver.make_options(device="cuda")) is None    # torch's flags decide
+
+
+def test_tf32_on_a_cpu_is_an_error_that_names_the_flag_and_why(monkeypatch):
+    monkeypatch.setattr(selection, "cuda_available", lambda: False)
+    for device in ("cpu", "auto"):           # auto without a GPU is the CPU
+        with pytest.raises(CompilerArgsError, match=r"--auto-cast-type tf32 is not supported on CPUs: "
+                                                    r"TF32 is the fp32 format of NVIDIA tensor cores"):
+            driver.make_options(TF32_ARGS, device=device)
+    with pytest.raises(CompilerArgsError, match="fp8_e4m3 is not supported"):
+        driver.make_options("--auto-cast matmult --auto-cast-type fp8_e4m3", device="cpu")
+
+
+def test_tf32_auto_cast_leaves_the_graph_and_records_the_precision(monkeypatch):
+    model, x = models.cnn()
+    captured = kiln.graph.capture.capture(model, (x,))
+    before = captured.graph_module.code
+    opts = options.CompileOptions(auto_cast="matmult", auto_cast_type="tf32", device="cuda")
+    monkeypatch.setattr(tf32, "computed_here", lambda: True)
+    same, record = phases.apply_auto_cast(captured, opts, [])
+    assert same is opts and captured.graph_module.code == before
+    assert record["type"] == "tf32" and record["emulated"] is False and "TF32" in record["note"]
+    monkeypatch.setattr(tf32, "computed_here", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    with pytest.raises(CompilerArgsError, match=r"tf32 needs TF32 tensor cores .*Tesla V100"):
+        phases.apply_auto_cast(captured, opts, [])
+
+
+def _checked(opts, record, error):
+    """driver.check on a stand-in for a build of the CNN whose answers are ``error`` times
+    eager's largest output off eager's."""
+    model, x = models.cnn()
+    captured = kiln.graph.capture.capture(model, (x,))
+    scale = max(e.abs().max().item() for e in captured.eager_outputs)
+    manifest = {"report": {"notes": []}}
+    compiled = SimpleNamespace(manifest=manifest,
+                               run_flat=lambda flat: [e + error * scale for e in captured.eager_outputs])
+    plan = SimpleNamespace(options=opts, captured=captured, precision=record)
+    driver.check(compiled, plan, [], kiln.progress.Progress(quiet=True))
+    return manifest
+
+
+def test_the_check_of_a_tf32_gpu_build_uses_the_tf32_rule_and_says_so(monkeypatch):
+    monkeypatch.setattr(tf32, "computed_here", lambda: True)
+    tight = {"atol": 1e-5, "rtol": 1e-5}           # the CNN's outputs are below 0.5
+    opts = options.CompileOptions(auto_cast="matmult", auto_cast_type="tf32", device="cuda", **tight)
+    record = {"auto_cast": "matmult", "type": "tf32", "emulated": False}
+    m = _checked(opts, record, 2 ** -10)                   # a TF32 rounding's size: accepted
+    assert m["validation"]["passed"] and m["validation"]["precision"] == "tf32"
+    assert "min_cosine" not in m["validation"]             # eager's answers, not the accuracy gate
+    assert any("TF32 precision" in n and "--auto-cast-type tf32" in n for n in m["report"]["notes"])
+    with pytest.raises(kiln.ValidationError, match=r"tf32\)"):
+        _checked(opts, record, 0.05)                       # 5 % of the largest output: wrong
+    with tf32.allowed():                           # torch lets convolutions use TF32, as by default
+        m = _checked(options.CompileOptions(device="cuda", **tight), None, 2 ** -10)
+    assert m["validation"]["precision"] == "tf32"
+    assert any("torch's flags" in n and "convolutions (cuDNN" in n for n in m["report"]["notes"])
+    cpu = _checked(options.CompileOptions(device="cpu", **tight), None, 0.0)
+    assert cpu["validation"]["precision"] == "fp32" and not cpu["report"]["notes"]
+    with pytest.raises(kiln.ValidationError):             # the same rounding on a CPU fails
+        _checked(options.CompileOptions(device="cpu", **tight), None, 2 ** -10)

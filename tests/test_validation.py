@@ -60,3 +60,182 @@ def test_a_bf16_sum_near_zero_is_held_to_the_outputs_scale():
     assert compare([e], [a], ["y"], atol=1e-3, rtol=1e-3)["passed"]
     with pytest.raises(ValidationError):                    # three ulps of 64: wrong
         compare([e], [torch.tensor([64.0, 1.5, -32.0]).bfloat16()], ["y"], atol=1e-3, rtol=1e-3)
+
+
+# -- TF32: graphs on NVIDIA GPUs held to the precision PyTorch lets them compute at ------------
+
+from kiln.compiler import selection                       # noqa: E402
+from kiln.compiler.driver import make_options              # noqa: E402
+from kiln.graph.validation import TF32_RTOL, comparison_precision   # noqa: E402
+from kiln.host import tf32                                 # noqa: E402
+
+ALL, NONE = {"conv": True, "matmul": True}, {"conv": False, "matmul": False}
+
+
+def _graph(fn, *inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(fn)(*inputs)
+
+
+def _conv_graph():
+    w = torch.randn(4, 3, 3, 3)
+    return _graph(lambda x: torch.nn.functional.conv2d(x, w).relu(), torch.randn(1, 3, 8, 8))
+
+
+def _matmul_graph():
+    w, b = torch.randn(8, 16), torch.randn(8)
+    return _graph(lambda x: torch.nn.functional.linear(x, w, b), torch.randn(2, 16))
+
+
+@pytest.fixture
+def torch_tf32_flags():
+    """Leaves torch's TF32 flags as they were (the tests set them through torch's legacy
+    setters, which keep its legacy and new representations in step)."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_a_cuda_graph_with_convolutions_compares_at_tf32_when_cudnn_allows_it():
+    gm = _conv_graph()
+    assert comparison_precision(gm, "cuda", {"conv": True, "matmul": False}) == "tf32"
+    assert comparison_precision(gm, "cuda", {"conv": False, "matmul": True}) == "fp32"
+    assert comparison_precision(gm, "cuda", NONE) == "fp32"
+
+
+def test_a_cuda_graph_with_matmuls_compares_at_tf32_only_when_matmuls_may_use_it():
+    gm = _matmul_graph()
+    assert comparison_precision(gm, "cuda", {"conv": True, "matmul": False}) == "fp32"
+    assert comparison_precision(gm, "cuda", {"conv": False, "matmul": True}) == "tf32"
+    assert comparison_precision(_graph(lambda x: x.exp() * 2, torch.randn(4)), "cuda", ALL) == "fp32"
+
+
+def test_a_cpu_graph_never_compares_at_tf32():
+    for gm in (_conv_graph(), _matmul_graph()):
+        assert comparison_precision(gm, "cpu", ALL) == "fp32"
+        assert comparison_precision(gm, "cpu") == "fp32"
+    bf16 = _graph(lambda x: (x.bfloat16() * 2).float(), torch.randn(4))
+    assert comparison_precision(bf16, "cpu") == "bf16" and comparison_precision(bf16, "cuda", ALL) == "bf16"
+
+
+def test_torchs_flags_decide_tf32_where_the_gpu_has_it(monkeypatch, torch_tf32_flags):
+    """Default flags: cuDNN convolutions in TF32, cuBLAS matmuls not; read from torch."""
+    monkeypatch.setattr(tf32, "computed_here", lambda: True)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+    assert tf32.flags() == {"conv": True, "matmul": False}
+    assert comparison_precision(_conv_graph(), "cuda") == "tf32"
+    assert comparison_precision(_matmul_graph(), "cuda") == "fp32"
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("high")
+    assert tf32.flags() == {"conv": False, "matmul": True}
+    assert comparison_precision(_conv_graph(), "cuda") == "fp32"
+    assert comparison_precision(_matmul_graph(), "cuda") == "tf32"
+    monkeypatch.setattr(tf32, "computed_here", lambda: False)     # before Ampere: fp32 is fp32
+    assert comparison_precision(_matmul_graph(), "cuda") == "fp32"
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "conv"), reason="torch before 2.9: no fp32_precision")
+def test_torchs_new_fp32_precision_api_is_read(torch_tf32_flags):
+    conv, matmul = torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        assert tf32.flags() == {"conv": False, "matmul": True}
+    finally:
+        torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = conv, matmul
+
+
+def test_allowing_tf32_for_a_compile_restores_torchs_flags(torch_tf32_flags):
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    with tf32.allowed():
+        assert tf32.flags() == ALL
+    assert tf32.flags() == NONE and torch.get_float32_matmul_precision() == "highest"
+
+
+def _logits(seed=0):
+    """Outputs up to 254 in magnitude, like ResNet-50's on an H100."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(1000, generator=g)
+    return e / e.abs().max() * 254
+
+
+def test_tf32_accepts_the_rounding_of_a_correct_gpu_build_and_fp32_does_not():
+    """0.3 off on outputs up to 254: what eager's own TF32 and IEEE answers differ by."""
+    e = _logits()
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    a = e + 0.3 * noise / noise.abs().max()
+    summary = compare([e], [a], ["logits"], atol=1e-3, rtol=1e-3, computed_in="tf32")
+    assert summary["passed"] and summary["precision"] == "tf32"
+    out = summary["outputs"][0]
+    assert out["precision"] == "tf32" and out["rtol"] == TF32_RTOL == 2 ** -8
+    assert out["atol"] == pytest.approx(254 * 2 ** -8)
+    with pytest.raises(ValidationError, match=r"output 'logits': max abs error 0\.3"):
+        compare([e], [a], ["logits"], atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValidationError):
+        compare([e], [a], ["logits"], atol=1e-3, rtol=1e-3, computed_in="fp32")
+
+
+def test_tf32_still_rejects_a_real_error():
+    e = _logits()
+    with pytest.raises(ValidationError, match=r"output 'logits' \(rtol 0\.00390625, atol 0\.992: tf32\)"):
+        compare([e], [e * 1.02], ["logits"], atol=1e-3, rtol=1e-3, computed_in="tf32")
+    wrong = e.clone()
+    wrong[0] += 5.0                                   # one logit 2 % of the largest off
+    with pytest.raises(ValidationError):
+        compare([e], [wrong], ["logits"], atol=1e-3, rtol=1e-3, computed_in="tf32")
+
+
+def test_an_fp32_comparison_is_todays_and_says_so():
+    e = torch.linspace(1, 8, 64)
+    a = e * (1 + 2e-4)
+    assert compare([e], [a], ["y"], atol=1e-3, rtol=1e-3) == \
+        compare([e], [a], ["y"], atol=1e-3, rtol=1e-3, computed_in="fp32")
+    summary = compare([e], [a], ["y"], atol=1e-3, rtol=1e-3)
+    assert summary["precision"] == "fp32" and "rtol" not in summary["outputs"][0]
+    assert compare([e.bfloat16()], [e.bfloat16()], ["y"], atol=1e-3, rtol=1e-3)["precision"] == "bf16"
+
+
+def test_engine_selection_holds_gpu_builds_to_tf32_and_cpu_builds_to_atol_rtol(monkeypatch, torch_tf32_flags):
+    """The per-partition check (kiln.compiler.selection) uses the same rule: a TF32 build on a
+    GPU is not recorded as inaccurate; on the CPU nothing changes."""
+    e = _logits()
+    a = e + 0.3
+    cpu = make_options(device="cpu")
+    assert "differs from eager" in selection._disagreement([e], [a], cpu, None)
+    assert selection._disagreement([e], [a], cpu, "tf32") is None
+    assert "differs from eager" in selection._disagreement([e], [e * 1.02], cpu, "tf32")
+    monkeypatch.setattr(selection, "cuda_available", lambda: True)
+    gpu = make_options(device="cuda")
+    assert selection._Reference(_conv_graph(), [], cpu).precision is None
+    monkeypatch.setattr(tf32, "computed_here", lambda: True)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True                    # torch's defaults
+    assert selection._Reference(_conv_graph(), [], gpu).precision == "tf32"
+    assert selection._Reference(_matmul_graph(), [], gpu).precision == "fp32"
+    tf32_gpu = make_options("--auto-cast matmult --auto-cast-type tf32", device="cuda")
+    assert selection._Reference(_matmul_graph(), [], tf32_gpu).precision == "tf32"
+    assert selection._Reference(_conv_graph(), [], tf32_gpu).precision == "tf32"
+
+
+def test_padding_and_batch_checks_of_a_tf32_build_use_its_precision():
+    """Padded or chunked answers of a build checked at TF32 carry the same rounding."""
+    from types import SimpleNamespace
+    from kiln.compiler.api import padding_tolerance
+    e = _logits()
+    gpu = SimpleNamespace(manifest={"validation": {"precision": "tf32"}})
+    wrapper = SimpleNamespace(manifest={}, inner_models=lambda: [gpu])      # buckets, dynamic batch
+    cpu = SimpleNamespace(manifest={"validation": {"precision": "fp32"}})
+    opts = make_options(device="cpu")
+    for compiled in (gpu, wrapper):
+        tol = padding_tolerance(opts, compiled)
+        assert tol.precision == "tf32" and "tf32" in str(tol)
+        assert tol.compare([e], [e + 0.3], ["logits"]) == pytest.approx(0.3, rel=1e-4)
+        with pytest.raises(ValidationError):
+            tol.compare([e], [e * 1.02], ["logits"])
+    tol = padding_tolerance(opts, cpu)
+    assert tol.precision is None
+    with pytest.raises(ValidationError):
+        tol.compare([e], [e + 0.3], ["logits"])

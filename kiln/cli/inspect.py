@@ -104,7 +104,8 @@ def _inspect_model(art, title, console):
     val = m.get("validation")
     if val:
         t.add_row("validation", f"max abs {val['max_abs_error']:.3g}, max rel {val['max_rel_error']:.3g}, "
-                                f"cosine {val['min_cosine_similarity']:.6f}")
+                                f"cosine {val['min_cosine_similarity']:.6f}"
+                                + (f", at {val['precision']} precision" if val.get("precision") else ""))
     speed = _speed_vs_eager(m)
     if speed:
         t.add_row("speed vs eager", speed)

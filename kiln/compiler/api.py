@@ -91,7 +91,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     if dynamic_batch:
         from kiln.runtime.buckets import DynamicBatch
         compiled = DynamicBatch(compiled)
-        tol = padding_tolerance(opts)
+        tol = padding_tolerance(opts, compiled)
         if tol is not None:
             with progress.phase("batch check"):
                 compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(
@@ -116,7 +116,7 @@ def _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_d
         from kiln.compiler.buckets import bucket_examples, trace_buckets
         examples = bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values)
         compiled = trace_buckets(model, examples, pad_values, output_dims, trace_one)
-        tol = padding_tolerance(opts)
+        tol = padding_tolerance(opts, compiled)
         if tol is not None:
             with progress.phase("padding check"):
                 compiled.manifest["padding_check"] = padcheck.check_buckets(model, compiled, examples, tol)
@@ -126,11 +126,21 @@ def _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_d
     return trace_one(model, example_inputs, example_kwargs)
 
 
-def padding_tolerance(opts):
+def padding_tolerance(opts, compiled=None):
     """How closely padded and chunked answers must match eager (None: validate=False).
-    Lossy compiles are held to their accuracy gate, not to atol."""
+    Lossy compiles are held to their accuracy gate, not to atol; GPU builds checked at TF32
+    (kiln.graph.validation) to TF32's precision, as their unpadded answers were."""
     if not opts.validate:
         return None
-    if opts.quantize or (opts.auto_cast != "none" and opts.auto_cast_type != "fp32"):
+    if opts.quantize or (opts.auto_cast != "none" and opts.auto_cast_type not in ("fp32", "tf32")):
         return padcheck.Tolerance(min_cosine=opts.min_cosine)
-    return padcheck.Tolerance(opts.atol, opts.rtol)
+    return padcheck.Tolerance(opts.atol, opts.rtol, precision="tf32" if _checked_at_tf32(compiled) else None)
+
+
+def _checked_at_tf32(compiled) -> bool:
+    if compiled is None:
+        return False
+    if (getattr(compiled, "manifest", None) or {}).get("validation", {}).get("precision") == "tf32":
+        return True
+    inner = compiled.inner_models() if hasattr(compiled, "inner_models") else ()
+    return any(_checked_at_tf32(m) for m in inner)

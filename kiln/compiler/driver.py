@@ -9,6 +9,7 @@ from the cache, from ``compile`` or a stand-in, so the driver knows none of them
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -17,10 +18,12 @@ import torch
 
 from kiln.artifact import specs
 from kiln.compiler import phases
-from kiln.compiler.options import CompileOptions, check_supported, parse_compiler_args
+from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_precision,
+                                   check_supported, parse_compiler_args, tf32_ops)
 from kiln.compiler.selection import resolve_device
 from kiln.graph.capture import Captured, bind_inputs, call_bound, capture, from_graph
-from kiln.graph.validation import compare, narrowest_float, quality_gate
+from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
+from kiln.host import tf32 as tf32_host
 from kiln.progress import Progress
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
@@ -39,7 +42,9 @@ def make_options(compiler_args=None, **overrides) -> CompileOptions:
             fields[key] = frozenset(value) if key == "ops_on_host" else value
     opts = CompileOptions(**fields)
     check_supported(opts)
-    return resolve_device(opts)
+    opts = resolve_device(opts)
+    check_device_precision(opts)
+    return opts
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,12 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
     phases.refuse_unsupported(plan)
     samples = [flat_sample(model, captured, s) for s in calibration_data]
     runtime_opts = RuntimeOptions(threads=threads)
-    built = phases.build(plan, runtime_opts, progress, calibration=[flat for flat, _ in samples])
-    compiled = CompiledModel(phases.package(built), runtime_opts)
-    check(compiled, plan, samples, progress)
+    # --auto-cast-type tf32: the engine compiles, and its builds are checked, with TF32 allowed
+    tf32 = tf32_host.allowed() if asks_tf32(plan.options) and plan.options.device == "cuda" else None
+    with tf32 or contextlib.nullcontext():
+        built = phases.build(plan, runtime_opts, progress, calibration=[flat for flat, _ in samples])
+        compiled = CompiledModel(phases.package(built), runtime_opts)
+        check(compiled, plan, samples, progress)
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
     return compiled
@@ -123,7 +131,7 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
     accuracy gate instead. The result lands in the manifest's ``validation``."""
     opts, captured, precision = plan.options, plan.captured, plan.precision
     manifest = compiled.manifest
-    if opts.quantize or precision:
+    if opts.quantize or (precision and precision["type"] != "tf32"):
         with progress.phase("accuracy gate"):
             pairs = [(captured.eager_outputs, compiled.run_flat(captured.example_inputs))]
             pairs += [(ref, compiled.run_flat(flat)) for flat, ref in samples]
@@ -136,9 +144,21 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
     elif opts.validate:
         with progress.phase("validate"):
             actual = compiled.run_flat(captured.example_inputs)
+            used = comparison_precision(captured.graph_module, opts.device, tf32_ops(opts))
             manifest["validation"] = compare(captured.eager_outputs, actual,
                                              [s.name for s in captured.output_specs], opts.atol, opts.rtol,
-                                             computed_in=narrowest_float(captured.graph_module))
+                                             computed_in=used)
+            if used == "tf32":
+                manifest["report"]["notes"].append(tf32_note(opts))
+
+
+def tf32_note(opts) -> str:
+    why = ("--auto-cast-type tf32 lets its fp32 matmuls and convolutions compute in TF32" if asks_tf32(opts)
+           else "torch's flags let this GPU compute its fp32 " + " and ".join(
+               {"conv": "convolutions (cuDNN; torch's default)", "matmul": "matmuls (cuBLAS)"}[k]
+               for k, on in tf32_host.in_effect().items() if on) + " in TF32, as eager does")
+    return (f"checked against eager at TF32 precision (rtol {TF32_RTOL:g}, atol that times each "
+            f"output's largest magnitude): {why}")
 
 
 def flat_sample(model, captured, sample):

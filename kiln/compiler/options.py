@@ -147,9 +147,11 @@ def check_supported(opts: CompileOptions):
     """Reject option values that parse but are not implemented yet."""
     if opts.optlevel not in (1, 2, 3):
         raise CompilerArgsError(f"optlevel={opts.optlevel!r}: expected 1, 2 or 3 (-O1, -O2, -O3)")
-    if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32"):
+    if opts.auto_cast != "none" and opts.auto_cast_type not in ("bf16", "fp16", "fp32", "tf32"):
         raise CompilerArgsError(
-            f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs: use bf16, fp16 or fp32")
+            f"--auto-cast-type {opts.auto_cast_type} is not supported on CPUs or by kiln's GPU engine: "
+            "use bf16, fp16 or fp32 (tf32 on NVIDIA GPUs)")
+    check_device_precision(opts)
     if opts.quantize not in (None, "int8", "int4"):
         raise CompilerArgsError(f"quantize={opts.quantize!r}: kiln supports quantize='int8' or 'int4'")
     if opts.quantize_mode not in ("dynamic", "static", "weight_only"):
@@ -164,3 +166,32 @@ def check_supported(opts: CompileOptions):
         raise CompilerArgsError("min_partition_size must be at least 1")
     if opts.compile_budget is not None:
         _seconds("compile_budget=", opts.compile_budget)
+
+
+def asks_tf32(opts: CompileOptions) -> bool:
+    """``--auto-cast matmult|all --auto-cast-type tf32``: fp32 matmuls and convolutions may
+    compute in TF32 (NVIDIA tensor cores; ``all`` is the same, no other op has a TF32 form)."""
+    return opts.auto_cast != "none" and opts.auto_cast_type == "tf32"
+
+
+def lossy(opts: CompileOptions) -> bool:
+    """Whether the compile is meant to change answers (int8, --auto-cast to bf16/fp16): held
+    to the accuracy gate, not to eager's answers. TF32 is held to eager at its precision."""
+    return bool(opts.quantize) or (opts.auto_cast != "none" and opts.auto_cast_type != "tf32")
+
+
+def tf32_ops(opts: CompileOptions) -> dict | None:
+    """The ops a compile lets compute in TF32 (``kiln.host.tf32``'s kinds): all with
+    --auto-cast-type tf32, else None: what torch's flags allow on the GPU (convolutions,
+    by torch's default)."""
+    return {"conv": True, "matmul": True} if asks_tf32(opts) else None
+
+
+def check_device_precision(opts: CompileOptions):
+    """TF32 exists on NVIDIA GPUs only: asked for on a CPU it is an error, never a silent
+    fp32 compile (checked again once ``device="auto"`` is settled)."""
+    if asks_tf32(opts) and opts.device == "cpu":
+        raise CompilerArgsError(
+            "--auto-cast-type tf32 is not supported on CPUs: TF32 is the fp32 format of NVIDIA "
+            "tensor cores (Ampere on), which CPUs do not compute; use bf16, fp16 or fp32 on a CPU, "
+            "or device='cuda'")

@@ -80,17 +80,19 @@ def _mask_hint(model) -> str:
 
 
 class Tolerance:
-    """How close a padded answer must be: ``atol``/``rtol`` like validation, or, for lossy
-    compiles (int8, auto-cast) whose unpadded answers already differ from eager, the
-    accuracy gate's cosine similarity."""
+    """How close a padded answer must be: ``atol``/``rtol`` like validation (no tighter than
+    ``precision``'s floor, "tf32" for GPU builds checked at it), or, for lossy compiles
+    (int8, auto-cast) whose unpadded answers already differ from eager, the accuracy
+    gate's cosine similarity."""
 
-    def __init__(self, atol=1e-3, rtol=1e-3, min_cosine=None):
-        self.atol, self.rtol, self.min_cosine = atol, rtol, min_cosine
+    def __init__(self, atol=1e-3, rtol=1e-3, min_cosine=None, precision=None):
+        self.atol, self.rtol, self.min_cosine, self.precision = atol, rtol, min_cosine, precision
 
     def __str__(self):
         if self.min_cosine is not None:
             return f"cosine similarity >= {self.min_cosine:g}"
-        return f"atol={self.atol:g}, rtol={self.rtol:g}"
+        held = f" ({self.precision}'s precision, at least)" if self.precision else ""
+        return f"atol={self.atol:g}, rtol={self.rtol:g}{held}"
 
     def compare(self, expected, actual, names) -> float:
         """The max abs error; raises ValidationError (first line: what failed) beyond tolerance."""
@@ -99,7 +101,8 @@ class Tolerance:
             errors = [(e.double() - a.double()).abs().max().item() for e, a in zip(expected, actual)
                       if e.is_floating_point() and e.numel() and e.shape == a.shape]
             return max(errors, default=0.0)
-        return compare(expected, actual, names, self.atol, self.rtol)["max_abs_error"]
+        return compare(expected, actual, names, self.atol, self.rtol,
+                       computed_in=self.precision)["max_abs_error"]
 
 
 def _detail(e: ValidationError) -> str:

@@ -28,7 +28,7 @@ from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
 from kiln.graph.partition import Placement, place, split
-from kiln.host import target as target_mod
+from kiln.host import target as target_mod, tf32 as tf32_host
 from kiln.runtime.model import HOST_CONSTANTS
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import build as build_program
@@ -188,6 +188,8 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
         return opts, None
     from kiln.graph import precision
     kind, cast = opts.auto_cast, opts.auto_cast_type
+    if opts.device == "cuda" and cast == "tf32":
+        return opts, _tf32(kind)
     if opts.device == "cuda":
         if not precision.native_on_gpu(cast):
             raise CompilerArgsError(f"--auto-cast-type {cast} is not computed natively by "
@@ -207,6 +209,21 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
     notes.append(note)
     warnings.warn(f"kiln: {note}", stacklevel=4)
     return opts, {"auto_cast": kind, "type": cast, "emulated": True, "ops_rounded": n, "note": note}
+
+
+def _tf32(kind: str) -> dict:
+    """--auto-cast-type tf32 on a GPU: nothing in the graph changes; the compile and its check
+    run with torch's TF32 flags on (kiln.compiler.driver), and the check holds the model to
+    TF32's precision instead of the accuracy gate. Refused where the GPU has no TF32."""
+    if not tf32_host.computed_here():
+        raise CompilerArgsError(f"--auto-cast-type tf32 needs TF32 tensor cores (NVIDIA Ampere, compute "
+                                f"capability 8.0, or later); {torch.cuda.get_device_name()} computes fp32 "
+                                "in fp32: drop the flag, or use fp16")
+    return {"auto_cast": kind, "type": "tf32", "emulated": False,
+            "note": "fp32 matmuls and convolutions may compute in TF32 on the GPU's tensor cores; compiled "
+                    "and checked with torch's TF32 flags on. At run time the package's cuBLAS and cuDNN "
+                    "calls follow the running process's flags: torch.backends.cuda.matmul.fp32_precision = "
+                    "'tf32' (or torch.set_float32_matmul_precision('high')) for TF32 matmuls there"}
 
 
 def partition_io(fused, example_inputs):

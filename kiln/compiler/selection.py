@@ -35,6 +35,8 @@ import torch
 
 from kiln import engines
 from kiln.compiler import measure
+from kiln.compiler.options import lossy, tf32_ops
+from kiln.graph import validation
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
 # Partitions holding these ops have attention: -O2 gives them to an engine that
@@ -151,8 +153,11 @@ _SATURATED = 1e30
 class _Reference:
     """The partition's eager outputs on its example inputs, computed once, when first needed."""
 
-    def __init__(self, sub, inputs):
+    def __init__(self, sub, inputs, opts):
         self.sub, self.inputs, self._outputs = sub, inputs, None
+        # on a GPU: the precision the partition computes at there (TF32 where torch allows it)
+        self.precision = (validation.comparison_precision(sub, "cuda", tf32_ops(opts))
+                          if opts.device == "cuda" else None)
 
     def outputs(self) -> list:
         if self._outputs is None:
@@ -181,7 +186,7 @@ def _try_run(engine, blob, runtime_opts, inputs, reference, opts):
     except Exception as e:
         return None, f"compiled, but could not run: {type(e).__name__}: {str(e).strip()[:300]}"
     expected = reference.outputs()
-    problem = _disagreement(expected, actual, opts)
+    problem = _disagreement(expected, actual, opts, reference.precision)
     return runner, problem
 
 
@@ -210,7 +215,7 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
     inputs = reference.inputs
     floats = [i for i, t in enumerate(inputs)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-    if not floats or opts.quantize or opts.auto_cast != "none":
+    if not floats or lossy(opts):
         return None
     differs: list = []
     for labels, values in _NONFINITE:
@@ -229,7 +234,7 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
                 actual = runner(probe)
             except Exception:  # noqa: BLE001 - an engine that cannot run such values differs
                 actual = None
-            if actual is None or _nonfinite_disagreement(expected, actual, opts):
+            if actual is None or _nonfinite_disagreement(expected, actual, opts, reference.precision):
                 differs += [label for label in labels if label not in differs]
                 break
         if "nan" in differs:
@@ -242,7 +247,7 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
 _PROBED_INPUTS = 4      # bounds the probe's runs: 3 values x this many float inputs
 
 
-def _nonfinite_disagreement(expected, actual, opts) -> bool:
+def _nonfinite_disagreement(expected, actual, opts, precision=None) -> bool:
     for e, a in zip(expected, actual):
         if not isinstance(e, torch.Tensor):
             continue
@@ -251,11 +256,10 @@ def _nonfinite_disagreement(expected, actual, opts) -> bool:
         a = a.to(e.dtype)
         if e.is_floating_point() and not torch.equal(e.isnan(), a.isnan()):
             return True
-    return _disagreement(expected, actual, opts) is not None
+    return _disagreement(expected, actual, opts, precision) is not None
 
 
-def _disagreement(expected, actual, opts) -> str | None:
-    lossy = bool(opts.quantize) or opts.auto_cast != "none"
+def _disagreement(expected, actual, opts, precision=None) -> str | None:
     for i, (e, a) in enumerate(zip(expected, actual)):
         if not isinstance(e, torch.Tensor):
             continue
@@ -271,9 +275,11 @@ def _disagreement(expected, actual, opts) -> str | None:
         # Mask arithmetic saturates: -inf and float32's lowest both mean "masked out",
         # and engines legitimately disagree on which one a partition returns.
         e, a = (t.nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) for t in (e, a))
-        if not lossy and not torch.allclose(a, e, atol=opts.atol, rtol=opts.rtol):
+        rtol, atol = validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol,
+                                           opts.rtol, validation.rtol_floor(precision or "fp32"))
+        if not lossy(opts) and not torch.allclose(a, e, atol=atol, rtol=rtol):
             err = (a.double() - e.double()).abs().max().item()
-            return f"output {i} differs from eager: max abs error {err:.3g} (atol {opts.atol:g}, rtol {opts.rtol:g})"
+            return f"output {i} differs from eager: max abs error {err:.3g} (atol {atol:.3g}, rtol {rtol:g})"
     return None
 
 
@@ -296,7 +302,7 @@ class _Search:
         self.progress, self.label = progress, label
         self.calibration = calibration if opts.quantize else None
         self.measure = opts.optlevel >= 3
-        self.reference = _Reference(sub, inputs)
+        self.reference = _Reference(sub, inputs, opts)
         self.attempts: list = []
         self.compiled: dict = {}       # key -> (engine, blob, attempt, runner)
         self.inaccurate: list = []

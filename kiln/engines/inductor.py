@@ -42,7 +42,11 @@ Choices, and why:
   on the CPU or the GPU, and returns outputs on the device the inputs came
   from: CPU callers see a CPU model, GPU callers pay no copies. The package
   records its device (``kiln_device``); the artifact records the GPU's
-  compute capability, checked at load.
+  compute capability, checked at load. ``--auto-cast-type tf32`` compiles
+  (and checks) with torch's TF32 flags on (``kiln.host.tf32.allowed``, set by
+  the compiler's driver): Triton kernels are generated for TF32 there; the
+  package's cuBLAS and cuDNN calls read the running process's flags at run
+  time (torch's default: convolutions in TF32, matmuls in IEEE fp32).
 
 Most of a compile is g++ building the C++ wrapper (8-10 s of CPU per
 partition, whatever its size), so models that split into many partitions
