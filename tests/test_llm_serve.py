@@ -1,8 +1,13 @@
 """``kiln serve`` on an LLM artifact: the OpenAI API over a real loopback socket, driven by
 the real ``openai`` client, answers equal to the same requests run alone in-process."""
+import asyncio
 import concurrent.futures
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -13,6 +18,7 @@ pytest.importorskip("transformers")
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 from kiln.runtime.scheduler import Request  # noqa: E402
 from kiln.runtime.text import Tokenizer  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
 
 EOS = 2          # tests/conftest.py's tiny tokenizer's </s>
@@ -177,3 +183,149 @@ def test_a_full_queue_gets_429_at_once(tiny_llm, tmp_path):
         assert s.get("/v2/health/ready")[0] == 200
     finally:
         s.stop()
+
+
+# ``kiln serve``'s own entry point, with one change made by the test: the models start
+# loading only once the gate file exists, so the test holds the loading window open as long
+# as it needs (a big model takes seconds there; the tiny one takes milliseconds)
+GATED_SERVE = """
+import os, sys, time
+from kiln.serving.repository import ServerState
+from kiln.serving.server import main
+
+gate, argv = sys.argv[1], sys.argv[2:]
+load_all = ServerState.load_all
+
+def gated_load_all(self):
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    load_all(self)
+
+ServerState.load_all = gated_load_all
+sys.exit(main(argv))
+"""
+
+
+class GatedServer(Server):
+    """``kiln serve`` whose models load once ``gate`` exists; listening before that."""
+
+    def __init__(self, args, log_path, gate):
+        self.log_path, self.gate = log_path, gate
+        self.log_file = open(log_path, "w")
+        env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-c", GATED_SERVE, str(gate), *map(str, args),
+                                      "--host", "127.0.0.1", "--port", "0"],
+                                     stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
+        self.port = None
+        deadline = time.monotonic() + 90
+        while self.port is None and time.monotonic() < deadline and self.proc.poll() is None:
+            listening = [e for e in self.events() if e.get("event") == "listening"]
+            self.port = listening[0]["port"] if listening else None
+            time.sleep(0.05)
+        if self.port is None:
+            self.stop()
+            raise RuntimeError(f"server did not listen:\n{open(log_path).read()[-3000:]}")
+        self.url = f"127.0.0.1:{self.port}"
+
+    def call(self, method, path, payload=None):
+        """(status, headers with lower-case names, JSON body) over plain HTTP: one try."""
+        body = None if payload is None else json.dumps(payload).encode()
+        status, headers, raw = self.request(method, path, body, {"Content-Type": "application/json"}, 60)
+        return status, {k.lower(): v for k, v in headers.items()}, json.loads(raw) if raw else None
+
+
+def test_a_model_is_listed_only_once_it_answers(tiny_llm, tmp_path):
+    """A client that polls /v1/models until the model appears, then sends one chat completion
+    over plain HTTP with no retries, gets its answer: never the 503 of a model still loading.
+    While the models load, nothing is listed, the health endpoints and both models' KServe
+    ready endpoints say 503 with Retry-After, and so does a request sent anyway."""
+    import kiln
+    import torch
+    _, llm, path = tiny_llm
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    kiln.trace(mlp, torch.randn(2, 16), dynamic_batch=True, compiler_args="-O1").save(tmp_path / "mlp.kiln")
+    tok = Tokenizer(llm.tokenizer_files)
+    messages = [{"role": "user", "content": "Hey"}]
+    want = tok.decode(solo(llm, tok.encode_chat(messages), 16)[0])
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0}
+    x = torch.randn(1, 16)
+    infer = {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": x.flatten().tolist()}]}
+    s = GatedServer([f"tiny={path}", tmp_path / "mlp.kiln"], tmp_path / "server.log", tmp_path / "gate")
+    try:
+        answer = {}
+
+        def poll_then_ask():            # a script or a load balancer: poll the list, then one request
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                status, _, body = s.call("GET", "/v1/models")
+                if status == 200 and "tiny" in [m["id"] for m in body["data"]]:
+                    break
+                time.sleep(0.02)
+            answer["chat"] = s.call("POST", "/v1/chat/completions", chat)
+
+        client = threading.Thread(target=poll_then_ask)
+        client.start()
+        loading = {p: s.call("GET", p) for p in ("/v1/models", "/health", "/v2/health/ready", "/v2/health/live",
+                                                 "/v2/models/tiny/ready", "/v2/models/mlp/ready",
+                                                 "/v2/models/mlp")}
+        loading["index"] = s.call("POST", "/v2/repository/index")
+        loading["infer"] = s.call("POST", "/v2/models/mlp/infer", infer)
+        loading["chat"] = s.call("POST", "/v1/chat/completions", chat)
+        assert not os.path.exists(s.gate) and not any(e.get("event") == "model_loading" for e in s.events())
+        s.gate.touch()                  # the models load now
+        client.join(180)
+        status, headers, body = answer["chat"]
+        assert status == 200, (status, body)
+        assert body["choices"][0]["message"]["content"] == want
+        # while loading: nothing listed, not ready (503 + Retry-After), the requests refused likewise
+        assert loading["/v1/models"][0] == 200 and loading["/v1/models"][2]["data"] == []
+        assert loading["/v2/health/live"][0] == 200
+        for key in ("/health", "/v2/health/ready", "/v2/models/tiny/ready", "/v2/models/mlp/ready",
+                    "/v2/models/mlp", "infer", "chat"):
+            status, headers, body = loading[key]
+            assert status == 503 and headers.get("retry-after") == "1", (key, status, headers, body)
+        assert {m["name"]: m["state"] for m in loading["index"][2]} == {"tiny": "LOADING", "mlp": "LOADING"}
+        # once listed, ready everywhere orchestrators look
+        status, _, body = s.call("GET", "/v1/models")
+        assert [m["id"] for m in body["data"]] == ["tiny"]
+        deadline = time.monotonic() + 60   # the models load one after another: mlp may come second
+        while s.call("GET", "/v2/health/ready")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in ("/health", "/v2/health/ready", "/v2/models/tiny/ready", "/v2/models/mlp/ready"):
+            assert s.call("GET", p)[0] == 200, p
+        assert {m["name"]: m["state"] for m in s.call("POST", "/v2/repository/index")[2]} == {
+            "tiny": "READY", "mlp": "READY"}
+        status, _, body = s.call("POST", "/v2/models/mlp/infer", infer)
+        assert status == 200
+        torch.testing.assert_close(torch.tensor(body["outputs"][0]["data"]).reshape(1, 4), mlp(x),
+                                   atol=1e-4, rtol=1e-4)
+    finally:
+        s.gate.touch()
+        s.stop()
+
+
+def test_every_503_carries_retry_after_and_a_429_too():
+    """The app's middleware adds Retry-After to a 503 of any handler that did not set one, keeps
+    one that did, and leaves other statuses alone; the OpenAI errors for a full queue (429) and
+    a model not ready (503) carry it themselves."""
+    from kiln.serving.app import RetryAfter
+    from kiln.serving.openai_api import OpenAIError
+
+    def answered(status, headers):
+        async def inner(scope, receive, send):
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": b"{}"})
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+        asyncio.run(RetryAfter(inner)({"type": "http"}, None, send))
+        return [(k.lower(), v) for k, v in sent[0]["headers"] if k.lower() == b"retry-after"]
+
+    assert answered(503, [(b"content-type", b"application/json")]) == [(b"retry-after", b"1")]
+    assert answered(503, [(b"Retry-After", b"7")]) == [(b"retry-after", b"7")]
+    assert answered(200, []) == [] and answered(500, []) == [] and answered(429, []) == []
+    assert OpenAIError(503, "loading", "service_unavailable").response().headers["retry-after"] == "1"
+    assert OpenAIError(429, "full", "rate_limit_exceeded").response().headers["retry-after"] == "1"
+    assert "retry-after" not in OpenAIError(400, "bad").response().headers

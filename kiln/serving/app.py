@@ -2,15 +2,15 @@
 
 ==========================================  ==========================================
 ``GET  /v2/health/live``                     200 while the process runs
-``GET  /v2/health/ready``                    200 once every model is loaded and warmed up
+``GET  /v2/health/ready``, ``GET /health``   200 once every model is loaded and warmed up, else 503
 ``GET  /v2``                                 server metadata (name, version, extensions)
 ``GET  /v2/models/{name}``                   model metadata: inputs/outputs, shapes (-1 varies)
-``GET  /v2/models/{name}/ready``             200 when that model is ready
+``GET  /v2/models/{name}/ready``             200 when that model is ready (LLMs too), else 503
 ``GET  /v2/models/{name}/config``            batching and instance settings
 ``POST /v2/models/{name}/infer``             inference: JSON tensors or binary tensor data
 ``POST /v2/repository/index``                the models and their states
 ``GET  /metrics``                            Prometheus metrics
-``GET  /v1/models``                          LLM artifacts: the OpenAI API
+``GET  /v1/models``                          the LLMs ready to answer: the OpenAI API
 ``POST /v1/completions``                     (:mod:`kiln.serving.openai_api`)
 ``POST /v1/chat/completions``
 ==========================================  ==========================================
@@ -24,7 +24,9 @@ gzip/deflate inflated up to the same limit) and maps kiln's errors to statuses:
 400 for bad requests, 404 for an unknown model, 408 for a body that does not
 arrive in time, 413 for one over the size limit, 503 when a model's queue is
 full, it is not ready yet or the server is shutting down, 504 when a request
-times out; the body is the protocol's ``{"error": "..."}``.
+times out; the body is the protocol's ``{"error": "..."}``. Every 503 carries
+``Retry-After`` (:class:`RetryAfter`): the condition is temporary, and a client or load
+balancer that honours the header tries again instead of failing.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import zlib
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -56,6 +59,26 @@ SUBMIT_ERRORS = ((OverloadedError, "overloaded", 503, RETRY),
                  (ModelUnavailableError, "unavailable", 503, RETRY),
                  (RequestTimeoutError, "timeout", 504, None),
                  (InputError, "bad_request", 400, None))
+
+
+class RetryAfter:
+    """ASGI middleware: a 503 (a model loading, a full queue, the server draining) that does
+    not say when to come back gets ``Retry-After: 1``, whichever handler answered it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message):
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    message = {**message, "headers": headers + [(b"retry-after", RETRY["Retry-After"].encode())]}
+            await send(message)
+        await self.app(scope, receive, send_with_retry_after)
 
 
 def error_response(status: int, message: str, headers=None) -> Response:
@@ -92,9 +115,11 @@ async def health_live(request):
 
 
 async def health_ready(request):
+    """``/v2/health/ready`` and ``/health``: 200 once every model answers; 503 while any is
+    loading, after one failed to load, and while draining."""
     state: ServerState = request.app.state.kiln
     ok = state.ready()
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+    return JSONResponse({"ready": ok}, status_code=200 if ok else 503, headers=None if ok else RETRY)
 
 
 async def model_metadata(request):
@@ -103,7 +128,7 @@ async def model_metadata(request):
         return sm
     if sm.batcher is None:
         return error_response(503, f"model '{sm.name}' is {sm.state.lower()}"
-                                   + (f": {sm.error}" if sm.error else ""))
+                                   + (f": {sm.error}" if sm.error else ""), RETRY)
     return JSONResponse(sm.metadata())
 
 
@@ -112,7 +137,7 @@ async def model_config(request):
     if isinstance(sm, Response):
         return sm
     if sm.batcher is None:
-        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}")
+        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}", RETRY)
     return JSONResponse(sm.model_config())
 
 
@@ -121,7 +146,8 @@ async def model_ready(request):
     if isinstance(sm, Response):
         return sm
     ok = sm.ready and not state.draining
-    return JSONResponse({"name": sm.name, "ready": ok}, status_code=200 if ok else 503)
+    return JSONResponse({"name": sm.name, "ready": ok}, status_code=200 if ok else 503,
+                        headers=None if ok else RETRY)
 
 
 async def repository_index(request):
@@ -223,6 +249,7 @@ def routes() -> list:
     return [Route("/v2", server_metadata, methods=["GET"]),
             Route("/v2/health/live", health_live, methods=["GET"]),
             Route("/v2/health/ready", health_ready, methods=["GET"]),
+            Route("/health", health_ready, methods=["GET"]),
             Route("/v2/repository/index", repository_index, methods=["POST", "GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"])] + out + openai_api.routes()
 
@@ -231,7 +258,8 @@ def build_app(models, config: ServeConfig | None = None, **settings) -> Starlett
     """The ASGI app serving ``models``: paths (``"m.kiln"`` or ``"name=m.kiln"``), loaded
     ``kiln.Model`` objects, ``(name, path or model)`` pairs, or a ``{name: path or model}``
     dict. ``settings`` are :class:`ServeConfig` fields. Models load and warm up in a
-    background thread once the app starts; ``/v2/health/ready`` turns 200 when all are ready.
+    background thread once the app starts; ``/v2/health/ready`` (and ``/health``) turns 200
+    when all are ready, and ``/v1/models`` lists an LLM once it is.
     ``app.state.kiln`` is the :class:`~kiln.serving.repository.ServerState`."""
     config = config or ServeConfig(**settings)
     state = ServerState(resolve_models(models), config)
@@ -245,7 +273,7 @@ def build_app(models, config: ServeConfig | None = None, **settings) -> Starlett
         finally:
             await state.shutdown()
 
-    app = Starlette(routes=routes(), lifespan=lifespan,
+    app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(RetryAfter)],
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.kiln = state
     return app

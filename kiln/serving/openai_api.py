@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes over the served LLMs, as vLLM's server speaks them.
 
 ==========================================  ==========================================
-``GET  /v1/models``                          the LLMs served (``id`` = the model's name)
+``GET  /v1/models``                          the LLMs ready to answer (``id`` = the model's name)
 ``POST /v1/completions``                     text (or token ids) in, text out
 ``POST /v1/chat/completions``                messages in (the tokenizer's chat template)
 ==========================================  ==========================================
@@ -18,7 +18,10 @@ Settings: ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature`` (0
 presence/frequency penalties, tools...) and unknown fields are a 400, never silently
 ignored. Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
 400 for a bad request (a prompt longer than the largest context bucket included), 404
-for an unknown model, 429 at once when the model's queue is full, 503 while loading.
+for an unknown model, 429 at once when the model's queue is full, 503 while loading;
+both with ``Retry-After``. ``/v1/models`` lists a model only once it answers (loaded,
+warmed up, its scheduler running; not while the server drains), so a client that polls it
+until the model appears never meets that 503.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 FIELDS = {"completions": COMMON | {"prompt", "echo", "best_of", "suffix"},
           "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                             "response_format", "parallel_tool_calls"}}
+RETRY_AFTER = "1"      # seconds, on a 429 (queue full) or a 503 (loading, draining)
 UNSUPPORTED = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "top_logprobs": None,
                "echo": False, "best_of": 1, "suffix": None, "logit_bias": None, "tools": None,
                "tool_choice": None, "parallel_tool_calls": None}
@@ -53,8 +57,9 @@ class OpenAIError(Exception):
         self.status, self.kind, self.param, self.code = status, kind, param, code
 
     def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER} if self.status in (429, 503) else None
         return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=headers)
 
 
 # -- reading requests ----------------------------------------------------------------------------
@@ -82,13 +87,18 @@ def served_llm(request: Request, payload: dict):
         raise OpenAIError(404, f"The model `{name}` does not exist. This server serves: "
                                f"{', '.join(llm_names(state)) or 'no LLMs'}", "NotFoundError", "model",
                           "model_not_found")
-    if not sm.ready or state.draining:
+    if not answering(state, sm):
         raise OpenAIError(503, f"model '{name}' is not ready ({sm.state.lower()})", "service_unavailable")
     return sm
 
 
 def llm_names(state) -> list:
     return [n for n, sm in state.models.items() if getattr(sm, "kind", None) == "llm"]
+
+
+def answering(state, sm) -> bool:
+    """Whether a request to ``sm`` now would be answered: what ``/v1/models`` lists."""
+    return getattr(sm, "kind", None) == "llm" and sm.ready and not state.draining
 
 
 def check_fields(payload: dict, route: str):
@@ -326,10 +336,12 @@ async def chat_completions(request):
 
 
 async def list_models(request):
+    """The LLMs that answer now. One still loading (or failed, or draining) is not listed: it
+    would answer 503; ``/v2/repository/index`` and ``/v2/models/{name}/ready`` show its state."""
     state = request.app.state.kiln
     data = [{"id": name, "object": "model", "created": sm.created, "owned_by": "kiln",
-             "max_model_len": sm.llm.meta["cache_shape"][3] if sm.llm is not None else None}
-            for name, sm in state.models.items() if getattr(sm, "kind", None) == "llm"]
+             "max_model_len": sm.llm.meta["cache_shape"][3]}
+            for name, sm in state.models.items() if answering(state, sm)]
     return JSONResponse({"object": "list", "data": data})
 
 
