@@ -44,6 +44,12 @@ VARIABLES = {v.name: v for v in (
        "per physical core)", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
+    _V("KILN_DEVICE_NAME", "kiln", "the name import torch registers kiln's device under (PyTorch's "
+       "device-backend autoload): 'kiln', 'neuron' for TorchNeuron scripts (torch.device('neuron'), "
+       "torch.neuron), or 'off' to leave PrivateUse1 alone", "run"),
+    _V("TORCH_DEVICE_BACKEND_AUTOLOAD", "1", "PyTorch's own switch, read by torch: 0 stops import "
+       "torch from calling device backends' entry points, kiln's device included (kiln reads it "
+       "only to explain a late registration)", "run"),
     _V("KILN_ORT_PREPACKED", "map", "ONNX Runtime weights: 'map' the artifact's pre-packed "
        "weights from the file, or 'copy'", "run"),
     # trust

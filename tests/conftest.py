@@ -6,7 +6,11 @@ import sys
 import tempfile
 
 import pytest
-import torch
+
+# the suite's device is "kiln": whatever this shell says, import torch registers that name here
+# (kiln's torch.backends entry point), and test processes inherit it
+os.environ.pop("KILN_DEVICE_NAME", None)
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("KILN_QUIET", "1")
@@ -22,7 +26,9 @@ os.environ.pop("KILN_TRUST_NATIVE_CODE", None)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # kiln's device (tests/test_device*.py) must be registered before the process's first
-# backward pass: PyTorch's autograd engine sizes its device queues then, once
+# backward pass: PyTorch's autograd engine sizes its device queues then, once. import torch
+# registered it already (device-backend autoload); this call, a no-op then, keeps the suite
+# working under TORCH_DEVICE_BACKEND_AUTOLOAD=0
 from kiln.device import modes as _device_modes  # noqa: E402
 
 _device_modes.device()

@@ -259,15 +259,3 @@ def test_changing_shapes_warn_in_lazy_mode():
             modes.mark_step()
             assert out.shape == (rows, 4)
     assert metrics.counter_value("UncachedCompile") == 3
-
-
-def test_neuron_name_is_an_opt_in_and_late_registration_is_a_clear_error():
-    from tests.conftest import run_py
-    proc = run_py("import torch\nfrom kiln.device import modes\nmodes.device('neuron')\n"
-                  "x = torch.ones(2, device='neuron', requires_grad=True)\n(x * 3).sum().backward()\n"
-                  "print(x.grad.device, x.grad.cpu().tolist(), torch.neuron.device_count() >= 1)\n")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "neuron:0 [3.0, 3.0] True" in proc.stdout
-    proc = run_py("import torch\nx = torch.ones(2, requires_grad=True)\n(x * 2).sum().backward()\n"
-                  "from kiln.device import modes\nmodes.device()\n")
-    assert proc.returncode != 0 and "before any .backward()" in proc.stderr

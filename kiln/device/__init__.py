@@ -5,6 +5,8 @@ by measurement, the compile cache, the check against eager).
 The ``kiln`` device (PrivateUse1, written in Python):
 
 * :mod:`kiln.device.registration`: the backend, ``torch.kiln``, the factory fallback.
+* :mod:`kiln.device.autoload`: what ``import torch`` calls (the ``torch.backends`` entry
+  point, through ``kiln_autoload``): the device registered under ``KILN_DEVICE_NAME``.
 * :mod:`kiln.device.tensor`: the device tensor (host data, or a pending value).
 * :mod:`kiln.device.dispatch` and :mod:`kiln.device.rewrites`: each operation recorded
   into the current program or run now on host data.

@@ -22,8 +22,13 @@ from kiln.device import dispatch, metrics, registration, trace
 _hooks: list = []
 
 
-def device(name: str = "kiln") -> torch.device:
-    """Register kiln's device (once per process) and return ``torch.device(name, 0)``."""
+def device(name: str | None = None) -> torch.device:
+    """kiln's device, ``torch.device(name, 0)``, registered if it is not yet (once per
+    process). ``import torch`` normally registered it already, under ``KILN_DEVICE_NAME``
+    (:mod:`kiln.device.autoload`); ``name`` defaults to the registered name, else to
+    that variable's. A different name from the registered one is an error."""
+    if name is None:
+        name = registration.registered_name() or registration.configured_name() or "kiln"
     registration.register(name)
     if not _hooks:
         _hooks.append(register_optimizer_step_post_hook(_after_optimizer_step))

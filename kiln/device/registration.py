@@ -1,7 +1,8 @@
 """Registering kiln as a PyTorch device through PrivateUse1.
 
 PyTorch has one PrivateUse1 backend per process, and one name for it. :func:`register`
-names it ``"kiln"`` (or ``"neuron"``, for TorchNeuron scripts, as an opt-in) and sets up
+names it ``"kiln"`` (or ``"neuron"``, for TorchNeuron scripts: ``KILN_DEVICE_NAME``, read
+by :mod:`kiln.device.autoload` when ``import torch`` calls it) and sets up
 what PyTorch asks of a backend: the device module (``torch.kiln``: device count, seeding,
 ``synchronize``, autocast dtypes), hooks and a device guard (PyTorch's Python-backend
 helper, which is experimental: it is feature-tested here and its absence is a clear
@@ -14,6 +15,7 @@ import threading
 
 import torch
 
+from kiln import config
 from kiln.device import tensor as dt
 
 _LOCK = threading.Lock()
@@ -187,9 +189,12 @@ def _factory(op, *args, **kwargs):
     return dispatch(op, args, kwargs)
 
 
-def register(name: str = "kiln") -> str:
+def register(name: str = "kiln", *, probe: bool = True) -> str:
     """Make ``torch.device(name)`` kiln's device; returns the name. Idempotent; a second
-    name in one process is an error (PrivateUse1 has one name per process)."""
+    name in one process is an error (PrivateUse1 has one name per process). ``probe``
+    checks that autograd can still serve the device (:func:`_probe_autograd`); the
+    autoload hook skips it, since ``import torch`` has run no backward pass yet and the
+    probe would start autograd's threads."""
     with _LOCK:
         if _broken:
             raise DeviceUnavailable(_broken[0])
@@ -197,7 +202,9 @@ def register(name: str = "kiln") -> str:
             if _registered[0] != name:
                 raise DeviceUnavailable(
                     f"kiln's device is registered as '{_registered[0]}' in this process; PyTorch allows "
-                    f"one PrivateUse1 name per process, so '{name}' cannot be added")
+                    f"one PrivateUse1 name per process, so '{name}' cannot be added. import torch "
+                    f"registers the name in KILN_DEVICE_NAME (default 'kiln'): set KILN_DEVICE_NAME="
+                    f"{name} to get '{name}'")
             return name
         setup = _helper()
         current = torch._C._get_privateuse1_backend_name()
@@ -214,7 +221,8 @@ def register(name: str = "kiln") -> str:
         # kept alive: the registrations live as long as their libraries
         _registered.extend([library, autocast.register(name)])
         _foreach_capable()
-        _probe_autograd(name)
+        if probe:
+            _probe_autograd(name)
         return name
 
 
@@ -243,10 +251,21 @@ def _probe_autograd(name: str):
         _broken.append(
             f"kiln's device was registered after this process's first backward pass; PyTorch's autograd "
             f"engine only serves devices registered before it starts, so '{name}' tensors cannot be "
-            f"trained here. Register the device first: call kiln.device.modes.device() (or "
+            f"trained here. import torch registers it before any backward pass through kiln's "
+            f"'torch.backends' entry point (PyTorch's device-backend autoload), which did not run here "
+            f"(TORCH_DEVICE_BACKEND_AUTOLOAD={config.get('TORCH_DEVICE_BACKEND_AUTOLOAD')!r}, "
+            f"KILN_DEVICE_NAME={config.get('KILN_DEVICE_NAME')!r}; or a warning at import said why). "
+            f"Turn autoload on (unset TORCH_DEVICE_BACKEND_AUTOLOAD or set it to 1; KILN_DEVICE_NAME "
+            f"kiln or neuron), or register the device first: call kiln.device.modes.device() (or "
             f"xm.xla_device()) at the top of the script, before any .backward()")
         raise DeviceUnavailable(_broken[0]) from None
 
 
 def registered_name():
     return _registered[0] if _registered else None
+
+
+def configured_name():
+    """The name in ``KILN_DEVICE_NAME``, or None when it says ``off`` (or is empty)."""
+    name = (config.get("KILN_DEVICE_NAME") or "").strip()
+    return None if name.lower() in ("", "off", "0", "none") else name

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-_DEVICE = ["kiln"]     # the PrivateUse1 name: "kiln", or "neuron" when the user opts in
+_DEVICE = ["kiln"]     # the PrivateUse1 name: "kiln", or "neuron" (KILN_DEVICE_NAME)
 _TORCH_DEVICE = [None]  # torch.device(_DEVICE[0], 0), made once the name is registered
 # kiln.device.dispatch's dispatch and materialize, installed by that module when it loads
 # (it imports this one, so this one cannot import it)

@@ -1,0 +1,118 @@
+"""The device exists the moment torch does: kiln's ``torch.backends`` entry point
+(PyTorch's device-backend autoload) registers it during ``import torch``, so scripts
+that never import kiln use ``.to("kiln")``, and a CPU backward pass run first no longer
+stops the device from training. ``KILN_DEVICE_NAME=neuron`` gives TorchNeuron's name;
+with autoload off, late registration is a clear error; a failing hook never breaks
+``import torch``. Each case runs in a fresh process (autoload happens once, at import)."""
+import textwrap
+
+from tests.conftest import run_py
+
+ON = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", "KILN_DEVICE_NAME": "kiln"}
+
+# a tiny MLP trained for three SGD steps on the CPU (a backward pass before the device is
+# touched) and then on the device from the same start; no kiln import before the last line
+TRAIN = textwrap.dedent("""
+    import copy, json
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    xs, ys = torch.randn(3, 4, 8), torch.randn(3, 4, 1)
+
+    def train(m, dev):
+        m = m.to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for x, y in zip(xs, ys):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu().tolist() for p in m.parameters()], str(next(m.parameters()).device)
+
+    start = copy.deepcopy(model)
+    cpu = train(copy.deepcopy(start), "cpu")
+    dev = train(copy.deepcopy(start), "kiln")
+    from kiln.device import metrics
+    print(json.dumps({"start": [p.tolist() for p in start.parameters()], "cpu": cpu, "dev": dev,
+                      "compiled": metrics.counter_value("UncachedCompile"),
+                      "executed": metrics.metric_data("ExecuteTime")[0]}))
+""")
+
+
+def _last_json(proc):
+    import json
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_to_kiln_with_no_kiln_import_trains_like_cpu_after_a_cpu_backward():
+    import torch
+    out = _last_json(run_py(TRAIN, env=ON))
+    (cpu_losses, cpu_params, _), (dev_losses, dev_params, where) = out["cpu"], out["dev"]
+    assert where == "kiln:0"
+    torch.testing.assert_close(torch.tensor(dev_losses), torch.tensor(cpu_losses), atol=1e-5, rtol=1e-5)
+    for got, want in zip(dev_params, cpu_params):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+    moved = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(dev_params, out["start"]))
+    assert moved > 1e-3                                     # it trained: the parameters moved
+    assert out["compiled"] >= 1 and out["executed"] >= 3   # ran as compiled device programs
+
+
+def test_neuron_name_through_the_variable():
+    code = textwrap.dedent("""
+        import torch
+        x = torch.ones(2, device=torch.device("neuron"), requires_grad=True)
+        w = torch.full((2,), 3.0).to("neuron")
+        (x * w).sum().backward()
+        print(x.grad.device, x.grad.cpu().tolist(), torch.neuron.device_count() >= 1)
+        from kiln.device import modes
+        import kiln.xla.core.xla_model as xm
+        print(modes.device(), modes.device("neuron"), xm.xla_device(), xm.is_xla_tensor(w))
+        try:
+            modes.device("kiln")
+        except RuntimeError as e:
+            print("refused:", e)
+    """)
+    proc = run_py(code, env=dict(ON, KILN_DEVICE_NAME="neuron"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "neuron:0 [3.0, 3.0] True"
+    assert lines[1] == "neuron:0 neuron:0 neuron:0 True"      # the explicit spellings agree
+    assert "registered as 'neuron'" in lines[2] and "KILN_DEVICE_NAME=kiln" in lines[2]
+
+
+def test_autoload_off_explicit_registration_and_the_late_error():
+    off = dict(ON, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    proc = run_py("import torch\ntry:\n    torch.device('kiln')\nexcept RuntimeError:\n    print('no device')\n"
+                  "from kiln.device import modes\nmodes.device('neuron')\n"
+                  "x = torch.ones(2, device='neuron', requires_grad=True)\n(x * 3).sum().backward()\n"
+                  "print(x.grad.device, x.grad.cpu().tolist())\n", env=off)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["no device", "neuron:0 [3.0, 3.0]"]
+    proc = run_py("import torch\nx = torch.ones(2, requires_grad=True)\n(x * 2).sum().backward()\n"
+                  "from kiln.device import modes\nmodes.device()\n", env=off)
+    assert proc.returncode != 0 and "DeviceUnavailable" in proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    for words in ("before any .backward()", "'torch.backends' entry point", "TORCH_DEVICE_BACKEND_AUTOLOAD='0'",
+                  "KILN_DEVICE_NAME"):
+        assert words in message, message
+
+
+def test_a_failing_hook_warns_and_torch_still_imports(tmp_path):
+    code = "import torch\nprint(torch.ones(2).add(1).tolist(), torch._C._get_privateuse1_backend_name())\n"
+    proc = run_py(code, env=dict(ON, KILN_DEVICE_NAME="cuda"))         # a name PyTorch refuses
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[2.0, 2.0] privateuseone"
+    assert "RuntimeWarning: kiln could not register its device 'cuda'" in proc.stderr
+    assert "KILN_DEVICE_NAME=off" in proc.stderr
+    # a kiln package that cannot be imported at all (here a stand-in that raises, found first)
+    (tmp_path / "kiln").mkdir()
+    (tmp_path / "kiln" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    proc = run_py(code, env=ON, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kiln could not be imported while torch was imported (ImportError: a broken install)" in proc.stderr
+    proc = run_py(code, env=dict(ON, KILN_DEVICE_NAME="off"))          # leaves PrivateUse1 alone
+    assert proc.returncode == 0 and proc.stdout.strip() == "[2.0, 2.0] privateuseone", proc.stderr[-2000:]
+    assert "Warning" not in proc.stderr
