@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import kv, sampling
+from kiln.runtime import invariance, kv, sampling
 from kiln.runtime.scheduler import Scheduler, generate
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
@@ -45,6 +45,7 @@ class LLM:
         self.windows = dict(sorted((windows or {}).items()))
         self.meta = meta
         self.tokenizer_files = tokenizer_files
+        self._invariance = None     # (decode, windows, report) once checked (kiln.runtime.invariance)
         graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
                   "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}}
         if verify is not None:
@@ -77,14 +78,29 @@ class LLM:
     def scheduler(self, **options) -> Scheduler:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
         graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
-        return Scheduler(self.prefill_for, self.decode, self.meta["cache_shape"], max_context=self.max_context,
-                         chunk=self._chunk(), windows=self._windows(), **options)
+        decode, windows = self._decode_plan()
+        return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
+                         chunk=self._chunk(), windows=windows, **options)
+
+    @property
+    def batch_invariance(self) -> dict:
+        """What :mod:`kiln.runtime.invariance` found on this machine: ``invariant`` (every
+        decode graph gives each row what it gives alone), ``decode_rows`` (the graphs
+        used), ``dropped``, ``row_by_row``, ``probe_calls``, ``probe_seconds``."""
+        self._decode_plan()
+        return self._invariance[2]
+
+    def _decode_plan(self):
+        """The decode graphs the scheduler runs, checked once per loaded model (the first
+        scheduler or generation pays the check: one call per graph and row)."""
+        if self._invariance is None:
+            windows = {w: g["decode"] for w, g in self.windows.items()}
+            self._invariance = invariance.plan(self.decode, windows, self.meta["cache_shape"])
+        decode, windows, _ = self._invariance
+        return decode, {w: (windows[w], g.get("chunk")) for w, g in self.windows.items()}
 
     def _chunk(self):
         return None if self.chunk is None else (self.meta["prefill_chunk"], self.chunk)
-
-    def _windows(self) -> dict:
-        return {w: (g["decode"], g.get("chunk")) for w, g in self.windows.items()}
 
     def warm_graphs(self) -> int:
         """Call every decode and chunk graph once on an empty cache (a graph's first call
@@ -148,9 +164,10 @@ class LLM:
         return torch.cat([ids, new], dim=1)
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
-        return generate(self.prefill_for, self.decode, prompts, max_new_tokens, self.meta["cache_shape"],
+        decode, windows = self._decode_plan()
+        return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
                         params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
-                        windows=self._windows())
+                        windows=windows)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
