@@ -18,8 +18,8 @@ def quantize(model, tmp: str, options, calibration) -> str:
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
     a list of partition input lists.
-    weight_only: MatMul weights packed for ``MatMulNBits`` (int8 in symmetric groups of 128,
-    or int4 in groups of 32 with a float minimum, along the input dim, as GGUF's Q4_1
+    weight_only: MatMul weights packed for ``MatMulNBits`` (int8 in symmetric groups of 32,
+    GGUF's Q8_0, or int4 in groups of 32 with a float minimum, along the input dim, as GGUF's Q4_1
     blocks: :mod:`kiln.engines.ort_int4`), no calibration;
     activations stay float between ops (the kernel quantizes each block of its input to
     int8 on the fly, ``ACCURACY_LEVEL``), so a decode step, which reads every weight
@@ -68,8 +68,12 @@ def save(model, path: str) -> str:
 
 INT4_GROUP = 32
 # MatMulNBits has no per-channel form (its quantizer refuses channel_wised_quantize for
-# the operator format); int8 uses groups of 128 along the input dim, finer than per channel.
-INT8_GROUP = 128
+# the operator format); int8 uses groups of 32 along the input dim (GGUF's Q8_0), finer than
+# per channel. Not 128: on an AVX-512 VNNI machine ORT's int8 kernel for 128-wide blocks
+# computed one row differently from the same row among eight (1e-6; batched SmolLM2 chats
+# parted from their solo runs, kiln.runtime.invariance), and its 32-wide kernel did not;
+# SmolLM2's 1-row decode step took 15.4 ms against 15.2 with 128 (same machine, under load).
+INT8_GROUP = 32
 # An int4 model's output projection: int8 in GGUF's Q8_0 groups.
 HEAD_GROUP = 32
 # accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
