@@ -39,7 +39,14 @@ def test_pre_restructure_artifacts_load_and_match_eager(name, eager):
     if name == "openvino":
         pytest.importorskip("openvino")
     m, saved = eager
-    loaded = kiln.load(os.path.join(DATA, f"pre15-{name}.kiln"))
+    try:
+        loaded = kiln.load(os.path.join(DATA, f"pre15-{name}.kiln"))
+    except kiln.ArtifactError as e:
+        # OpenVINO's compiled blobs are tied to the CPU that compiled them (these files to
+        # the machine of commit efe2c47): elsewhere the answer is this clear error
+        if name not in ("openvino", "bucketed") or "compiled for another CPU" not in str(e):
+            raise
+        pytest.skip(f"the stored OpenVINO blob is for another CPU; kiln said so clearly: {e}")
     x = saved["seq"] if name == "bucketed" else saved["x"]
     if name == "dynamic-batch":
         x = torch.cat([x, x[:1]])          # 3 rows through a batch-2 graph

@@ -174,7 +174,16 @@ class OpenVinoEngine(Engine):
                 tensor = ov.Tensor(np.frombuffer(mapped, dtype=np.uint8, offset=start), shared_memory=True)
             else:   # no file (a fresh compile, bytes): one copy, into a tensor OpenVINO owns
                 tensor = ov.Tensor(np.frombuffer(payload, dtype=np.uint8))
-            compiled = core.import_model(tensor, "CPU", config)
+            try:
+                compiled = core.import_model(tensor, "CPU", config)
+            except RuntimeError as e:
+                if "runtime_requirements" not in str(e):
+                    raise
+                raise ArtifactError(
+                    "this OpenVINO partition was compiled for another CPU (OpenVINO's CPU plugin found "
+                    "its instruction set or precision incompatible with this one's); compiled OpenVINO "
+                    "models load only on CPUs like the one that made them: recompile here, or compile "
+                    "with --target generic") from None
         if (len(compiled.inputs), len(compiled.outputs)) != (header["inputs"], header["outputs"]):
             raise ArtifactError("OpenVINO blob does not match its header "
                                 f"({len(compiled.inputs)} inputs, {len(compiled.outputs)} outputs)")
