@@ -1,12 +1,21 @@
 """One FX graph PyTorch hands over at run time, through kiln's compiler.
 
 ``torch.compile``'s AOTAutograd (and, later, a lazy device's ``mark_step``) gives kiln
-a graph of ATen operations over flat tensors, with *fake* example inputs (shapes and
-dtypes, no data). kiln compiles ahead of time against real values (it checks the
-compiled graph against eager PyTorch), so the examples are made real here: random
-normal floats, zeros for integers and booleans (an index of 0 is valid for any
-embedding or gather). Parameters and buffers are graph *inputs* in these graphs, never
-constants, so a training step's new weights flow in on every call.
+a graph of ATen operations over flat tensors. kiln compiles ahead of time against real
+values (it checks the compiled graph against eager PyTorch), and AOTAutograd's example
+inputs are *fake* (shapes and dtypes, no data): such a graph is compiled on its first
+call, against that call's values. Invented values do not do: a backward graph's inputs
+are what its forward saved (a layer norm's mean and 1/std, attention's log-sum-exp, its
+output), which hold together only as a forward computed them. Random normal ones (a
+negative 1/std, a log-sum-exp below the largest score, so "probabilities" up to e^9)
+took a small transformer's gradients to 3.6e8 (0.02 on its real values), where any two
+correct fp32 summation orders differ by hundreds: its backward graph failed the check
+on an AVX-512 CPU (5.9 % at one element) and passed with PyTorch's kernels held to
+AVX2, by luck either way; on its real values the two agree to 2e-7 of its largest
+gradient. A device's flush hands over real values (``real_inputs``), compiled against
+at once.
+Parameters and buffers are graph *inputs* in these graphs, never constants, so a
+training step's new weights flow in on every call.
 
 Graphs are compiled ``whole_graph``: when the first engine would leave operations on
 the host (a training graph's ``convolution_backward`` on ONNX Runtime), an engine that
@@ -19,11 +28,13 @@ warning that names why: never a crash, never a silently wrong answer.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from kiln.compiler.api import trace
 from kiln.device import metrics
@@ -48,24 +59,20 @@ def _readers(gm) -> list:
     return out
 
 
-def real_example(x):
-    """A real tensor like ``x`` (fake or real): random normal floats, zeros otherwise."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    shape = tuple(int(d) for d in x.shape)
-    if x.dtype.is_floating_point or x.dtype.is_complex:
-        return torch.randn(shape, dtype=x.dtype, generator=torch.Generator().manual_seed(0))
-    return torch.zeros(shape, dtype=x.dtype)
-
-
 def _symbolic(inputs) -> bool:
     return any(isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape) for x in inputs)
+
+
+def _fake(args) -> bool:
+    return any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta) for x in args)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_inputs=False, **options):
     """A callable ``f(*tensors) -> list of tensors``: ``gm`` compiled by kiln, or ``gm``
     itself (eager) with a warning when it cannot be. ``real_inputs``: the examples are
-    real data (a device's flush), used as they are."""
+    real data (a device's flush), compiled and checked against now; else (fake tensors,
+    torch.compile's) ``gm`` compiles on its first call, against that call's values. Its
+    ``compiled`` is the compiled model, None while it runs eagerly or is not compiled yet."""
     inputs = list(example_inputs)
     # a training graph split around host operations runs slower than one compiled whole
     options.setdefault("whole_graph", True)
@@ -76,17 +83,49 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
                                 "use torch.compile(..., dynamic=False)")
     shapes = [tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
     metrics.note_compile(structure_of(gm), shapes, _readers(gm), f"graph '{name}' ({ops} ops)")
+    if real_inputs:
+        return _build(gm, tuple(inputs), name, options)
+    return _on_first_call(gm, name, options)
+
+
+def _on_first_call(gm, name, options):
+    """``gm``'s callable that compiles it on the first call with real values, checked
+    against eager on them (once, under a lock). A call under a fake mode (a tracer's)
+    runs ``gm`` as traced and compiles nothing. The compile runs on a thread of its own:
+    the call comes from inside PyTorch's runtime (AOTAutograd runs a forward under a
+    dispatch mode of its own, autocast excluded, grad off), whose thread-local state
+    ``torch.export`` must not inherit (under it, capture failed: "Attempting to use
+    FunctionalTensor on its own")."""
+    lock, built = threading.Lock(), []
+
+    def run(*args):
+        if not built:
+            if _fake(args):
+                out = gm(*args)
+                return list(out) if isinstance(out, (tuple, list)) else [out]
+            with lock:
+                if not built:
+                    examples = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                    with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
+                        built.append(pool.submit(_build, gm, examples, name, options).result())
+                    run.compiled = built[0].compiled
+        return built[0](*args)
+    run.compiled = None
+    return run
+
+
+def _build(gm, examples, name, options):
+    """``gm`` compiled with the real ``examples`` (a callable like :func:`compile_graph`'s),
+    or run eagerly with a warning naming why it could not be."""
     started = time.perf_counter()
-    # the caller may be tracing under a fake mode (AOTAutograd is): kiln compiles and
-    # checks with real tensors
+    # a caller may be tracing under a fake mode: kiln compiles and checks with real tensors
     with unset_fake_temporarily():
         try:
-            examples = tuple(inputs) if real_inputs else tuple(real_example(x) for x in inputs)
             compiled = trace(gm, examples, name=name, quiet=True, **options)
             misfit = _misfit(compiled, gm) if compiled.manifest.get("cache", {}).get("hit") else None
             if misfit:                 # never run another graph's artifact: compile afresh
                 warnings.warn(f"kiln: graph '{name}': the compile cache's entry does not fit it "
-                              f"({misfit}); compiling it again", RuntimeWarning, stacklevel=2)
+                              f"({misfit}); compiling it again", RuntimeWarning, stacklevel=3)
                 compiled = trace(gm, examples, name=name, quiet=True, **{**options, "cache": False})
             compiled.take_turns()      # it runs between host operations, never back to back
         except KilnError as e:
