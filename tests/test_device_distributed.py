@@ -30,13 +30,21 @@ def _single_process():
     return losses, model.state_dict()
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One compile cache for the three runs' ranks: the two ranks of a run compile the same
+    programs (one compiles, the other loads), and the runs share the programs they have in
+    common. Only these subprocesses use it."""
+    return str(tmp_path_factory.mktemp("device-cache"))
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2", "xm"])
-def test_two_processes_equal_one(kind, tmp_path):
+def test_two_processes_equal_one(kind, tmp_path, cache):
     out = tmp_path / "params.pt"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", SCRIPT, kind, str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_URL=cache))
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
     got = [float(v) for v in line.split()[1:]]

@@ -27,8 +27,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
              "List three prime numbers.", "Who wrote Hamlet?", "Give me a tip for learning Python.",
              "What is 12 times 7?", "Describe a cat in one sentence."]
-# a small build: one context bucket, the graphs at -O1 (the first engine, untimed)
-BUILD = dict(batch_size=8, context_buckets=(64,), cache_length=128, optlevel=1, cache=False)
+# a small build: one context bucket, the graphs at -O1 (the first engine, untimed), compiled in
+# this process (the suite already runs two workers on two cores; about 18 s a graph)
+BUILD = dict(batch_size=8, context_buckets=(64,), cache_length=128, optlevel=1, cache=False, workers=1)
 
 
 @pytest.fixture(scope="module")
