@@ -310,6 +310,20 @@ def test_registered_engine_is_chosen_by_its_priority_and_loads():
     assert engines.get("onnxruntime") is engines.get("onnxruntime")
 
 
+def test_a_cache_entry_compiled_with_another_set_of_engines_is_not_served(tmp_path):
+    """Keys name the engines registered when they are made, not those of the process's
+    first key: an entry compiled while 'borrowed' could be chosen is not served after it
+    is gone (it was, and failed to load: "unknown engine 'borrowed'")."""
+    model, x = models.mlp()
+    kiln.trace(model, x, cache=str(tmp_path), optlevel=1)           # a key made before
+    with engines.registered(Borrowed):
+        inside = kiln.trace(model, x, cache=str(tmp_path), optlevel=1)
+    after = kiln.trace(model, x, cache=str(tmp_path), optlevel=1)
+    assert [p["engine"] for p in inside.manifest["partitions"]] == ["borrowed"]
+    assert "borrowed" not in {p["engine"] for p in after.manifest["partitions"]}
+    assert_close(after(x), model(x).detach(), **FLOAT)
+
+
 def test_registry_refuses_misnamed_and_unknown_engines():
     with engines.registered():
         engines.register(Borrowed, name="other")

@@ -39,8 +39,17 @@ def _engine_versions() -> dict:
     return engines.versions(metadata=True)    # each engine names its package (Engine.package)
 
 
-@functools.lru_cache(maxsize=1)
 def _environment() -> dict:
+    """What a key holds of the process: kiln, torch, and the engines registered *now*. An
+    engine registered or removed after the first key (a plugin, a test's engine) changes
+    the keys made after it: an entry compiled when another set of engines could be chosen
+    is not served (it was, when this was computed once per process)."""
+    from kiln import engines
+    return _environment_for(tuple(engines.names()))
+
+
+@functools.lru_cache(maxsize=8)
+def _environment_for(engine_names: tuple) -> dict:
     return {"key_version": KEY_VERSION, "format_version": FORMAT_VERSION, "kiln": __version__,
             "kiln_source": _kiln_source_digest(), "torch": torch.__version__,
             "engines": _engine_versions()}
