@@ -91,7 +91,7 @@ def probe(steps: dict, cache_shape, window: int, seed: int = 0):
     layers, batch, heads, _, dim = cache_shape
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max(window, 2), (batch,), generator=g).clamp(max=window - 1)
-    tokens = torch.randint(0, 64, (batch, 1), generator=g)
+    tokens = torch.randint(0, 2, (batch, 1), generator=g)    # ids every vocabulary has
     cache = [torch.randn(batch, heads, window, dim, generator=g) for _ in range(2 * layers)]
     cache.append(torch.arange(window).unsqueeze(0) < lengths.unsqueeze(1))
     positions = lengths.unsqueeze(1)
