@@ -4,7 +4,6 @@ equals CPU eager step by step; a whole step becomes one compiled program that is
 recompiled once shapes are static; host-only operations and graphs that cannot compile
 still give the right answers."""
 import copy
-import os
 import warnings
 
 import pytest
@@ -29,10 +28,9 @@ def _fresh():
 def _one_compile_cache(tmp_path_factory):
     """One compile cache for this file's tests (the suite's is off): a model trained in
     eager mode and in lazy mode records the same step programs, compiled once."""
-    saved = os.environ.get("KILN_CACHE_URL")
-    os.environ["KILN_CACHE_URL"] = str(tmp_path_factory.mktemp("device-cache"))
-    yield
-    os.environ["KILN_CACHE_URL"] = saved if saved is not None else "off"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE_URL", str(tmp_path_factory.mktemp("device-cache")))
+        yield
 
 
 def test_tensors_behave_like_a_device():

@@ -104,7 +104,7 @@ def _rows_match_alone(llm):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_decode_rows_do_not_depend_on_the_batch(mode):
     """The real engines' graphs: on a machine where ONNX Runtime's kernel for one row
-    differs from its kernel for several (int8 here on AVX-512 VNNI; int4 on AVX2), the
+    differs from its kernel for several (int8 with 128-wide blocks on AVX-512 VNNI; AVX2 has a one-row kernel of its own), the
     scheduler must not mix them."""
     llm = compile_llm(_model("llama"), quantize=mode, batch_size=4, context_buckets=(8,), cache_length=32,
                       optlevel=1, min_agreement=0.0, max_ppl_ratio=100.0)

@@ -3,7 +3,7 @@ compiled by kiln into an LLM artifact for 8 streams, served, and asked through t
 client: the greedy chat completion is Hugging Face's, a client that hangs up cancels its
 generation, and, in float32, int8 and int4, eight chats at once, in either arrival order,
 each get exactly the tokens they get alone (issue 30: 5 of 8 int4 chats parted from their
-solo runs on an AVX2 machine)."""
+solo runs on the machine the issue was filed from)."""
 import importlib.util
 import os
 import re

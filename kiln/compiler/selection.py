@@ -275,8 +275,8 @@ def _disagreement(expected, actual, opts, precision=None) -> str | None:
         # Mask arithmetic saturates: -inf and float32's lowest both mean "masked out",
         # and engines legitimately disagree on which one a partition returns.
         e, a = (t.nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) for t in (e, a))
-        rtol, atol = validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol,
-                                           opts.rtol, validation.rtol_floor(precision or "fp32"))
+        rtol, atol = (validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol, opts.rtol,
+                                            validation.rtol_floor(precision)) if precision else (opts.rtol, opts.atol))
         if not lossy(opts) and not torch.allclose(a, e, atol=atol, rtol=rtol):
             err = (a.double() - e.double()).abs().max().item()
             return f"output {i} differs from eager: max abs error {err:.3g} (atol {atol:.3g}, rtol {rtol:g})"

@@ -29,12 +29,12 @@ import torch
 
 
 class RowByRow:
-    """A ``rows``-row decode step made of calls of ``step`` (a graph for ``width`` rows)
+    """A decode step for any number of rows made of calls of ``step`` (a graph for ``width`` rows)
     with one row at slot 0 and the others empty, as a request alone runs. Empty rows (no
     valid position, not a running request) are not run; their outputs are zeros."""
 
-    def __init__(self, step, rows: int, width: int):
-        self.step, self.rows, self.width = step, rows, width
+    def __init__(self, step, width: int):
+        self.step, self.width = step, width
 
     def __call__(self, tokens, positions, *cache):
         valid, rows = cache[-1], tokens.shape[0]
@@ -127,7 +127,7 @@ def plan(decode: dict, windows: dict, cache_shape) -> tuple:
     smallest = min(decode)
     if serial:
         rows = max(decode)
-        chosen = {w: {rows: RowByRow(steps[smallest], rows, smallest)} for w, steps in every.items()}
+        chosen = {w: {rows: RowByRow(steps[smallest], smallest)} for w, steps in every.items()}
     else:
         chosen = {w: {b: steps[b] for b in sorted(kept)} for w, steps in every.items()}
     report = {"invariant": not serial and kept == set(decode), "decode_rows": sorted(chosen[cache_shape[3]]),

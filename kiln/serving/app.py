@@ -119,7 +119,7 @@ async def health_ready(request):
     loading, after one failed to load, and while draining."""
     state: ServerState = request.app.state.kiln
     ok = state.ready()
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503, headers=None if ok else RETRY)
+    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
 
 async def model_metadata(request):
@@ -128,7 +128,7 @@ async def model_metadata(request):
         return sm
     if sm.batcher is None:
         return error_response(503, f"model '{sm.name}' is {sm.state.lower()}"
-                                   + (f": {sm.error}" if sm.error else ""), RETRY)
+                                   + (f": {sm.error}" if sm.error else ""))
     return JSONResponse(sm.metadata())
 
 
@@ -137,7 +137,7 @@ async def model_config(request):
     if isinstance(sm, Response):
         return sm
     if sm.batcher is None:
-        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}", RETRY)
+        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}")
     return JSONResponse(sm.model_config())
 
 
@@ -146,8 +146,7 @@ async def model_ready(request):
     if isinstance(sm, Response):
         return sm
     ok = sm.ready and not state.draining
-    return JSONResponse({"name": sm.name, "ready": ok}, status_code=200 if ok else 503,
-                        headers=None if ok else RETRY)
+    return JSONResponse({"name": sm.name, "ready": ok}, status_code=200 if ok else 503)
 
 
 async def repository_index(request):
