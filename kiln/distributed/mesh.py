@@ -64,3 +64,15 @@ def kv_mesh(tp_groups: list, tp: int, size: int, sequential: bool) -> list:
         flat = [r for g in tp_groups for r in g]
         return [flat[i:i + size] for i in range(0, len(flat), size)]
     return [g[j::tp // size] for g in tp_groups for j in range(tp // size)]
+
+
+class UnsupportedOptionError(KilnError, NotImplementedError):
+    """An NxD option that exists but kiln does not implement (a Neuron hardware knob such as
+    ``tile_cc``, or expert parallelism) was given a non-default value."""
+
+
+def unsupported(option: str, value, why: str, default=None) -> None:
+    """Raise :class:`UnsupportedOptionError` naming ``option`` unless it is at ``default``."""
+    if value != default and value is not default:
+        raise UnsupportedOptionError(f"{option}={value!r} is not supported by kiln ({why}); "
+                                     f"leave {option} at its default {default!r}")
