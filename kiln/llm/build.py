@@ -22,7 +22,7 @@ from kiln.runtime.llm import FORMAT, LLM
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
                 max_ppl_ratio=None, min_agreement=None, workers=None, prefill_chunk=None,
-                sequence_buckets=None, **trace_options) -> LLM:
+                sequence_buckets=None, tp_degree: int = 1, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family, or GPT-2. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
@@ -44,9 +44,12 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
     implied for LLMs) must pass :mod:`kiln.llm.gate`, perplexity within ``max_ppl_ratio``
     of float32's and greedy agreement of at least ``min_agreement`` (defaults per mode in
-    ``gate.LIMITS``), or compiling fails with the numbers. Other keywords go to
-    ``kiln.trace``."""
+    ``gate.LIMITS``), or compiling fails with the numbers. ``tp_degree=N`` shards the
+    model over N ranks (:mod:`kiln.llm.tp`) and returns a
+    :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
+    if tp_degree != 1:
+        return _compile_tp(model, tp_degree, locals())
     limit = max_positions(model.config)
     if limit is not None and cache_length > limit:
         raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
@@ -94,6 +97,18 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm
+
+
+def _compile_tp(model, tp_degree, args):
+    from kiln.llm.tp import compile_tp
+    if not isinstance(tp_degree, int) or tp_degree < 1:
+        raise CompilerArgsError(f"tp_degree must be a positive integer; got {tp_degree!r}")
+    options = {k: args[k] for k in ("batch_size", "context_buckets", "cache_length", "decode_batches",
+                                    "speculation_length", "prefill_chunk", "sequence_buckets")}
+    options.update(args["trace_options"])
+    tokenizer = args["tokenizer"]
+    return compile_tp(model, tp_degree, compile_llm, tokenizer_files=_tokenizer_files(tokenizer),
+                      on_graph=args["on_graph"], **options)
 
 
 def _jobs(shape, buckets, rows, speculation_length, prefill_chunk, sequence_buckets) -> tuple:

@@ -84,10 +84,12 @@ def _row(outputs, row: int) -> list:
     return [_row_view(i, o, row).unsqueeze(_row_axis(i)) for i, o in enumerate(outputs)]
 
 
-def probe(steps: dict, cache_shape, window: int, seed: int = 0):
+def probe(steps: dict, cache_shape, window: int, seed: int = 0, agree=bool):
     """``(kept, calls)``: the row counts of ``steps`` (rows -> decode graph over a cache
     window of ``window`` positions) whose every row equals that row run alone, as a set
-    that contains the largest graph, or ``None`` when no such set exists."""
+    that contains the largest graph, or ``None`` when no such set exists. ``agree(ok)``
+    turns this process's finding into the one every rank acts on (tensor parallelism:
+    each rank compares its own keys and values, and all must call the same graphs)."""
     layers, batch, heads, _, dim = cache_shape
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max(window, 2), (batch,), generator=g).clamp(max=window - 1)
@@ -102,13 +104,13 @@ def probe(steps: dict, cache_shape, window: int, seed: int = 0):
         for c in sizes:          # the reference: row r alone in graph c; smaller graphs first
             alone = [steps[c](*_alone(c, r, tokens, positions, cache)) for r in range(batch)]
             calls += batch
-            kept = [b for b in sizes if b >= c and all(_same(_row(together[b], r), alone[r]) for r in range(b))]
+            kept = [b for b in sizes if b >= c and agree(all(_same(_row(together[b], r), alone[r]) for r in range(b)))]
             if c in kept and sizes[-1] in kept:
                 return kept, calls
     return None, calls
 
 
-def plan(decode: dict, windows: dict, cache_shape) -> tuple:
+def plan(decode: dict, windows: dict, cache_shape, agree=bool) -> tuple:
     """``(decode, windows, report)``: the decode graphs to run (rows -> step, for the full
     cache and for each smaller window), every one giving each row exactly what it gives
     alone, and what was found (``invariant``, ``decode_rows``, ``dropped``,
@@ -118,7 +120,7 @@ def plan(decode: dict, windows: dict, cache_shape) -> tuple:
     kept, calls = set(decode), 0
     serial = False
     for window, steps in every.items():
-        found, n = probe(steps, cache_shape, window)
+        found, n = probe(steps, cache_shape, window, agree=agree)
         calls += n
         if found is None:
             serial = True

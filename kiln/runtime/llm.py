@@ -46,6 +46,7 @@ class LLM:
         self.meta = meta
         self.tokenizer_files = tokenizer_files
         self._invariance = None     # (decode, windows, report) once checked (kiln.runtime.invariance)
+        self.agree = bool           # how a finding of the check becomes every rank's (tensor parallelism)
         graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
                   "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}}
         if verify is not None:
@@ -90,12 +91,20 @@ class LLM:
         self._decode_plan()
         return self._invariance[2]
 
+    def decode_plan(self):
+        """``(decode, windows)``: the graphs the scheduler may run (``_decode_plan``)."""
+        return self._decode_plan()
+
+    def chunk_step(self):
+        """``(width, step)`` for chunked prefill, or None."""
+        return self._chunk()
+
     def _decode_plan(self):
         """The decode graphs the scheduler runs, checked once per loaded model (the first
         scheduler or generation pays the check: one call per graph and row)."""
         if self._invariance is None:
             windows = {w: g["decode"] for w, g in self.windows.items()}
-            self._invariance = invariance.plan(self.decode, windows, self.meta["cache_shape"])
+            self._invariance = invariance.plan(self.decode, windows, self.meta["cache_shape"], self.agree)
         decode, windows, _ = self._invariance
         return decode, {w: (windows[w], g.get("chunk")) for w, g in self.windows.items()}
 

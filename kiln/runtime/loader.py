@@ -10,7 +10,7 @@ from __future__ import annotations
 from kiln.artifact import trust
 from kiln.artifact.container import Artifact
 from kiln.errors import ArtifactError
-from kiln.runtime import buckets, llm, stages
+from kiln.runtime import buckets, llm, stages, tp_llm
 from kiln.runtime.model import DEFAULT, CompiledModel, Model
 from kiln.runtime.options import RuntimeOptions
 
@@ -20,6 +20,7 @@ KINDS = {
     "dynamic_batch": buckets.load_dynamic_batch,
     "pipeline": stages.load_pipeline,
     "llm": llm.load_llm,
+    tp_llm.KIND: tp_llm.load_llm_tp,
 }
 
 

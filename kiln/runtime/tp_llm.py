@@ -1,0 +1,256 @@
+"""A tensor-parallel LLM: one artifact (kind ``llm_tp``) holding every rank's graphs.
+
+The artifact nests one ordinary ``llm`` artifact per rank (``rank/<r>.kiln``: that rank's
+prefill, decode, chunk and window graphs over its share of the weights, its cache shape
+``[L, B, H_kv / tp, S, D]``) and the tokenizer once. The manifest's ``llm`` entry is rank
+0's with ``tp_degree`` and the head split (``heads``) added.
+
+Loading reads rank 0's graphs in this process. The other ranks start on first use
+(:meth:`TensorParallelLLM.start`), as processes pinned to their own kiln cores
+(:func:`kiln.distributed.launch.start_ranks`; each loads its own share from the file),
+as threads of this process (``mode="threads"``: one process's engines, for tests and
+small models), or — when ``torch.distributed`` already joins ``tp_degree`` processes
+(``torchrun``, several hosts) — as those processes, each of which loads its rank and,
+but for rank 0, runs :func:`follow_from_env`. From then on rank 0 drives, and the others
+follow each step (:mod:`kiln.runtime.lockstep`).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from kiln.artifact.container import Artifact, wrapper_manifest
+from kiln.errors import ArtifactError, InputError
+from kiln.runtime import lockstep
+from kiln.runtime.llm import LLM
+
+KIND = "llm_tp"
+
+
+class TensorParallelLLM:
+    """The :class:`~kiln.runtime.llm.LLM` interface over ``tp_degree`` ranks."""
+
+    def __init__(self, ranks: list, meta: dict, tokenizer_files: dict, manifest=None, *, source=None,
+                 rank_loader=None):
+        self.ranks = list(ranks)                 # rank -> LLM (None until loaded)
+        self.meta = meta
+        self.tokenizer_files = tokenizer_files
+        self.source, self._rank_loader = source, rank_loader
+        self.mode = None                         # "threads", "processes" or "torch.distributed"
+        self._channel = self._launched = None
+        self._threads: list = []
+        if manifest is None:
+            manifest = wrapper_manifest(KIND, self.ranks[0].manifest, llm=meta,
+                                        graphs={"ranks": [f"rank/{r}.kiln" for r in range(len(ranks))]})
+        self.manifest = manifest
+
+    # -- what the server and the CLI read, as LLM has it ------------------------------------
+    @property
+    def tp_degree(self) -> int:
+        return int(self.meta["tp_degree"])
+
+    @property
+    def leader(self) -> LLM:
+        return self.ranks[0]
+
+    batch_size = property(lambda self: self.leader.batch_size)
+    max_context = property(lambda self: self.leader.max_context)
+    prefill = property(lambda self: self.leader.prefill)
+    decode = property(lambda self: self.leader.decode)
+    chunk = property(lambda self: self.leader.chunk)
+    windows = property(lambda self: self.leader.windows)
+
+    # -- ranks -----------------------------------------------------------------------------
+    def start(self, mode: str | None = None) -> "TensorParallelLLM":
+        """Start the other ranks (module doc); a no-op once started. ``mode``: ``"processes"``
+        (default), ``"threads"``; under ``torch.distributed`` with ``tp_degree`` processes
+        the existing group is used whatever is asked."""
+        if self.mode is not None:
+            return self
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.tp_degree:
+            self._join_group()
+        elif (mode or "processes") == "threads":
+            self._start_threads()
+        elif (mode or "processes") == "processes":
+            self._start_processes()
+        else:
+            raise InputError(f"mode={mode!r}: tensor-parallel ranks run as 'processes' or 'threads'")
+        for llm in self.ranks:
+            if llm is not None:
+                llm.agree = _agree
+        return self
+
+    def _start_threads(self):
+        from kiln.distributed import groups
+        for r in range(1, self.tp_degree):
+            if self.ranks[r] is None:
+                self.ranks[r] = self._rank_loader(r)
+        group = groups.ThreadGroup(self.tp_degree)
+        groups.register("tp", group.rank_view(0))
+        channel = lockstep.ThreadChannel(self.tp_degree - 1)
+        self._threads = lockstep.thread_followers([Follower(llm) for llm in self.ranks[1:]], channel, group)
+        self._channel, self.mode = channel, "threads"
+
+    def _start_processes(self):
+        from kiln.distributed import launch
+        path, cleanup = self._file()
+        self._launched = launch.start_ranks(self.tp_degree, "kiln.runtime.tp_rank:follower_main",
+                                            {"path": path, "cleanup": cleanup})
+        self._join_group()
+        self.mode = "processes"
+
+    def _join_group(self):
+        import torch.distributed as dist
+        from kiln.distributed import groups
+        groups.register("tp", groups.TorchGroup(None))
+        self._channel = lockstep.ProcessChannel(dist.new_group(backend="gloo"))
+        self.mode = self.mode or "torch.distributed"
+
+    def _file(self):
+        """A path the other processes read their ranks from: the loaded file, or a private copy."""
+        if self.source and os.path.isfile(self.source):
+            return self.source, False
+        fd, path = tempfile.mkstemp(prefix="kiln-tp-", suffix=".kiln")      # mode 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.to_bytes())
+        return path, True
+
+    def close(self):
+        """Stop the other ranks (they finish their current step first)."""
+        if self._channel is not None:
+            self._channel.send(("stop",))
+            self._channel = None
+        for t in self._threads:
+            t.join(60)
+        if self._launched is not None:
+            self._launched.wait(60)
+        self.mode = None
+
+    def _command(self, *message):
+        self.start()
+        self._channel.send(message)
+
+    # -- running ---------------------------------------------------------------------------
+    def scheduler(self, **options) -> lockstep.LockstepScheduler:
+        """A continuous-batching scheduler on rank 0 whose every step the other ranks follow."""
+        self._command("scheduler", options)
+        return local_scheduler(self.leader, options, self._channel)
+
+    def warm_graphs(self) -> int:
+        self._command("warm")
+        return self.leader.warm_graphs()
+
+    @property
+    def batch_invariance(self) -> dict:
+        self._command("plan")
+        return self.leader.batch_invariance
+
+    def last_logits(self, prompt: list):
+        """The prefill logits of ``prompt``'s last token (``[1, V]``), every rank taking part."""
+        self._command("prefill", list(prompt))
+        return prefill_logits(self.leader, prompt)
+
+    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
+        """As :meth:`kiln.runtime.llm.LLM.generate`."""
+        if not prompts:
+            raise InputError("give at least one prompt")
+        eos = self.meta["eos_token_ids"] if stop_at_eos else ()
+        return self._generate_rows(prompts, max_new_tokens, params, eos)
+
+    hf_generate = LLM.hf_generate
+
+    def _generate_rows(self, prompts, max_new_tokens, params, eos):
+        from kiln.runtime import sampling
+        scheduler = self.scheduler()
+        params = params or sampling.SamplingParams()
+        requests = [lockstep.Request(p, max_new_tokens, params, eos) for p in prompts]
+        for r in requests:
+            scheduler.check(r)
+        for r in requests:
+            scheduler.add(r)
+        scheduler.run()
+        for r in requests:
+            if r.error is not None:
+                raise r.error
+        return [r.tokens for r in requests]
+
+    # -- the artifact ----------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        blobs = {}
+        for r in range(self.tp_degree):
+            llm = self.ranks[r] if self.ranks[r] is not None else self._rank_loader(r)
+            blobs[f"rank/{r}.kiln"] = llm.to_bytes()
+        blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
+        return Artifact(self.manifest, blobs).to_bytes()
+
+    def save(self, path) -> str:
+        from kiln.atomic import write_atomic
+        data = self.to_bytes()
+        write_atomic(str(path), lambda out: out.write(data))
+        return str(path)
+
+    def __repr__(self):
+        return f"kiln.TensorParallelLLM({self.manifest.get('model_name')}; tp_degree {self.tp_degree}, {self.leader!r})"
+
+
+def _agree(ok: bool) -> bool:
+    """Every rank's finding at once: true only where it is true on all ranks."""
+    from kiln.distributed import ops
+    return bool(ops.all_reduce(torch.tensor([1.0 if ok else 0.0]), "tp", "min")[0] > 0)
+
+
+def prefill_logits(llm: LLM, prompt: list):
+    n = len(prompt)
+    with torch.no_grad():
+        logits = llm.prefill_for(n)(torch.tensor([prompt]), torch.arange(n).unsqueeze(0), torch.tensor([n - 1]))[0]
+    return logits[0]
+
+
+def local_scheduler(llm: LLM, options: dict, channel=None) -> lockstep.LockstepScheduler:
+    """This rank's scheduler over its graphs (the leader's when ``channel`` is given)."""
+    decode, windows = llm.decode_plan()
+    return lockstep.LockstepScheduler(llm.prefill_for, decode, llm.meta["cache_shape"], max_context=llm.max_context,
+                                      chunk=llm.chunk_step(), windows=windows, channel=channel, **options)
+
+
+class Follower:
+    """What :func:`kiln.runtime.lockstep.follow` drives on a follower rank."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        llm.agree = _agree
+
+    def local_scheduler(self, options):
+        return local_scheduler(self.llm, options)
+
+    def plan(self):
+        self.llm.decode_plan()
+
+    def warm_graphs(self):
+        self.llm.warm_graphs()
+
+    def prefill_logits(self, prompt):
+        prefill_logits(self.llm, prompt)
+
+
+def load_llm_tp(art, opts, source, core=None, worker=None, load_nested=None) -> TensorParallelLLM:
+    meta, graphs = art.manifest.get("llm"), art.manifest.get("graphs")
+    if not isinstance(meta, dict) or not isinstance(graphs, dict) or not isinstance(graphs.get("ranks"), list):
+        raise ArtifactError(f"{source}: the tensor-parallel LLM's manifest lacks its 'llm'/'graphs' entries; "
+                            "the file is corrupt or was edited")
+    names = graphs["ranks"]
+    if len(names) != int(meta.get("tp_degree", -1)):
+        raise ArtifactError(f"{source}: the manifest lists {len(names)} ranks for tp_degree "
+                            f"{meta.get('tp_degree')}; the file is corrupt or was edited")
+
+    def rank(r):
+        name = names[r]
+        return load_nested(art.nested(name, f"{source}:{name}"), opts, f"{source}:{name}")
+
+    tokenizer = {name[len("tokenizer/"):]: bytes(data) for name, data in art.blobs.items()
+                 if name.startswith("tokenizer/")}
+    ranks = [rank(0)] + [None] * (len(names) - 1)
+    return TensorParallelLLM(ranks, meta, tokenizer, art.manifest, source=source, rank_loader=rank)
