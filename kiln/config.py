@@ -52,6 +52,8 @@ VARIABLES = {v.name: v for v in (
        "only to explain a late registration)", "run"),
     _V("KILN_ORT_PREPACKED", "map", "ONNX Runtime weights: 'map' the artifact's pre-packed "
        "weights from the file, or 'copy'", "run"),
+    _V("NXD_CPU_MODE", "", "NeuronX Distributed's CPU switch, read by kiln.neuronx_distributed.utils.cpu_mode() "
+       "(1: NxD scripts take their CPU path: get_device() is the CPU, mark_step does nothing)", "run"),
     # trust
     _V("KILN_CONFIG_DIR", None, "where the signing key lives (default ~/.config/kiln)", "trust"),
     _V("KILN_TRUSTED_KEYS", "", "public keys (files, or base64 text) whose signatures this host "
