@@ -44,6 +44,14 @@ VARIABLES = {v.name: v for v in (
        "per physical core)", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
+    # distributed (torchrun sets the first four)
+    _V("RANK", None, "torchrun: this process's rank among all ranks", "run"),
+    _V("WORLD_SIZE", None, "torchrun: how many ranks there are", "run"),
+    _V("LOCAL_RANK", None, "torchrun: this process's rank among the ranks on its host", "run"),
+    _V("LOCAL_WORLD_SIZE", None, "torchrun: how many ranks run on this host (they split its "
+       "kiln cores)", "run"),
+    _V("KILN_DIST_SHM", "auto", "same-host all-reduce through shared memory: 'auto' (when a probe "
+       "at the group's first all-reduce measures it faster than gloo), 'on', or 'off'", "run"),
     _V("KILN_DEVICE_NAME", "kiln", "the name import torch registers kiln's device under (PyTorch's "
        "device-backend autoload): 'kiln', 'neuron' for TorchNeuron scripts (torch.device('neuron'), "
        "torch.neuron), or 'off' to leave PrivateUse1 alone", "run"),

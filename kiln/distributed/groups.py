@@ -66,20 +66,50 @@ def is_bound(name: str) -> bool:
 
 class TorchGroup:
     """A ``torch.distributed`` process group (None: the default, world) under kiln's
-    collective interface; out-of-place, so the operators stay functional."""
+    collective interface; out-of-place, so the operators stay functional.
 
-    def __init__(self, pg=None):
+    ``shm``: whether all-reduces of CPU tensors between ranks on one host go through
+    shared memory (:mod:`kiln.distributed.shm`) instead of gloo's loopback TCP: ``"auto"``
+    (default, ``KILN_DIST_SHM``) uses it when the group's first all-reduce measures it
+    faster on this machine, ``"on"`` whenever the ranks share a host, ``"off"`` never.
+    The choice is made collectively at that first all-reduce (every rank calls it), so
+    making a TorchGroup on some ranks only is still safe."""
+
+    def __init__(self, pg=None, shm: str | None = None):
         import torch.distributed as dist
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
         self.ranks = list(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+        self.shm_mode = shm
+        self.fast = None        # the ShmAllReduce in use, once chosen
+        self._chosen = False
+        self.choice = None      # why: the measurement or rule that chose
 
     def all_reduce(self, x, op: str = "sum"):
         import torch.distributed as dist
+        if not self._chosen:
+            self._choose()
+        if self.fast is not None and self.fast.supports(x):
+            from kiln.distributed.shm import CollectiveAbort
+            try:
+                return self.fast.all_reduce(x, op)
+            except CollectiveAbort as e:
+                raise CollectiveError(str(e)) from None
         out = x.clone()
         dist.all_reduce(out, op=_OPS[op](), group=self.pg)
         return out
+
+    def _choose(self):
+        from kiln.distributed import shm
+        self._chosen = True
+        self.fast, self.choice = shm.for_group(self, self.shm_mode)
+
+    def close(self):
+        """Release the shared-memory segment (the process group stays)."""
+        if self.fast is not None:
+            self.fast.close()
+            self.fast = None
 
     def all_gather(self, x, dim: int):
         import torch

@@ -36,7 +36,7 @@ from kiln import config
 
 __all__ = ["Core", "PlacementError", "available_cpus", "cores", "default_placement", "format_cpus",
            "get", "honour_neuron_env", "host_cores", "neuron_names", "parse_list", "process_cpus",
-           "restricted", "union", "visible"]
+           "restricted", "share", "union", "visible"]
 
 # Process-wide: NEURON_RT_* apply everywhere. Off unless the user turns it on (honour_neuron_env).
 neuron_env = False
@@ -191,6 +191,26 @@ def get(core_id: int) -> Core:
         raise PlacementError(f"no kiln core {core_id!r}: this process sees {len(cores)} core(s): "
                              + "; ".join(str(c) for c in cores))
     return cores[core_id]
+
+
+def share(index: int, count: int, ids=None) -> list:
+    """The kiln cores that worker ``index`` of ``count`` owns when ``count`` workers split
+    this process's visible cores (or the cores numbered ``ids``) among themselves: contiguous
+    blocks in core order, the first ``len % count`` blocks one core larger, never shared.
+    With one worker per core this is DataParallel's placement (worker ``i`` on core ``i``).
+    Refuses more workers than cores, naming both numbers."""
+    pool = visible() if ids is None else [get(i) for i in ids]
+    if count > len(pool):
+        raise PlacementError(
+            f"{count} ranks/workers need at least {count} kiln cores, but only {len(pool)} "
+            f"are available ({'; '.join(str(c) for c in pool)}); use at most {len(pool)}, or make "
+            "more cores visible (KILN_VISIBLE_CORES / KILN_NUM_CORES / KILN_CPUS_PER_CORE=1 "
+            "for hyperthreads)")
+    if not 0 <= index < count:
+        raise PlacementError(f"worker {index} of {count}: expected 0..{count - 1}")
+    per, extra = divmod(len(pool), count)
+    start = index * per + min(index, extra)
+    return pool[start:start + per + (1 if index < extra else 0)]
 
 
 def union(cores) -> tuple:
