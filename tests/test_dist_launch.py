@@ -51,8 +51,8 @@ def test_torchrun_ranks_pinned_and_shm_equals_gloo():
     assert a and b and not set(a) & set(b), res["affinity"]
     assert res["cpus"] == res["affinity"] and res["threads"] == [len(a), len(b)]
     assert res["world"] == "TorchGroup(rank 0 of 2, ranks [0, 1])" and res["again_same"]
-    assert res["backend"] == "gloo" and res["shm"]
-    assert res["checked"] >= 40 and res["mismatches"] == [], res["mismatches"]
+    assert res["backend"] == "gloo" and res["shm"] and res["backend_shm"]
+    assert res["checked"] >= 50 and res["mismatches"] == [], res["mismatches"]
 
 
 def _torchrun_rank():
@@ -79,8 +79,21 @@ def _torchrun_rank():
                 checked += 1
                 if not torch.equal(ours, ref) or ours.shape != x.shape or ours.dtype != x.dtype:
                     bad.append(f"{dtype} {shape} {op}")
+    # the same through dist.all_reduce on a "kiln_shm" group (the backend init_from_env registers)
+    g_shm = dist.new_group(backend="kiln_shm")
+    for shape in ((1, 1, 576), (300_000,)):
+        for red in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            x = torch.randn(shape, generator=g)
+            ours, ref = x.clone(), x.clone()
+            dist.all_reduce(ours, op=red, group=g_shm)
+            dist.all_reduce(ref, op=red)
+            checked += 1
+            if not torch.equal(ours, ref):
+                bad.append(f"kiln_shm {shape} {red}")
+    backend_shm = g_shm.fast is not None
+    dist.destroy_process_group(g_shm)
     if info.rank == 0:
-        res = {"affinity": [p[0] for p in per_rank], "cpus": [p[1] for p in per_rank],
+        res = {"backend_shm": backend_shm, "affinity": [p[0] for p in per_rank], "cpus": [p[1] for p in per_rank],
                "threads": [p[2] for p in per_rank], "world": repr(world), "again_same": again is info,
                "backend": info.backend, "shm": world.fast is not None, "checked": checked,
                "mismatches": bad}
@@ -149,7 +162,40 @@ def _driver():
         out["start"] = "started?"
     except launch.RankStartError as e:
         out["start"] = str(e)
+    out["children_left"] = [pid for pid in _children_of(os.getpid())]
+    # last: rank 0 dies without a word; its child must not outlive it (the test watches the pid)
+    ranks = launch.start_ranks(2, "tests.test_dist_launch:entry_sleep")
+    out["orphan"] = ranks.pids[1]
     print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)
+
+
+def entry_sleep(info, payload):
+    if info.rank:
+        time.sleep(600)
+
+
+def _children_of(pid):
+    """Processes (zombies included) whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def _shm_used():
@@ -177,6 +223,11 @@ def test_start_ranks_run_failures_and_dead_peers():
         assert died["alive"] is False
     assert "rank 1" in res["start"] and "exited with code 1" in res["start"], res["start"]
     assert "has no only_in_rank0" in res["start"], res["start"]   # the child's traceback tail
+    assert res["children_left"] == []                              # terminate reaped every child
+    deadline = time.monotonic() + 60
+    while not _gone(res["orphan"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(res["orphan"]), f"rank 1 (pid {res['orphan']}) outlived rank 0"
 
 
 # -- refused before anything starts ---------------------------------------------------------------------

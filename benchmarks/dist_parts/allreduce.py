@@ -9,6 +9,8 @@ prefill chunk. Paths, measured in the same run on the same ranks:
 * ``gloo``  ``torch.distributed.all_reduce`` on a copy (TorchGroup's path without shared memory)
 * ``shm``   kiln's TorchGroup with its shared-memory all-reduce (:mod:`kiln.distributed.shm`),
   as ``torch.ops.kiln.all_reduce`` calls it
+* ``dist``  ``torch.distributed.all_reduce`` on a ``"kiln_shm"`` group
+  (:mod:`kiln.distributed.shm_backend`: the same shared memory behind torch's Python API)
 
 Each call is timed on rank 0 alone, back to back (``gap 0``) and with ~150 µs of matmul
 between calls on both ranks (``gap 150us``: ranks arrive at slightly different times, as
@@ -47,6 +49,7 @@ def measure(info, payload):
     world.all_reduce(torch.zeros(1))          # the group chooses its path here (KILN_DIST_SHM=on)
     if world.fast is None:
         raise RuntimeError(f"no shared-memory path: {world.choice}")
+    via_dist = dist.new_group(backend="kiln_shm")
     a = torch.randn(64, 256)
     b = torch.randn(256, 256)
     rows = []
@@ -54,7 +57,8 @@ def measure(info, payload):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(info.rank))
         rounds = payload["rounds"] if shape[1] == 1 else max(20, payload["rounds"] // 20)
         for gap in (0, 150):
-            for path, fn in (("gloo", lambda: dist.all_reduce(x.clone())), ("shm", lambda: world.all_reduce(x))):
+            for path, fn in (("gloo", lambda: dist.all_reduce(x.clone())), ("shm", lambda: world.all_reduce(x)),
+                             ("dist", lambda: dist.all_reduce(x.clone(), group=via_dist))):
                 times = []
                 for i in range(rounds + 20):
                     if gap:
@@ -120,15 +124,17 @@ def run(rounds: int = 2000) -> list:
 
 
 def table(rows) -> str:
-    lines = ["| shape | gap | gloo median / p90 µs | shm median / p90 µs | speed-up | 60 x gloo / 20 ms | 60 x shm / 20 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | gap | gloo median / p90 µs | shm median / p90 µs | dist on kiln_shm median / p90 µs "
+             "| speed-up | 60 x gloo / 20 ms | 60 x shm / 20 ms |",
+             "|---|---|---|---|---|---|---|---|"]
     keyed = {(tuple(r["shape"]), r["gap_us"], r["path"]): r for r in rows}
     for (shape, gap, path), g in keyed.items():
         if path != "gloo":
             continue
-        s = keyed[(shape, gap, "shm")]
+        s, d = keyed[(shape, gap, "shm")], keyed[(shape, gap, "dist")]
         lines.append(f"| {list(shape)} | {gap} µs | {g['median_us']:.0f} / {g['p90_us']:.0f} | "
-                     f"{s['median_us']:.0f} / {s['p90_us']:.0f} | {g['median_us'] / s['median_us']:.1f}x | "
+                     f"{s['median_us']:.0f} / {s['p90_us']:.0f} | {d['median_us']:.0f} / {d['p90_us']:.0f} | "
+                     f"{g['median_us'] / s['median_us']:.1f}x | "
                      f"{g['decode_share']:.0%} | {s['decode_share']:.0%} |")
     return "\n".join(lines)
 

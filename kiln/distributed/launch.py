@@ -7,6 +7,8 @@ Two ways in:
   ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, pins the process to its share
   of the host's visible kiln cores, joins the default process group (NCCL when every local
   rank has a GPU, else gloo) and binds kiln's ``"world"`` collective group.
+  (``backend="kiln_shm"``: gloo with same-host all-reduces in shared memory for
+  ``dist.all_reduce`` too; see :mod:`kiln.distributed.shm_backend`.)
 * :func:`start_ranks`, in a process that should *become* rank 0 of a one-host world (``kiln
   serve`` of a tensor-parallel artifact): starts ranks 1..N-1 as child processes
   (``python -m kiln.distributed.rank``), each pinned to its cores, meets them over loopback
@@ -129,7 +131,8 @@ def init_from_env(backend: str | None = None, timeout: float = 1800.0) -> RankIn
     again, and in a process whose default group is already initialised (it is joined, not
     made twice; its backend is reported)."""
     import torch.distributed as dist
-    from kiln.distributed import groups
+    from kiln.distributed import groups, shm_backend
+    shm_backend.register()       # dist.new_group(backend="kiln_shm") works in every rank
     if _current is not None and dist.is_initialized():
         return _current
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
@@ -236,7 +239,8 @@ def start_ranks(world: int, entry: str, payload=None, *, cores=None, timeout: fl
     returncode, stderr_tail)``: called from a watchdog thread when a child exits with an
     error before :meth:`Ranks.terminate`."""
     import torch.distributed as dist
-    from kiln.distributed import groups
+    from kiln.distributed import groups, shm_backend
+    shm_backend.register()
     if world < 1:
         raise KilnError(f"start_ranks: world={world}; expected at least 1")
     if dist.is_initialized():

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from kiln.distributed import groups, launch
+    from kiln.distributed import groups, launch, shm_backend
+    shm_backend.register()
     launch.pin(info.cpus)
     fn = launch.resolve_entry(cfg["entry"])
     store = dist.TCPStore("127.0.0.1", cfg["port"], info.world, is_master=False,

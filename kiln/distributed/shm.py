@@ -159,15 +159,20 @@ class ShmAllReduce:
     def supports(self, x) -> bool:
         return x.device.type == "cpu" and not x.is_complex() and x.dtype != torch.bool
 
-    def all_reduce(self, x, op: str = "sum"):
-        """Out of place: a new tensor holding the reduction of every rank's ``x``."""
+    def all_reduce(self, x, op: str = "sum", out=None):
+        """A new tensor holding the reduction of every rank's ``x`` (or ``out``, contiguous, of
+        ``x``'s shape and dtype, which may be ``x`` itself: each piece of ``x`` is in the slot
+        before its result is written)."""
         if self._closed:
             raise CollectiveAbort("this shared-memory group was closed")
         code = _OPS.get(op)
         if code is None:
             raise CollectiveAbort(f"unknown reduction {op!r}: sum, max or min")
         src = x.detach().contiguous().reshape(-1).view(torch.uint8)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        elif not out.is_contiguous() or out.shape != x.shape or out.dtype != x.dtype:
+            raise CollectiveAbort("all_reduce(out=): expected a contiguous tensor of the input's shape and dtype")
         dst = out.reshape(-1).view(torch.uint8)
         step = self.slot_bytes - self.slot_bytes % x.element_size()
         for start in range(0, max(src.numel(), 1), step):
@@ -278,59 +283,67 @@ def for_group(group, mode=None, probe_rounds: int = 20):
     all-reduces of a decode step's size (2048 fp32) measures shared memory faster than the
     process group, by rank 0's clock."""
     import torch.distributed as dist
-    mode = str(mode or config.get("KILN_DIST_SHM") or "auto").strip().lower()
-    if mode not in MODES:
-        raise KilnError(f"KILN_DIST_SHM={mode!r}: expected one of {', '.join(MODES)}")
-    if mode == "off" or group.size < 2:
-        return None, "off" if mode == "off" else "one rank"
     backend = str(dist.get_backend(group.pg))
     if "nccl" in backend:
         return None, f"backend {backend}"
-    infos = [None] * group.size
-    dist.all_gather_object(infos, (host_identity(), os.getpid(), available()), group=group.pg)
+
+    def gather(obj):
+        out = [None] * group.size
+        dist.all_gather_object(out, obj, group=group.pg)
+        return out
+
+    def bcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, group=group.pg, group_src=0)
+        return box[0]
+
+    def pg_all_reduce(x):
+        dist.all_reduce(x.clone(), group=group.pg)
+
+    return setup(group.rank, group.size, gather, bcast, pg_all_reduce, backend, mode, probe_rounds)
+
+
+def setup(rank, size, gather, bcast, pg_all_reduce, backend, mode=None, probe_rounds=20):
+    """:func:`for_group`'s steps over any exchange: ``gather(obj)`` -> every rank's ``obj``,
+    ``bcast(obj)`` -> rank 0's, ``pg_all_reduce(x)`` the path shared memory must beat."""
+    mode = str(mode or config.get("KILN_DIST_SHM") or "auto").strip().lower()
+    if mode not in MODES:
+        raise KilnError(f"KILN_DIST_SHM={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "off" or size < 2:
+        return None, "off" if mode == "off" else "one rank"
+    infos = gather((host_identity(), os.getpid(), available()))
     if not all(i[2] for i in infos) or len({i[0] for i in infos}) != 1:
         return None, "ranks on more than one host (or no /dev/shm)"
-    made = _make(group, [i[1] for i in infos])
-    if made is None:
+    pids = [i[1] for i in infos]
+    made, path = None, None
+    if rank == 0:
+        try:
+            made = ShmAllReduce.create(size, pids)
+            path = made.path
+        except OSError:
+            made = None
+    path = bcast(path)
+    if rank != 0 and path is not None:
+        try:
+            made = ShmAllReduce.attach(rank, size, pids, path)
+        except OSError:
+            made = None
+    if not all(gather(made is not None)):      # also: every rank has mapped it
+        if made is not None:
+            made.close()
         return None, "the shared-memory segment could not be made or opened"
+    made.ready()
     if mode == "on":
         return made, "KILN_DIST_SHM=on"
     x = torch.zeros(2048)
     t_shm = _median(lambda: made.all_reduce(x), probe_rounds)
-    t_pg = _median(lambda: dist.all_reduce(x.clone(), group=group.pg), probe_rounds)
-    verdict = [t_shm < t_pg, t_shm, t_pg]
-    dist.broadcast_object_list(verdict, group=group.pg, group_src=0)
-    faster, t_shm, t_pg = verdict
+    t_pg = _median(lambda: pg_all_reduce(x), probe_rounds)
+    faster, t_shm, t_pg = bcast([t_shm < t_pg, t_shm, t_pg])
     reason = f"probe: shared memory {t_shm * 1e6:.0f} us, {backend} {t_pg * 1e6:.0f} us per all-reduce"
     if not faster:
         made.close()
         return None, reason
     return made, reason
-
-
-def _make(group, pids):
-    import torch.distributed as dist
-    made, path = None, [None]
-    if group.rank == 0:
-        try:
-            made = ShmAllReduce.create(group.size, pids)
-            path = [made.path]
-        except OSError:
-            made = None
-    dist.broadcast_object_list(path, group=group.pg, group_src=0)
-    if group.rank != 0 and path[0] is not None:
-        try:
-            made = ShmAllReduce.attach(group.rank, group.size, pids, path[0])
-        except OSError:
-            made = None
-    oks = [None] * group.size
-    dist.all_gather_object(oks, made is not None, group=group.pg)   # also: everyone has mapped it
-    if not all(oks):
-        if made is not None:
-            made.close()
-        return None
-    made.ready()
-    return made
 
 
 def _median(fn, rounds):
