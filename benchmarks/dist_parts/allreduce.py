@@ -147,13 +147,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rank0:
         return _rank0(args.rounds, args.rank0)
+    load = os.getloadavg()[0]
     rows = run(args.rounds)
     print(table(rows))
+    print(f"1-minute load average before the run: {load:.2f} on {os.cpu_count()} CPUs "
+          "(other processes on the cores slow gloo's wake-ups most)")
     print(f"shm result equals gloo's (sum of 2, fp32): {rows[0]['shm_equals_gloo']}; "
           f"KILN_DIST_SHM=auto's probe on this machine: {rows[0]['auto_probe']}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"rows": rows, "machine": os.uname().machine, "cpus": os.cpu_count(),
+        json.dump({"rows": rows, "machine": os.uname().machine, "cpus": os.cpu_count(), "load_before": round(load, 2),
                    "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
     print(f"wrote {args.json}")
 
