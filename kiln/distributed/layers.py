@@ -134,13 +134,11 @@ class ColumnParallelLinear(TensorParallelModule):
         out = F.linear(x, self.weight, local_bias)
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(out, group)
-            if self.pad_size and not self.keep_padded_output:
+            if self.bias is not None and not self.skip_bias_add:
+                out = out + self.bias
+            if self.pad_size and not self.keep_padded_output:   # the bias is padded too: add, then narrow
                 out = torch.narrow(out, -1, 0, self.output_size - self.pad_size)
-        if self.skip_bias_add:
-            return out, self.bias
-        if self.gather_output and self.bias is not None:
-            out = out + self.bias
-        return out
+        return (out, self.bias) if self.skip_bias_add else out
 
     def preshard_hook(self, model_state_dict, prefix):
         """Pad an unsharded checkpoint's weight the way the layer was padded."""

@@ -121,7 +121,8 @@ def shard_state_dict(module, full_state_dict: dict, tp_rank: int, tp_size: int, 
         if dim not in (0, 1):
             raise ValueError(f"{key}: partition_dim {dim} cannot be sharded from an unsharded checkpoint "
                              "(NxD shards along dims 0 and 1 only)")
-        out[key] = create_local_weight(out[key], dim, param.shape[dim], getattr(param, "partition_stride", 1),
+        per_partition = divide(out[key].shape[dim], tp_size)
+        out[key] = create_local_weight(out[key], dim, per_partition, getattr(param, "partition_stride", 1),
                                        tp_rank=tp_rank, tp_size=tp_size)
     return out
 

@@ -1,0 +1,1 @@
+"""``neuronx_distributed.modules`` (empty, as NxD's)."""

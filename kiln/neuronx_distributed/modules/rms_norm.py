@@ -1,0 +1,2 @@
+"""``neuronx_distributed.modules.rms_norm``."""
+from kiln.distributed.norms import RMSNorm  # noqa: F401

@@ -1,0 +1,242 @@
+"""NxD's core under kiln.neuronx_distributed: parallel state, parallel layers, mappings,
+parallel cross-entropy, RNG tracker, grad clipping, GQA QKV, against unsharded PyTorch.
+
+Two launches do the multi-process work (each rank runs many checks and prints one line per
+check; see tests/data/nxd_layers_check.py and nxd_layout_check.py); the rest runs in this
+process: errors, module paths, state-dict sharding, pad_model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data")
+TP2_CHECKS = [
+    "column_gather_output", "column_no_gather", "column_stride2", "row_input_not_parallel", "row_input_is_parallel",
+    "skip_bias_add", "embedding_vocab_parallel", "embedding_shard_across_embedding", "sequence_parallel_mlp",
+    "parallel_cross_entropy_plain", "parallel_cross_entropy_label_smoothing", "gqa_qkv_fused", "gqa_qkv_unfused",
+    "clip_grad_norm_matches_torch", "rng_tracker", "export_keeps_all_reduce", "kiln_device_eager_and_lazy",
+]
+
+
+def _torchrun(script, nproc, tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_URL=str(tmp_path / "cache"), KILN_REGISTRY="off")
+    proc = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={nproc}", os.path.join(DATA, script)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    out = _torchrun("nxd_layers_check.py", 2, tmp_path_factory.mktemp("tp2"))
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("CHECK "):
+            _, name, verdicts = line.split(" ", 2)
+            results[name] = json.loads(verdicts)
+    return results, out
+
+
+@pytest.mark.parametrize("name", TP2_CHECKS)
+def test_tp2_matches_unsharded(tp2_results, name):
+    """Each check ran on both ranks and passed on both (forward, input grads, weight-grad
+    shards, at 1e-5 unless the check says otherwise)."""
+    results, out = tp2_results
+    verdicts = results.get(name)
+    assert verdicts is not None and len(verdicts) == 2, f"{name} did not report on both ranks:\n{out[-2000:]}"
+    assert verdicts == ["ok", "ok"], f"{name}: {verdicts}"
+
+
+def test_rank_layout_on_four_ranks(tmp_path):
+    """NxD's layout: arange(world).reshape(PP, DP, TP), TP contiguous."""
+    out = _torchrun("nxd_layout_check.py", 4, tmp_path)
+    lay = json.loads(next(line for line in out.splitlines() if line.startswith("LAYOUT "))[len("LAYOUT "):])
+    tp2 = lay["tp2"]
+    assert tp2["meshes"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]],
+                             "zero1": [[0, 2], [1, 3]]}
+    assert [r["tp"] for r in tp2["ranks"]] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    assert [r["dp"] for r in tp2["ranks"]] == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    assert [r["tp_group_ranks"] for r in tp2["ranks"]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_group_ranks"] for r in tp2["ranks"]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["tp_src"] for r in tp2["ranks"]] == [0, 0, 2, 2]
+    assert [r["dp_src"] for r in tp2["ranks"]] == [0, 1, 0, 1]
+    assert tp2["ranks"][3]["rmsg"] == "[rank_3_pp0_tp1_dp1] x"
+    assert "already initialized" in tp2["again"]
+    pp = lay["tp2pp2"]
+    assert pp["meshes"]["tp"] == [[0, 1], [2, 3]] and pp["meshes"]["pp"] == [[0, 2], [1, 3]]
+    assert pp["meshes"]["dp"] == [[0], [1], [2], [3]]
+    assert [r["pp"] for r in pp["ranks"]] == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    assert [r["pp_group_ranks"] for r in pp["ranks"]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [(r["next"], r["prev"]) for r in pp["ranks"]] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    assert lay["tp3"].startswith("ParallelSizeError") and "not divisible" in lay["tp3"]
+
+
+# -- in-process ------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_state():
+    from kiln.distributed import state
+    state.destroy_model_parallel()
+    yield state
+    state.destroy_model_parallel()
+
+
+def _fallback_layers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from kiln.neuronx_distributed.parallel_layers import layers
+        layers.ColumnParallelLinear(2, 2)
+    return layers
+
+
+def test_getters_before_init_say_what_to_do(fresh_state):
+    from kiln.neuronx_distributed.parallel_layers import parallel_state as ps
+    for getter in (ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_size,
+                   ps.get_tensor_model_parallel_group):
+        with pytest.raises(AssertionError, match="intra_layer_model parallel group is not initialized.*"
+                                                 "initialize_model_parallel"):
+            getter()
+    with pytest.raises(AssertionError, match="data parallel group is not initialized"):
+        ps.get_data_parallel_rank()
+    assert ps.rmsg("m") == "[rank_0_pp-1_tp-1_dp-1] m"
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(AssertionError, match="init_process_group"):
+        ps.initialize_model_parallel(2)      # torch.distributed is not initialized in this process
+
+
+def test_non_divisible_world_is_a_runtime_error():
+    from kiln.distributed import mesh
+    with pytest.raises(RuntimeError, match=r"`world_size` \(4\) is not divisible by tensor_model_parallel_size \(3\)"):
+        mesh.layout(4, tp=3)
+    with pytest.raises(RuntimeError, match="expert_model_parallel_size"):
+        mesh.layout(4, tp=2, ep=3)
+    sizes, meshes = mesh.layout(8, tp=2, pp=2, cp=1)
+    assert sizes["dp"] == 2 and meshes["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.layout(2, tp=8)[0]["tp"] == 2                     # clamped to the world
+    assert mesh.layout(8, tp=2, cp=2)[1]["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # stride TP*CP
+
+
+def test_layers_self_initialize_with_a_warning(fresh_state):
+    from kiln.neuronx_distributed.parallel_layers import ColumnParallelLinear
+    with pytest.warns(UserWarning, match="parallel state is not initialized"):
+        layer = ColumnParallelLinear(4, 6)
+    assert fresh_state.get_tensor_model_parallel_size() == 1
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(4, 6)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 6)
+    assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(layer(x), ref(x), atol=1e-6, rtol=0)
+
+
+def test_unknown_and_unsupported_options(fresh_state):
+    layers = _fallback_layers()
+    from kiln.distributed.mesh import UnsupportedOptionError
+    with pytest.raises(TypeError, match="bogus"):
+        layers.ColumnParallelLinear(4, 4, bogus=1)
+    with pytest.raises(TypeError, match="input_is_parallel"):
+        layers.ColumnParallelLinear(4, 4, input_is_parallel=True)      # a Row option, as NxD
+    with pytest.raises(UnsupportedOptionError, match="tile_cc"):
+        layers.RowParallelLinear(4, 4, tile_cc=True)
+    with pytest.raises(UnsupportedOptionError, match="use_spmd_rank"):
+        layers.ParallelEmbedding(8, 4, use_spmd_rank=True)
+    with pytest.raises(UnsupportedOptionError, match="rank_ordering"):
+        layers.ColumnParallelLinear(4, 4, rank_ordering=[1, 0])
+    layers.RowParallelLinear(4, 4, tile_cc=False, rank_ordering=None)   # defaults are accepted
+    with pytest.raises(RuntimeError, match="input_is_parallel"):
+        layers.RowParallelLinear(4, 4, sequence_parallel_enabled=True)
+
+
+def test_pad_is_inference_only(fresh_state):
+    layers = _fallback_layers()
+    col = layers.ColumnParallelLinear(4, 5, pad=True, pad_alignment_size_per_rank=2)
+    assert col.weight.shape == (6, 4) and col.pad_size == 1
+    with pytest.raises(RuntimeError, match="only supported for inference"):
+        col(torch.randn(2, 4))
+    col.eval()
+    assert col(torch.randn(2, 4)).shape == (2, 5)
+    emb = layers.ParallelEmbedding(7, 4, pad=True).eval()
+    assert emb(torch.tensor([1, 6])).shape == (2, 4)
+
+
+def test_shard_state_dict_and_stride(fresh_state):
+    """An unsharded state dict is cut as the layers' own init is (stride chunks r::tp)."""
+    layers = _fallback_layers()
+    from kiln.distributed.shard import shard_state_dict
+    model = nn.ModuleDict({"up": layers.ColumnParallelLinear(4, 8, gather_output=False, stride=2),
+                           "down": layers.RowParallelLinear(8, 4, input_is_parallel=True)})
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    r1 = shard_state_dict(model, full, tp_rank=1, tp_size=2)
+    assert torch.equal(r1["up.weight"], torch.cat([full["up.weight"][2:4], full["up.weight"][6:8]]))
+    assert torch.equal(r1["up.bias"], torch.cat([full["up.bias"][2:4], full["up.bias"][6:8]]))
+    assert torch.equal(r1["down.weight"], full["down.weight"][:, 4:8])
+    assert torch.equal(r1["down.bias"], full["down.bias"])          # replicated: kept whole
+
+
+def test_gqa_asserts_are_clear_errors(fresh_state):
+    _fallback_layers()
+    from kiln.neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+    with pytest.raises(ValueError, match="kv_size_multiplier"):
+        GQAQKVColumnParallelLinear(16, [8, 4], kv_size_multiplier=2)      # TP 1 is not divisible by 2
+    q, k, v = GQAQKVColumnParallelLinear(16, [8, 4], fuse_qkv=False)(torch.randn(2, 16))
+    assert q.shape == (2, 8) and k.shape == v.shape == (2, 4)
+
+
+def test_pad_model_keeps_outputs(fresh_state):
+    layers = _fallback_layers()
+    from kiln.neuronx_distributed.parallel_layers.pad import get_number_of_extra_heads, pad_model
+    assert get_number_of_extra_heads(9, 2) == 1 and get_number_of_extra_heads(8, 4) == 0
+    assert get_number_of_extra_heads(9, 4) == 3
+    model = nn.Sequential(layers.ColumnParallelLinear(8, 9 * 2, gather_output=False),
+                          layers.RowParallelLinear(9 * 2, 8, input_is_parallel=True))
+    x = torch.randn(3, 8)
+    want = model(x)
+    pad_model(model, tp_degree=2, n_heads=9)
+    assert model[0].weight.shape == (20, 8) and model[1].weight.shape == (8, 20)
+    assert model[0].weight.tensor_model_parallel
+    torch.testing.assert_close(model(x), want, atol=1e-6, rtol=0)
+
+
+def test_module_paths():
+    import kiln.distributed.state as impl
+    import kiln.neuronx_distributed as nxd
+    from kiln.neuronx_distributed import parallel_state as documented
+    from kiln.neuronx_distributed.parallel_layers import parallel_state as real
+    assert documented is real is impl, "one module object, one set of state"
+    pl = nxd.parallel_layers
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "ParallelEmbedding", "parallel_cross_entropy",
+                 "clip_grad_norm", "initialize_model_parallel", "get_xla_rng_tracker", "model_parallel_xla_manual_seed",
+                 "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+                 "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+                 "copy_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
+                 "set_defaults_if_not_set_tensor_model_parallel_attributes", "split_tensor_along_last_dim",
+                 "move_model_to_device", "PARALLEL_MODULES", "PARALLEL_FUNCTIONS"):
+        assert hasattr(pl, name), name
+    assert callable(impl.get_data_parallel_world_size) and callable(impl.get_tensor_parallel_size)
+    from kiln.neuronx_distributed.parallel_layers.layer_norm import LayerNorm
+    from kiln.neuronx_distributed.modules.rms_norm import RMSNorm
+    assert LayerNorm(4, sequence_parallel_enabled=True).weight.sequence_parallel_enabled
+    norm = RMSNorm(4)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    with pytest.raises(AttributeError, match="no attribute"):
+        nxd.not_a_thing  # noqa: B018
+
+
+def test_cpu_mode_reads_nxd_cpu_mode(monkeypatch):
+    from kiln.neuronx_distributed import utils
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    assert utils.cpu_mode() and utils.get_device() == torch.device("cpu")
+    utils.mark_step()                                   # a no-op in CPU mode
+    monkeypatch.setenv("NXD_CPU_MODE", "0")
+    assert not utils.cpu_mode()
