@@ -132,13 +132,13 @@ def entry_die_mid(info, payload):
 def _driver():
     from kiln.distributed import launch
     out = {}
-    before = sorted(os.sched_getaffinity(0))
+    before = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
     failures = []
     with launch.start_ranks(2, "tests.test_dist_launch:entry_sum", {"scale": 3.0},
                             on_failure=lambda *a: failures.append(a)) as ranks:
         where = ranks.call_entry()
         out["run"] = {"where": where, "codes": ranks.wait(120), "failures": failures}
-    out["run"]["restored"] = sorted(os.sched_getaffinity(0)) == before
+    out["run"]["restored"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads()) == before
     for mode in ("on", "off"):
         os.environ["KILN_DIST_SHM"] = mode
         failures = []

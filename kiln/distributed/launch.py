@@ -257,7 +257,7 @@ def start_ranks(world: int, entry: str, payload=None, *, cores=None, timeout: fl
     infos = [RankInfo(r, world, r, world, tuple(c.host_index for c in s), kcores.union(s), backend)
              for r, s in enumerate(shares)]
     children = []
-    before = kcores.process_cpus()
+    before = (kcores.process_cpus(), _threads())
     try:
         for r in range(1, world):
             cfg = {"info": infos[r], "port": store.port, "entry": entry, "payload": payload,
@@ -266,16 +266,41 @@ def start_ranks(world: int, entry: str, payload=None, *, cores=None, timeout: fl
         if pin_self:
             pin(infos[0].cpus)
         _await_ready(store, children, timeout)
-        dist.init_process_group(backend, store=store, rank=0, world_size=world,
-                                timeout=timedelta(seconds=collective_timeout))
+        _join(backend, store, world, timeout, collective_timeout)
     except BaseException:
         _kill(children)
         if pin_self:
-            pin(before, threads=False)
+            _unpin(before)
         raise
     groups.register("world", groups.TorchGroup())
     set_current(infos[0])
     return Ranks(infos[0], children, entry, payload, on_failure, store, before)
+
+
+def _threads():
+    import torch
+    return torch.get_num_threads()
+
+
+def _unpin(before):
+    import torch
+    cpus, threads = before
+    if set(kcores.process_cpus()) != set(cpus):
+        pin(cpus, threads=False)
+    torch.set_num_threads(threads)
+
+
+def _join(backend, store, world, timeout, collective_timeout):
+    """Rank 0 joins the world. A child that dies after signalling ready but before joining
+    would leave gloo's connect retrying for the whole collective timeout; joining under the
+    start timeout and raising the limit afterwards bounds that."""
+    import torch.distributed as dist
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    first = min(timeout, collective_timeout) if set_timeout is not None else collective_timeout
+    dist.init_process_group(backend, store=store, rank=0, world_size=world,
+                            timeout=timedelta(seconds=first))
+    if first != collective_timeout:
+        set_timeout(timedelta(seconds=collective_timeout))
 
 
 def _await_ready(store, children, timeout):
@@ -313,9 +338,9 @@ def _kill(children, grace: float = 3.0):
 class Ranks:
     """Rank 0's handle on the ranks it started."""
 
-    def __init__(self, info, children, entry, payload, on_failure, store, cpus_before):
+    def __init__(self, info, children, entry, payload, on_failure, store, before):
         self.rank_info = info
-        self._cpus_before = cpus_before
+        self._before = before          # (CPUs, torch threads) this process had
         self.entry, self.payload = entry, payload
         self.on_failure = on_failure
         self.failures: list = []          # (rank, returncode, stderr tail) of children that failed
@@ -395,8 +420,7 @@ class Ranks:
         groups.unregister("world")
         if dist.is_initialized():
             dist.destroy_process_group()
-        if set(kcores.process_cpus()) != set(self._cpus_before):
-            pin(self._cpus_before)
+        _unpin(self._before)
         set_current(None)
 
     def __enter__(self):
