@@ -67,10 +67,13 @@ def param_is_not_tensor_parallel_duplicate(param, tp_rank: int) -> bool:
 
 
 def create_local_weight(full_weight, partition_dim: int, per_partition_size: int, stride: int,
-                        out_weight=None, *, tp_rank: int, tp_size: int):
-    """This rank's shard of ``full_weight`` (NxD's ``create_local_weight`` with the rank
-    and degree explicit): chunks of ``per_partition_size / stride`` along
-    ``partition_dim``, taking every ``tp_size``-th from ``tp_rank``."""
+                        out_weight=None, *, tp_rank: int | None = None, tp_size: int | None = None):
+    """This rank's shard of ``full_weight`` (NxD's ``create_local_weight``; the rank and
+    degree default to the parallel state's): chunks of ``per_partition_size / stride``
+    along ``partition_dim``, taking every ``tp_size``-th from ``tp_rank``."""
+    if tp_rank is None or tp_size is None:
+        from kiln.distributed import state
+        tp_rank, tp_size = state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_size()
     if full_weight.shape[partition_dim] != per_partition_size * tp_size:
         raise ValueError(f"cannot shard a tensor of size {full_weight.shape[partition_dim]} along dim "
                          f"{partition_dim} into {tp_size} shards of {per_partition_size}")
