@@ -360,8 +360,6 @@ class Ranks:
         code = child.proc.wait()
         if code == 0 or self._stopping:
             return
-        tail = child.stderr_tail()
-        self.failures.append((child.rank, code, tail))
         try:
             from kiln.distributed import groups
             world = groups.get("world")
@@ -369,6 +367,8 @@ class Ranks:
                 world.fast.abort()     # a rank waiting in shared memory stops now
         except KilnError:
             pass
+        tail = child.stderr_tail()
+        self.failures.append((child.rank, code, tail))
         log.error("rank %d (pid %d) exited with code %s; its last output:\n%s", child.rank,
                   child.proc.pid, code, tail)
         if self.on_failure is not None:
