@@ -7,9 +7,9 @@ PP=2, and trained a few AdamW steps with the optimizer built from ``local_parame
 The last pipeline rank prints the losses; each rank saves its local parameters. The same
 launch also checks the documented cuts of ``auto_partition``, that wrong ``run_train``
 keyword arguments are a clear error, ``run_eval`` and ``broadcast_and_average_loss``, and
-(``trainer`` argument) the same training through ``initialize_parallel_model``.
+the same training through ``initialize_parallel_model`` (these on the CPU run only).
 
-Usage: nxd_pp_train.py {gloo|xla} OUT_DIR [trainer]
+Usage: nxd_pp_train.py {gloo|xla} OUT_DIR (gloo: set NXD_CPU_MODE=1, NxD's CPU path)
 """
 import os
 import sys
@@ -73,7 +73,7 @@ def reference():
         loss = model(input_ids=ids, labels=labels)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     with torch.no_grad():
         ids, labels = next(batches())
         eval_loss = float(model(input_ids=ids, labels=labels))
@@ -108,8 +108,8 @@ def _checks(NxDPPModel, PipelineInputError, rank):
         print(f"rank{rank} vpp_error {type(e).__name__}: {e}", flush=True)
 
 
-def _train(model, device, mark_step):
-    opt = torch.optim.AdamW(list(model.local_parameters()), lr=LR)
+def _train(model, local_parameters, mark_step):
+    opt = torch.optim.AdamW(list(local_parameters), lr=LR)
     losses = []
     for ids, labels in batches():
         opt.zero_grad()
@@ -121,45 +121,62 @@ def _train(model, device, mark_step):
     return losses, model.run_eval(input_ids=ids, labels=labels)
 
 
+def _report(tag, rank, model, losses, eval_loss, out):
+    if rank == 1:       # the last pipeline rank has the loss; the first gets None
+        print(f"rank{rank} {tag}_losses " + " ".join(f"{float(v):.8f}" for v in losses), flush=True)
+        print(f"rank{rank} {tag}_eval {float(eval_loss):.8f}", flush=True)
+    else:
+        print(f"rank{rank} {tag}_nonlast {losses} {eval_loss}", flush=True)
+    params = {k: v.detach().cpu() for k, v in model.local_state_dict().items()}
+    torch.save(params, os.path.join(out, f"{tag}_rank{rank}.pt"))
+
+
+def _with_trainer(config, rank, out):
+    """The same training through initialize_parallel_model / initialize_parallel_optimizer."""
+    import kiln.neuronx_distributed as nxd
+    nxd_config = nxd.neuronx_distributed_config(
+        pipeline_parallel_size=2, pipeline_config=dict(config, use_optimizer_wrapper=True),
+        optimizer_config={"zero_one_enabled": False, "grad_clipping": False})
+    model = nxd.initialize_parallel_model(nxd_config, build)
+    opt = nxd.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=LR)
+    losses = []
+    for ids, labels in batches():
+        opt.zero_grad()
+        losses.append(model.run_train(input_ids=ids, labels=labels))
+        opt.step()
+    ids, labels = next(batches())
+    _report("trainer", rank, model.module, losses, model.run_eval(input_ids=ids, labels=labels), out)
+
+
 def main():
     kind, out = sys.argv[1], sys.argv[2]
-    use_trainer = len(sys.argv) > 3 and sys.argv[3] == "trainer"
     import torch.distributed as dist
-    if kind == "xla":
+    if kind == "xla":       # kiln's device, lazy mode (torch-neuronx's style)
         import kiln.xla.core.xla_model as xm
         import kiln.xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
         from kiln.device import modes
         modes.set_mode("lazy")
-        device, mark_step = xm.xla_device(), xm.mark_step
-    else:
-        device, mark_step = torch.device("cpu"), (lambda: None)
+        mark_step = xm.mark_step
+    else:                   # plain CPU tensors over gloo (run with NXD_CPU_MODE=1)
+        mark_step = (lambda: None)
     dist.init_process_group(kind)
     rank = dist.get_rank()
-    from kiln.distributed import state as parallel_state
-    from kiln.distributed.pipeline import NxDPPModel
+    from kiln.neuronx_distributed.parallel_layers import parallel_state
+    from kiln.neuronx_distributed.pipeline import NxDPPModel
     from kiln.distributed.pipeline import PipelineInputError
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    _checks(NxDPPModel, PipelineInputError, rank)
     config = dict(transformer_layer_cls=Block, num_microbatches=4, pipeline_cuts=["layers.1"],
                   input_names=["input_ids", "labels"])
-    if use_trainer:
-        import kiln.neuronx_distributed as nxd
-        nxd_config = nxd.neuronx_distributed_config(pipeline_parallel_size=2, pipeline_config=config)
-        model = nxd.initialize_parallel_model(nxd_config, build)
-    else:
-        model = NxDPPModel(build(), **config)
-        model.move_model_to_device()
-    losses, eval_loss = _train(model, device, mark_step)
-    if losses[0] is not None:
-        print(f"rank{rank} losses " + " ".join(f"{float(v):.8f}" for v in losses), flush=True)
-        print(f"rank{rank} eval {float(eval_loss):.8f}", flush=True)
-    else:
-        print(f"rank{rank} nonlast {losses} {eval_loss}", flush=True)
-    bcast = NxDPPModel(build(), broadcast_and_average_loss=True, **config)
-    ids, labels = next(batches())
-    print(f"rank{rank} broadcast {float(bcast.run_eval(input_ids=ids, labels=labels)):.8f}", flush=True)
-    params = {k: v.detach().cpu() for k, v in model.local_state_dict().items()}
-    torch.save(params, os.path.join(out, f"rank{rank}.pt"))
+    model = NxDPPModel(build(), **config)
+    model.move_model_to_device()            # NxD: before building the optimizer
+    losses, eval_loss = _train(model, model.local_parameters(), mark_step)
+    _report("pp", rank, model, losses, eval_loss, out)
+    if kind != "xla":       # the rest is device-independent: once, on the CPU
+        _checks(NxDPPModel, PipelineInputError, rank)
+        bcast = NxDPPModel(build(), broadcast_and_average_loss=True, **config)
+        ids, labels = next(batches())
+        print(f"rank{rank} broadcast {float(bcast.run_eval(input_ids=ids, labels=labels)):.8f}", flush=True)
+        _with_trainer(config, rank, out)
     dist.destroy_process_group()
 
 
