@@ -141,26 +141,18 @@ def _check_training(printed, out, tag, reference, loss_tol, param_tol):
     torch.testing.assert_close(first["embed.weight"], last["lm_head.weight"], rtol=0, atol=0)   # still tied
 
 
-def _by_key(lines):
-    """{key: value} of "rankR key value" lines, keyed ``key`` (values of either rank)."""
-    out = {}
-    for rank_line in lines:
-        key, _, value = rank_line.partition(" ")
-        out[key] = value
-    return out
-
-
 def _run(kind, tmp_path, cache, env=None):
+    """Launch the script; each rank's {key: value} result lines (from its own file)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", SCRIPT, kind, str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_URL=cache, **(env or {})))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = {0: [], 1: []}
-    for line in proc.stdout.splitlines():
-        if line.startswith("rank0 ") or line.startswith("rank1 "):
-            ranks[int(line[4])].append(line[6:])
-    return _by_key(ranks[0]), _by_key(ranks[1])
+    results = []
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        results.append(dict(line.split(" ", 1) for line in lines))
+    return results
 
 
 def test_pp2_on_cpu_tensors_equals_one_process(tmp_path, reference):

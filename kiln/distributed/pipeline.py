@@ -15,7 +15,9 @@ sum of their gradients after every batch, over a group of exactly those ranks
 Differences from NxD (each a clear error, never silently ignored): interleaved schedules
 (``virtual_pipeline_size > 1``), ``deallocate_pipeline_outputs``, manual partitioning and
 ``autowrap_obj_methods`` are not implemented; ``tracer_cls="hf"`` needs HF's fx tracer,
-which transformers 5 removed. ``trace_file_path`` is accepted and unused, as in NxD
+which transformers 5 removed. ``fuse_microbatches`` (no step boundary between tasks) keeps
+``return_loss_on_cpu`` as given, where NxD turns it off: on kiln's lazy device the
+returned loss, kept on the device, read different values after later steps. ``trace_file_path`` is accepted and unused, as in NxD
 (whose constructor resets it to None). The device is the default process group's: kiln's
 device under the ``"xla"``/``"kiln"`` backend, CUDA under NCCL, else the CPU.
 """
@@ -121,8 +123,6 @@ class NxDPPModel(PipelineRunner, nn.Module):
                      "autowrap_obj_methods", "tracer_cls", "param_init_fn", "return_loss_on_cpu",
                      "deallocate_pipeline_outputs", "fuse_microbatches"):
             object.__setattr__(self, name, options[name])
-        if fuse_microbatches:
-            self.return_loss_on_cpu = False          # as NxD: the loss stays in the device graph
         self._mark_before = private.get("_mark_step_before_pp_runtime", True)
         self._mark_after = private.get("_mark_step_after_pp_runtime", True)
         self.pipeline_parallel_size = state.get_pipeline_model_parallel_size()

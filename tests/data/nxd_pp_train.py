@@ -4,7 +4,7 @@ tests/test_nxd_pipeline.py.
 A tiny decoder-like LM (embedding, identical residual blocks, norm, a head tied to the
 embedding) is wrapped in NxDPPModel with ``transformer_layer_cls`` and 4 microbatches,
 PP=2, and trained a few AdamW steps with the optimizer built from ``local_parameters()``.
-The last pipeline rank prints the losses; each rank saves its local parameters. The same
+The last pipeline rank writes the losses; each rank saves its local parameters. The same
 launch also checks the documented cuts of ``auto_partition``, that wrong ``run_train``
 keyword arguments are a clear error, ``run_eval`` and ``broadcast_and_average_loss``, and
 the same training through ``initialize_parallel_model`` (these on the CPU run only).
@@ -80,6 +80,16 @@ def reference():
     return losses, eval_loss, model.state_dict()
 
 
+_OUT = []
+
+
+def say(rank, text):
+    """One result line, into this rank's own file (two ranks printing to one pipe can
+    interleave within a line)."""
+    with open(os.path.join(_OUT[0], f"rank{rank}.txt"), "a") as f:
+        f.write(text + "\n")
+
+
 def _owners(model):
     """The top-level modules (``layers.N`` for layers) whose parameters this rank holds."""
     names = set()
@@ -93,19 +103,19 @@ def _checks(NxDPPModel, PipelineInputError, rank):
     """auto_partition's documented split; a wrong run_train call; an unsupported option."""
     auto = NxDPPModel(build(3), transformer_layer_cls=Block, num_microbatches=4, auto_partition=True,
                       input_names=["input_ids", "labels"])
-    print(f"rank{rank} auto_cuts {','.join(auto.pipeline_cuts)} local {_owners(auto)}", flush=True)
+    say(rank, f"auto_cuts {','.join(auto.pipeline_cuts)} local {_owners(auto)}")
     explicit = NxDPPModel(build(3), transformer_layer_cls=Block, num_microbatches=4,
                           pipeline_cuts=["layers.1"], input_names=["input_ids", "labels"])
-    print(f"rank{rank} cuts_local {_owners(explicit)}", flush=True)
+    say(rank, f"cuts_local {_owners(explicit)}")
     try:
         explicit.run_train(input_ids=torch.zeros(4, SEQ, dtype=torch.long))
     except PipelineInputError as e:
-        print(f"rank{rank} kwargs_error {e}", flush=True)
+        say(rank, f"kwargs_error {e}")
     try:
         NxDPPModel(build(), transformer_layer_cls=Block, virtual_pipeline_size=2,
                    pipeline_cuts=["layers.1"], input_names=["input_ids", "labels"])
     except Exception as e:      # noqa: BLE001 - the message is what is checked
-        print(f"rank{rank} vpp_error {type(e).__name__}: {e}", flush=True)
+        say(rank, f"vpp_error {type(e).__name__}: {e}")
 
 
 def _train(model, local_parameters, mark_step):
@@ -123,10 +133,10 @@ def _train(model, local_parameters, mark_step):
 
 def _report(tag, rank, model, losses, eval_loss, out):
     if rank == 1:       # the last pipeline rank has the loss; the first gets None
-        print(f"rank{rank} {tag}_losses " + " ".join(f"{float(v):.8f}" for v in losses), flush=True)
-        print(f"rank{rank} {tag}_eval {float(eval_loss):.8f}", flush=True)
+        say(rank, f"{tag}_losses " + " ".join(f"{float(v):.8f}" for v in losses))
+        say(rank, f"{tag}_eval {float(eval_loss):.8f}")
     else:
-        print(f"rank{rank} {tag}_nonlast {losses} {eval_loss}", flush=True)
+        say(rank, f"{tag}_nonlast {losses} {eval_loss}")
     params = {k: v.detach().cpu() for k, v in model.local_state_dict().items()}
     torch.save(params, os.path.join(out, f"{tag}_rank{rank}.pt"))
 
@@ -150,6 +160,7 @@ def _with_trainer(config, rank, out):
 
 def main():
     kind, out = sys.argv[1], sys.argv[2]
+    _OUT.append(out)
     import torch.distributed as dist
     if kind == "xla":       # kiln's device, lazy mode (torch-neuronx's style)
         import kiln.xla.core.xla_model as xm
@@ -175,7 +186,7 @@ def main():
         _checks(NxDPPModel, PipelineInputError, rank)
         bcast = NxDPPModel(build(), broadcast_and_average_loss=True, **config)
         ids, labels = next(batches())
-        print(f"rank{rank} broadcast {float(bcast.run_eval(input_ids=ids, labels=labels)):.8f}", flush=True)
+        say(rank, f"broadcast {float(bcast.run_eval(input_ids=ids, labels=labels)):.8f}")
         _with_trainer(config, rank, out)
     dist.destroy_process_group()
 
