@@ -166,6 +166,8 @@ def test_pp2_on_cpu_tensors_equals_one_process(tmp_path, reference):
     assert r1["auto_cuts"] == "layers.0 local layers.1,layers.2,lm_head,norm"
     # pipeline_cuts=["layers.1"]: the first stage ends after layers.1
     assert (r0["cuts_local"], r1["cuts_local"]) == ("embed,layers.0,layers.1", "layers.2,lm_head,norm")
+    # load_state_dict of the whole model's state: each rank takes (and local_state_dict gives) its part
+    assert (r0["load_state_dict"], r1["load_state_dict"]) == ("True 13 True", "True 9 True")
     for r in (r0, r1):
         assert "must be the traced input names" in r["kwargs_error"] and "missing ['labels']" in r["kwargs_error"]
         assert "virtual_pipeline_size=2" in r["vpp_error"]

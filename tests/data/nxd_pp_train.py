@@ -107,6 +107,12 @@ def _checks(NxDPPModel, PipelineInputError, rank):
     explicit = NxDPPModel(build(3), transformer_layer_cls=Block, num_microbatches=4,
                           pipeline_cuts=["layers.1"], input_names=["input_ids", "labels"])
     say(rank, f"cuts_local {_owners(explicit)}")
+    torch.manual_seed(5)
+    other = TinyLM(3).state_dict()
+    explicit.load_state_dict(other)           # the whole model's state dict: each rank takes its part
+    mine = explicit.local_state_dict()
+    same = all(torch.equal(v, other[k]) for k, v in mine.items())
+    say(rank, f"load_state_dict {same} {len(mine)} {sorted(mine) == sorted(dict(explicit.local_named_parameters()))}")
     try:
         explicit.run_train(input_ids=torch.zeros(4, SEQ, dtype=torch.long))
     except PipelineInputError as e:
