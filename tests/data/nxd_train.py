@@ -167,6 +167,20 @@ def train(model, opt, data, steps, device, save_dir=None):
     return (losses / dp).tolist(), [float(n) for n in torch.stack(norms).cpu()], times
 
 
+def memory_per_rank(model, opt):
+    """Each rank's resident memory (now and peak) and what it holds of the model and optimizer."""
+    import resource
+    with open("/proc/self/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    mine = {"rank": dist.get_rank(), "rss_mb": rss_kb / 1024,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "param_bytes": sum(q.numel() * q.element_size() for q in model.parameters()),
+            "optimizer_state_bytes": opt.optimizer.state_bytes()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def main():
     if cpu_mode():
         dist.init_process_group("gloo")
@@ -184,6 +198,7 @@ def main():
     report["losses"], report["grad_norms"], report["step_s"] = train(model, opt, data, range(args.steps), device,
                                                                    args.ckpt)
     report["optimizer_state_bytes"] = opt.optimizer.state_bytes()
+    report["ranks"] = memory_per_rank(model, opt)
     if args.save_at is not None:                                  # resume from the checkpoint, in a fresh model
         model2, opt2 = make(cfg)
         user_content = load_checkpoint(args.ckpt, model=model2, optimizer=opt2)
