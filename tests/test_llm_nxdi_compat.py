@@ -35,7 +35,7 @@ def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypa
     assert got[1, 4:].tolist() == _hf_greedy(model, [11, 2, 9, 4], 10)
 
 
-@pytest.mark.parametrize("kw, msg", [({"tp_degree": 8}, "tensor parallelism"), ({"quantized": True}, "quantized"),
+@pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"quantized": True}, "quantized"),
                                      ({"torch_dtype": "bfloat16"}, "float32 today"),
                                      ({"fused_qkv": True}, "does not know yet")])
 def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):

@@ -30,6 +30,9 @@ def add_parser(sub):
     c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
                    help="kiln's optimisation level (default 2: engines chosen by measurement)")
     c.add_argument("--engine", default=None, help="compile every graph with this engine")
+    c.add_argument("--tp-degree", type=int, default=1,
+                   help="shard the model over N tensor-parallel ranks (processes on their own kiln cores "
+                        "when served or run; see docs/distributed.md) (default 1)")
     c.add_argument("--prefill-chunk", type=int, default=None,
                    help="also compile a chunk graph of this many tokens: long prompts are prefilled a "
                         "chunk per step between decode steps, and may exceed the largest context bucket")
@@ -95,7 +98,7 @@ def cmd_compile(args, console) -> int:
                                  ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
                if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
-                      tokenizer=tokenizer, on_graph=progress, **options)
+                      tokenizer=tokenizer, on_graph=progress, tp_degree=args.tp_degree, **options)
     gate = llm.meta.get("accuracy_gate")
     if gate:
         print(f"kiln llm: {args.quantize} accuracy gate passed: perplexity x{gate['ppl_ratio']:.3f} of float32's "
@@ -120,8 +123,9 @@ def _setup(args):
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampling import SamplingParams
     from kiln.runtime.text import Tokenizer
+    from kiln.runtime.tp_llm import TensorParallelLLM
     llm = load(args.artifact, threads=args.threads)
-    if not isinstance(llm, LLM):
+    if not isinstance(llm, (LLM, TensorParallelLLM)):
         raise InputError(f"{args.artifact} is not an LLM artifact (compile one with `kiln llm compile`)")
     tokenizer = Tokenizer(llm.tokenizer_files)
     greedy = args.temperature == 0

@@ -9,8 +9,8 @@
 ``n_positions`` is the KV cache length, or a list of token-generation buckets: the cache
 holds the largest, and decode graphs are compiled for each (kiln's sequence buckets);
 ``context_length_estimate`` the prompt buckets (default: ``n_positions``). Options kiln
-cannot honour yet are errors that say so: ``tp_degree`` above 1 (no tensor parallelism)
-and ``amp`` other than fp32.
+cannot honour yet are errors that say so: ``amp`` other than fp32. ``tp_degree=N`` shards
+the model over N ranks (processes on their own kiln cores; docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from kiln.errors import CompilerArgsError, InputError
 
 
 class NeuronAutoModelForCausalLM:
-    def __init__(self, model, *, batch_size, n_positions, context_length_estimate, sequence_buckets=None):
+    def __init__(self, model, *, batch_size, n_positions, context_length_estimate, sequence_buckets=None,
+                 tp_degree: int = 1):
         self.model = model
+        self.tp_degree = tp_degree
         self.sequence_buckets = sequence_buckets
         self.batch_size = batch_size
         self.n_positions = n_positions
@@ -29,9 +31,8 @@ class NeuronAutoModelForCausalLM:
     @classmethod
     def from_pretrained(cls, path, batch_size: int = 1, n_positions=2048, tp_degree: int = 1, amp: str = "f32",
                         context_length_estimate=None, **kwargs):
-        if tp_degree != 1:
-            raise CompilerArgsError(f"tp_degree={tp_degree}: kiln has no tensor parallelism yet; use tp_degree=1 "
-                                    "(the whole model on this host's cores)")
+        if not isinstance(tp_degree, int) or tp_degree < 1:
+            raise CompilerArgsError(f"tp_degree={tp_degree!r}: must be a positive integer")
         if amp not in ("f32", "fp32", "float32"):
             raise CompilerArgsError(f"amp={amp!r}: kiln's LLM path compiles fp32 today; use amp='f32'")
         if kwargs:
@@ -43,14 +44,14 @@ class NeuronAutoModelForCausalLM:
         context = list(context) if isinstance(context, (list, tuple)) else [int(context)]
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
         return cls(model, batch_size=batch_size, n_positions=positions, context_length_estimate=context,
-                   sequence_buckets=windows)
+                   sequence_buckets=windows, tp_degree=tp_degree)
 
     def to_neuron(self):
         """Compile the prefill and decode graphs (kiln's engines, chosen by measurement)."""
         from kiln.llm.build import compile_llm
         self.compiled = compile_llm(self.model, batch_size=self.batch_size,
                                     context_buckets=self.context_length_estimate, cache_length=self.n_positions,
-                                    sequence_buckets=self.sequence_buckets)
+                                    sequence_buckets=self.sequence_buckets, tp_degree=self.tp_degree)
         return self
 
     def sample(self, input_ids, sequence_length: int = 128, top_k: int = 50, temperature: float = 1.0,

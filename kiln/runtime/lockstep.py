@@ -128,9 +128,29 @@ class LockstepScheduler(Scheduler):
         if self.channel is not None:
             with self.cond:
                 events, self._inbox = self._inbox, []
-            self.channel.send(("step", [e[:3] for e in events]))
+            try:
+                self.channel.send(("step", [e[:3] for e in events]))
+            except Exception as e:  # noqa: BLE001 - a rank is gone: nothing can run any more
+                self.apply(events)
+                self.fail_all(e)
+                return
             self.apply(events)
         super().step()
+
+    def fail_all(self, error: BaseException):
+        """End every request with ``error`` and refuse new ones: the ranks can no longer
+        meet (one died), so waiting would hang."""
+        self.closing = True
+        with self.cond:
+            waiting, self._inbox = list(self.waiting) + [e[3] for e in self._inbox if e[0] == "add"], []
+            self.waiting.clear()
+        for request in waiting:
+            request.error = error
+            self._finish(request, "error")
+        for slot, request in enumerate(self.slots):
+            if request is not None:
+                request.error = error
+                self._free(slot, "error")
 
     # -- every rank ----------------------------------------------------------------------
     def apply(self, events):
@@ -168,19 +188,17 @@ class LockstepScheduler(Scheduler):
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
         request.tokens.append(token)
         request.token_times.append(time.perf_counter())
+        verdict = None
+        if request.on_token is not None:
+            try:
+                verdict = "stop" if request.on_token(request, token) else None
+            except Exception as e:  # noqa: BLE001 - a failing listener ends its own request only
+                request.error, verdict = e, "error"
         if token in request.stop_token_ids:
             self._free(slot, "stop")
-            return
-        if len(request.tokens) >= request.max_new_tokens:
+        elif len(request.tokens) >= request.max_new_tokens:
             self._free(slot, "length")
-            return
-        if request.on_token is None:
-            return
-        try:
-            verdict = "stop" if request.on_token(request, token) else None
-        except Exception as e:  # noqa: BLE001 - a failing listener ends its own request only
-            request.error, verdict = e, "error"
-        if verdict is not None:
+        elif verdict is not None:
             with self.cond:
                 self._inbox.append(("end", request.tp_id, verdict, None))
 

@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from kiln.artifact.container import Artifact, wrapper_manifest
+from kiln.distributed import ops  # noqa: F401 - registers the kiln:: collectives the ranks' graphs run
 from kiln.errors import ArtifactError, InputError
 from kiln.runtime import lockstep
 from kiln.runtime.llm import LLM
@@ -41,6 +42,10 @@ class TensorParallelLLM:
         self.mode = None                         # "threads", "processes" or "torch.distributed"
         self._channel = self._launched = None
         self._threads: list = []
+        self._cleanup = None                     # a private copy of the artifact to remove
+        self.threads = None                      # engine threads per rank (None: the rank's CPUs)
+        self.failed = None                       # why a rank is gone, once one is
+        self.on_failure: list = []               # listener(rank, returncode, stderr_tail)
         if manifest is None:
             manifest = wrapper_manifest(KIND, self.ranks[0].manifest, llm=meta,
                                         graphs={"ranks": [f"rank/{r}.kiln" for r in range(len(ranks))]})
@@ -98,14 +103,21 @@ class TensorParallelLLM:
         from kiln.distributed import launch
         path, cleanup = self._file()
         self._launched = launch.start_ranks(self.tp_degree, "kiln.runtime.tp_rank:follower_main",
-                                            {"path": path, "cleanup": cleanup})
+                                            {"path": path, "threads": self.threads}, on_failure=self._rank_failed)
         self._join_group()
         self.mode = "processes"
+        self._cleanup = path if cleanup else None
+
+    def _rank_failed(self, rank, returncode, tail):
+        """A follower process died: its peers' collectives fail from now on; tell the owner."""
+        self.failed = f"rank {rank} exited with code {returncode}"
+        for listener in list(self.on_failure):
+            listener(rank, returncode, tail)
 
     def _join_group(self):
         import torch.distributed as dist
         from kiln.distributed import groups
-        groups.register("tp", groups.TorchGroup(None))
+        groups.register("tp", groups.get("world") if groups.is_bound("world") else groups.TorchGroup(None))
         self._channel = lockstep.ProcessChannel(dist.new_group(backend="gloo"))
         self.mode = self.mode or "torch.distributed"
 
@@ -126,7 +138,17 @@ class TensorParallelLLM:
         for t in self._threads:
             t.join(60)
         if self._launched is not None:
-            self._launched.wait(60)
+            try:
+                if self.failed is None:
+                    self._launched.wait(60)
+            finally:
+                self._launched.terminate()
+                self._launched = None
+        if self._cleanup:
+            os.unlink(self._cleanup)
+            self._cleanup = None
+        from kiln.distributed import groups
+        groups.unregister("tp")
         self.mode = None
 
     def _command(self, *message):

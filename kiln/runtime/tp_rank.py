@@ -31,7 +31,7 @@ def follow_rank(path: str, rank: int, threads: int | None = None):
     import torch.distributed as dist
     from kiln.distributed import groups
     llm = load_rank(path, rank, threads)
-    groups.register("tp", groups.TorchGroup(None))
+    groups.register("tp", groups.get("world") if groups.is_bound("world") else groups.TorchGroup(None))
     channel = lockstep.ProcessChannel(dist.new_group(backend="gloo"))
     lockstep.follow(tp_llm.Follower(llm), channel)
 

@@ -77,6 +77,7 @@ class ServedLLM:
         self.ready, self.state, self.error = False, "LOADING", None
         self.llm = self.tokenizer = self.scheduler = None
         self.stop_token_ids: tuple = ()
+        self.on_fatal = None            # set by the server: stop serving (a tensor-parallel rank died)
         self.created = int(time.time())
         self._times: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -90,6 +91,9 @@ class ServedLLM:
                        "concurrency); --instances applies to the other models")
         self.llm = self.source if not isinstance(self.source, str) else load_artifact(self.source,
                                                                                        threads=self.config.threads)
+        if hasattr(self.llm, "on_failure"):        # tensor parallel: its other ranks start now
+            self.llm.on_failure.append(self._rank_failed)
+            self.llm.start()
         if self.llm.tokenizer_files:
             self.tokenizer = Tokenizer(self.llm.tokenizer_files)
         eos = list(self.llm.meta["eos_token_ids"])
@@ -123,9 +127,21 @@ class ServedLLM:
             context_buckets=list(self.llm.prefill), cache_positions=self.scheduler.cache.capacity,
             max_queue=self.config.max_queue, tokenizer=self.tokenizer is not None)
 
+    def _rank_failed(self, rank, returncode, tail):
+        """A tensor-parallel rank died: its requests fail (their collectives raise), and the
+        server shuts down, since this model can no longer answer."""
+        self.ready, self.state = False, "UNAVAILABLE"
+        self.error = f"tensor-parallel rank {rank} exited with code {returncode}"
+        self.metrics.ready.labels(self.name).set(0)
+        log("error", "rank_failed", model=self.name, rank=rank, returncode=returncode, output=tail[-2000:])
+        if self.on_fatal is not None:
+            self.on_fatal()
+
     async def close(self):
         if self.scheduler is not None and self.scheduler.thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
+        if hasattr(self.llm, "on_failure"):
+            await asyncio.get_running_loop().run_in_executor(None, self.llm.close)
 
     # -- requests ------------------------------------------------------------------------
     def require_tokenizer(self) -> Tokenizer:

@@ -15,6 +15,7 @@ import zipfile
 from kiln.artifact.container import MANIFEST
 from kiln.errors import ArtifactError, KilnError
 from kiln.runtime.llm import LLM
+from kiln.runtime.tp_llm import KIND as TP_KIND, TensorParallelLLM
 from kiln.runtime.model import Model
 from kiln.serving.llm import ServedLLM
 from kiln.serving.logs import log
@@ -46,7 +47,8 @@ def model_name_of(path: str) -> str:
 def served(name: str, source, config: ServeConfig, metrics: ServeMetrics):
     """The served form of a model: an LLM artifact behind the OpenAI routes, anything else
     behind the Open Inference Protocol's."""
-    if isinstance(source, LLM) or isinstance(source, str) and manifest_of(source).get("kind") == "llm":
+    if isinstance(source, (LLM, TensorParallelLLM)) or (
+            isinstance(source, str) and manifest_of(source).get("kind") in ("llm", TP_KIND)):
         return ServedLLM(name, source, config, metrics)
     return ServedModel(name, source, config, metrics)
 
@@ -64,13 +66,13 @@ def default_name(path: str) -> str:
 def _spec_items(models) -> list:
     """``[(name or None, path or Model)]`` from a list of paths, ``name=path`` strings, models
     and pairs (a path that exists wins over reading ``=`` in it as a name)."""
-    if isinstance(models, (str, os.PathLike, Model, LLM)):
+    if isinstance(models, (str, os.PathLike, Model, LLM, TensorParallelLLM)):
         models = [models]
     items = []
     for spec in models:
         if isinstance(spec, tuple):
             items.append(spec)
-        elif isinstance(spec, (Model, LLM)):
+        elif isinstance(spec, (Model, LLM, TensorParallelLLM)):
             items.append((getattr(spec, "name", None) or spec.manifest.get("model_name", "llm"), spec))
         else:
             spec = os.fspath(spec)
@@ -87,7 +89,7 @@ def resolve_models(models) -> dict:
     items = list(models.items()) if isinstance(models, dict) else _spec_items(models)
     out: dict = {}
     for name, src in items:
-        if not isinstance(src, (Model, LLM)):
+        if not isinstance(src, (Model, LLM, TensorParallelLLM)):
             src = os.fspath(src)
             name = name or default_name(src)
         if name in out:
@@ -123,6 +125,14 @@ class ServerState:
         self.in_flight = 0            # inference requests being handled
         self.on_fatal = None          # set by serve(): stop the server when a model fails to load
         self.loop = None
+        for sm in self.models.values():
+            if isinstance(sm, ServedLLM):
+                sm.on_fatal = self._fatal
+
+    def _fatal(self):
+        self.failed = True
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def ready(self) -> bool:
         return not self.draining and all(m.ready for m in self.models.values())

@@ -145,6 +145,8 @@ def run(args) -> int:
     if getattr(args, "trust_native_code", False):
         os.environ["KILN_TRUST_NATIVE_CODE"] = "1"
     try:
+        if _torchrun_follower(args):
+            return 0
         return serve(args.models, args.host, args.port, log_level=args.log_level,
                      access_log=args.access_log, drain_timeout=args.drain_timeout,
                      max_batch_size=1 if args.no_batching else args.max_batch_size,
@@ -155,6 +157,26 @@ def run(args) -> int:
     except KilnError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 2
+
+
+def _torchrun_follower(args) -> bool:
+    """Under ``torchrun`` (several processes, on one host or several), every process joins
+    the world; rank 0 goes on to serve, and the others follow it as ranks of the one
+    tensor-parallel artifact served (True: this process was a follower and is done)."""
+    from kiln import config
+    if int(config.get("WORLD_SIZE") or 1) <= 1:
+        return False
+    from kiln.distributed import launch
+    info = launch.init_from_env()
+    if info.rank == 0:
+        return False
+    from kiln.runtime import tp_rank
+    if len(args.models) != 1:
+        raise KilnError("under torchrun, kiln serve serves one tensor-parallel LLM artifact; "
+                        f"got {len(args.models)} models")
+    spec = os.fspath(args.models[0])
+    tp_rank.follow_rank(spec if os.path.exists(spec) else spec.partition("=")[2], info.rank, args.threads)
+    return True
 
 
 def main(argv=None) -> int:

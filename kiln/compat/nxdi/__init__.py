@@ -10,6 +10,6 @@ scripts that swap that package for ``kiln.neuronx_distributed_inference``::
 The classes live here (:mod:`kiln.compat.nxdi.api`); ``kiln.neuronx_distributed_inference``
 re-exports them under NxD Inference's module paths. ``compile`` writes one ``model.kiln``
 (:func:`kiln.llm.build.compile_llm`) into the directory; ``load`` reads it back. What kiln
-cannot honour yet is an error that says so: ``tp_degree`` above 1, ``quantized=True``,
-non-fp32 ``torch_dtype``.
+cannot honour yet is an error that says so: ``quantized=True``, non-fp32 ``torch_dtype``.
+``tp_degree=N`` shards the model over N ranks (docs/distributed.md).
 """

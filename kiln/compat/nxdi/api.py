@@ -24,8 +24,8 @@ class NeuronConfig:
                  enable_bucketing: bool = False, context_encoding_buckets=None, token_generation_buckets=None,
                  torch_dtype="float32", quantized: bool = False, max_batch_size: int | None = None, **kwargs):
         problems = []
-        if tp_degree != 1:
-            problems.append(f"tp_degree={tp_degree}: kiln has no tensor parallelism yet (use 1)")
+        if not isinstance(tp_degree, int) or tp_degree < 1:
+            problems.append(f"tp_degree={tp_degree!r}: must be a positive integer")
         if quantized:
             problems.append("quantized=True: kiln's LLM path has no quantized weights yet")
         if str(torch_dtype).replace("torch.", "") not in ("float32", "fp32"):
@@ -89,7 +89,7 @@ class NeuronLlamaForCausalLM:
         nc = self.config.neuron_config
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype="float32").eval()
         llm = compile_llm(model, batch_size=nc.batch_size, context_buckets=nc.context_buckets(),
-                          cache_length=nc.seq_len, sequence_buckets=nc.sequence_buckets())
+                          cache_length=nc.seq_len, sequence_buckets=nc.sequence_buckets(), tp_degree=nc.tp_degree)
         os.makedirs(compiled_model_path, exist_ok=True)
         llm.save(os.path.join(compiled_model_path, ARTIFACT))
 

@@ -1,0 +1,156 @@
+"""Tensor-parallel LLMs (``compile_llm(tp_degree=2)``): tiny random Llama (9 query / 3
+key-value heads: padded), Qwen2 (4 / 1: the key-value head replicated on both ranks,
+attention biases) and GPT-2 (fused QKV, learned positions) give Hugging Face's greedy
+tokens, batched and across context buckets; the ranks as threads of this process and as
+processes on their own cores; through ``kiln serve`` with the ``openai`` client; a rank
+killed mid-request fails the request and shuts the server down."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.errors import CompilerArgsError  # noqa: E402
+from kiln.llm import shard  # noqa: E402
+from kiln.llm.build import compile_llm  # noqa: E402
+from kiln.runtime.loader import load  # noqa: E402
+from tests.conftest import tiny_tokenizer  # noqa: E402
+from tests.test_llm_decoder import _model  # noqa: E402
+
+# prompts of 3 and 6 tokens: context buckets 4 and 8
+PROMPTS = [[5, 17, 33], [40, 2, 9, 71, 11, 60]]
+NEW = 6
+
+
+def _llama_9_3():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=36, intermediate_size=50, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _qwen2_kv1():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+MODELS = {"llama": _llama_9_3, "qwen2": _qwen2_kv1, "gpt2": lambda: _model("gpt2")}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each family compiled once at tp 2 (the Llama with the tokenizer, for the server)."""
+    out = {}
+    root = tmp_path_factory.mktemp("tp")
+    for name, make in MODELS.items():
+        model = make()
+        tok = tiny_tokenizer() if name == "llama" else None
+        llm = compile_llm(model, tp_degree=2, batch_size=2, decode_batches=(2,), context_buckets=(4, 8),
+                          cache_length=32, optlevel=1, tokenizer=tok)
+        path = root / f"{name}.kiln"
+        llm.save(path)
+        out[name] = (model, llm, path)
+    return out
+
+
+def _hf(model, prompt, n):
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_threads_give_hugging_faces_greedy_tokens(built, family):
+    model, _, path = built[family]
+    llm = load(path)
+    assert llm.tp_degree == 2 and llm.meta["tp_check"]["max_abs_logit_diff"] < 1e-3
+    llm.start(mode="threads")
+    try:
+        got = llm.generate(PROMPTS, NEW)                          # both rows batched
+        assert got == [_hf(model, p, NEW) for p in PROMPTS]
+        assert llm.batch_invariance["decode_rows"] == [2]
+    finally:
+        llm.close()
+
+
+def test_head_plans():
+    assert shard.plan_heads(9, 3, 2).how == "padded"
+    plan = shard.plan_heads(9, 3, 2)
+    assert plan.kv == ((0, 1), (2, -1)) and plan.q[1] == (6, 7, 8, -1, -1, -1)
+    assert shard.plan_heads(4, 1, 2).kv == ((0,), (0,))
+    assert shard.plan_heads(4, 1, 2).q == ((0, 1), (2, 3))
+    assert shard.plan_heads(32, 4, 2).kv == ((0, 1), (2, 3))
+    assert shard.plan_heads(6, 1, 4).q == ((0, 1), (2, 3), (4, 5), (-1, -1))     # 6 heads over 4 copies
+
+
+def test_quantize_with_tp_is_a_clear_error():
+    with pytest.raises(CompilerArgsError, match="tp_degree=2"):
+        compile_llm(_model("llama"), tp_degree=2, quantize="int8", context_buckets=(4,), cache_length=16)
+    with pytest.raises(CompilerArgsError, match="positive integer"):
+        compile_llm(_model("llama"), tp_degree=0, context_buckets=(4,), cache_length=16)
+
+
+def test_processes_pinned_to_their_cores(built):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: each rank owns a core")
+    model, _, path = built["qwen2"]
+    llm = load(path)
+    llm.start()
+    try:
+        assert llm.mode == "processes"
+        got = llm.generate(PROMPTS[::-1], NEW)
+        assert got == [_hf(model, p, NEW) for p in PROMPTS[::-1]]
+        children = llm._launched.pids
+        mine = os.sched_getaffinity(0)
+        theirs = os.sched_getaffinity(children[1])
+        assert mine and theirs and not (mine & theirs)
+    finally:
+        llm.close()
+
+
+def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):
+    openai = pytest.importorskip("openai")
+    from kiln.runtime.text import Tokenizer
+    from tests.test_serve import Server
+    model, llm, path = built["llama"]
+    tok = Tokenizer(llm.tokenizer_files)
+    server = Server([f"tiny={path}"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt = tok.encode("Hi")
+        out = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)
+        expected = _hf(model, prompt, 5)
+        expected = expected[:expected.index(2) + 1] if 2 in expected else expected     # </s> ends the server's
+        assert out.choices[0].text == tok.decode(expected)
+        follower = [e for e in server.events() if e.get("event") == "model_loaded"]
+        assert follower
+        import psutil
+        children = [c for c in psutil.Process(server.proc.pid).children() if "kiln.distributed.rank" in
+                    " ".join(c.cmdline())]
+        assert len(children) == 1
+        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=20, temperature=0, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].text is not None
+        os.kill(children[0].pid, signal.SIGKILL)
+        with pytest.raises(Exception):
+            for _ in stream:
+                pass
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=20, temperature=0)
+        assert server.proc.wait(60) is not None        # the server shut itself down
+        log = open(tmp_path / "server.log").read()       # the dead rank's own output is not JSON
+        assert '"event": "rank_failed"' in log or '"event":"rank_failed"' in log, log[-3000:]
+    finally:
+        server.stop()
