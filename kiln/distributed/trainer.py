@@ -187,6 +187,9 @@ def _pipeline_model(model, nxd_config, param_init_fn):
                                  f"kiln.distributed.pipeline.NxDPPModel, which could not be imported: {e}") from e
     cfg = nxd_config["pipeline_config"]
     cfg.update({"param_init_fn": param_init_fn, "use_model_wrapper": True})
+    # the trainer's optimizer (NxDOptimizer) averages gradients over DP itself: the pipeline must not too
+    cfg.setdefault("use_optimizer_wrapper", True)
+    cfg.setdefault("use_zero1_optimizer", bool(nxd_config["optimizer_config"].get("zero_one_enabled")))
     return NxDPPModel(model, **cfg)
 
 

@@ -12,9 +12,9 @@ import importlib
 from kiln.neuronx_distributed import modules, parallel_layers, utils  # noqa: F401
 
 _LAZY = {
-    "neuronx_distributed_config": ("kiln.distributed.trainer", "neuronx_distributed_config"),
-    "initialize_parallel_model": ("kiln.distributed.trainer", "initialize_parallel_model"),
-    "initialize_parallel_optimizer": ("kiln.distributed.trainer", "initialize_parallel_optimizer"),
+    "neuronx_distributed_config": ("kiln.neuronx_distributed.trainer", "neuronx_distributed_config"),
+    "initialize_parallel_model": ("kiln.neuronx_distributed.trainer", "initialize_parallel_model"),
+    "initialize_parallel_optimizer": ("kiln.neuronx_distributed.trainer", "initialize_parallel_optimizer"),
     "save_checkpoint": ("kiln.distributed.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("kiln.distributed.checkpoint", "load_checkpoint"),
     "has_checkpoint": ("kiln.distributed.checkpoint", "has_checkpoint"),
