@@ -242,10 +242,7 @@ class TensorParallelNeuronModel(torch.nn.Module):
             self._channel.send(("stop", None))
         with contextlib.suppress(Exception):
             ranks.wait(10)
-        from kiln.distributed import state
-        with contextlib.suppress(Exception):
-            state.destroy_model_parallel()
-        ranks.terminate()
+        _stop(ranks)
 
     def __enter__(self):
         return self
@@ -258,6 +255,14 @@ class TensorParallelNeuronModel(torch.nn.Module):
             self.close()
 
 
+def _stop(ranks):
+    """Leave the parallel state and the world, and stop the children."""
+    from kiln.distributed import state
+    with contextlib.suppress(Exception):
+        state.destroy_model_parallel()
+    ranks.terminate()
+
+
 def _start(payload: dict) -> TensorParallelNeuronModel:
     from kiln.distributed import launch
     tp = payload["tp_degree"]
@@ -265,10 +270,10 @@ def _start(payload: dict) -> TensorParallelNeuronModel:
     try:
         model, channel, failed = _setup(payload, 0)
     except BaseException:
-        ranks.terminate()
+        _stop(ranks)
         raise
     if failed:
-        ranks.terminate()
+        _stop(ranks)
         what = "; ".join(f"rank {r}: {e}" for r, e in failed)
         raise NxDTraceError(f"parallel_model_{payload['mode']} failed ({what})")
     return TensorParallelNeuronModel(model, ranks, channel, tp)
