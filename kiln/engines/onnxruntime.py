@@ -59,8 +59,7 @@ _DATA = "weights.bin"
 def _registry():
     # torchvision ops are optional in the registry; its absence is not news.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    from torch.onnx._internal.exporter import _registration
-    return _registration.ONNXRegistry.from_torchlib()
+    return ort_export.registry_for()
 
 
 # The ONNX opset partitions are exported at. From opset 23 torch's exporter writes
