@@ -58,8 +58,9 @@ def built(tmp_path_factory):
     for name, make in MODELS.items():
         model = make()
         tok = tiny_tokenizer() if name == "llama" else None
+        chunk = 4 if name == "qwen2" else None          # chunked prefill and prefix reuse, at tp 2 too
         llm = compile_llm(model, tp_degree=2, batch_size=2, decode_batches=(2,), context_buckets=(4, 8),
-                          cache_length=32, optlevel=1, tokenizer=tok)
+                          cache_length=32, optlevel=1, tokenizer=tok, prefill_chunk=chunk)
         path = root / f"{name}.kiln"
         llm.save(path)
         out[name] = (model, llm, path)
@@ -84,6 +85,31 @@ def test_threads_give_hugging_faces_greedy_tokens(built, family):
         assert llm.batch_invariance["decode_rows"] == [2]
     finally:
         llm.close()
+
+
+def test_chunked_prefill_prefix_reuse_and_sampling(built):
+    """A prompt longer than the largest context bucket runs by chunks, a second sharing its
+    prefix starts from a copy of the first's rows, and a seeded sampled request draws what
+    the eager scheduler draws on the whole model."""
+    from kiln.llm.decoder import DecoderStep, cache_shape
+    from kiln.runtime import sampling, scheduler
+    model, _, path = built["qwen2"]
+    llm = load(path)
+    long = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+    shared = long[:9] + [1, 2, 7]
+    params = sampling.SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=7)
+    llm.start(mode="threads")
+    try:
+        got = llm.generate([long, shared], NEW)
+        assert got == [_hf(model, p, NEW) for p in (long, shared)]
+        sampled = llm.generate([PROMPTS[1]], NEW, params=params)
+    finally:
+        llm.close()
+    prefill = DecoderStep(model, with_cache=False, last_only=True).eval()
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    with torch.no_grad():
+        eager = scheduler.generate(prefill, step, [PROMPTS[1]], NEW, cache_shape(model.config, 1, 32), params=params)
+    assert sampled == eager
 
 
 def test_head_plans():
