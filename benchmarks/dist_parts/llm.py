@@ -27,6 +27,10 @@ TEXT = ("The history of computing is a story of people finding ways to make mach
         "the first missions to the moon, and the software running on it is written in languages that "
         "were designed to be read by people as much as by machines. ")
 BUILD = dict(batch_size=8, context_buckets=(128,), cache_length=256, optlevel=1)
+# tp 2 on the real weights fails compile-time validation at the default atol=1e-3 (logits
+# max abs error 0.0103: the split matmuls sum in a different order); the greedy agreement
+# below is the end-to-end check instead.
+TP2_EXTRA = dict(atol=2e-2)
 
 
 def log(msg):
@@ -55,13 +59,16 @@ def compile_both(work: str, reuse: bool) -> dict:
     for tp in (1, 2):
         path = os.path.join(work, f"smollm2-tp{tp}.kiln")
         if reuse and os.path.exists(path):
-            out[tp] = {"path": path, "compile_s": None}
+            secs = open(path + ".seconds").read().strip() if os.path.exists(path + ".seconds") else None
+            out[tp] = {"path": path, "compile_s": float(secs) if secs else None}
             continue
         log(f"compile tp {tp}")
         t0 = time.perf_counter()
-        llm = compile_llm(model, tokenizer=tok, tp_degree=tp, **BUILD)
+        llm = compile_llm(model, tokenizer=tok, tp_degree=tp, **BUILD, **(TP2_EXTRA if tp == 2 else {}))
         secs = time.perf_counter() - t0
         llm.save(path)
+        with open(path + ".seconds", "w") as f:
+            f.write(f"{secs:.1f}\n")
         out[tp] = {"path": path, "compile_s": secs}
         log(f"compiled tp {tp} in {secs:.1f} s")
         del llm
@@ -93,7 +100,7 @@ def multi_stream(llm, prompts, new) -> dict:
     outs = llm.generate(prompts, new, stop_at_eos=False)
     wall = time.perf_counter() - t0
     n = sum(len(o) for o in outs)
-    return {"streams": len(prompts), "tokens": n, "wall_s": wall, "aggregate_tok_s": n / wall}
+    return {"streams": len(prompts), "stream_tokens": n, "wall_s": wall, "aggregate_tok_s": n / wall}
 
 
 def graph_shape(llm) -> dict:
@@ -180,7 +187,7 @@ def run(work: str, reuse: bool = False, new: int = 128, prompt_len: int = 121) -
     return {"rows": [rows[1], rows[2]], "agreement": agree,
             "decode_ratio": rows[2]["decode_tok_s"] / rows[1]["decode_tok_s"],
             "aggregate_ratio": rows[2]["aggregate_tok_s"] / rows[1]["aggregate_tok_s"],
-            "prompt_tokens": len(ids), "new_tokens": new, "build": {**BUILD, "context_buckets": [128]}}
+            "prompt_tokens": len(ids), "new_tokens": new, "build": {**BUILD, "context_buckets": [128]}, "tp2_extra": TP2_EXTRA}
 
 
 def table(res) -> str:
