@@ -74,10 +74,16 @@ def main(argv=None):
         print("## (c) all-reduce of a decode step's size\n" + allreduce.table(rows))
         out["allreduce"] = rows
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    loads = (out["loadavg_before"], out["loadavg_after"])
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    if os.path.exists(args.json):                 # keep the parts not run this time, with their load averages
+        with open(args.json) as f:
+            old = json.load(f)
+        out = {**old, **{k: v for k, v in out.items() if k not in ("loadavg_before", "loadavg_after")},
+               f"loadavg_{'_'.join(sorted(parts))}": [out["loadavg_before"], out["loadavg_after"]]}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(f"wrote {args.json}; load average before {out['loadavg_before']}, after {out['loadavg_after']}")
+    print(f"wrote {args.json}; load average before {loads[0]}, after {loads[1]}")
 
 
 if __name__ == "__main__":
