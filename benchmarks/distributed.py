@@ -69,6 +69,9 @@ def main(argv=None):
         targs = argparse.Namespace(steps=args.steps, warmup=2, repeats=2, cpus="0,1")
         rows = train.run(targs)
         print("## (b) training step, TP=2 vs one process\n" + train.table(rows))
+        same = all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(rows[1]["losses"], rows[0]["losses"]))
+        print(f"losses tp2 == tp1 (rtol 1e-4): {same}; target: tp2 step >= 0.8x tp1")
+        out["train_losses_match"] = same
         out["train"] = rows
     if "c" in parts:
         rows = allreduce.run(args.rounds)
