@@ -112,8 +112,20 @@ class TorchGroup:
             self.fast = None
 
     def all_gather(self, x, dim: int):
+        """Concatenated along ``dim``. With the shared-memory path, as an all-reduce of a
+        zero buffer holding this rank's part at its place (adding zeros is exact): a
+        decode step's vocabulary-sharded logits took 1-2 ms through gloo, ~50 µs so."""
         import torch
         import torch.distributed as dist
+        if not self._chosen:
+            self._choose()
+        if self.fast is not None and self.fast.supports(x):
+            shape = list(x.shape)
+            part = shape[dim]
+            shape[dim] = part * self.size
+            full = x.new_zeros(shape)
+            full.narrow(dim, self.rank * part, part).copy_(x)
+            return self.all_reduce(full)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.pg)
         return torch.cat(parts, dim=dim)

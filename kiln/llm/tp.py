@@ -25,8 +25,14 @@ from kiln.llm.decoder import DecoderStep, check_supported
 from kiln.runtime.tp_llm import TensorParallelLLM
 
 # The ranks' logits against the whole model's, float32: a sum split over ranks rounds
-# differently, so not bit-equal; the per-graph check uses the same bounds.
+# differently, so not bit-equal. Held relative to the largest logit: SmolLM2's real weights
+# differ by up to 0.01 on logits of magnitude ~20 (cosine 1.000000, greedy tokens equal).
 RTOL, ATOL = 1e-3, 1e-3
+# The per-graph check against eager runs on the stand-in group's values, which are not the
+# model's (each rank sees only its partial sums): larger activations, larger rounding. It
+# still checks the engines against eager on the same function; the ranks together are
+# held to the whole model by :func:`check`. SmolLM2 at tp 2 needed more than 1e-3 there.
+RANK_ATOL = 2e-2
 
 
 @contextlib.contextmanager
@@ -46,6 +52,7 @@ def compile_tp(model, tp_degree: int, compile_one, *, tokenizer_files: dict, on_
         raise CompilerArgsError(f"quantize={options['quantize']!r} with tp_degree={tp_degree}: kiln's quantized "
                                 "builds are judged by an accuracy gate on the whole model, which tensor-parallel "
                                 "builds do not run yet; compile float32 with tp_degree, or quantize at tp_degree=1")
+    options.setdefault("atol", RANK_ATOL)
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -80,12 +87,12 @@ def check(model, llm: TensorParallelLLM) -> dict:
         tokens = llm.generate([prompt], 3, stop_at_eos=False)[0]
     finally:
         llm.close()
-    gap = (got - expected).abs()
-    worst = float(gap.max())
-    if bool((gap > ATOL + RTOL * expected.abs()).any()):
+    worst = float((got - expected).abs().max())
+    allowed = ATOL + RTOL * float(expected.abs().max())
+    if worst > allowed:
         raise ValidationError(f"the tensor-parallel build's logits differ from the whole model's by up to {worst:.3g} "
-                              f"(allowed {ATOL} + {RTOL} x |logit|): the sharding is wrong for this model; report it "
-                              "with the model's config")
+                              f"(allowed {allowed:.3g}: {ATOL} + {RTOL} x the largest logit): the sharding is wrong "
+                              "for this model; report it with the model's config")
     return {"max_abs_logit_diff": worst, "greedy_equal": tokens == _eager_tokens(model, prompt, 3)}
 
 

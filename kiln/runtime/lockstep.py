@@ -39,6 +39,16 @@ from kiln.runtime import sampling
 from kiln.runtime.scheduler import Request, Scheduler
 
 
+def command_group():
+    """The gloo group commands travel on (every rank calls this at the same point). Its
+    timeout is a year, not gloo's half hour: a follower waits in it for as long as the
+    server is idle; a dead rank 0 ends the follower by other means (its parent pipe)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    return dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+
 class ProcessChannel:
     """Rank 0 broadcasts pickled commands to the others over a gloo group (its own group,
     so commands never interleave with the graphs' collectives)."""

@@ -118,7 +118,7 @@ class TensorParallelLLM:
         import torch.distributed as dist
         from kiln.distributed import groups
         groups.register("tp", groups.get("world") if groups.is_bound("world") else groups.TorchGroup(None))
-        self._channel = lockstep.ProcessChannel(dist.new_group(backend="gloo"))
+        self._channel = lockstep.ProcessChannel(lockstep.command_group())
         self.mode = self.mode or "torch.distributed"
 
     def _file(self):

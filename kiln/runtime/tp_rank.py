@@ -32,7 +32,7 @@ def follow_rank(path: str, rank: int, threads: int | None = None):
     from kiln.distributed import groups
     llm = load_rank(path, rank, threads)
     groups.register("tp", groups.get("world") if groups.is_bound("world") else groups.TorchGroup(None))
-    channel = lockstep.ProcessChannel(dist.new_group(backend="gloo"))
+    channel = lockstep.ProcessChannel(lockstep.command_group())
     lockstep.follow(tp_llm.Follower(llm), channel)
 
 
