@@ -69,6 +69,16 @@ def tiny_llm(tmp_path_factory):
     return model, llm, path
 
 
+def shared_compile_cache(tmp_path_factory, testrun_uid, name: str) -> str:
+    """A compile-cache directory shared by every pytest worker of this run (not across runs):
+    test files that compile the same graphs (the tensor-parallel tiny Llama of test_llm_tp.py
+    and test_dist_multihost.py) compile them once; the cache's lock makes concurrent
+    compiles of one key happen once."""
+    path = tmp_path_factory.getbasetemp().parent / f"{name}-{testrun_uid}"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
 def tiny_tokenizer():
     """A character-level Hugging Face tokenizer for the tiny test LLMs' 97-id vocabulary
     (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 = end of sequence, then 93 characters), with a

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, tiny_tokenizer
+from tests.conftest import ROOT, shared_compile_cache, tiny_tokenizer
 from tests.test_nxd_train import SCRIPT, STEPS, _assert_equal_to_reference, _launch
 
 pytestmark = pytest.mark.slow
@@ -161,15 +161,17 @@ print(json.dumps({"status": status, "body": json.loads(body)}))
 """
 
 
-def test_tp2_serving_across_two_hosts_gives_hugging_faces_tokens(hosts, tmp_path):
+def test_tp2_serving_across_two_hosts_gives_hugging_faces_tokens(hosts, tmp_path, tmp_path_factory, testrun_uid):
     pytest.importorskip("transformers")
     from kiln.llm.build import compile_llm
     from kiln.runtime.text import Tokenizer
     from tests.test_llm_tp import _hf, _llama_9_3
     a = hosts[0][0]
     model = _llama_9_3()
-    llm = compile_llm(model, tp_degree=2, batch_size=2, decode_batches=(2,), context_buckets=(4, 8),
-                      cache_length=32, optlevel=1, tokenizer=tiny_tokenizer())
+    with pytest.MonkeyPatch.context() as mp:      # test_llm_tp.py compiles the same graphs into it
+        mp.setenv("KILN_CACHE_URL", shared_compile_cache(tmp_path_factory, testrun_uid, "tp-cache"))
+        llm = compile_llm(model, tp_degree=2, batch_size=2, decode_batches=(2,), context_buckets=(4, 8),
+                          cache_length=32, optlevel=1, tokenizer=tiny_tokenizer())
     path = tmp_path / "llama.kiln"
     llm.save(path)
     port = 8011

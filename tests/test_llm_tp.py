@@ -17,7 +17,7 @@ from kiln.errors import CompilerArgsError  # noqa: E402
 from kiln.llm import shard  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from kiln.runtime.loader import load  # noqa: E402
-from tests.conftest import tiny_tokenizer  # noqa: E402
+from tests.conftest import shared_compile_cache, tiny_tokenizer  # noqa: E402
 from tests.test_llm_decoder import _model  # noqa: E402
 
 # prompts of 3 and 6 tokens: context buckets 4 and 8
@@ -51,10 +51,19 @@ MODELS = {"llama": _llama_9_3, "qwen2": _qwen2_kv1, "gpt2": lambda: _model("gpt2
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """Each family compiled once at tp 2 (the Llama with the tokenizer, for the server)."""
+def built(tmp_path_factory, testrun_uid):
+    """Each family compiled once at tp 2 (the Llama with the tokenizer, for the server), its
+    graphs kept in a compile cache test_dist_multihost.py shares."""
     out = {}
     root = tmp_path_factory.mktemp("tp")
+    cache = shared_compile_cache(tmp_path_factory, testrun_uid, "tp-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE_URL", cache)
+        _build(out, root)
+    return out
+
+
+def _build(out, root):
     for name, make in MODELS.items():
         model = make()
         tok = tiny_tokenizer() if name == "llama" else None
@@ -64,7 +73,6 @@ def built(tmp_path_factory):
         path = root / f"{name}.kiln"
         llm.save(path)
         out[name] = (model, llm, path)
-    return out
 
 
 def _hf(model, prompt, n):
