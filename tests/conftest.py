@@ -69,6 +69,16 @@ def tiny_llm(tmp_path_factory):
     return model, llm, path
 
 
+@pytest.fixture(scope="session")
+def run_id(request) -> str:
+    """This test run's id, the same in every pytest-xdist worker (a fresh one without xdist)."""
+    try:
+        return request.getfixturevalue("testrun_uid")
+    except pytest.FixtureLookupError:
+        import uuid
+        return uuid.uuid4().hex
+
+
 def shared_compile_cache(tmp_path_factory, testrun_uid, name: str) -> str:
     """A compile-cache directory shared by every pytest worker of this run (not across runs):
     test files that compile the same graphs (the tensor-parallel tiny Llama of test_llm_tp.py

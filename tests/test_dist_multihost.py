@@ -161,7 +161,7 @@ print(json.dumps({"status": status, "body": json.loads(body)}))
 """
 
 
-def test_tp2_serving_across_two_hosts_gives_hugging_faces_tokens(hosts, tmp_path, tmp_path_factory, testrun_uid):
+def test_tp2_serving_across_two_hosts_gives_hugging_faces_tokens(hosts, tmp_path, tmp_path_factory, run_id):
     pytest.importorskip("transformers")
     from kiln.llm.build import compile_llm
     from kiln.runtime.text import Tokenizer
@@ -169,7 +169,7 @@ def test_tp2_serving_across_two_hosts_gives_hugging_faces_tokens(hosts, tmp_path
     a = hosts[0][0]
     model = _llama_9_3()
     with pytest.MonkeyPatch.context() as mp:      # test_llm_tp.py compiles the same graphs into it
-        mp.setenv("KILN_CACHE_URL", shared_compile_cache(tmp_path_factory, testrun_uid, "tp-cache"))
+        mp.setenv("KILN_CACHE_URL", shared_compile_cache(tmp_path_factory, run_id, "tp-cache"))
         llm = compile_llm(model, tp_degree=2, batch_size=2, decode_batches=(2,), context_buckets=(4, 8),
                           cache_length=32, optlevel=1, tokenizer=tiny_tokenizer())
     path = tmp_path / "llama.kiln"

@@ -51,12 +51,12 @@ MODELS = {"llama": _llama_9_3, "qwen2": _qwen2_kv1, "gpt2": lambda: _model("gpt2
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, testrun_uid):
+def built(tmp_path_factory, run_id):
     """Each family compiled once at tp 2 (the Llama with the tokenizer, for the server), its
     graphs kept in a compile cache test_dist_multihost.py shares."""
     out = {}
     root = tmp_path_factory.mktemp("tp")
-    cache = shared_compile_cache(tmp_path_factory, testrun_uid, "tp-cache")
+    cache = shared_compile_cache(tmp_path_factory, run_id, "tp-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KILN_CACHE_URL", cache)
         _build(out, root)
@@ -118,6 +118,37 @@ def test_chunked_prefill_prefix_reuse_and_sampling(built):
     with torch.no_grad():
         eager = scheduler.generate(prefill, step, [PROMPTS[1]], NEW, cache_shape(model.config, 1, 32), params=params)
     assert sampled == eager
+
+
+class _FailsWhenArmed:
+    """Rank 0's decode graph, failing when armed: a failure on one rank only."""
+
+    def __init__(self, graph):
+        self.graph, self.armed = graph, False
+
+    def __call__(self, *args):
+        if self.armed:
+            raise RuntimeError("engine failure on rank 0")
+        return self.graph(*args)
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_never_hangs(built):
+    _, _, path = built["llama"]
+    llm = load(path)
+    failing = _FailsWhenArmed(llm.leader.decode[2])
+    llm.leader.decode = {2: failing}
+    llm.start(mode="threads")
+    try:
+        assert llm.batch_invariance["decode_rows"] == [2]          # every rank checked its graphs
+        failing.armed = True                  # rank 1 now waits in a collective rank 0 never reaches
+        with pytest.raises(RuntimeError, match="engine failure on rank 0"):
+            llm.generate(PROMPTS, NEW)
+        assert llm.failed and "rank 0 failed a step" in llm.failed
+        for t in llm._threads:
+            t.join(30)
+            assert not t.is_alive()
+    finally:
+        llm.close()
 
 
 def test_head_plans():

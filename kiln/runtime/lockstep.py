@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from kiln.errors import OverloadedError
 from kiln.runtime import sampling
 from kiln.runtime.scheduler import Request, Scheduler
 
@@ -101,17 +102,17 @@ class LockstepScheduler(Scheduler):
         self._inbox: list = []           # leader: events since the last step
         self._requests: dict = {}        # id -> Request, on every rank
         self._seeds = torch.Generator().manual_seed(torch.seed() & 0x7FFFFFFF)
-        self.failure = None              # follower: the first request that failed here
+        self.failure = None              # the first graph call that failed on this rank
+        self._ending = False             # ending requests by the leader's word, not a failed call
+        self.on_broken = None            # leader: called once the ranks are out of step
 
     # -- the leader's side ---------------------------------------------------------------
     def add(self, request: Request) -> Request:
         self.check(request)
         with self.cond:
             if self.closing:
-                from kiln.errors import OverloadedError
                 raise OverloadedError("the scheduler is shutting down")
             if len(self.waiting) + self._pending_adds() >= self.max_queue:
-                from kiln.errors import OverloadedError
                 raise OverloadedError(f"{len(self.waiting)} requests are already waiting (the limit); retry later")
             seed = request.params.seed
             if request.params.do_sample and seed is None:
@@ -146,11 +147,18 @@ class LockstepScheduler(Scheduler):
                 return
             self.apply(events)
         super().step()
+        if self.channel is not None and self.failure is not None and not self.closing:
+            # a graph call failed here, perhaps before a collective the other ranks are
+            # waiting in: the ranks are out of step, and carrying on could pair one rank's
+            # collective with another's next one. End everything and stop the ranks.
+            self.fail_all(self.failure)
+            if self.on_broken is not None:
+                self.on_broken(self.failure)
 
     def fail_all(self, error: BaseException):
         """End every request with ``error`` and refuse new ones: the ranks can no longer
         meet (one died), so waiting would hang."""
-        self.closing = True
+        self.closing, self._ending = True, True
         with self.cond:
             waiting, self._inbox = list(self.waiting) + [e[3] for e in self._inbox if e[0] == "add"], []
             self.waiting.clear()
@@ -175,6 +183,13 @@ class LockstepScheduler(Scheduler):
                 self._end(rid, detail)
 
     def _end(self, rid, reason):
+        self._ending = True
+        try:
+            self._end_request(rid, reason)
+        finally:
+            self._ending = False
+
+    def _end_request(self, rid, reason):
         request = self._requests.get(rid)
         if request is None or request.done:
             return
@@ -189,8 +204,8 @@ class LockstepScheduler(Scheduler):
 
     def _finish(self, request, reason):
         self._requests.pop(getattr(request, "tp_id", None), None)
-        if reason == "error" and self.channel is None and self.failure is None:
-            self.failure = request.error      # a follower's failure is its rank's (module doc)
+        if reason == "error" and not self._ending and self.failure is None:
+            self.failure = request.error      # a failed graph call is its rank's failure (module doc)
         super()._finish(request, reason)
 
     def _append(self, slot: int, request: Request, logits):

@@ -445,6 +445,8 @@ class Program:
             args, kwargs = ins
             try:
                 env[outs[0]] = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+            except KilnError:
+                raise           # kiln's own operators (the collectives) say what went wrong themselves
             except Exception as e:  # noqa: BLE001 - any failure of a checked call is the program's
                 raise KilnError(f"host op {getattr(what, '__name__', what)} failed on inputs that "
                                 f"match the model's specs: {type(e).__name__}: {e}. The artifact's "

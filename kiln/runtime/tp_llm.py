@@ -42,6 +42,7 @@ class TensorParallelLLM:
         self.mode = None                         # "threads", "processes" or "torch.distributed"
         self._channel = self._launched = None
         self._threads: list = []
+        self._thread_groups: list = []
         self._cleanup = None                     # a private copy of the artifact to remove
         self.threads = None                      # engine threads per rank (None: the rank's CPUs)
         self.failed = None                       # why a rank is gone, once one is
@@ -94,6 +95,7 @@ class TensorParallelLLM:
             if self.ranks[r] is None:
                 self.ranks[r] = self._rank_loader(r)
         group = groups.ThreadGroup(self.tp_degree)
+        self._thread_groups = [group]
         groups.register("tp", group.rank_view(0))
         channel = lockstep.ThreadChannel(self.tp_degree - 1)
         self._threads = lockstep.thread_followers([Follower(llm) for llm in self.ranks[1:]], channel, group)
@@ -159,7 +161,22 @@ class TensorParallelLLM:
     def scheduler(self, **options) -> lockstep.LockstepScheduler:
         """A continuous-batching scheduler on rank 0 whose every step the other ranks follow."""
         self._command("scheduler", options)
-        return local_scheduler(self.leader, options, self._channel)
+        scheduler = local_scheduler(self.leader, options, self._channel)
+        scheduler.on_broken = self._broken
+        return scheduler
+
+    def _broken(self, error):
+        """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a
+        follower waiting in a collective would otherwise wait for a call that never comes)."""
+        self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
+        if self._launched is not None:
+            self._launched.terminate()
+            self._launched = None
+        for group in self._thread_groups:
+            group.abort()
+        self._channel = None
+        for listener in list(self.on_failure):
+            listener(0, None, self.failed)
 
     def warm_graphs(self) -> int:
         self._command("warm")
