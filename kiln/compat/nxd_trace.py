@@ -118,17 +118,6 @@ def _resolve_func(ref: dict):
 
 
 # -- one rank -------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _stand_in(tp: int, rank: int):
-    from kiln.distributed import groups
-    previous = groups.is_bound("tp") and groups.get("tp")
-    groups.register("tp", groups.SoloGroup(tp, rank))
-    try:
-        yield
-    finally:
-        groups.register("tp", previous) if previous else groups.unregister("tp")
-
-
 def _build(payload: dict, rank: int):
     """Build and compile this rank's model (module doc)."""
     import kiln.distributed.ops  # noqa: F401 - registers torch.ops.kiln.*
@@ -145,7 +134,8 @@ def _build(payload: dict, rank: int):
         raise CompilerArgsError("parallel_model_trace: func() returned input_output_aliases; kiln does not "
                                 "support aliased (in-place state) outputs: return (module, {})")
     module.eval()
-    with _stand_in(tp, rank), torch.no_grad():
+    from kiln.distributed import groups
+    with groups.registered("tp", groups.SoloGroup(tp, rank)), torch.no_grad():
         return trace(module, payload["example_inputs"], compiler_args=payload["compiler_args"],
                      quiet=True)
 

@@ -39,6 +39,21 @@ def clear() -> None:
 
 
 @contextlib.contextmanager
+def registered(name: str, group):
+    """``name`` bound process-wide to ``group`` inside the block, then as it was before
+    (the compiler binds a stand-in while it checks one rank's graphs)."""
+    previous = _process.get(name)
+    register(name, group)
+    try:
+        yield group
+    finally:
+        if previous is not None:
+            register(name, previous)
+        else:
+            unregister(name)
+
+
+@contextlib.contextmanager
 def bound(**groups):
     """Bind names for the calling thread only, inside the block."""
     previous = dict(getattr(_local, "groups", {}))

@@ -14,8 +14,6 @@ decode steps, compared with the whole model run eagerly.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from kiln.distributed import groups
@@ -35,16 +33,6 @@ RTOL, ATOL = 1e-3, 1e-3
 RANK_ATOL = 2e-2
 
 
-@contextlib.contextmanager
-def _stand_in(tp: int, rank: int):
-    previous = groups.is_bound("tp") and groups.get("tp")
-    groups.register("tp", groups.SoloGroup(tp, rank))
-    try:
-        yield
-    finally:
-        groups.register("tp", previous) if previous else groups.unregister("tp")
-
-
 def compile_tp(model, tp_degree: int, compile_one, *, tokenizer_files: dict, on_graph=None, **options):
     """``compile_one(module, **options)``: :func:`kiln.llm.build.compile_llm` for one rank."""
     family = check_supported(model)
@@ -61,7 +49,7 @@ def compile_tp(model, tp_degree: int, compile_one, *, tokenizer_files: dict, on_
         part, _, plan = shard.shard(model, rank, tp_degree, family)
         progress = None if on_graph is None else (
             lambda name, k, n, s, r=rank: on_graph(f"rank {r} {name}", k + r * n, n * tp_degree, s))
-        with _stand_in(tp_degree, rank):
+        with groups.registered("tp", groups.SoloGroup(tp_degree, rank)):
             ranks.append(compile_one(part, on_graph=progress, workers=1, **options))
         del part
     meta = {**ranks[0].meta, "tp_degree": tp_degree, "heads": plan.describe(heads, kv_heads),

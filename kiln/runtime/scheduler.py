@@ -399,6 +399,12 @@ def generate(prefill, decode, prompts: list, max_new_tokens: int, cache_shape, *
     ``decode``: as for :class:`Scheduler`."""
     prefill_for = prefill if max_context is not None else (lambda width: prefill)
     scheduler = Scheduler(prefill_for, decode, cache_shape, max_context=max_context, chunk=chunk, windows=windows)
+    return run_all(scheduler, prompts, max_new_tokens, params, eos_token_ids)
+
+
+def run_all(scheduler: Scheduler, prompts: list, max_new_tokens: int, params=None, eos_token_ids=()) -> list:
+    """Every prompt a request through ``scheduler``, run on the caller's thread until all
+    end; their new tokens, or the first request's error."""
     params = params or sampling.SamplingParams()
     requests = [Request(p, max_new_tokens, params, eos_token_ids) for p in prompts]
     for r in requests:

@@ -26,6 +26,7 @@ from kiln.distributed import ops  # noqa: F401 - registers the kiln:: collective
 from kiln.errors import ArtifactError, InputError
 from kiln.runtime import lockstep
 from kiln.runtime.llm import LLM
+from kiln.runtime.scheduler import run_all
 
 KIND = "llm_tp"
 
@@ -202,19 +203,7 @@ class TensorParallelLLM:
     hf_generate = LLM.hf_generate
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
-        from kiln.runtime import sampling
-        scheduler = self.scheduler()
-        params = params or sampling.SamplingParams()
-        requests = [lockstep.Request(p, max_new_tokens, params, eos) for p in prompts]
-        for r in requests:
-            scheduler.check(r)
-        for r in requests:
-            scheduler.add(r)
-        scheduler.run()
-        for r in requests:
-            if r.error is not None:
-                raise r.error
-        return [r.tokens for r in requests]
+        return run_all(self.scheduler(), prompts, max_new_tokens, params, eos)
 
     # -- the artifact ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -225,11 +214,7 @@ class TensorParallelLLM:
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         return Artifact(self.manifest, blobs).to_bytes()
 
-    def save(self, path) -> str:
-        from kiln.atomic import write_atomic
-        data = self.to_bytes()
-        write_atomic(str(path), lambda out: out.write(data))
-        return str(path)
+    save = LLM.save
 
     def __repr__(self):
         return f"kiln.TensorParallelLLM({self.manifest.get('model_name')}; tp_degree {self.tp_degree}, {self.leader!r})"
