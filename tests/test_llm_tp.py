@@ -25,26 +25,26 @@ PROMPTS = [[5, 17, 33], [40, 2, 9, 71, 11, 60]]
 NEW = 6
 
 
-def _llama_9_3():
+def _random(model_class, config):
+    """A tiny random model, weights and biases drawn wide (logits far from ties), no stop token."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=36, intermediate_size=50, num_hidden_layers=2,
-                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = model_class(config)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def _llama_9_3():
+    return _random(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=97, hidden_size=36, intermediate_size=50, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=128))
 
 
 def _qwen2_kv1():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
-    model = transformers.Qwen2ForCausalLM(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return _random(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=128))
 
 
 MODELS = {"llama": _llama_9_3, "qwen2": _qwen2_kv1, "gpt2": lambda: _model("gpt2")}
