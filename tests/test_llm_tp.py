@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kiln.errors import CompilerArgsError  # noqa: E402
+from kiln.errors import CompilerArgsError, KilnError  # noqa: E402
 from kiln.llm import shard  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from kiln.runtime.loader import load  # noqa: E402
@@ -147,6 +147,8 @@ def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_never_hangs(built):
         for t in llm._threads:
             t.join(30)
             assert not t.is_alive()
+        with pytest.raises(KilnError, match="ranks have stopped"):
+            llm.generate(PROMPTS, NEW)
     finally:
         llm.close()
 

@@ -23,7 +23,7 @@ import torch
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.distributed import ops  # noqa: F401 - registers the kiln:: collectives the ranks' graphs run
-from kiln.errors import ArtifactError, InputError
+from kiln.errors import ArtifactError, InputError, KilnError
 from kiln.runtime import lockstep
 from kiln.runtime.llm import LLM
 from kiln.runtime.scheduler import run_all
@@ -136,7 +136,10 @@ class TensorParallelLLM:
     def close(self):
         """Stop the other ranks (they finish their current step first)."""
         if self._channel is not None:
-            self._channel.send(("stop",))
+            try:
+                self._channel.send(("stop",))
+            except Exception:  # noqa: BLE001 - a rank is gone; the rest of the clean-up still runs
+                pass
             self._channel = None
         for t in self._threads:
             t.join(60)
@@ -156,6 +159,9 @@ class TensorParallelLLM:
 
     def _command(self, *message):
         self.start()
+        if self._channel is None:
+            raise KilnError(f"this tensor-parallel model's ranks have stopped ({self.failed}); close() it and "
+                            "load the artifact again")
         self._channel.send(message)
 
     # -- running ---------------------------------------------------------------------------
