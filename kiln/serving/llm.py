@@ -131,7 +131,8 @@ class ServedLLM:
         """A tensor-parallel rank died: its requests fail (their collectives raise), and the
         server shuts down, since this model can no longer answer."""
         self.ready, self.state = False, "UNAVAILABLE"
-        self.error = f"tensor-parallel rank {rank} exited with code {returncode}"
+        self.error = (f"tensor-parallel rank {rank} exited with code {returncode}" if returncode is not None
+                      else f"tensor-parallel {tail}")      # rank 0's own failed step (tail says what)
         self.metrics.ready.labels(self.name).set(0)
         log("error", "rank_failed", model=self.name, rank=rank, returncode=returncode, output=tail[-2000:])
         if self.on_fatal is not None:
