@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from kiln.device import modes
+from kiln.distributed.groups import NamedProcessGroup
 from kiln.device.tensor import DeviceTensor
 
 _LOCK = threading.Lock()
@@ -35,7 +36,7 @@ def _finished(work, result):
     return _create_work_from_future(future)
 
 
-class KilnProcessGroup(dist.ProcessGroup):
+class KilnProcessGroup(NamedProcessGroup, dist.ProcessGroup):
     """gloo underneath; device tensors handed over as their host memory."""
 
     def __init__(self, store, rank: int, size: int, timeout=timedelta(minutes=30)):
@@ -47,19 +48,6 @@ class KilnProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self):
         return "kiln"
-
-    # a Python process group keeps its own name and description (device meshes ask)
-    def setGroupName(self, name) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return getattr(self, "_group_name", "")
-
-    def setGroupDesc(self, desc) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return getattr(self, "_group_desc", "")
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()

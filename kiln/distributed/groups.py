@@ -79,6 +79,23 @@ def is_bound(name: str) -> bool:
     return bool(getattr(_local, "groups", {}).get(name) or _process.get(name))
 
 
+class NamedProcessGroup:
+    """A Python ``torch.distributed.ProcessGroup`` keeps its own name and description
+    (device meshes ask for them); kiln's two Python backends (``kiln_shm``, ``"xla"``) share this."""
+
+    def setGroupName(self, name) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+
 class TorchGroup:
     """A ``torch.distributed`` process group (None: the default, world) under kiln's
     collective interface; out-of-place, so the operators stay functional.

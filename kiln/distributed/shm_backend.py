@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from kiln.distributed import shm
+from kiln.distributed.groups import NamedProcessGroup
 
 __all__ = ["NAME", "ShmProcessGroup", "register"]
 
@@ -41,7 +42,7 @@ def _reduction(opts):
     return None
 
 
-class ShmProcessGroup(dist.ProcessGroup):
+class ShmProcessGroup(NamedProcessGroup, dist.ProcessGroup):
     """A gloo process group whose all-reduce of one CPU tensor goes through shared memory."""
 
     def __init__(self, store, rank: int, size: int, timeout):
@@ -88,19 +89,6 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self):
         return NAME
-
-    # a Python process group keeps its own name and description (device meshes ask)
-    def setGroupName(self, name) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return getattr(self, "_group_name", "")
-
-    def setGroupDesc(self, desc) -> None:
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        return getattr(self, "_group_desc", "")
 
     def shutdown(self):
         if self.fast is not None:
