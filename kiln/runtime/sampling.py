@@ -124,3 +124,16 @@ def choose(logits: torch.Tensor, params: SamplingParams, history=None, generator
         pick = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(index) - 1)
         out.append(index[pick])
     return torch.stack(out)
+
+
+def logprobs(logits: torch.Tensor, token: int, top: int = 0) -> tuple:
+    """``(logprob of token, [(id, logprob)] of the ``top`` most likely)`` from one row of raw
+    logits: the model's own distribution, before temperature, penalties or truncation (what
+    OpenAI's ``logprobs`` and vLLM's default report), so they do not depend on sampling
+    settings."""
+    row = torch.log_softmax(logits.reshape(-1).float(), dim=-1)
+    best = []
+    if top > 0:
+        values, ids = torch.topk(row, min(top, row.numel()))
+        best = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return float(row[token]), best

@@ -78,6 +78,8 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     token_times: list = field(default_factory=list)
     prefilled: int = 0                     # prompt tokens whose keys and values are in the cache
+    logprobs: int | None = None            # None: off; n >= 0: each token's logprob and the top n
+    token_logprobs: list = field(default_factory=list)   # per token: (logprob, [(id, logprob)])
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]
@@ -344,6 +346,8 @@ class Scheduler:
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
         request.tokens.append(token)
         request.token_times.append(time.perf_counter())
+        if request.logprobs is not None:
+            request.token_logprobs.append(sampling.logprobs(logits, token, request.logprobs))
         stop = token in request.stop_token_ids
         try:
             if request.on_token is not None and request.on_token(request, token):
