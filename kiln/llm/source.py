@@ -1,6 +1,9 @@
 """Reading a decoder and its tokenizer from where Hugging Face keeps them: a checkpoint
 directory (safetensors and config) or a GGUF file, which transformers dequantizes to
 float32 weights (it needs the ``gguf`` package). Only local files: nothing is downloaded.
+A GGUF file's header is checked first (:mod:`kiln.llm.gguf_file`), so a corrupt file or
+a tensor type kiln does not read fails with a message naming it; the file a model came
+from is remembered (:func:`gguf_path`) for ``quantize="gguf"`` (:mod:`kiln.llm.gguf_keep`).
 
 transformers reads a GGUF file's header once for the config, once for the tokenizer and
 once for the weights, parsing every field (SmolLM2's 49,152-token vocabulary and its
@@ -14,8 +17,10 @@ import contextlib
 import functools
 import os
 import threading
+import weakref
 
 from kiln.errors import CompilerArgsError, UnsupportedModelError
+from kiln.llm import gguf_file
 
 
 def load_pretrained(source: str):
@@ -27,11 +32,24 @@ def load_pretrained(source: str):
     if os.path.isfile(source):
         if not source.endswith(".gguf"):
             raise CompilerArgsError(f"{source}: a file must be a .gguf; otherwise give the checkpoint directory")
+        gguf_file.check(source)         # a corrupt file or a type kiln does not read: a clear error first
         folder, where = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
     else:
         folder, where = source, {}
     with _gguf_parsed_once() if where else contextlib.nullcontext():
-        return _load(folder, where, source)
+        model, tokenizer = _load(folder, where, source)
+    if where:
+        _GGUF_SOURCES[model] = os.path.abspath(source)
+    return model, tokenizer
+
+
+# model -> the GGUF file it was loaded from (quantize="gguf" reads the file's blocks again)
+_GGUF_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def gguf_path(model):
+    """The GGUF file :func:`load_pretrained` loaded ``model`` from, or None."""
+    return _GGUF_SOURCES.get(model)
 
 
 def _load(folder, where, source):
