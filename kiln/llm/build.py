@@ -14,7 +14,7 @@ import torch
 
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.llm import gate, parallel
+from kiln.llm import gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
 from kiln.runtime.llm import FORMAT, LLM
 
@@ -44,7 +44,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     ``quantize="int8"`` or ``"int4"`` (weight-only: ``quantize_mode="weight_only"`` is
     implied for LLMs) must pass :mod:`kiln.llm.gate`, perplexity within ``max_ppl_ratio``
     of float32's and greedy agreement of at least ``min_agreement`` (defaults per mode in
-    ``gate.LIMITS``), or compiling fails with the numbers. ``tp_degree=N`` shards the
+    ``gate.LIMITS``), or compiling fails with the numbers. ``quantize="gguf"`` keeps the
+    blocks of the GGUF file the model was loaded from (:mod:`kiln.llm.gguf_keep`; the
+    artifact's manifest says per tensor how, under ``llm.gguf``). ``tp_degree=N`` shards the
     model over N ranks (:mod:`kiln.llm.tp`) and returns a
     :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
@@ -72,15 +74,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
         trace_options.setdefault("min_cosine", 0.9)
     jobs, keys, windows = _jobs(shape, buckets, rows, speculation_length, prefill_chunk,
                                 sequence_buckets)
-    workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
-    graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph) if workers > 1 else None
-    if graphs is None:
-        graphs = []
-        for k, (name, step_kwargs, example) in enumerate(jobs):
-            started = time.perf_counter()
-            graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options))
-            if on_graph is not None:
-                on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
+    kept = _gguf_plan(model, trace_options)
+    with gguf_keep.keeping(model, kept):
+        graphs = _compile_graphs(model, jobs, trace_options, workers, on_graph)
     built: dict = {}
     for (kind, key), graph in zip(keys, graphs):
         built.setdefault(kind, {})[key] = graph
@@ -94,9 +90,36 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
     llm = LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
               verify=built.get("verify", {}).get(0), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
+    if kept is not None:
+        meta["gguf"] = kept.manifest()
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm
+
+
+def _compile_graphs(model, jobs, trace_options, workers, on_graph) -> list:
+    workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
+    graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph) if workers > 1 else None
+    if graphs is None:
+        graphs = []
+        for k, (name, step_kwargs, example) in enumerate(jobs):
+            started = time.perf_counter()
+            graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options))
+            if on_graph is not None:
+                on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
+    return graphs
+
+
+def _gguf_plan(model, trace_options):
+    """``quantize="gguf"``: the model's GGUF file's own blocks wherever a kernel takes them,
+    float where the file holds float (:mod:`kiln.llm.gguf_keep`); a matrix the file does not
+    hold (none, for a model loaded from it) gets int8. The graphs' cache entries are named
+    by the blocks, apart from plain int8 ones."""
+    if trace_options.get("quantize") != "gguf":
+        return None
+    kept = gguf_keep.plan(model, gguf_keep.source_path(model, "gguf"))
+    trace_options.update(quantize="int8", name=f"LLM step, GGUF blocks {kept.digest}")
+    return kept
 
 
 def _compile_tp(model, tp_degree, args):
@@ -166,7 +189,7 @@ def _verify_job(shape, speculation_length):
 
 
 def _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement) -> dict:
-    limits = gate.LIMITS[quantize]
+    limits = gate.LIMITS.get(quantize, gguf_keep.LIMITS)
     limits = (limits[0] if max_ppl_ratio is None else max_ppl_ratio,
               limits[1] if min_agreement is None else min_agreement)
     shape = llm.meta["cache_shape"]
