@@ -36,8 +36,11 @@ def add_parser(sub):
     c.add_argument("--prefill-chunk", type=int, default=None,
                    help="also compile a chunk graph of this many tokens: long prompts are prefilled a "
                         "chunk per step between decode steps, and may exceed the largest context bucket")
-    c.add_argument("--quantize", choices=("int8", "int4"), default=None,
-                   help="weight-only quantization, held to the LLM accuracy gate (default: none, float32)")
+    c.add_argument("--quantize", choices=("gguf", "int8", "int4", "none"), default=None,
+                   help="weights: gguf = as the .gguf file stores them (its blocks kept where a kernel "
+                        "takes them, float where it holds float; the default for a quantized .gguf file), "
+                        "int8 / int4 = kiln's weight-only quantization, none = float32 (the default "
+                        "otherwise); all but none are held to the LLM accuracy gate")
     c.add_argument("--max-ppl-ratio", type=float, default=None,
                    help="the gate's most perplexity relative to float32 (default: int8 1.05, int4 1.25)")
     c.add_argument("--min-agreement", type=float, default=None,
@@ -90,23 +93,49 @@ def cmd_compile(args, console) -> int:
         print(f"kiln llm: compiled {name} ({k}/{n}) in {seconds:.1f}s", file=sys.stderr, flush=True)
 
     windows = _integers(args.sequence_buckets, "--sequence-buckets") if args.sequence_buckets else None
+    quantize = _quantize_for(args.source, args.quantize)
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
                                  ("sequence_buckets", windows),
-                                 ("quantize", args.quantize), ("workers", args.workers),
+                                 ("quantize", quantize), ("workers", args.workers),
                                  ("prefill_chunk", args.prefill_chunk),
                                  ("speculation_length", args.speculation_length),
                                  ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
                if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
                       tokenizer=tokenizer, on_graph=progress, tp_degree=args.tp_degree, **options)
+    _print_gguf(llm.meta.get("gguf"))
     gate = llm.meta.get("accuracy_gate")
     if gate:
-        print(f"kiln llm: {args.quantize} accuracy gate passed: perplexity x{gate['ppl_ratio']:.3f} of float32's "
+        print(f"kiln llm: {quantize} accuracy gate passed: perplexity x{gate['ppl_ratio']:.3f} of float32's "
               f"(limit x{gate['max_ppl_ratio']}), greedy agreement {gate['agreement']:.1%} (limit "
               f"{gate['min_agreement']:.0%}) over {gate['tokens']} tokens", file=sys.stderr, flush=True)
     llm.save(args.output)
     print(f"kiln llm: wrote {args.output}: {llm!r} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0
+
+
+def _quantize_for(source, asked):
+    """``--quantize`` as ``compile_llm`` takes it. No flag: ``gguf`` for a .gguf file that
+    holds quantized matrices (the model as downloaded: its size, speed and answers, not
+    its dequantized weights in float32 or rounded again onto kiln's grid), else float32."""
+    import os
+    if asked is not None:
+        return None if asked == "none" else asked
+    if str(source).endswith(".gguf") and os.path.isfile(source):
+        from kiln.llm import gguf_file
+        if any(t.type in gguf_file.KEPT_TYPES for t in gguf_file.check(source)):
+            return "gguf"
+    return None
+
+
+def _print_gguf(note) -> None:
+    """The note ``quantize="gguf"`` leaves: which of the file's types were kept as blocks."""
+    if note:
+        def listing(counts):
+            return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
+        print(f"kiln llm: {note['file']}: matrices kept as the file's blocks: {listing(note['kept'])}; in "
+              f"float32: {listing(note['float32'])} (per tensor: the artifact's manifest, llm.gguf)",
+              file=sys.stderr, flush=True)
 
 
 def _integers(text: str, flag: str) -> list:
