@@ -122,8 +122,8 @@ def test_bad_requests_get_openai_errors(served, client):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=40)
     with pytest.raises(openai.BadRequestError, match="'temperature' must be a number >= 0"):
         client.completions.create(model="tiny", prompt="Hi", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="'n' = 2 is not supported"):
-        client.completions.create(model="tiny", prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="'presence_penalty' = 0.5 is not supported"):
+        client.completions.create(model="tiny", prompt="Hi", presence_penalty=0.5)
     status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "colour": "red"})
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "colour" in body["error"]["message"]
     status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": "x"})

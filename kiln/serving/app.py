@@ -13,6 +13,7 @@
 ``GET  /v1/models``                          the LLMs ready to answer: the OpenAI API
 ``POST /v1/completions``                     (:mod:`kiln.serving.openai_api`)
 ``POST /v1/chat/completions``
+``POST /v1/embeddings``                      encoders named by ``embeddings=`` (``--embeddings``)
 ==========================================  ==========================================
 
 (``/v2/models/{name}/versions/1/...`` works too; every model has version ``1``.)
@@ -48,6 +49,7 @@ from kiln.errors import (BadRequestError, BodyTimeoutError, BodyTooLargeError, I
                          ModelUnavailableError, OverloadedError, RequestTimeoutError)
 from kiln.serving import openai_api
 from kiln.serving.body import inflate, read_body
+from kiln.serving.embeddings import load_embedders
 from kiln.serving.logs import log
 from kiln.serving.protocol import error_body, parse_body
 from kiln.serving.repository import ServerState, resolve_models
@@ -275,4 +277,5 @@ def build_app(models, config: ServeConfig | None = None, **settings) -> Starlett
     app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(RetryAfter)],
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.kiln = state
+    app.state.embedders = load_embedders(config.embeddings, state.models)
     return app

@@ -30,15 +30,21 @@ RATE_WINDOW_S = 10.0
 
 
 class Generation:
-    """A request in flight, as the HTTP handler sees it (module doc)."""
+    """A request in flight, as the HTTP handler sees it (module doc). ``index``: its choice
+    in an ``n > 1`` request, whose generations share one ``events`` queue; each event is
+    ``(index, kind, value, logprobs)``, ``logprobs`` being ``[(token, logprob, [(id,
+    logprob)])]`` of the tokens since the last event (empty unless the request asked)."""
 
-    def __init__(self, served: "ServedLLM", prompt: list, max_tokens: int, params, stop: tuple, stop_ids: tuple):
-        self.served = served
+    def __init__(self, served: "ServedLLM", prompt: list, max_tokens: int, params, stop: tuple, stop_ids: tuple,
+                 *, logprobs: int | None = None, index: int = 0, events: asyncio.Queue | None = None):
+        self.served, self.index = served, index
         self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events: asyncio.Queue = asyncio.Queue() if events is None else events
         self.text = TextStream(served.tokenizer, stop)
         self.request = Request(prompt, max_tokens, params, stop_ids, on_token=self._on_token,
-                               on_finish=self._on_finish)
+                               on_finish=self._on_finish, logprobs=logprobs)
+        self._unsent: list = []         # logprobs of tokens whose text has not been sent yet
+        self._seen = 0                  # tokens passed to _on_token so far
 
     @property
     def prompt_tokens(self) -> int:
@@ -48,19 +54,33 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.request.tokens)
 
+    def draft_counts(self):
+        """(accepted, proposed) draft tokens when the scheduler decoded this request
+        speculatively (a drafter proposed tokens for it), else None."""
+        accepted = getattr(self.request, "draft_accepted", None)
+        proposed = getattr(self.request, "draft_proposed", None)
+        return None if accepted is None or not proposed else (int(accepted), int(proposed))
+
+    def _emit(self, kind: str, value):
+        sent, self._unsent = self._unsent, []
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value, sent))
+
     def _on_token(self, request, token) -> bool:        # the scheduler's thread
         self.served.observe_token(request)
+        k, self._seen = self._seen, self._seen + 1      # this token's place in request.tokens
+        if request.logprobs is not None and k < len(request.token_logprobs):
+            self._unsent.append((int(token), *request.token_logprobs[k]))
         delta = self.text.push(token)
         if delta:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ("text", delta))
+            self._emit("text", delta)
         return self.text.stopped
 
     def _on_finish(self, request):                      # the scheduler's thread
         tail = self.text.finish() if request.finish_reason in ("length", "stop") else ""
         if tail:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ("text", tail))
+            self._emit("text", tail)
         self.served.observe_finish(request)
-        self.loop.call_soon_threadsafe(self.events.put_nowait, ("end", request.finish_reason))
+        self._emit("end", request.finish_reason)
 
     def cancel(self):
         self.served.scheduler.cancel(self.request)
@@ -151,17 +171,18 @@ class ServedLLM:
                              "need one (compile_llm(..., tokenizer=...))")
         return self.tokenizer
 
-    def submit(self, prompt: list, max_tokens: int | None, params, stop: tuple, stop_ids: tuple) -> Generation:
+    def submit(self, prompt: list, max_tokens: int | None, params, stop: tuple, stop_ids: tuple,
+               **options) -> Generation:
         """Queue a generation; InputError for one that can never run, OverloadedError when
         the queue is full. ``max_tokens=None``: as many as the cache has room for.
         ``stop``: strings; ``stop_ids``: token ids (the model's end of sequence among them
-        unless the request ignores it)."""
+        unless the request ignores it); ``options``: :class:`Generation`'s keywords."""
         self.require_tokenizer()
         if max_tokens is None:
             max_tokens = max(1, self.scheduler.cache.capacity - len(prompt))
-        gen = Generation(self, prompt, max_tokens, params, stop, stop_ids)
-        self.metrics.llm_prompt_tokens.labels(self.name).inc(len(prompt))
+        gen = Generation(self, prompt, max_tokens, params, stop, stop_ids, **options)
         self.scheduler.add(gen.request)
+        self.metrics.llm_prompt_tokens.labels(self.name).inc(len(prompt))
         return gen
 
     # -- metrics -------------------------------------------------------------------------

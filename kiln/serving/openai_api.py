@@ -4,6 +4,7 @@
 ``GET  /v1/models``                          the LLMs ready to answer (``id`` = the model's name)
 ``POST /v1/completions``                     text (or token ids) in, text out
 ``POST /v1/chat/completions``                messages in (the tokenizer's chat template)
+``POST /v1/embeddings``                      encoder artifacts (:mod:`kiln.serving.openai_embeddings`)
 ==========================================  ==========================================
 
 ``"stream": true`` answers with server-sent events, one chunk per piece of text that is
@@ -12,11 +13,13 @@ reason, a usage chunk when ``stream_options.include_usage`` is set, and ``[DONE]
 client that disconnects, streaming or not, cancels its generation: its KV-cache slot is
 free at the next decode step.
 
-Settings: ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature`` (0: greedy),
-``top_p``, ``seed``, ``stop`` (strings), and vLLM's ``top_k``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``. Settings kiln does not implement (``n`` > 1, logprobs,
-presence/frequency penalties, tools...) and unknown fields are a 400, never silently
-ignored. Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
+Settings (:mod:`kiln.serving.openai_params`): ``max_completion_tokens`` (or ``max_tokens``),
+``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``n``
+(choices, each a request of its own in the scheduler), ``logprobs`` (and ``top_logprobs``
+in chat), and vLLM's ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``.
+Settings kiln does not implement (presence/frequency penalties, tools, ``echo``...) and
+unknown fields are a 400 naming them, never silently ignored. The bodies are written by
+:mod:`kiln.serving.openai_format`. Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
 400 for a bad request (a prompt longer than the largest context bucket included), 404
 for an unknown model, 429 at once when the model's queue is full, 503 while loading;
 both with ``Retry-After``. ``/v1/models`` lists a model only once it answers (loaded,
@@ -26,57 +29,23 @@ until the model appears never meets that 503.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from kiln.errors import (BadRequestError, BodyTimeoutError, BodyTooLargeError, InputError, OverloadedError)
-from kiln.runtime.sampling import SamplingParams
-from kiln.serving.body import read_body
+from kiln.errors import InputError, OverloadedError
+from kiln.serving import openai_embeddings
 from kiln.serving.logs import log
+from kiln.serving.openai_format import Reply, sse
+from kiln.serving.openai_params import (OpenAIError, check_fields, choice_params, field, logprobs_of,
+                                        max_tokens_of, messages_of, n_of, prompt_of, read_json, sampling_of,
+                                        stop_ids_of, stops_of)
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "repetition_penalty", "stop_token_ids", "ignore_eos", "n", "user", "presence_penalty",
-          "frequency_penalty", "logprobs", "logit_bias"}
-FIELDS = {"completions": COMMON | {"prompt", "echo", "best_of", "suffix"},
-          "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                            "response_format", "parallel_tool_calls"}}
-RETRY_AFTER = "1"      # seconds, on a 429 (queue full) or a 503 (loading, draining)
-UNSUPPORTED = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "top_logprobs": None,
-               "echo": False, "best_of": 1, "suffix": None, "logit_bias": None, "tools": None,
-               "tool_choice": None, "parallel_tool_calls": None}
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": RETRY_AFTER} if self.status in (429, 503) else None
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=headers)
+__all__ = ["OpenAIError", "routes", "read_json"]
 
 
 # -- reading requests ----------------------------------------------------------------------------
-async def read_json(request: Request, config) -> dict:
-    try:
-        body = await read_body(request, config.max_request_bytes, config.body_timeout_s)
-    except (BadRequestError, BodyTooLargeError, BodyTimeoutError) as e:
-        raise OpenAIError(400, str(e)) from None
-    try:
-        payload = json.loads(body)
-    except ValueError as e:
-        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(payload, dict):
-        raise OpenAIError(400, "the request body must be a JSON object")
-    return payload
-
-
 def served_llm(request: Request, payload: dict):
     state = request.app.state.kiln
     name = payload.get("model")
@@ -101,129 +70,21 @@ def answering(state, sm) -> bool:
     return getattr(sm, "kind", None) == "llm" and sm.ready and not state.draining
 
 
-def check_fields(payload: dict, route: str):
-    unknown = sorted(set(payload) - FIELDS[route])
-    if unknown:
-        raise OpenAIError(400, f"unknown field(s) {unknown}; kiln accepts {sorted(FIELDS[route])}", param=unknown[0])
-    for key, neutral in UNSUPPORTED.items():
-        value = payload.get(key, neutral)
-        if value not in (neutral, None, False) and not (key == "logit_bias" and value == {}):
-            raise OpenAIError(400, f"'{key}' = {value!r} is not supported by kiln's server (it supports "
-                                   f"{key} = {neutral!r})", param=key)
+def submit_all(sm, n: int, prompt, max_tokens, params, stop, stop_ids, logprobs) -> list:
+    """The request's ``n`` generations, sharing one event queue; none if any is refused."""
+    events, gens = asyncio.Queue(), []
+    try:
+        for i in range(n):
+            gens.append(sm.submit(prompt, max_tokens, choice_params(params, i), stop, stop_ids,
+                                  logprobs=logprobs, index=i, events=events))
+    except BaseException:
+        for g in gens:
+            g.cancel()
+        raise
+    return gens
 
 
-def field(payload, key, kind, default, check=None, message=""):
-    value = payload.get(key, default)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or (check and not check(value)):
-        raise OpenAIError(400, f"'{key}' must be {message or kind.__name__}; got {value!r}", param=key)
-    return value
-
-
-def sampling_of(payload: dict) -> SamplingParams:
-    temperature = field(payload, "temperature", float, 1.0, lambda v: v >= 0, "a number >= 0")
-    top_p = field(payload, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    top_k = field(payload, "top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
-    penalty = field(payload, "repetition_penalty", float, 1.0, lambda v: v > 0, "a number > 0")
-    seed = field(payload, "seed", int, None)
-    greedy = temperature == 0
-    return SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else temperature,
-                          top_k=max(top_k, 0), top_p=top_p, repetition_penalty=penalty, seed=seed)
-
-
-def stops_of(payload: dict) -> tuple:
-    stop = payload.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise OpenAIError(400, f"'stop' must be a string or a list of strings; got {payload.get('stop')!r}",
-                          param="stop")
-    return tuple(stop)
-
-
-def stop_ids_of(payload: dict, sm) -> tuple:
-    ids = field(payload, "stop_token_ids", list, [], lambda v: all(isinstance(i, int) for i in v),
-                "a list of token ids")
-    eos = () if field(payload, "ignore_eos", bool, False) else sm.stop_token_ids
-    return tuple(sorted(set(eos) | set(ids)))
-
-
-def prompt_of(payload: dict, sm) -> list:
-    prompt = payload.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]              # a batch of one
-    if isinstance(prompt, str):
-        return sm.require_tokenizer().encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = sm.llm.meta["vocab_size"]
-        if not all(0 <= t < vocab for t in prompt):
-            raise OpenAIError(400, f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
-        return prompt
-    raise OpenAIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                      param="prompt")
-
-
-def messages_of(payload: dict) -> list:
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise OpenAIError(400, "each message needs a 'role' and a 'content'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise OpenAIError(400, "only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise OpenAIError(400, "a message's 'content' must be a string or text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-# -- generation --------------------------------------------------------------------------------
-class Call:
-    """One request's generation and how its answer is written, per route."""
-
-    def __init__(self, route: str, sm, gen, include_usage: bool):
-        self.route, self.sm, self.gen, self.include_usage = route, sm, gen, include_usage
-        self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def envelope(self, **extra) -> dict:
-        kind = {"chat": "chat.completion", "completions": "text_completion"}[self.route]
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.sm.name, **extra}
-
-    def usage(self) -> dict:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def choice(self, text: str | None, finish, *, delta: bool) -> dict:
-        if self.route == "completions":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if delta:
-            body = {} if text is None else {"content": text}
-            return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
-
-    def chunk(self, text, finish=None, first=False) -> str:
-        body = self.envelope(choices=[self.choice(text, finish, delta=True)])
-        if self.route == "chat":
-            body["object"] = "chat.completion.chunk"
-            if first:
-                body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return sse(body)
-
-
-def sse(body) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
+# -- answering -----------------------------------------------------------------------------------
 async def watch_disconnect(request: Request):
     """Returns when the client has gone away (the body is read by then)."""
     while True:
@@ -232,61 +93,88 @@ async def watch_disconnect(request: Request):
             return
 
 
-async def answer(request: Request, call: Call) -> JSONResponse:
-    """Wait for the whole generation (cancelling it if the client leaves); the response."""
-    gen, parts = call.gen, []
+def cancel_all(reply: Reply):
+    for g in reply.gens:
+        g.cancel()
+
+
+def failure(reply: Reply, index: int) -> str:
+    error = reply.gens[index].request.error
+    return f"generation failed: {type(error).__name__}: {error}"
+
+
+async def answer(request: Request, reply: Reply) -> JSONResponse:
+    """Wait for every choice's whole generation (cancelling them if the client leaves)."""
+    n = len(reply.gens)
+    texts, entries, reasons = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+    events = reply.gens[0].events
     gone = asyncio.ensure_future(watch_disconnect(request))
     try:
-        while True:
-            get = asyncio.ensure_future(gen.events.get())
+        while None in reasons:
+            get = asyncio.ensure_future(events.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                gen.cancel()
-                log("debug", "client_disconnected", model=call.sm.name, stage="generating")
+                cancel_all(reply)
+                log("debug", "client_disconnected", model=reply.sm.name, stage="generating")
                 return JSONResponse({}, status_code=499)
-            kind, value = get.result()
+            index, kind, value, lp = get.result()
+            entries[index] += lp
             if kind == "text":
-                parts.append(value)
-                continue
-            return finished(call, value, "".join(parts))
+                texts[index].append(value)
+            elif value == "error":
+                cancel_all(reply)
+                raise OpenAIError(500, failure(reply, index), "internal_error")
+            else:
+                reasons[index] = value
+        return JSONResponse(reply.whole(["".join(t) for t in texts], reasons, entries))
     finally:
         gone.cancel()
 
 
-def finished(call: Call, reason: str, text: str) -> JSONResponse:
-    if reason == "error":
-        error = call.gen.request.error
-        raise OpenAIError(500, f"generation failed: {type(error).__name__}: {error}", "internal_error")
-    return JSONResponse(call.envelope(choices=[call.choice(text, reason, delta=False)], usage=call.usage()))
-
-
-async def stream(call: Call):
-    """The server-sent events of a streamed generation; cancelled with the connection."""
-    gen, ended = call.gen, False
+async def stream(reply: Reply):
+    """The server-sent events of a streamed generation (every choice's chunks, as they come,
+    each with its ``index``); cancelled with the connection."""
+    events, ended, left = reply.gens[0].events, False, len(reply.gens)
     try:
-        if call.route == "chat":
-            yield call.chunk(None, first=True)
-        while True:
-            kind, value = await gen.events.get()
+        if reply.route == "chat":
+            for i in range(left):
+                yield reply.chunk(i, None, first=True)
+        while left:
+            index, kind, value, lp = await events.get()
             if kind == "text":
-                yield call.chunk(value)
+                yield reply.chunk(index, value, entries=lp)
                 continue
-            ended = True
             if value == "error":
-                error = gen.request.error
-                yield sse({"error": {"message": f"generation failed: {type(error).__name__}: {error}",
-                                     "type": "internal_error", "param": None, "code": None}})
-            else:
-                yield call.chunk(None if call.route == "chat" else "", value)
-                if call.include_usage:
-                    yield sse(call.envelope(object=("chat.completion.chunk" if call.route == "chat"
-                                                    else "text_completion"), choices=[], usage=call.usage()))
-            yield "data: [DONE]\n\n"
-            return
+                yield sse({"error": {"message": failure(reply, index), "type": "internal_error", "param": None,
+                                     "code": None}})
+                yield "data: [DONE]\n\n"
+                return
+            yield reply.chunk(index, None if reply.route == "chat" else "", value, entries=lp)
+            left -= 1
+        ended = True
+        if reply.include_usage:
+            yield reply.usage_chunk()
+        yield "data: [DONE]\n\n"
     finally:
         if not ended:
-            gen.cancel()
+            cancel_all(reply)
+
+
+def start(payload: dict, route: str, sm) -> Reply:
+    """The request's settings read and checked, and its generations queued."""
+    check_fields(payload, route)
+    params, stop = sampling_of(payload), stops_of(payload)
+    streaming = field(payload, "stream", bool, False)
+    options = field(payload, "stream_options", dict, {}, message="an object")
+    n, logprobs, max_tokens = n_of(payload), logprobs_of(payload, route), max_tokens_of(payload, route)
+    tokenizer = sm.require_tokenizer()
+    if route == "chat":
+        prompt = tokenizer.encode_chat(messages_of(payload))
+    else:
+        prompt = prompt_of(payload, tokenizer, sm.llm.meta["vocab_size"])
+    gens = submit_all(sm, n, prompt, max_tokens, params, stop, stop_ids_of(payload, sm.stop_token_ids), logprobs)
+    return Reply(route, sm, gens, bool(options.get("include_usage")) and streaming), streaming
 
 
 async def handle(request: Request, route: str):
@@ -294,21 +182,7 @@ async def handle(request: Request, route: str):
     try:
         payload = await read_json(request, state.config)
         sm = served_llm(request, payload)
-        check_fields(payload, route)
-        params, stop = sampling_of(payload), stops_of(payload)
-        streaming = field(payload, "stream", bool, False)
-        options = field(payload, "stream_options", dict, {}, message="an object")
-        include_usage = bool(options.get("include_usage")) and streaming
-        if route == "chat":
-            prompt = sm.require_tokenizer().encode_chat(messages_of(payload))
-            max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-            key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
-            max_tokens = field({key: max_tokens}, key, int, None, lambda v: v >= 1, "an integer >= 1")
-        else:
-            prompt = prompt_of(payload, sm)
-            max_tokens = field(payload, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
-        stop_ids = stop_ids_of(payload, sm)
-        gen = sm.submit(prompt, max_tokens, params, stop, stop_ids)
+        reply, streaming = start(payload, route, sm)
     except OpenAIError as e:
         return e.response()
     except InputError as e:
@@ -317,12 +191,11 @@ async def handle(request: Request, route: str):
         return OpenAIError(429, str(e), "rate_limit_exceeded").response()
     except ClientDisconnect:
         return JSONResponse({}, status_code=499)
-    call = Call(route, sm, gen, include_usage)
     if streaming:
-        return StreamingResponse(stream(call), media_type="text/event-stream",
+        return StreamingResponse(stream(reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await answer(request, call)
+        return await answer(request, reply)
     except OpenAIError as e:
         return e.response()
 
@@ -336,16 +209,19 @@ async def chat_completions(request):
 
 
 async def list_models(request):
-    """The LLMs that answer now. One still loading (or failed, or draining) is not listed: it
-    would answer 503; ``/v2/repository/index`` and ``/v2/models/{name}/ready`` show its state."""
+    """The LLMs (and embedding models) that answer now. One still loading (or failed, or
+    draining) is not listed: it would answer 503; ``/v2/repository/index`` and
+    ``/v2/models/{name}/ready`` show its state."""
     state = request.app.state.kiln
     data = [{"id": name, "object": "model", "created": sm.created, "owned_by": "kiln",
              "max_model_len": sm.llm.meta["cache_shape"][3]}
             for name, sm in state.models.items() if answering(state, sm)]
+    data += openai_embeddings.listed(request)
     return JSONResponse({"object": "list", "data": data})
 
 
 def routes() -> list:
     return [Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"])]

@@ -118,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-merge-check", action="store_true",
                    help="trust that merging requests into a batch never changes a model's answers "
                         "(skip the check at load that turns batching off for models whose rows interact)")
+    p.add_argument("--embeddings", action="append", default=[], metavar="NAME=DIR",
+                   help="serve model NAME (an encoder artifact) on /v1/embeddings, with the tokenizer and "
+                        "pooling of its sentence-transformers (or Hugging Face) directory DIR; repeatable")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -140,6 +143,18 @@ def parse_size(text: str) -> int:
     return n
 
 
+def parse_pairs(items: list) -> dict:
+    """``--embeddings NAME=DIR`` values as ``{NAME: DIR}``."""
+    out = {}
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not sep or not name or not directory:
+            raise KilnError(f"--embeddings takes NAME=DIR (a served model's name and its tokenizer's "
+                            f"directory); got {item!r}")
+        out[name] = directory
+    return out
+
+
 def run(args) -> int:
     """Run ``kiln serve`` from parsed :func:`add_arguments` arguments."""
     if getattr(args, "trust_native_code", False):
@@ -153,7 +168,7 @@ def run(args) -> int:
                      max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
                      instances=args.instances, timeout_s=args.timeout, threads=args.threads,
                      max_request_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                     merge_check=not args.no_merge_check)
+                     merge_check=not args.no_merge_check, embeddings=parse_pairs(args.embeddings))
     except KilnError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ Kept apart from the app and the command line so that both (and a Python caller o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,3 +20,5 @@ class ServeConfig:
     max_request_bytes: int = 64 << 20  # larger bodies get 413 (checked while the body streams in)
     body_timeout_s: float = 60.0       # a request body must arrive within this (else 408)
     merge_check: bool = True           # prove at load that merging requests keeps every answer
+    # encoder models served on /v1/embeddings: {model name: its tokenizer's (sentence-transformers) directory}
+    embeddings: dict = field(default_factory=dict)
