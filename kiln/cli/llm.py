@@ -51,6 +51,10 @@ def add_parser(sub):
     c.add_argument("--speculation-length", type=int, default=None,
                    help="also compile the graph that verifies this many draft tokens at once "
                         "(speculative decoding: `kiln llm generate --draft`)")
+    c.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cuda: compile for this machine's NVIDIA GPU (TorchInductor; the KV cache on the GPU, "
+                        "decode replayed as CUDA graphs; float weights, a .gguf file dequantized) "
+                        "(default cpu)")
     c.set_defaults(fn=cmd_compile)
 
     for name, helptext in (("generate", "continue a prompt, streaming the text"),
@@ -93,9 +97,10 @@ def cmd_compile(args, console) -> int:
         print(f"kiln llm: compiled {name} ({k}/{n}) in {seconds:.1f}s", file=sys.stderr, flush=True)
 
     windows = _integers(args.sequence_buckets, "--sequence-buckets") if args.sequence_buckets else None
-    quantize = _quantize_for(args.source, args.quantize)
+    # on the GPU a .gguf file's weights are dequantized (its blocks are CPU kernels' layouts)
+    quantize = _quantize_for(args.source, args.quantize) if args.device != "cuda" or args.quantize else None
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
-                                 ("sequence_buckets", windows),
+                                 ("sequence_buckets", windows), ("device", args.device),
                                  ("quantize", quantize), ("workers", args.workers),
                                  ("prefill_chunk", args.prefill_chunk),
                                  ("speculation_length", args.speculation_length),

@@ -16,10 +16,33 @@ engines take as they are (a ``[:, :, :W]`` slice of the full layout would not be
 contiguous and would be copied at every step). Moving to another window re-lays the
 held positions out once (a copy), when the longest running sequence crosses a window's
 edge or the long ones end; steps between pay nothing.
+
+**Where the memory lives.** A cache made inside :func:`placed` takes its two buffers from
+the memory given there instead of allocating them on the CPU: an LLM compiled for an
+NVIDIA GPU (:mod:`kiln.runtime.cuda_llm`) keeps them on the GPU, at addresses its
+decode steps' CUDA graphs were captured against. The lengths and the valid-position mask
+stay on the CPU, where the scheduler reads them.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_MEMORY = contextvars.ContextVar("kiln_kv_memory", default=None)
+
+
+@contextlib.contextmanager
+def placed(memory):
+    """KV caches made inside take their keys' and values' buffers from ``memory(shape,
+    dtype) -> (keys, values)`` (each flat, zeroed, ``prod(shape)`` elements); ``None``:
+    fresh zeros on the CPU, as outside."""
+    token = _MEMORY.set(memory)
+    try:
+        yield
+    finally:
+        _MEMORY.reset(token)
 
 
 class KVCache:
@@ -33,7 +56,9 @@ class KVCache:
     def __init__(self, shape: tuple, dtype=torch.float32, windows=()):
         self.shape = tuple(shape)
         self.windows = sorted({int(w) for w in windows if int(w) < shape[3]} | {shape[3]})
-        self._memory = (torch.zeros(shape, dtype=dtype).view(-1), torch.zeros(shape, dtype=dtype).view(-1))
+        memory = _MEMORY.get()
+        self._memory = (memory(self.shape, dtype) if memory is not None else
+                        (torch.zeros(shape, dtype=dtype).view(-1), torch.zeros(shape, dtype=dtype).view(-1)))
         self.window = 0
         self._lay_out(self.windows[0])
         self.lengths = torch.zeros(shape[1], dtype=torch.int64)

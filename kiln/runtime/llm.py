@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import invariance, kv, sampling
+from kiln.runtime import cuda_llm, invariance, kv, sampling
 from kiln.runtime.scheduler import Scheduler, generate
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
@@ -60,6 +60,9 @@ class LLM:
                                  for w, g in self.windows.items()}
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
+        self.cache_memory = None    # the KV cache's GPU buffers when compiled for a GPU (kiln.runtime.cuda_llm)
+        if cuda_llm.is_cuda(self.decode[max(self.decode)]):
+            cuda_llm.place(self)
 
     @property
     def batch_size(self) -> int:
@@ -80,8 +83,9 @@ class LLM:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
         graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
         decode, windows = self._decode_plan()
-        return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
-                         chunk=self._chunk(), windows=windows, **options)
+        with kv.placed(self.cache_memory):
+            return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
+                             chunk=self._chunk(), windows=windows, **options)
 
     @property
     def batch_invariance(self) -> dict:
@@ -174,9 +178,10 @@ class LLM:
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         decode, windows = self._decode_plan()
-        return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
-                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
-                        windows=windows)
+        with kv.placed(self.cache_memory):
+            return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
+                            params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
+                            windows=windows)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}

@@ -1,0 +1,208 @@
+"""An LLM compiled for an NVIDIA GPU, run by the same scheduler as on a CPU.
+
+``compile_llm(..., device="cuda")`` compiles each graph (prefill per context bucket,
+decode per batch size, chunk, verify) with TorchInductor through AOTInductor, as
+``kiln.trace(device="cuda")`` does any model: Triton kernels and cuBLAS calls in one
+package per graph, stored in the artifact, loaded without recompiling. What this module
+adds is how those graphs run inside :mod:`kiln.runtime.scheduler`, which is unchanged:
+
+* **The KV cache lives on the GPU.** :class:`CacheMemory` hands each scheduler's
+  :class:`~kiln.runtime.kv.KVCache` its two buffers on the GPU (``kv.placed``), and the
+  same buffers to every later scheduler once the previous one is gone, so the cache's
+  addresses stay put for the life of the model. The lengths and the valid-position mask
+  stay on the CPU, where the scheduler reads them; each step's new keys and values are
+  written into the GPU buffers by the scheduler's own ``write_slot`` (a GPU copy).
+* **Decode steps are replayed as CUDA graphs.** :class:`GraphedDecode` captures a decode
+  graph's whole step (every kernel of every layer) once per set of cache addresses, the
+  first time it is called on them, and replays it at every later step: the scheduler's
+  small token, position and mask tensors are copied into the graph's own inputs, the
+  cache views are read where they are, and the logits come back to the CPU (the
+  scheduler samples there, with each request's own generator); the new keys and values
+  stay on the GPU, in the graph's output buffers, until the next replay overwrites them.
+  Replay launches the step with one call instead of one per kernel: for SmolLM2-135M
+  that is most of a step's time (docs/llm.md, "NVIDIA GPUs").
+* **Prefill, chunk and verify graphs run as they are** (:class:`GpuStep`): inputs moved
+  to the GPU, logits back to the CPU. They run once per request or per chunk.
+
+Why each capture takes a model instance of its own: AOTInductor's container records an
+event at the end of every run to know when the instance is free again; an event recorded
+while a CUDA graph is captured cannot be queried afterwards, so an instance that was
+captured fails its next direct run ("invalid argument", torch 2.11, H100). The instance
+a capture used therefore belongs to its graph from then on (the graph reads its weights),
+and a direct call after that (a cache elsewhere: the batch-invariance probe, a CPU cache)
+runs on a fresh instance, loaded again from the graph's own bytes. At most
+:data:`MAX_GRAPHS` captures per graph: each holds a copy of the weights.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from kiln.artifact import trust
+from kiln.artifact.container import Artifact
+from kiln.errors import ArtifactError
+from kiln.runtime.model import CompiledModel
+
+MAX_GRAPHS = 4      # captures (distinct cache addresses) per decode graph before calls run uncaptured
+
+
+def is_cuda(graph) -> bool:
+    """Whether ``graph`` (a compiled model) was compiled for an NVIDIA GPU."""
+    manifest = getattr(graph, "manifest", None) or {}
+    return manifest.get("target", {}).get("device") == "cuda"
+
+
+def place(llm):
+    """Wrap ``llm``'s graphs to run on the GPU (module doc) and give it the GPU cache memory
+    its schedulers take (``llm.cache_memory``). Wrapping twice is harmless."""
+    if not torch.cuda.is_available():
+        raise ArtifactError("this LLM was compiled for an NVIDIA GPU (device='cuda') and torch sees no CUDA "
+                            "device here; run it on a machine with the GPU, or compile it again with "
+                            "device='cpu'")
+    device = torch.device("cuda", torch.cuda.current_device())
+    llm.prefill = {w: GpuStep.wrap(g, device) for w, g in llm.prefill.items()}
+    llm.decode = {b: GraphedDecode.wrap(g, device) for b, g in llm.decode.items()}
+    llm.chunk = GpuStep.wrap(llm.chunk, device)
+    for graphs in llm.windows.values():
+        graphs["decode"] = {b: GraphedDecode.wrap(g, device) for b, g in graphs["decode"].items()}
+        graphs["chunk"] = GpuStep.wrap(graphs.get("chunk"), device)
+    steps = getattr(llm, "verify_steps", None)
+    if isinstance(steps, dict):
+        llm.verify_steps = {b: GpuStep.wrap(g, device) for b, g in steps.items()}
+    llm.verify = GpuStep.wrap(llm.verify, device)
+    if getattr(llm, "cache_memory", None) is None:
+        llm.cache_memory = CacheMemory(device)
+    return llm
+
+
+class CacheMemory:
+    """The GPU memory of an LLM's KV cache: ``memory(shape, dtype) -> (keys, values)``
+    for :func:`kiln.runtime.kv.placed`. The first buffers are kept and handed to the next
+    cache once no live cache holds them (a server's one scheduler, ``generate``'s one per
+    call), zeroed, so the decode steps' captured graphs stay valid; a cache made while
+    another still holds them gets buffers of its own (two schedulers at once)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._buffers = None
+        self._holder = None         # weakref to the flat view the live cache holds
+
+    def __call__(self, shape, dtype):
+        n = math.prod(shape)
+        free = self._holder is None or self._holder() is None
+        kept = self._buffers
+        if kept is not None and free and kept[0].numel() == n and kept[0].dtype == dtype:
+            for b in kept:
+                b.zero_()
+        else:
+            fresh = tuple(torch.zeros(n, dtype=dtype, device=self.device) for _ in range(2))
+            if kept is not None and not free:
+                return fresh         # the kept buffers are in use: these are this cache's alone
+            kept = self._buffers = fresh
+        views = tuple(b.view(-1) for b in kept)
+        self._holder = weakref.ref(views[0])
+        return views
+
+
+def _logits_to_cpu(outputs):
+    """The scheduler samples on the CPU: logits there, the new keys and values left on the GPU."""
+    return (outputs[0].cpu(), *outputs[1:])
+
+
+class _Wrapped:
+    """A compiled graph behind a GPU runner; everything else (``to_bytes``, ``manifest``)
+    is the graph's own, so the LLM saves and describes it as before."""
+
+    def __init__(self, graph, device):
+        self.graph, self.device = graph, device
+
+    @classmethod
+    def wrap(cls, graph, device):
+        if graph is None or isinstance(graph, _Wrapped):
+            return graph
+        return cls(graph, device)
+
+    def __getattr__(self, name):
+        if name in ("graph", "device"):
+            raise AttributeError(name)
+        return getattr(self.graph, name)
+
+
+class GpuStep(_Wrapped):
+    """A prefill, chunk or verify graph: inputs to the GPU, logits back to the CPU."""
+
+    def __call__(self, *inputs):
+        return _logits_to_cpu(self.graph(*(t.to(self.device) for t in inputs)))
+
+
+class _Capture:
+    """One captured decode step: the CUDA graph, its small inputs (tokens, positions,
+    valid mask) and its outputs, and the model instance whose weights it reads."""
+
+    def __init__(self, graph, inputs, outputs, instance):
+        self.graph, self.inputs, self.outputs, self.instance = graph, inputs, outputs, instance
+
+
+class GraphedDecode(_Wrapped):
+    """A decode graph replayed as a CUDA graph (module doc). Called as the scheduler calls
+    a decode step: ``(tokens, positions, k_0..k_{L-1}, v_0..v_{L-1}, valid)``, the cache
+    views on the GPU; anything else (CPU caches) runs uncaptured."""
+
+    def __init__(self, graph, device):
+        super().__init__(graph, device)
+        self.captures: dict = {}        # cache addresses -> _Capture
+        self._direct = graph            # the instance for uncaptured calls (None once captured)
+
+    def __call__(self, tokens, positions, *rest):
+        cache, valid = rest[:-1], rest[-1]
+        capture = None
+        if all(t.is_cuda for t in cache):
+            key = tuple(t.data_ptr() for t in cache)
+            capture = self.captures.get(key)
+            if capture is None and len(self.captures) < MAX_GRAPHS:
+                capture = self._capture(key, tokens, positions, cache, valid)
+        if capture is None:
+            return self._run_direct(tokens, positions, *rest)
+        small = capture.inputs
+        small[0].copy_(tokens)
+        small[1].copy_(positions)
+        small[2].copy_(valid)
+        capture.graph.replay()
+        return _logits_to_cpu(capture.outputs)
+
+    def _run_direct(self, *inputs):
+        if self._direct is None:
+            self._direct = _instance(self.graph)
+        return _logits_to_cpu(self._direct(*(t.to(self.device) for t in inputs)))
+
+    def _capture(self, key, tokens, positions, cache, valid):
+        """Capture one step on these cache views (they are read, never written: the step's
+        new keys and values are outputs), or None where the graph cannot be captured (it runs
+        on a worker thread of its own)."""
+        instance = self._direct if self._direct is not None else _instance(self.graph)
+        if getattr(instance, "worker", None) is not None:
+            return None
+        small = [tokens.to(self.device), positions.to(self.device), valid.to(self.device)]
+        flat = [small[0], small[1], *cache, small[2]]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            instance.run_flat(flat)     # first-call set-up (cuBLAS handles, buffers) stays out of the graph
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = instance.run_flat(flat)
+        if instance is self._direct:
+            self._direct = None         # its container can no longer run uncaptured (module doc)
+        capture = self.captures[key] = _Capture(graph, small, tuple(outputs), instance)
+        return capture
+
+
+def _instance(graph):
+    """Another instance of a compiled graph, from its own bytes. The bytes are those of a
+    graph this process already loaded (its native code admitted then), so they are trusted."""
+    art = Artifact.from_bytes(graph.to_bytes())
+    trust.admit(art, "a GPU decode graph", True)
+    return CompiledModel(art, graph.runtime_options, source="a GPU decode graph")
