@@ -14,7 +14,7 @@ import torch
 
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.llm import cuda, gate, gguf_keep, parallel
+from kiln.llm import gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
 from kiln.runtime.llm import FORMAT, LLM
 
@@ -50,7 +50,6 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     model over N ranks (:mod:`kiln.llm.tp`) and returns a
     :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
-    cuda.check_options(trace_options, tp_degree)
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     limit = max_positions(model.config)
@@ -90,7 +89,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
     llm = LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
-              verify=built.get("verify", {}).get(0), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
+              verify=built.get("verify"), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
     if kept is not None:
         meta["gguf"] = kept.manifest()
     if quantize:
@@ -142,15 +141,15 @@ def _jobs(shape, buckets, rows, speculation_length, prefill_chunk, sequence_buck
     prefill_step, decode_step = {"with_cache": False, "last_only": True}, {"with_cache": True, "last_only": False}
     jobs = [(f"prefill {w}", prefill_step, _prefill_example(w)) for w in buckets]
     jobs += [(f"decode {b}x{cache_length}", decode_step, _decode_example(shape, b)) for b in rows]
-    if speculation_length:
-        jobs.append(_verify_job(shape, speculation_length))
+    verify_rows = _verify_rows(rows) if speculation_length else []
+    jobs += [_verify_job(shape, speculation_length, b) for b in verify_rows]
     if prefill_chunk:
         if not 1 <= prefill_chunk < cache_length:
             raise CompilerArgsError(f"prefill_chunk must be in [1, cache_length); got {prefill_chunk}")
         jobs.append((f"chunk {prefill_chunk}", decode_step, _decode_example(shape, 1, prefill_chunk)))
     windows = _windows(sequence_buckets, cache_length)
     keys = [("prefill", w) for w in buckets] + [("decode", b) for b in rows]
-    keys += [("verify", 0)] * bool(speculation_length) + [("chunk", 0)] * bool(prefill_chunk)
+    keys += [("verify", b) for b in verify_rows] + [("chunk", 0)] * bool(prefill_chunk)
     for window in windows[:-1]:
         small = (*shape[:3], window, shape[4])
         jobs += [(f"decode {b}x{window}", decode_step, _decode_example(small, b)) for b in rows]
@@ -162,12 +161,15 @@ def _jobs(shape, buckets, rows, speculation_length, prefill_chunk, sequence_buck
 
 
 def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM:
-    """``llm`` (compiled from ``model``) with a verify graph for ``speculation_length``
-    draft tokens, compiling only that graph: for a target compiled before it was known to
-    need speculative decoding (transformers-neuronx's ``FusedSpeculativeDecoder``)."""
+    """``llm`` (compiled from ``model``) with verify graphs for ``speculation_length``
+    draft tokens (one per decode batch size, :func:`_verify_rows`), compiling only those:
+    for a target compiled before it was known to need speculative decoding
+    (transformers-neuronx's ``FusedSpeculativeDecoder``)."""
     check_supported(model)
-    name, step_kwargs, example = _verify_job(tuple(llm.meta["cache_shape"]), speculation_length)
-    verify = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
+    verify = {}
+    for rows in _verify_rows(llm.decode):
+        _, step_kwargs, example = _verify_job(tuple(llm.meta["cache_shape"]), speculation_length, rows)
+        verify[rows] = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
     meta = {**llm.meta, "speculation_length": speculation_length}
     return LLM(llm.prefill, llm.decode, meta, llm.tokenizer_files, verify=verify, chunk=llm.chunk,
                windows=llm.windows)
@@ -181,12 +183,23 @@ def _windows(sequence_buckets, cache_length) -> list:
     return windows
 
 
-def _verify_job(shape, speculation_length):
-    if not 1 <= speculation_length < shape[3]:
+def _verify_rows(decode_rows) -> list:
+    """The verify graphs' batch sizes: one row (the single-stream
+    :class:`~kiln.runtime.speculative.SpeculativeDecoder`'s) and every decode batch size,
+    so that the scheduler verifies its running rows in one call, as it decodes them."""
+    return sorted({1, *decode_rows})
+
+
+def _verify_job(shape, speculation_length, rows=1):
+    """The verify graph for ``rows`` rows of ``k + 1`` tokens each: the decode step at
+    ``[rows, k + 1]``. Each row's positions and valid cache slots are its own inputs, so
+    every row of one call sits at its own cache position (:mod:`kiln.runtime.spec_step`)."""
+    if not isinstance(speculation_length, int) or not 1 <= speculation_length < shape[3]:
         raise CompilerArgsError(f"speculation_length must be in [1, cache_length={shape[3]}); got "
                                 f"{speculation_length}")
-    return (f"verify {speculation_length + 1}", {"with_cache": True, "last_only": False},
-            _decode_example(shape, 1, speculation_length + 1))
+    name = f"verify {speculation_length + 1}" if rows == 1 else f"verify {rows}x{speculation_length + 1}"
+    return (name, {"with_cache": True, "last_only": False},
+            _decode_example(shape, rows, speculation_length + 1))
 
 
 def _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement) -> dict:

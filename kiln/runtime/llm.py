@@ -3,7 +3,9 @@ metadata, loaded from one ``.kiln`` artifact (kind ``llm``) without the model's 
 
 The artifact nests one compiled artifact per graph (``prefill/<width>.kiln`` for each
 context bucket, ``decode/<rows>.kiln`` for each decode batch size, ``verify/<k+1>.kiln``
-when compiled for speculative decoding, ``chunk/<width>.kiln`` for chunked prefill,
+(one row) and ``verify/<rows>x<k+1>.kiln`` (each larger decode batch size; artifacts
+from before them have the one-row graph only) when compiled for speculative decoding,
+``chunk/<width>.kiln`` for chunked prefill,
 ``window/<W>/decode/<rows>.kiln`` and ``window/<W>/chunk/<width>.kiln`` for each smaller
 cache window, the sequence-length buckets) and, when it was compiled with one, the
 tokenizer's files (``tokenizer/<name>``). The manifest's ``llm`` entry says what the
@@ -21,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import cuda_llm, invariance, kv, sampling
-from kiln.runtime.scheduler import Scheduler, generate
+from kiln.runtime import invariance, kv, sampling
+from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
 
@@ -38,7 +40,10 @@ class LLM:
                  verify=None, chunk=None, windows=None):
         self.prefill = dict(sorted(prefill.items()))     # context width -> compiled model
         self.decode = dict(sorted(decode.items()))       # rows -> compiled model
-        self.verify = verify                             # speculative decoding's check (or None)
+        # speculative decoding's check: rows -> verify graph ({} without); a lone graph is one row's
+        self.verify_steps = dict(sorted(verify.items())) if isinstance(verify, dict) else (
+            {} if verify is None else {1: verify})
+        self.verify = self.verify_steps.get(1)           # the single-stream decoder's graph (or None)
         self.chunk = chunk                               # chunked prefill's step (or None)
         # smaller cache windows (sequence-length buckets): window -> {"decode": {rows: model},
         # "chunk": model or None}; the full cache's graphs are decode and chunk above
@@ -49,8 +54,11 @@ class LLM:
         self.agree = bool           # how a finding of the check becomes every rank's (tensor parallelism)
         graphs = {"prefill": {str(w): f"prefill/{w}.kiln" for w in self.prefill},
                   "decode": {str(b): f"decode/{b}.kiln" for b in self.decode}}
-        if verify is not None:
-            graphs["verify"] = f"verify/{meta['speculation_length'] + 1}.kiln"
+        width = (meta.get("speculation_length") or 0) + 1
+        if self.verify is not None:
+            graphs["verify"] = f"verify/{width}.kiln"
+        if len(self.verify_steps) > (self.verify is not None):
+            graphs["verify_rows"] = {str(b): f"verify/{b}x{width}.kiln" for b in self.verify_steps if b != 1}
         if chunk is not None:
             graphs["chunk"] = f"chunk/{meta['prefill_chunk']}.kiln"
         if self.windows:
@@ -60,9 +68,6 @@ class LLM:
                                  for w, g in self.windows.items()}
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
-        self.cache_memory = None    # the KV cache's GPU buffers when compiled for a GPU (kiln.runtime.cuda_llm)
-        if cuda_llm.is_cuda(self.decode[max(self.decode)]):
-            cuda_llm.place(self)
 
     @property
     def batch_size(self) -> int:
@@ -79,13 +84,30 @@ class LLM:
         raise InputError(f"a prompt of {width} tokens is longer than the largest context bucket "
                          f"({self.max_context}); compile with a larger context bucket")
 
-    def scheduler(self, **options) -> Scheduler:
+    def scheduler(self, draft=None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
+                  **options) -> Scheduler:
         """A continuous-batching :class:`~kiln.runtime.scheduler.Scheduler` over this model's
-        graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own."""
+        graphs (``max_queue``, ``prefills_per_step``), with a KV cache of its own.
+        ``draft``: speculative decoding (:mod:`kiln.runtime.spec_step`) with proposals from a
+        draft LLM sharing this one's vocabulary, or ``"ngram"`` (prompt lookup,
+        ``prompt_lookup_max`` / ``_min`` tokens); this model needs its verify graph
+        (``speculation_length``). The cache then has no smaller sequence windows."""
         decode, windows = self._decode_plan()
-        with kv.placed(self.cache_memory):
-            return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
-                             chunk=self._chunk(), windows=windows, **options)
+        speculative = None
+        if draft is not None:
+            speculative, windows = self.speculative_step(draft, prompt_lookup_max, prompt_lookup_min), None
+        return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
+                         chunk=self._chunk(), windows=windows, speculative=speculative, **options)
+
+    def speculative_step(self, draft, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2):
+        """The scheduler's speculative step with ``draft``'s proposals (:meth:`scheduler`)."""
+        from kiln.runtime.drafters import drafter_for
+        from kiln.runtime.spec_step import SpeculativeStep
+        if not self.verify_steps:
+            raise InputError("speculative decoding needs the target's verify graph, which this artifact lacks: "
+                             "compile it with speculation_length=k (kiln llm compile --speculation-length k)")
+        drafter = drafter_for(self, draft, prompt_lookup_max, prompt_lookup_min)
+        return SpeculativeStep(self.verify_steps, self.meta["speculation_length"], drafter)
 
     @property
     def batch_invariance(self) -> dict:
@@ -132,15 +154,19 @@ class LLM:
                       torch.zeros(rows, window, dtype=torch.bool))
         return len(calls)
 
-    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
+    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True,
+                 draft=None) -> list:
         """The continuation of each prompt (a list of token ids): greedy, or sampled per
         ``params`` (:class:`kiln.runtime.sampling.SamplingParams`); each ends after the
         model's end-of-sequence token (kept) unless ``stop_at_eos=False``, or after
         ``max_new_tokens``. Any number of prompts: they run through the continuous-batching
-        scheduler, ``batch_size`` at a time, each getting the tokens it would get alone."""
+        scheduler, ``batch_size`` at a time, each getting the tokens it would get alone.
+        ``draft``: speculative decoding, as for :meth:`scheduler` (the same tokens)."""
         if not prompts:
             raise InputError("give at least one prompt")
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
+        if draft is not None:
+            return run_all(self.scheduler(draft=draft), prompts, max_new_tokens, params, eos)
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
     def hf_generate(self, input_ids, attention_mask=None, generation_config=None, **overrides):
@@ -178,16 +204,17 @@ class LLM:
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         decode, windows = self._decode_plan()
-        with kv.placed(self.cache_memory):
-            return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
-                            params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
-                            windows=windows)
+        return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
+                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
+                        windows=windows)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
         blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
         if self.verify is not None:
             blobs[self.manifest["graphs"]["verify"]] = self.verify.to_bytes()
+        for b, name in self.manifest["graphs"].get("verify_rows", {}).items():
+            blobs[name] = self.verify_steps[int(b)].to_bytes()
         if self.chunk is not None:
             blobs[self.manifest["graphs"]["chunk"]] = self.chunk.to_bytes()
         for w, names in self.manifest["graphs"].get("windows", {}).items():
@@ -226,7 +253,9 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
         raise ArtifactError(f"{source}: the LLM artifact has no prefill graph")
     names = [("prefill", int(w), name) for w, name in graphs["prefill"].items()]
     names += [("decode", int(b), name) for b, name in graphs["decode"].items()]
-    names += [(kind, 0, graphs[kind]) for kind in ("verify", "chunk") if kind in graphs]
+    names += [(kind, 0, graphs[kind]) for kind in ("chunk",) if kind in graphs]
+    names += [("verify", 1, graphs["verify"])] if "verify" in graphs else []
+    names += [("verify", int(b), name) for b, name in graphs.get("verify_rows", {}).items()]
     for w, entry in graphs.get("windows", {}).items():
         names += [((int(w), "decode"), int(b), name) for b, name in entry["decode"].items()]
         names += [((int(w), "chunk"), 0, entry["chunk"])] if "chunk" in entry else []
@@ -241,6 +270,6 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
                  if name.startswith("tokenizer/")}
     windows = {int(w): {"decode": loaded[(int(w), "decode")], "chunk": loaded[(int(w), "chunk")].get(0)}
                for w in graphs.get("windows", {})}
-    return LLM(loaded["prefill"], loaded["decode"], meta, tokenizer, art.manifest, loaded["verify"].get(0),
+    return LLM(loaded["prefill"], loaded["decode"], meta, tokenizer, art.manifest, dict(loaded["verify"]),
                loaded["chunk"].get(0), windows=windows)
 

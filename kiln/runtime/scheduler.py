@@ -80,6 +80,8 @@ class Request:
     prefilled: int = 0                     # prompt tokens whose keys and values are in the cache
     logprobs: int | None = None            # None: off; n >= 0: each token's logprob and the top n
     token_logprobs: list = field(default_factory=list)   # per token: (logprob, [(id, logprob)])
+    draft_proposed: int = 0                # speculative decoding: tokens a drafter proposed for it
+    draft_accepted: int = 0                # ... and those the target kept (kiln.runtime.spec_step)
 
     def __post_init__(self):
         self.prompt = [int(t) for t in self.prompt]
@@ -112,8 +114,13 @@ class Scheduler:
 
     def __init__(self, prefill_for, decode, cache_shape, *, max_queue: int = 1 << 30,
                  prefills_per_step: int = 1, max_context: int | None = None, chunk=None,
-                 prefix_reuse: bool = True, windows=None):
+                 prefix_reuse: bool = True, windows=None, speculative=None):
         self.prefill_for = prefill_for
+        # a kiln.runtime.spec_step.SpeculativeStep: a drafter's proposals checked in one verify
+        # call per step, in place of the decode step (its cache has no smaller windows)
+        self.speculative = speculative
+        if speculative is not None and windows:
+            raise ValueError("speculative decoding runs over the whole cache: give no windows")
         self.chunk = chunk            # (width, step) for chunked prefill, or None
         self.prefix_reuse = prefix_reuse and chunk is not None
         self.decode = dict(sorted(decode.items())) if isinstance(decode, dict) else {cache_shape[1]: decode}
@@ -141,6 +148,8 @@ class Scheduler:
         self.moves = 0                # requests moved to a lower slot
         self.prefill_chunks = 0       # chunks run by chunked prefill
         self.reused_positions = 0     # prompt positions copied from a shared prefix
+        self.draft_proposed = 0       # speculative decoding: proposals verified, all requests
+        self.draft_accepted = 0       # ... and kept
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: Request):
@@ -203,7 +212,10 @@ class Scheduler:
         self._admit()
         self._continue_prefills()
         if any(r is not None and not r.prefilling for r in self.slots):
-            self._decode()
+            if self.speculative is not None:
+                self.speculative.step(self)
+            else:
+                self._decode()
         self.steps += 1
 
     def _needs(self, request: Request) -> int:
@@ -360,6 +372,21 @@ class Scheduler:
             self._free(slot, "stop")
         elif len(request.tokens) >= request.max_new_tokens:
             self._free(slot, "length")
+
+    # what a step of another module (kiln.runtime.spec_step) runs the scheduler with
+    def decode_step(self):
+        """One decode step for every running row (module doc, step 3)."""
+        self._decode()
+
+    def append_token(self, slot: int, request: Request, logits) -> int:
+        """Choose ``request``'s next token from ``logits`` (``[1, V]``, its own row), record
+        it (and its logprobs), tell its listener, end the request when it should; the token."""
+        self._append(slot, request, logits)
+        return request.tokens[-1]
+
+    def free(self, slot: int, reason: str):
+        """End the request in ``slot`` with ``reason``, freeing the slot."""
+        self._free(slot, reason)
 
     def _free(self, slot: int, reason: str):
         request, self.slots[slot] = self.slots[slot], None
