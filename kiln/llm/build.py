@@ -14,7 +14,7 @@ import torch
 
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.llm import gate, gguf_keep, parallel
+from kiln.llm import cuda, gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
 from kiln.runtime.llm import FORMAT, LLM
 
@@ -50,6 +50,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     model over N ranks (:mod:`kiln.llm.tp`) and returns a
     :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
+    cuda.check_options(trace_options, tp_degree)
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     limit = max_positions(model.config)

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import invariance, kv, sampling
+from kiln.runtime import cuda_llm, invariance, kv, sampling
 from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
@@ -68,6 +68,9 @@ class LLM:
                                  for w, g in self.windows.items()}
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
+        self.cache_memory = None    # the KV cache's GPU buffers when compiled for a GPU (kiln.runtime.cuda_llm)
+        if cuda_llm.is_cuda(self.decode[max(self.decode)]):
+            cuda_llm.place(self)
 
     @property
     def batch_size(self) -> int:
@@ -96,8 +99,9 @@ class LLM:
         speculative = None
         if draft is not None:
             speculative, windows = self.speculative_step(draft, prompt_lookup_max, prompt_lookup_min), None
-        return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
-                         chunk=self._chunk(), windows=windows, speculative=speculative, **options)
+        with kv.placed(self.cache_memory):
+            return Scheduler(self.prefill_for, decode, self.meta["cache_shape"], max_context=self.max_context,
+                             chunk=self._chunk(), windows=windows, speculative=speculative, **options)
 
     def speculative_step(self, draft, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2):
         """The scheduler's speculative step with ``draft``'s proposals (:meth:`scheduler`)."""
@@ -204,9 +208,10 @@ class LLM:
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         decode, windows = self._decode_plan()
-        return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
-                        params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
-                        windows=windows)
+        with kv.placed(self.cache_memory):
+            return generate(self.prefill_for, decode, prompts, max_new_tokens, self.meta["cache_shape"],
+                            params=params, eos_token_ids=eos, max_context=self.max_context, chunk=self._chunk(),
+                            windows=windows)
 
     def to_bytes(self) -> bytes:
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
