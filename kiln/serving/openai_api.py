@@ -161,8 +161,8 @@ async def stream(reply: Reply):
             cancel_all(reply)
 
 
-def start(payload: dict, route: str, sm) -> Reply:
-    """The request's settings read and checked, and its generations queued."""
+def start(payload: dict, route: str, sm) -> tuple:
+    """(reply, streaming): the request's settings read and checked, its generations queued."""
     check_fields(payload, route)
     params, stop = sampling_of(payload), stops_of(payload)
     streaming = field(payload, "stream", bool, False)
