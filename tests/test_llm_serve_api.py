@@ -209,6 +209,24 @@ def test_speculative_usage_is_openai_completion_tokens_details(tiny_llm):
     assert "completion_tokens_details" not in Reply("chat", sm, [gen(5)], False).usage()
 
 
+def test_logprob_bytes_of_byte_level_tokens_add_up_to_the_text():
+    """A byte-level BPE (SmolLM2's kind) splits a character over tokens that decode to
+    '\ufffd' alone: their ``bytes`` are the real bytes, so joined they are the text's UTF-8."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from kiln.serving.openai_format import token_bytes
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world"], trainers.BpeTrainer(vocab_size=280, show_progress=False,
+                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer({"tokenizer.json": bpe.to_str().encode()})
+    text = "héllo 你好 ☃"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert "\ufffd" in "".join(tok.decode([i]) for i in ids)        # characters split over tokens
+    assert bytes(b for i in ids for b in token_bytes(tok, i, tok.decode([i]))) == text.encode()
+
+
 def st_embeddings(directory, texts):
     from sentence_transformers import SentenceTransformer
     return torch.tensor(SentenceTransformer(directory, device="cpu").encode(texts))

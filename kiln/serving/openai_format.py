@@ -5,13 +5,15 @@ Logprobs are the model's own distribution at each step (the raw ``log_softmax`` 
 logits, before temperature or truncation, as OpenAI and vLLM report them), for every
 generated token, the end-of-sequence token included, so ``len(content)`` equals
 ``usage.completion_tokens``. A token's ``token`` is its text decoded alone (special tokens
-spelled out) and ``bytes`` that text's UTF-8 bytes. Chat answers
+spelled out) and ``bytes`` the token's own bytes (:func:`token_bytes`: a byte-level BPE
+token that is half a UTF-8 character has its real bytes, though its text reads ``\ufffd``). Chat answers
 ``choice.logprobs.content = [{token, logprob, bytes, top_logprobs: [...]}]``; completions
 answer the legacy ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``,
 offsets counted in characters from the start of the completion's text.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -19,6 +21,42 @@ import uuid
 
 def sse(body) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _gpt2_bytes() -> dict:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@functools.lru_cache(maxsize=32)
+def byte_scheme(tokenizer):
+    """How the tokenizer's vocabulary spells bytes: GPT-2's byte-level alphabet (a dict),
+    sentencepiece's ``<0xNN>`` byte fallback ("fallback"), or None (tokens are text)."""
+    decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+    if "ByteLevel" in kinds:
+        return _gpt2_bytes()
+    return "fallback" if "ByteFallback" in kinds else None
+
+
+def token_bytes(tokenizer, token: int, text: str) -> list:
+    """The bytes token ``token`` stands for (``text``: it decoded alone), so that a client
+    joining the tokens' bytes gets the answer's UTF-8 even where a character spans tokens."""
+    scheme = byte_scheme(tokenizer)
+    piece = tokenizer.backend.id_to_token(token) if scheme is not None else None
+    if isinstance(scheme, dict) and piece is not None and all(c in scheme for c in piece):
+        return [scheme[c] for c in piece]
+    if scheme == "fallback" and piece is not None and len(piece) == 6 and piece.startswith("<0x"):
+        return [int(piece[3:5], 16)]
+    return list(text.encode("utf-8"))
 
 
 class Reply:
@@ -60,7 +98,7 @@ class Reply:
         if self.route == "chat":
             def one(token, logprob):
                 text = self.token_text(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+                return {"token": text, "logprob": logprob, "bytes": token_bytes(self.sm.tokenizer, token, text)}
             return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]}
                                 for t, lp, top in entries], "refusal": None}
         tokens, offsets = [], []
