@@ -52,7 +52,7 @@ def encoder_inputs(length):
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
     """(sentence-transformers directory, .kiln path): a random 2-layer BERT of hidden 32 on
-    MiniLM's vocabulary, compiled for 16 tokens and any batch."""
+    MiniLM's vocabulary, compiled for sequence buckets 8 and 16 and any batch."""
     import kiln
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
@@ -61,7 +61,8 @@ def tiny_bert(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-bert")
     directory = st_directory(model, root / "st", str(gt.get_model_path()))
     path = root / "bert.kiln"
-    kiln.trace(model, encoder_inputs(16), dynamic_batch=True, compiler_args="-O1").save(path)
+    kiln.trace(model, encoder_inputs(16), buckets=[encoder_inputs(8), encoder_inputs(16)], dynamic_batch=True,
+               compiler_args="-O1").save(path)
     return directory, path
 
 
@@ -266,14 +267,13 @@ def test_embeddings_equal_sentence_transformers(tiny_bert, served, client):
 
 @pytest.mark.slow
 def test_minilm_served_as_embeddings_equals_sentence_transformers(tmp_path):
-    """The real all-MiniLM-L6-v2, compiled with kiln.trace for sequence buckets 16 and 64,
-    served on /v1/embeddings from its own directory: sentence-transformers' embeddings."""
+    """The real all-MiniLM-L6-v2, compiled with kiln.trace for 64 tokens and any batch, served
+    on /v1/embeddings from its own directory: sentence-transformers' embeddings."""
     import kiln
     from transformers import AutoModel
     directory = str(gt.get_model_path())
     model = AutoModel.from_pretrained(directory).eval()
-    kiln.trace(model, encoder_inputs(64), buckets=[encoder_inputs(16), encoder_inputs(64)], dynamic_batch=True,
-               compiler_args="-O1").save(tmp_path / "minilm.kiln")
+    kiln.trace(model, encoder_inputs(64), dynamic_batch=True, compiler_args="-O1").save(tmp_path / "minilm.kiln")
     texts = TEXTS + ["Sentence embeddings map text to vectors whose cosine similarity measures how close two "
                      "pieces of text are in meaning, so a search engine can rank passages by meaning."]
     want = st_embeddings(directory, texts)
