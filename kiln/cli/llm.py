@@ -76,9 +76,13 @@ def add_parser(sub):
         g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         g.add_argument("--threads", type=int, default=None, help="engine threads (default: all CPUs)")
         g.add_argument("--draft", default=None,
-                       help="a smaller LLM artifact with the same vocabulary proposing tokens for this one "
-                            "to verify (speculative decoding; greedy; this artifact needs "
-                            "--speculation-length)")
+                       help="speculative decoding: a smaller LLM artifact with the same vocabulary proposing "
+                            "tokens for this one to verify, or 'ngram' (prompt lookup, no second model); the "
+                            "same text as without it; this artifact needs --speculation-length")
+        g.add_argument("--prompt-lookup-max", type=int, default=4,
+                       help="--draft ngram: the longest suffix looked up in the text so far (default 4)")
+        g.add_argument("--prompt-lookup-min", type=int, default=2,
+                       help="--draft ngram: the shortest suffix looked up (default 2)")
         g.set_defaults(fn=cmd_generate if name == "generate" else cmd_chat)
 
 
@@ -169,26 +173,27 @@ def _setup(args):
     stops = set(llm.meta["eos_token_ids"])
     if tokenizer.token_id("eos_token") is not None:
         stops.add(tokenizer.token_id("eos_token"))
+    args.drafter = None
     if args.draft is not None:
-        from kiln.runtime.speculative import SpeculativeDecoder
-        if not greedy:
-            raise InputError("--draft decodes greedily (the target's own tokens): leave --temperature at 0")
-        draft = load(args.draft, threads=args.threads)
-        if not isinstance(draft, LLM):
-            raise InputError(f"--draft {args.draft} is not an LLM artifact")
-        llm = SpeculativeDecoder(llm, draft)
+        if not isinstance(llm, LLM):
+            raise InputError("--draft: speculative decoding does not run tensor-parallel LLMs yet")
+        draft = args.draft
+        if draft != "ngram":
+            draft = load(draft, threads=args.threads)
+            if not isinstance(draft, LLM):
+                raise InputError(f"--draft {args.draft} is not an LLM artifact (nor 'ngram')")
+        # built now, so a target that cannot verify is a clear error before any prompt
+        args.drafter = llm.speculative_step(draft, args.prompt_lookup_max, args.prompt_lookup_min).drafter
     return llm, tokenizer, params, tuple(sorted(stops))
 
 
 def _stream(llm, tokenizer, prompt, args, params, stop_ids, out=sys.stdout) -> str:
     """Generate for ``prompt`` (ids), writing text to ``out`` as it comes; the whole text.
-    ``llm``: a :class:`~kiln.runtime.llm.LLM`, or a speculative decoder over one."""
+    With ``--draft``, the scheduler decodes speculatively (``args.drafter``: its step)."""
     from kiln.runtime.scheduler import Request
-    from kiln.runtime.speculative import SpeculativeDecoder
     from kiln.runtime.text import TextStream
-    if isinstance(llm, SpeculativeDecoder):
-        return _stream_speculative(llm, tokenizer, prompt, args, stop_ids, out)
-    sched = llm.scheduler()
+    drafter = getattr(args, "drafter", None)
+    sched = llm.scheduler() if drafter is None else llm.scheduler(draft=drafter)
     text = TextStream(tokenizer, tuple(args.stop))
     room = llm.meta["cache_shape"][3] - len(prompt)
     max_tokens = args.max_tokens if args.max_tokens is not None else max(1, room)
@@ -206,29 +211,13 @@ def _stream(llm, tokenizer, prompt, args, params, stop_ids, out=sys.stdout) -> s
         raise request.error
     t = request.token_times
     rate = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else float("nan")
+    spec = ""
+    if sched.speculative is not None:
+        share = request.draft_accepted / request.draft_proposed if request.draft_proposed else 0.0
+        spec = (f"; draft tokens accepted {request.draft_accepted}/{request.draft_proposed} ({share:.0%}) "
+                f"in {sched.speculative.rounds} verify steps of k={sched.speculative.k}")
     print(f"\n[{len(prompt)} prompt tokens, {len(t)} generated ({request.finish_reason}); first token "
-          f"{t[0] - request.arrived:.3f}s, {rate:.1f} tokens/s]", file=sys.stderr, flush=True)
-    return text.text
-
-
-def _stream_speculative(spec, tokenizer, prompt, args, stop_ids, out) -> str:
-    from kiln.runtime.text import TextStream
-    text, started, times = TextStream(tokenizer, tuple(args.stop)), time.perf_counter(), []
-    room = min(spec.target.meta["cache_shape"][3], spec.draft.meta["cache_shape"][3]) - len(prompt) - spec.k
-    max_tokens = args.max_tokens if args.max_tokens is not None else max(1, room)
-
-    def on_token(token):
-        times.append(time.perf_counter())
-        out.write(text.push(token))
-        out.flush()
-        return text.stopped
-    tokens, stats = spec.generate(prompt, max_tokens, stop_token_ids=stop_ids, on_token=on_token)
-    out.write(text.finish())
-    out.flush()
-    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
-    print(f"\n[{len(prompt)} prompt tokens, {len(tokens)} generated; first token {times[0] - started:.3f}s, "
-          f"{rate:.1f} tokens/s; draft tokens accepted {stats.accepted}/{stats.proposed} "
-          f"({stats.acceptance_rate:.0%}) in {stats.rounds} rounds of k={spec.k}]", file=sys.stderr, flush=True)
+          f"{t[0] - request.arrived:.3f}s, {rate:.1f} tokens/s{spec}]", file=sys.stderr, flush=True)
     return text.text
 
 

@@ -125,10 +125,12 @@ class SpeculativeStep:
         sched.draft_proposed += len(proposal)
         for i in range(len(proposal) + 1):
             token = sched.append_token(slot, request, logits[i:i + 1])
-            if request.done or i == len(proposal) or token != proposal[i]:
+            if i == len(proposal) or token != proposal[i]:
                 return
-            request.draft_accepted += 1
+            request.draft_accepted += 1          # kept, even when it ends the request (a stop token)
             sched.draft_accepted += 1
+            if request.done:
+                return
             sched.cache.write_slot(slot, new_k[:, :, i + 1:i + 2], new_v[:, :, i + 1:i + 2], [token])
 
     def warm(self, cache_shape) -> int:

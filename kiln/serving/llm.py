@@ -121,9 +121,27 @@ class ServedLLM:
             eos.append(self.tokenizer.token_id("eos_token"))
         self.stop_token_ids = tuple(sorted(set(eos)))
         self.warm_up()
-        self.scheduler = self.llm.scheduler(max_queue=self.config.max_queue)
+        self.scheduler = self.llm.scheduler(max_queue=self.config.max_queue, **self._speculation())
+        if self.scheduler.speculative is not None:
+            calls = self.scheduler.speculative.warm(self.llm.meta["cache_shape"])
+            log("info", "speculative_decoding", model=self.name, step=repr(self.scheduler.speculative),
+                warm_calls=calls)
         self._register_metrics()
         return time.perf_counter() - started
+
+    def _speculation(self) -> dict:
+        """The scheduler's speculative-decoding options from ``--draft`` (none without one)."""
+        drafts = self.config.drafts or {}
+        draft = drafts.get(self.name, drafts.get("*"))
+        if draft is None:
+            return {}
+        if hasattr(self.llm, "on_failure"):
+            raise InputError(f"model '{self.name}': speculative decoding (--draft) does not run tensor-parallel "
+                             "LLMs yet")
+        if draft != "ngram":
+            draft = load_artifact(draft, threads=self.config.threads)
+        return {"draft": draft, "prompt_lookup_max": self.config.prompt_lookup_max,
+                "prompt_lookup_min": self.config.prompt_lookup_min}
 
     def warm_up(self):
         """One short generation per context bucket (and one through the chunk graph), then
@@ -218,3 +236,23 @@ class ServedLLM:
         m.llm_slots_used.labels(self.name).set_function(lambda: s.usage()["slots_used"])
         m.queue_depth.labels(self.name).set_function(lambda: len(s.waiting))
         m.llm_tokens_per_second.labels(self.name).set_function(self.tokens_per_second)
+        if s.speculative is not None:
+            proposed, accepted, ratio = _draft_metrics(m)
+            proposed.labels(self.name).set_function(lambda: s.draft_proposed)
+            accepted.labels(self.name).set_function(lambda: s.draft_accepted)
+            ratio.labels(self.name).set_function(lambda: s.draft_accepted / max(1, s.draft_proposed))
+
+
+def _draft_metrics(m) -> tuple:
+    """Speculative decoding's gauges in the server's registry, made by the first served LLM
+    that decodes speculatively: draft tokens proposed, accepted, and their ratio."""
+    if not hasattr(m, "llm_draft_acceptance"):
+        from prometheus_client import Gauge
+        r = m.registry
+        m.llm_draft_proposed = Gauge("kiln_llm_draft_tokens_proposed", "Speculative decoding: draft tokens "
+                                     "proposed for verification, all generations", ["model"], registry=r)
+        m.llm_draft_accepted = Gauge("kiln_llm_draft_tokens_accepted", "Speculative decoding: draft tokens "
+                                     "the target kept", ["model"], registry=r)
+        m.llm_draft_acceptance = Gauge("kiln_llm_draft_acceptance_ratio", "Speculative decoding: accepted / "
+                                       "proposed draft tokens so far", ["model"], registry=r)
+    return m.llm_draft_proposed, m.llm_draft_accepted, m.llm_draft_acceptance

@@ -121,6 +121,15 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--embeddings", action="append", default=[], metavar="NAME=DIR",
                    help="serve model NAME (an encoder artifact) on /v1/embeddings, with the tokenizer and "
                         "pooling of its sentence-transformers (or Hugging Face) directory DIR; repeatable")
+    p.add_argument("--draft", action="append", default=[], metavar="[MODEL=]DRAFT",
+                   help="speculative decoding for an LLM: DRAFT is a smaller LLM artifact with the same "
+                        "vocabulary, or 'ngram' (prompt lookup, no second model); MODEL= picks the served "
+                        "LLM (default: every one). The LLM needs its verify graph (compiled with "
+                        "--speculation-length). Repeatable")
+    p.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+                   help=f"n-gram drafting: the longest suffix looked up (default {d.prompt_lookup_max})")
+    p.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+                   help=f"n-gram drafting: the shortest suffix looked up (default {d.prompt_lookup_min})")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -155,6 +164,19 @@ def parse_pairs(items: list) -> dict:
     return out
 
 
+def parse_drafts(values: list) -> dict:
+    """``--draft`` values (``DRAFT`` or ``MODEL=DRAFT``) as ``{model or "*": draft}``."""
+    drafts = {}
+    for value in values:
+        name, sep, draft = value.partition("=")
+        name, draft = (name, draft) if sep and not os.path.exists(value) else ("*", value)
+        if not draft or name in drafts:
+            raise KilnError(f"--draft {value!r}: give one DRAFT ('ngram' or a .kiln path) per model, as "
+                            "--draft DRAFT or --draft MODEL=DRAFT")
+        drafts[name] = draft
+    return drafts
+
+
 def run(args) -> int:
     """Run ``kiln serve`` from parsed :func:`add_arguments` arguments."""
     if getattr(args, "trust_native_code", False):
@@ -168,7 +190,9 @@ def run(args) -> int:
                      max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
                      instances=args.instances, timeout_s=args.timeout, threads=args.threads,
                      max_request_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                     merge_check=not args.no_merge_check, embeddings=parse_pairs(args.embeddings))
+                     merge_check=not args.no_merge_check, embeddings=parse_pairs(args.embeddings),
+                     drafts=parse_drafts(args.draft), prompt_lookup_max=args.prompt_lookup_max,
+                     prompt_lookup_min=args.prompt_lookup_min)
     except KilnError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 2

@@ -20,5 +20,9 @@ class ServeConfig:
     max_request_bytes: int = 64 << 20  # larger bodies get 413 (checked while the body streams in)
     body_timeout_s: float = 60.0       # a request body must arrive within this (else 408)
     merge_check: bool = True           # prove at load that merging requests keeps every answer
+    # speculative decoding per LLM: model name ("*": every LLM) -> "ngram" or a draft .kiln path
+    drafts: dict = field(default_factory=dict)
+    prompt_lookup_max: int = 4         # n-gram drafting: longest suffix looked up
+    prompt_lookup_min: int = 2         # ... and shortest
     # encoder models served on /v1/embeddings: {model name: its tokenizer's (sentence-transformers) directory}
     embeddings: dict = field(default_factory=dict)
