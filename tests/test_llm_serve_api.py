@@ -30,18 +30,22 @@ ST_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"
             "sentence_bert_config.json")
 
 
-def st_directory(model, path, source) -> str:
+def st_directory(model, path) -> str:
     """A sentence-transformers directory: ``model``'s weights with MiniLM's tokenizer and
     modules (mean pooling, then Normalize)."""
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    directory = st_directory_files(path, {"pooling_mode_mean_tokens": True,
+                                         "word_embedding_dimension": model.config.hidden_size})
+    model.save_pretrained(directory)
+    return directory
+
+
+def st_directory_files(path, pooling: dict) -> str:
+    """A sentence-transformers directory's tokenizer and modules (MiniLM's), with ``pooling``."""
+    os.makedirs(os.path.join(path, "1_Pooling"))
     for f in ST_FILES:
-        shutil.copy(os.path.join(source, f), path)
-    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+        shutil.copy(os.path.join(str(gt.get_model_path()), f), path)
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": model.config.hidden_size, "pooling_mode_cls_token": False,
-                   "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-                   "pooling_mode_mean_sqrt_len_tokens": False}, f)
+        json.dump({"word_embedding_dimension": 4, **pooling}, f)
     return str(path)
 
 
@@ -59,7 +63,7 @@ def tiny_bert(tmp_path_factory):
     model = BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                  intermediate_size=64, max_position_embeddings=64)).eval()
     root = tmp_path_factory.mktemp("tiny-bert")
-    directory = st_directory(model, root / "st", str(gt.get_model_path()))
+    directory = st_directory(model, root / "st")
     path = root / "bert.kiln"
     kiln.trace(model, encoder_inputs(16), buckets=[encoder_inputs(8), encoder_inputs(16)], dynamic_batch=True,
                compiler_args="-O1").save(path)
@@ -263,6 +267,36 @@ def test_embeddings_equal_sentence_transformers(tiny_bert, served, client):
         client.embeddings.create(model="tiny", input="x")
     status, body = s.post_json("/v1/embeddings", {"model": "bert", "input": [[]]})
     assert status == 400 and body["error"]["param"] == "input"
+
+
+def test_embedding_batches_for_a_static_batch_and_the_pooling_modes(tmp_path):
+    """A model compiled for a fixed batch of 2 and 8 tokens: inputs sorted by length, cut in
+    twos, the spare row a copy, padding masked; CLS and max pooling; unknown pooling refused."""
+    from types import SimpleNamespace
+
+    from kiln.artifact.specs import TensorSpec
+    from kiln.errors import KilnError
+    from kiln.serving.embeddings import Embedder, pooling_of
+    from kiln.serving.layout import layout_of
+    specs = [TensorSpec(n, (2, 8), torch.int64) for n in ("input_ids", "attention_mask")]
+    model = SimpleNamespace(input_specs=specs, output_specs=[TensorSpec("h", (2, 8, 4), torch.float32)])
+    sm = SimpleNamespace(name="enc", instances=[model], layout=layout_of(model), config=SimpleNamespace(
+        max_batch_size=8))
+    directory = st_directory_files(tmp_path / "st", {"pooling_mode_cls_token": True})
+    embedder = Embedder("enc", directory)
+    assert (embedder.mode, embedder.normalize) == ("cls", True)
+    batches = embedder.bind(sm).batches([[5, 6, 7], [5], [5, 6]], 0)
+    assert [idx for idx, _, _ in batches] == [[1, 2], [0]]
+    ids, mask = batches[1][1]
+    assert ids.tolist() == [[5, 6, 7] + [0] * 5] * 2 and mask.tolist() == [[1] * 3 + [0] * 5] * 2
+    hidden = torch.randn(2, 8, 4)
+    torch.testing.assert_close(embedder.pool(hidden, mask), torch.nn.functional.normalize(hidden[:, 0], dim=1))
+    embedder.mode, embedder.normalize = "max", False
+    torch.testing.assert_close(embedder.pool(hidden, mask), hidden[:, :3].max(1).values)
+    with pytest.raises(KilnError, match="pooling .*pooling_mode_mean_sqrt_len_tokens"):
+        pooling_of(st_directory_files(tmp_path / "bad", {"pooling_mode_mean_sqrt_len_tokens": True}))
+    with pytest.raises(KilnError, match="no tokenizer.json"):
+        Embedder("enc", str(tmp_path))
 
 
 @pytest.mark.slow
