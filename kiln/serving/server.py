@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     """``kiln serve`` and ``python -m kiln.serving``: parse ``argv`` and serve; the exit code."""
     p = argparse.ArgumentParser(prog="kiln serve", description="Serve .kiln artifacts over HTTP "
                                 "with the Open Inference Protocol (KServe v2); LLM artifacts with the "
-                                "OpenAI API (/v1/completions, /v1/chat/completions).")
+                                "OpenAI API (/v1/completions, /v1/chat/completions); encoders named by "
+                                "--embeddings on /v1/embeddings.")
     add_arguments(p)
     return run(p.parse_args(argv))
