@@ -203,12 +203,14 @@ def test_speculative_usage_is_openai_completion_tokens_details(tiny_llm):
         g = Generation.__new__(Generation)
         g.request = Request([1, 2, 3], 8, SamplingParams(), ())
         g.request.tokens = list(range(tokens))
+        g.served = SimpleNamespace(scheduler=SimpleNamespace(speculative=None if accepted is None else "step"))
         if accepted is not None:
             g.request.draft_accepted, g.request.draft_proposed = accepted, proposed
         return g
     sm = SimpleNamespace(name="m", tokenizer=None)
-    usage = CompletionUsage.model_validate(Reply("chat", sm, [gen(5, 3, 4), gen(6, 4, 8)], False).usage())
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 11, 14)
+    usage = CompletionUsage.model_validate(Reply("chat", sm, [gen(5, 3, 4), gen(6, 4, 8), gen(1, 0, 0)],
+                                                 False).usage())
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 12, 15)
     details = usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (7, 5)
     assert "completion_tokens_details" not in Reply("chat", sm, [gen(5)], False).usage()

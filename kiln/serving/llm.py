@@ -55,11 +55,11 @@ class Generation:
         return len(self.request.tokens)
 
     def draft_counts(self):
-        """(accepted, proposed) draft tokens when the scheduler decoded this request
-        speculatively (a drafter proposed tokens for it), else None."""
-        accepted = getattr(self.request, "draft_accepted", None)
-        proposed = getattr(self.request, "draft_proposed", None)
-        return None if accepted is None or not proposed else (int(accepted), int(proposed))
+        """(accepted, proposed) draft tokens when the model decodes speculatively (``--draft``;
+        both 0 for a request the drafter proposed nothing for), else None."""
+        if getattr(self.served.scheduler, "speculative", None) is None:
+            return None
+        return int(getattr(self.request, "draft_accepted", 0)), int(getattr(self.request, "draft_proposed", 0))
 
     def _emit(self, kind: str, value):
         sent, self._unsent = self._unsent, []
