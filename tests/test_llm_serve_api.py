@@ -168,6 +168,15 @@ def test_n_choices_seeds_stops_and_max_completion_tokens(tiny_llm, served, clien
         assert "".join(k.choices[0].delta.content or "" for k in chunks
                        if k.choices and k.choices[0].index == c.index) == c.message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=1.0,
+                                                 seed=3, n=2, stream=True, logprobs=True,
+                                                 stream_options={"include_usage": True}))
+    entries = {0: [], 1: []}
+    for k in chunks:
+        if k.choices and k.choices[0].logprobs:
+            entries[k.choices[0].index] += k.choices[0].logprobs.content
+    assert len(entries[0]) + len(entries[1]) == chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert "".join(e.token for e in entries[1]).startswith(whole.choices[1].message.content)
     # stop: a list of up to 4 strings, the earliest match wins; max_completion_tokens on completions too
     text = tok.decode(solo(llm, tok.encode("Q"), 24, stops=()))
     stops = ["@@@", text[9:11], text[4:6], "###"]
