@@ -91,12 +91,13 @@ def _weight_only(model, nodes: list, bits: int):
     multiple of 32) gets ORT's symmetric int4. The widest product (an LLM's output
     projection, whose errors every token's choice sees) stays int8 in groups of 32, as
     GGUF's Q4 files keep it (Q8_0: exact for weights that came from one)."""
-    from kiln.engines import ort_blocks, ort_int4
+    from kiln.engines import ort_blocks, ort_int4, ort_merge
     quantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
     # weights a file's own blocks are kept for (kiln.engines.ort_blocks) first; the rest as asked
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
     head = _widest(model, nodes) if bits == 4 else None
-    rest = [n for n in nodes if n != head]
+    # products sharing an activation (query/key/value, gate/up) become one (kiln.engines.ort_merge)
+    rest = ort_merge.merge(model, [n for n in nodes if n != head])
     if bits == 4:
         rest = ort_int4.apply(model, rest, ACCURACY_LEVEL)
     for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, rest),
