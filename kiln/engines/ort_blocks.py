@@ -29,10 +29,10 @@ blocks in one run).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 _TABLES: list = []
 
@@ -67,9 +67,11 @@ class Kept:
 
 
 def fingerprint(weight: np.ndarray) -> str:
-    """The key a ``[K, N]`` weight is found by: its shape and a hash of its float32 bytes."""
+    """The key a ``[K, N]`` weight is found by: its shape and a hash of its float32 bytes
+    (xxh3, ~10x blake2b's speed: a 135M-parameter model's weights hash in a fraction of a
+    second)."""
     a = np.ascontiguousarray(weight, dtype=np.float32)
-    return f"{a.shape}:{hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()}"
+    return f"{a.shape}:{xxhash.xxh3_128_hexdigest(memoryview(a).cast('B'))}"
 
 
 @contextlib.contextmanager

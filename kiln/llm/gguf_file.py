@@ -48,6 +48,12 @@ def check(path: str) -> list:
     """The tensors of the GGUF file at ``path`` (a list of :class:`TensorInfo`), after
     checking that the header holds together, that every tensor's bytes lie in the file
     and that each tensor's type is one kiln reads (:data:`READABLE`)."""
+    return read(path)[0]
+
+
+def read(path: str) -> tuple:
+    """``(tensors, data_start)``: :func:`check`'s tensors and the byte where their data
+    starts (a tensor's bytes are at ``data_start + offset``)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         if size < 24:
@@ -56,7 +62,14 @@ def check(path: str) -> list:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             tensors, data_start = _walk(path, data, size)
     _check_data(path, tensors, data_start, size)
-    return tensors
+    return tensors, data_start
+
+
+def row_bytes(t: TensorInfo) -> int:
+    """Bytes per row (``t.shape[0]`` values) of tensor ``t``."""
+    import gguf
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.type]]
+    return t.shape[0] // block * type_size
 
 
 def _walk(path, data, size):
