@@ -119,7 +119,7 @@ def _gguf_plan(model, trace_options):
     if trace_options.get("quantize") != "gguf":
         return None
     kept = gguf_keep.plan(model, gguf_keep.source_path(model, "gguf"))
-    trace_options.update(quantize="int8", name=f"LLM step, GGUF blocks {kept.digest}")
+    trace_options.update(quantize="int8", name=f"DecoderStep, GGUF blocks {kept.digest}")
     return kept
 
 
