@@ -132,3 +132,51 @@ def write_llama(path, types: dict, layers=2, hidden=256, heads=4, kv_heads=2, ff
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+# llama.cpp's fallbacks for rows that are not a multiple of a K-quant's 256-value super-block
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def q4_k_m(name: str, layers: int, columns: int) -> str:
+    """A Q4_K_M-style choice per tensor (after llama.cpp's recipe, simplified): Q6_K for
+    the head and embedding and for ``attn_v``/``ffn_down`` in the first and last eighth of
+    the layers and every third between, Q4_K elsewhere; K-quants fall back where rows are
+    not a multiple of 256 (SmolLM2's 576-wide rows: Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    if name in ("token_embd.weight", "output.weight"):
+        want = "Q6_K"
+    elif ".attn_v." in name or ".ffn_down." in name:
+        i = int(name.split(".")[1])
+        want = "Q6_K" if (i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2) else "Q4_K"
+    else:
+        want = "Q4_K"
+    return want if columns % QK_K == 0 else K_FALLBACK[want]
+
+
+def requantize_file(source, path, choose) -> dict:
+    """Write ``path``: the GGUF file ``source`` (metadata, tokenizer and all) with each
+    matrix dequantized and quantized again into ``choose(name, layers, columns)``; vectors
+    stay float32. Returns ``{name: type}`` for the matrices."""
+    import gguf
+    reader = gguf.GGUFReader(str(source))
+    layers = int(reader.fields["llama.block_count"].contents())
+    w = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    written = {}
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type)
+        if x.ndim == 1:
+            w.add_tensor(t.name, x)
+            continue
+        kind = written[t.name] = choose(t.name, layers, x.shape[1])
+        data = quantize(x, kind)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written

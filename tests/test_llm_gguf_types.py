@@ -193,3 +193,4 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
     not_from_gguf = transformers.LlamaForCausalLM(mixed[1].config)
     with pytest.raises(CompilerArgsError, match="keeps a GGUF file's own blocks"):
         compile_llm(not_from_gguf, quantize="gguf", context_buckets=(8,), cache_length=16)
+
