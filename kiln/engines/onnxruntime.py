@@ -92,6 +92,7 @@ class OnnxRuntimeEngine(Engine):
     package = "onnxruntime"
     blob_suffix = ".onnx"
     modules = ("onnxruntime", "onnxscript")
+    load_modules = ("onnxruntime", "onnx")     # onnxscript is the exporter's: compiling only
 
     def supports(self, node) -> str | None:
         target = node.target

@@ -18,6 +18,15 @@ translates directly, by standing in for the exporter's ``decompose_with_registry
 the length of the call; otherwise (or where the exporter no longer has that function)
 it is the plain public call. The stand-in is process-wide, so exports take a lock. What
 comes out is checked against eager PyTorch like every compiled partition.
+
+Nor does it trace the partition again. Given a module, the exporter first runs
+``torch.export`` on it, a whole new trace of a graph that capture already traced: for
+SmolLM2's 30-layer graphs most of the exporter's time. A kiln partition is already what
+that trace would give (core ATen, every node's ``val`` recorded, weights as attributes),
+so :func:`program_of` writes it as the ``ExportedProgram`` the exporter accepts in place
+of a module, node for node (weights become lifted constants); the exporter then
+translates it as it would its own trace. A partition it cannot write so (a node without
+its ``val``, a submodule, an output that is an input) takes the public path.
 """
 from __future__ import annotations
 
@@ -31,9 +40,68 @@ _LOCK = threading.Lock()
 
 def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
+    program = program_of(partition)
     with _LOCK, _no_redecomposition(partition, registry), _registry_once():
-        return torch.onnx.export(partition, tuple(example_inputs), dynamo=True, opset_version=opset,
-                                 optimize=optimize, verbose=False, report=False)
+        return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
+                                 opset_version=opset, optimize=optimize, verbose=False, report=False)
+
+
+def program_of(partition):
+    """``partition`` as an ``ExportedProgram`` without tracing it again (see the module's
+    docstring), or None where it cannot be written so (the exporter then traces it)."""
+    from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind,
+                                              OutputSpec, TensorArgument)
+    nodes = list(partition.graph.nodes)
+    outputs = _outputs(nodes)
+    if outputs is None or any(n.op not in ("placeholder", "get_attr", "call_function", "output") for n in nodes):
+        return None
+    if any("val" not in n.meta for n in nodes if n.op in ("placeholder", "call_function")):
+        return None
+    fake = torch._guards.detect_fake_mode([n.meta["val"] for n in nodes if n.op == "placeholder"])
+    graph, env, constants, inputs = torch.fx.Graph(), {}, {}, []
+    # the exported program's order: lifted constants first, then the user's inputs
+    for node in (n for n in nodes if n.op == "get_attr"):
+        value = _attribute(partition, node.target)
+        if not isinstance(value, torch.Tensor):
+            return None
+        target = f"w_{len(constants)}"
+        env[node] = graph.placeholder(target)
+        env[node].meta.update(node.meta, val=fake.from_tensor(value) if fake is not None else value)
+        constants[target] = value
+        inputs.append(InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(env[node].name), target=target))
+    for node in (n for n in nodes if n.op == "placeholder"):
+        env[node] = graph.placeholder(node.name)
+        env[node].meta.update(node.meta)
+        inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(env[node].name), target=None))
+    for node in (n for n in nodes if n.op == "call_function"):
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    signature = ExportGraphSignature(
+        input_specs=inputs,
+        output_specs=[OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[n].name), target=None) for n in outputs])
+    try:
+        return torch.export.ExportedProgram(root=torch.nn.Module(), graph=graph, graph_signature=signature,
+                                            state_dict={}, range_constraints={}, module_call_graph=[],
+                                            constants=constants)
+    except Exception:  # noqa: BLE001 - torch's verifier refused it: the exporter traces it instead
+        return None
+
+
+def _outputs(nodes):
+    """The partition's outputs, each a distinct computed node; else None."""
+    out = next((n for n in nodes if n.op == "output"), None)
+    values = out.args[0] if out is not None else None
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not all(isinstance(v, torch.fx.Node) and v.op == "call_function" for v in values) or \
+            len(set(values)) != len(values):
+        return None
+    return values
+
+
+def _attribute(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
 
 
 _REGISTRIES: dict = {}     # opset -> the exporter's ONNXRegistry, built once

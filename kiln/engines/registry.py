@@ -166,12 +166,15 @@ def describe(name: str) -> Engine | None:
         return None
 
 
-def get(name: str, required: bool = True) -> Engine | None:
+def get(name: str, required: bool = True, *, purpose: str = "compile") -> Engine | None:
     """The engine ``name``, ready to use; if it is unknown or not installed, raise
-    ``EngineUnavailableError`` (or return None when not ``required``)."""
+    ``EngineUnavailableError`` (or return None when not ``required``). ``purpose="load"``:
+    ready to load blobs, which may need fewer modules than compiling
+    (:attr:`Engine.load_modules`)."""
     try:
         engine = _entry(name).build(name)
-        why = engine.missing()
+        # an engine's own missing() (a plugin's) may take no purpose: asked only when it has load_modules
+        why = engine.missing("load") if purpose == "load" and engine.load_modules is not None else engine.missing()
         if why is not None:
             raise EngineUnavailableError(
                 f"engine {name!r} is not installed in this environment ({why}); install it "

@@ -279,7 +279,7 @@ class CompiledModel(Model):
 
     def _build_program(self, runtime_options) -> Program:
         parts = self.manifest["partitions"]
-        used = [engines.get(part["engine"]) for part in parts]
+        used = [engines.get(part["engine"], purpose="load") for part in parts]
         steps = self.manifest["program"].get("steps", [])
         if len(parts) > 1 or any("partition" not in step for step in steps):
             runtime_options = dataclasses.replace(runtime_options, spin=False)   # engines take turns
