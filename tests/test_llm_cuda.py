@@ -65,6 +65,25 @@ def test_device_cuda_without_a_gpu_is_a_clear_error():
         compile_llm(_model("llama"), device="cuda", context_buckets=(8,), cache_length=32)
 
 
+@pytest.mark.skipif(GPU, reason="this host has a GPU")
+def test_a_decode_step_that_cannot_be_captured_runs_uncaptured_with_a_warning(tiny_llm):
+    """CPU caches run the graph as it is (the batch-invariance probe's calls), and a capture
+    that fails (here: no CUDA at all) leaves the step running uncaptured, with the reason."""
+    graph = tiny_llm[1].decode[3]
+    layers, rows, heads, slots, dim = tiny_llm[1].meta["cache_shape"]
+    torch.manual_seed(0)
+    inputs = [torch.randint(3, 90, (rows, 1)), torch.tensor([[4], [9], [2]]),
+              *[torch.randn(rows, heads, slots, dim) for _ in range(2 * layers)],
+              torch.arange(slots).unsqueeze(0) < torch.tensor([[4], [9], [2]])]
+    step = cuda_llm.GraphedDecode(graph, torch.device("cpu"))
+    want = graph(*inputs)
+    got = step(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and not step.captures
+    with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph"):
+        assert step._try_capture(0, inputs[0], inputs[1], inputs[2:-1], inputs[-1]) is None
+    assert step.capture_error and all(torch.equal(a, b) for a, b in zip(step(*inputs), want))
+
+
 # -- on the GPU -----------------------------------------------------------------------------
 
 def _hugging_face(model, prompts, new):

@@ -24,18 +24,24 @@ adds is how those graphs run inside :mod:`kiln.runtime.scheduler`, which is unch
 * **Prefill, chunk and verify graphs run as they are** (:class:`GpuStep`): inputs moved
   to the GPU, logits back to the CPU. They run once per request or per chunk.
 
-Why each capture takes a model instance of its own: AOTInductor's container records an
-event at the end of every run to know when the instance is free again; an event recorded
-while a CUDA graph is captured cannot be queried afterwards, so an instance that was
-captured fails its next direct run ("invalid argument", torch 2.11, H100). The instance
-a capture used therefore belongs to its graph from then on (the graph reads its weights),
-and a direct call after that (a cache elsewhere: the batch-invariance probe, a CPU cache)
-runs on a fresh instance, loaded again from the graph's own bytes. At most
-:data:`MAX_GRAPHS` captures per graph: each holds a copy of the weights.
+Why each capture loads a model instance of its own: AOTInductor's container (torch's
+package loader, four model instances) records an event at the end of every run to know
+when an instance is free again, and when none is free it queries those events before the
+next run. That query is not allowed while a CUDA graph is being captured ("operation not
+permitted when stream is capturing"), so capturing on an instance that earlier direct
+calls (the batch-invariance probe, ``warm_graphs``) had used up failed or not depending on
+how many calls came before (seen with ``kiln llm generate``, torch 2.11, H100); and an event
+recorded during a capture cannot be queried afterwards, so a captured instance fails its
+next direct run ("invalid argument"). Each capture therefore loads a fresh instance from the
+graph's own bytes (four free models: one for the warm-up run, one for the captured run), which
+belongs to its CUDA graph from then on (the graph reads its weights); direct calls (a cache
+elsewhere: the probe, a CPU cache) keep using the graph as loaded. At most :data:`MAX_GRAPHS`
+captures per graph: each holds a copy of the weights.
 """
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
@@ -153,7 +159,8 @@ class GraphedDecode(_Wrapped):
     def __init__(self, graph, device):
         super().__init__(graph, device)
         self.captures: dict = {}        # cache addresses -> _Capture
-        self._direct = graph            # the instance for uncaptured calls (None once captured)
+        self._direct = graph            # the instance for uncaptured calls (never captured)
+        self.capture_error = None       # why capturing failed, once it has (calls then run uncaptured)
 
     def __call__(self, tokens, positions, *rest):
         cache, valid = rest[:-1], rest[-1]
@@ -161,8 +168,8 @@ class GraphedDecode(_Wrapped):
         if all(t.is_cuda for t in cache):
             key = tuple(t.data_ptr() for t in cache)
             capture = self.captures.get(key)
-            if capture is None and len(self.captures) < MAX_GRAPHS:
-                capture = self._capture(key, tokens, positions, cache, valid)
+            if capture is None and self.capture_error is None and len(self.captures) < MAX_GRAPHS:
+                capture = self._try_capture(key, tokens, positions, cache, valid)
         if capture is None:
             return self._run_direct(tokens, positions, *rest)
         small = capture.inputs
@@ -173,15 +180,25 @@ class GraphedDecode(_Wrapped):
         return _logits_to_cpu(capture.outputs)
 
     def _run_direct(self, *inputs):
-        if self._direct is None:
-            self._direct = _instance(self.graph)
         return _logits_to_cpu(self._direct(*(t.to(self.device) for t in inputs)))
+
+    def _try_capture(self, *args):
+        """:meth:`_capture`, or None with a warning where capturing fails: the step then runs
+        uncaptured (the same kernels, launched one by one), never with a wrong answer."""
+        try:
+            return self._capture(*args)
+        except Exception as e:  # noqa: BLE001 - the uncaptured graph still answers; say why it is slower
+            self.capture_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"a decode step of this GPU LLM could not be captured as a CUDA graph "
+                          f"({self.capture_error.splitlines()[0]}); its steps run uncaptured, slower",
+                          RuntimeWarning, stacklevel=3)
+            return None
 
     def _capture(self, key, tokens, positions, cache, valid):
         """Capture one step on these cache views (they are read, never written: the step's
         new keys and values are outputs), or None where the graph cannot be captured (it runs
         on a worker thread of its own)."""
-        instance = self._direct if self._direct is not None else _instance(self.graph)
+        instance = _instance(self.graph)
         if getattr(instance, "worker", None) is not None:
             return None
         small = [tokens.to(self.device), positions.to(self.device), valid.to(self.device)]
@@ -194,8 +211,6 @@ class GraphedDecode(_Wrapped):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outputs = instance.run_flat(flat)
-        if instance is self._direct:
-            self._direct = None         # its container can no longer run uncaptured (module doc)
         capture = self.captures[key] = _Capture(graph, small, tuple(outputs), instance)
         return capture
 
