@@ -8,13 +8,21 @@ Rows (each where installed):
 * ``kiln-fp32``    ``compile_llm`` at the default level (engines chosen by measurement),
                    loaded from its artifact; single stream through the scheduler
 * ``kiln-int8``,   the same with weight-only quantization (ONNX Runtime's MatMulNBits:
-  ``kiln-int4``    int8 in groups of 128; int4 as GGUF's Q4_1 blocks of 32, exact for this
+  ``kiln-int4``    int8 in groups of 32; int4 as GGUF's Q4_1 blocks of 32, exact for this
                    file's weights), past the accuracy gate
 * ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (the ``llm-bench`` extra,
                    ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
+* ``openvino-genai`` OpenVINO GenAI's ``LLMPipeline`` on the same GGUF file (its own
+                   conversion, stateful model, compressed weights and CPU defaults), greedy;
+                   its own TTFT/TPOT and the wall clock
+* ``ort-genai``    ONNX Runtime GenAI on the model its own builder makes (int4 ``MatMulNBits``,
+                   quantized again from the dequantized weights: it cannot read Q4_1)
 * ``llama-server`` llama.cpp's own server on the same file with ``-np 8`` parallel slots,
                    the concurrent peer (``--llama-server PATH``, default the one on PATH;
                    built from llama-cpp-python's vendored source with the web UI off)
+
+Each single-stream peer runs in a process of its own (``llm_parts/peer.py``) on the same
+prompt ids; one not installed is a row saying so.
 
 Measures, for a 128-token prompt and 128 generated tokens (``--prompt``, ``--new``):
 time to first token (prefill + first token), single-stream decode tokens/s (tokens after
@@ -24,14 +32,16 @@ latency seen by the clients. Also kiln's cold compile time (compile cache off), 
 time in a fresh process, the server's resident memory, and memory bandwidth: the weight
 bytes a decode step reads over its time, against this machine's copy bandwidth.
 
-Targets (issue 17): fp32 >= 2x HF decode; quantized >= 1.0x llama.cpp decode; time to
-first token <= 0.30 s; 8-stream aggregate >= 1.2x llama.cpp's server; cold compile <= 90 s,
-load <= 2 s.
+Targets (issue 32): quantized single-stream decode >= 1.1x llama.cpp and >= 1.0x OpenVINO
+GenAI; time to first token <= 0.20 s and <= OpenVINO GenAI's; 8-stream aggregate >= 1.5x
+llama-server; decode bandwidth >= 70 % of the copy bandwidth; cold compile <= 60 s, load <= 1 s.
+Only ratios from one run count: these machines vary by tens of percent from day to day.
 
 Usage::
 
     python benchmarks/llm.py                     # ~15 minutes on 2 cores, compiles included
     python benchmarks/llm.py --reuse             # keep the compiled artifact between runs
+    python benchmarks/llm.py --quick --reuse     # every row runs (int4, 32 tokens): a check, not a record
 
 Results: a table on stdout and JSON (default ``benchmarks/results/llm.json``).
 """
@@ -79,6 +89,13 @@ def gguf_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
 
 
+def gguf_weight_mb(path) -> float:
+    """The GGUF file's tensor bytes: what a decode step reads, weights kept as blocks (the
+    embedding table is the tied output projection, read whole)."""
+    import gguf
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) / 1e6
+
+
 def prompt_ids(tok, n) -> list:
     ids = tok.encode(TEXT * 8)
     return ids[:n]
@@ -100,20 +117,52 @@ def bench_hf(model, ids, new) -> dict:
     return {"ttft_s": ttft, "decode_tok_s": (new - 1) / (total - ttft), "tokens": out[0, len(ids):].tolist()}
 
 
-def bench_llamacpp(path, ids, new, threads) -> dict | None:
-    try:
-        import llama_cpp
-    except ImportError:
+def bench_peer(peer, model_path, ids, new, threads) -> dict | None:
+    """A single-stream peer (llama.cpp, OpenVINO GenAI, ONNX Runtime GenAI) in a process of
+    its own (``llm_parts/peer.py``); None where it is not installed."""
+    r = subprocess.run([sys.executable, str(HERE / "llm_parts" / "peer.py"), peer, "--model", str(model_path),
+                        "--ids", ",".join(map(str, ids)), "--new", str(new), "--threads", str(threads)],
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    if r.returncode:
+        log(f"{peer} failed: {r.stderr[-1500:]}")
+        return {"failed": r.stderr[-500:]}
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    if "missing" in res:
+        log(f"{peer}: {res['missing']}")
         return None
-    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
-    llm.create_completion(ids, max_tokens=2, temperature=0)            # warm-up
-    llm.reset()                 # else it reuses the warm-up's KV cache for the same prompt
-    times = []
-    t0 = time.perf_counter()
-    for _ in llm.create_completion(ids, max_tokens=new, temperature=0, stream=True):
-        times.append(time.perf_counter())
-    return {"ttft_s": times[0] - t0, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
-            "version": getattr(llama_cpp, "__version__", "?")}
+    return res
+
+
+def ort_genai_model(work: Path, model, tok) -> Path | None:
+    """SmolLM2 as ONNX Runtime GenAI's own builder makes it for the CPU at int4 (its
+    ``MatMulNBits`` in blocks of 32, quantized again from the GGUF's dequantized weights:
+    it cannot read Q4_1), built once into ``work``."""
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return None
+    out = work / "ort-genai-int4"
+    if (out / "genai_config.json").exists():
+        return out
+    hf = work / "smollm2-hf"
+    # the weights are plain float32 once transformers has dequantized the GGUF; saving them
+    # as such (transformers refuses to save a model it loaded from GGUF)
+    quantizer, qconfig = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
+    model.hf_quantizer = None
+    if qconfig is not None:
+        del model.config.quantization_config
+    try:
+        model.save_pretrained(hf)
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
+    tok.save_pretrained(hf)
+    r = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+                        "-p", "int4", "-e", "cpu", "-c", str(work / "ort-genai-cache")],
+                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if r.returncode:
+        log(f"ONNX Runtime GenAI's builder failed: {r.stderr[-1500:]}")
+        return None
+    return out
 
 
 # -- kiln --------------------------------------------------------------------------------------------
@@ -244,48 +293,85 @@ def copy_bandwidth_gbs() -> float:
 
 
 # -- report ------------------------------------------------------------------------------------------
-BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32}    # data + a scale per group
+# bytes a decode step reads per weight: data plus a float scale (and, int4, a float offset) per
+# block of 32; int4 keeps the output projection as int8 (GGUF's Q8_0), as the Q4_1 file does
+BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1 + 4 / 32, "int4": 0.5 + 8 / 32}
+HEAD_BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1 + 4 / 32, "int4": 1 + 4 / 32}
+
+
+def weights_mb(model, name) -> float:
+    """Weight bytes one decode step reads (the embedding table is read one row a token; as
+    the tied output projection it is read whole)."""
+    head = model.lm_head.weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return (body * BYTES_PER_WEIGHT[name] + head * HEAD_BYTES_PER_WEIGHT[name]) / 1e6
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def render(res) -> str:
-    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp", "8-stream tok/s", "vs llama-server",
-             "p95 ITL ms", "compile s", "load s", "artifact MB", "heap MiB")]
-    hf = res["peers"]["hf-fp32"]["decode_tok_s"]
-    cpp = (res["peers"].get("llama.cpp") or {}).get("decode_tok_s")
-    cpp_srv = (res["peers"].get("llama-server") or {}).get("aggregate_tok_s")
-    for name, r in res["peers"].items():
+    rows = [("", "TTFT s", "decode tok/s", "vs HF", "vs llama.cpp", "vs OV GenAI", "TTFT / OV GenAI's",
+             "8-stream tok/s", "vs llama-server", "p95 ITL ms", "compile s", "load s", "artifact MB", "heap MiB")]
+    peers = res["peers"]
+    hf = peers["hf-fp32"]["decode_tok_s"]
+    cpp = (peers.get("llama.cpp") or {}).get("decode_tok_s")
+    ov = peers.get("openvino-genai") or {}
+    cpp_srv = (peers.get("llama-server") or {}).get("aggregate_tok_s")
+    blank = ("",) * (len(rows[0]) - 2)
+    for name, r in peers.items():
         if r is None:
-            rows.append((name, "not installed") + ("",) * 10)
+            rows.append((name, "not installed") + blank)
+        elif "failed" in r:
+            rows.append((name, "failed (see log)") + blank)
         elif name == "llama-server":
-            rows.append((name,) + ("-",) * 4 + (f"{r['aggregate_tok_s']:.1f}", "1.00x", f"{r['p95_itl_s'] * 1e3:.1f}",
+            rows.append((name,) + ("-",) * 6 + (f"{r['aggregate_tok_s']:.1f}", "1.00x", f"{r['p95_itl_s'] * 1e3:.1f}",
                                                 "-", "-", "-", f"{r['server_anon_mb']:.0f}"))
         else:
-            rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / hf:.2f}x",
-                         f"{r['decode_tok_s'] / cpp:.2f}x" if cpp else "-") + ("-",) * 7)
+            rows.append((name, f"{r['ttft_s']:.3f}", f"{r['decode_tok_s']:.1f}", _ratio(r["decode_tok_s"], hf),
+                         _ratio(r["decode_tok_s"], cpp), _ratio(r["decode_tok_s"], ov.get("decode_tok_s")),
+                         _ratio(r["ttft_s"], ov.get("ttft_s"))) + ("-",) * 7)
     for name, k in res["kiln"].items():
-        one, srv = k["single"], k["server"]
+        one, srv = k["single"], k.get("server")
         rows.append((f"kiln-{name}", f"{one['ttft_s']:.3f}", f"{one['decode_tok_s']:.1f}",
-                     f"{one['decode_tok_s'] / hf:.2f}x", f"{one['decode_tok_s'] / cpp:.2f}x" if cpp else "-",
-                     f"{srv['aggregate_tok_s']:.1f}", f"{srv['aggregate_tok_s'] / cpp_srv:.2f}x" if cpp_srv else "-",
-                     f"{srv['p95_itl_s'] * 1e3:.1f}", f"{k['compile_s']:.1f}",
-                     f"{k['load']['load_s']:.2f}", f"{k['artifact_mb']:.0f}", f"{srv['server_anon_mb']:.0f}"))
+                     _ratio(one["decode_tok_s"], hf), _ratio(one["decode_tok_s"], cpp),
+                     _ratio(one["decode_tok_s"], ov.get("decode_tok_s")), _ratio(one["ttft_s"], ov.get("ttft_s")))
+                    + ((f"{srv['aggregate_tok_s']:.1f}", _ratio(srv["aggregate_tok_s"], cpp_srv),
+                        f"{srv['p95_itl_s'] * 1e3:.1f}") if srv else ("-",) * 3)
+                    + (f"{k['compile_s']:.1f}", f"{k['load']['load_s']:.2f}", f"{k['artifact_mb']:.0f}",
+                       f"{srv['server_anon_mb']:.0f}" if srv else "-"))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     lines.append("")
+    bw = res["copy_bandwidth_gbs"]
+    for name, r in peers.items():
+        if r and r.get("weights_mb"):
+            lines.append(f"{name}: decode reads ~{r['weights_mb']:.0f} MB per token -> "
+                         f"{r['weights_mb'] / 1e3 * r['decode_tok_s']:.1f} GB/s, "
+                         f"{r['weights_mb'] / 1e3 * r['decode_tok_s'] / bw:.0%} of {bw:.1f} GB/s copy bandwidth"
+                         + (f"; greedy tokens equal to Hugging Face's: the first {r['greedy_tokens_equal_hf']}"
+                            if "greedy_tokens_equal_hf" in r else ""))
+    if ov.get("own_tpot_ms"):
+        lines.append(f"openvino-genai's own metrics: TTFT {ov['own_ttft_s']:.3f} s, TPOT {ov['own_tpot_ms']:.2f} ms "
+                     f"({ov['own_decode_tok_s']:.1f} tok/s); pipeline load {ov['load_s']:.1f} s")
     for name, k in res["kiln"].items():
         gate = k.get("accuracy_gate")
         lines.append(f"kiln-{name}: greedy tokens equal to Hugging Face's: the first "
                      f"{k['greedy_tokens_equal_hf']} of {res['new_tokens']}")
+        engines = k["engines"]
         lines.append(f"kiln-{name}: decode reads ~{k['weights_mb']:.0f} MB of weights per step -> "
-                     f"{k['achieved_gbs']:.1f} GB/s of {res['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth"
+                     f"{k['achieved_gbs']:.1f} GB/s, {k['achieved_gbs'] / bw:.0%} of {bw:.1f} GB/s copy bandwidth"
                      + (f"; gate: perplexity x{gate['ppl_ratio']:.3f} (limit {gate['max_ppl_ratio']}), greedy "
                         f"agreement {gate['agreement']:.1%} (limit {gate['min_agreement']:.0%}): "
                         f"{'passes' if gate['passed'] else 'FAILS'}" if gate else "")
-                     + f"; server RSS {k['server']['server_rss_mb']:.0f} MiB (file pages included), "
-                       f"anonymous {k['server']['server_anon_mb']:.0f} MiB; engines: decode "
-                       f"{sorted({e for v in k['engines']['decode'].values() for e, _ in v})}, prefill "
-                       f"{sorted({e for e, _ in k['engines']['prefill']})}")
-    lines.append(f"load excludes `import kiln` ({next(iter(res['kiln'].values()))['load']['import_s']:.2f} s)")
+                     + (f"; server RSS {k['server']['server_rss_mb']:.0f} MiB (file pages included), "
+                        f"anonymous {k['server']['server_anon_mb']:.0f} MiB" if k.get("server") else "")
+                     + f"; engines: decode {sorted({e for v in engines['decode'].values() for e, _ in v})}, "
+                       f"prefill {sorted({e for e, _ in engines['prefill']})}; batch invariance "
+                       f"{k.get('batch_invariance')}")
+    if res["kiln"]:
+        lines.append(f"load excludes `import kiln` ({next(iter(res['kiln'].values()))['load']['import_s']:.2f} s)")
     return "\n".join(lines)
 
 
@@ -326,11 +412,13 @@ def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
     log(f"kiln {name}: single stream")
     k["single"] = bench_kiln_single(llm, ids, args.new)
     k["greedy_tokens_equal_hf"] = same_prefix(k["single"].pop("tokens"), hf_tokens)
-    k["weights_mb"] = sum(p.numel() for p in model.parameters()) * BYTES_PER_WEIGHT[name] / 1e6
+    k["weights_mb"] = weights_mb(model, name)
     k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
+    k["batch_invariance"] = llm.batch_invariance
     del llm
-    log(f"kiln {name}: serve, {args.streams} streams")
-    k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
+    if args.streams > 1:
+        log(f"kiln {name}: serve, {args.streams} streams")
+        k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
     return k
 
 
@@ -342,6 +430,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reuse", action="store_true", help="reuse the compiled artifacts from a previous run")
     p.add_argument("--variants", default="fp32,int8,int4", help="kiln builds: fp32, int8, int4 (weight-only)")
+    p.add_argument("--quick", action="store_true",
+                   help="a check that every row runs: int4 only (unless --variants says otherwise), 32 "
+                        "generated tokens; numbers not for the record")
+    p.add_argument("--peers", default="llama.cpp,openvino-genai,ort-genai",
+                   help="single-stream peers to run, each in its own process (default all three)")
     p.add_argument("--llama-server", default=shutil.which("llama-server"),
                    help="llama.cpp's llama-server binary, for the concurrent-streams peer "
                         "(default: the one on PATH; built from llama.cpp's source, tools/server)")
@@ -352,6 +445,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.quick:
+        args.new = min(args.new, 32)
+        if "--variants" not in " ".join(argv if argv is not None else sys.argv):
+            args.variants = "int4"
     torch.set_num_threads(args.threads)
     from kiln.llm.source import load_pretrained
     path = gguf_path()
@@ -364,10 +461,18 @@ def main(argv=None):
     log("Hugging Face generate")
     res["peers"]["hf-fp32"] = bench_hf(model, ids, args.new)
     hf_tokens = res["peers"]["hf-fp32"].pop("tokens")
-    log("llama.cpp")
-    res["peers"]["llama.cpp"] = bench_llamacpp(path, ids, args.new, args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    wanted = [p for p in args.peers.split(",") if p]
+    for peer in wanted:
+        where = path if peer != "ort-genai" else ort_genai_model(work, model, tok)
+        log(peer)
+        r = bench_peer(peer, where, ids, args.new, args.threads) if where else None
+        if r and "tokens" in r:
+            r["greedy_tokens_equal_hf"] = same_prefix(r.pop("tokens"), hf_tokens)
+        if r and "failed" not in r and peer != "ort-genai":         # the GGUF readers: the file's bytes
+            r["weights_mb"] = gguf_weight_mb(path)
+        res["peers"][peer] = r
     log(f"llama.cpp server, {args.streams} streams")
     res["peers"]["llama-server"] = bench_llama_server(args.llama_server, path, ids, args.new, args.streams,
                                                       args.threads, work)

@@ -1,8 +1,8 @@
 """The real SmolLM2-135M-Instruct (its GGUF, dequantized to float32 by transformers),
 compiled by kiln into an LLM artifact for 8 streams, served, and asked through the openai
 client: the greedy chat completion is Hugging Face's, a client that hangs up cancels its
-generation, and, in float32, int8 and int4, eight chats at once, in either arrival order,
-each get exactly the tokens they get alone (issue 30: 5 of 8 int4 chats parted from their
+generation, and, in float32, int8 and int4, eight chats at once through the 8-row decode
+graph, in either arrival order, each get exactly the 64 greedy tokens they get alone (issue 30: 5 of 8 int4 chats parted from their
 solo runs on the machine the issue was filed from)."""
 import importlib.util
 import os
@@ -100,9 +100,13 @@ def test_eight_real_chats_at_once_equal_their_solo_runs(smollm2, mode):
     for q in QUESTIONS:
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    alone = [llm.generate([p], 48, stop_at_eos=False)[0] for p in prompts]
-    together = llm.generate(prompts, 48, stop_at_eos=False)
-    reversed_ = llm.generate(prompts[::-1], 48, stop_at_eos=False)[::-1]
+    alone = [llm.generate([p], 64, stop_at_eos=False)[0] for p in prompts]
+    together = llm.generate(prompts, 64, stop_at_eos=False)
+    reversed_ = llm.generate(prompts[::-1], 64, stop_at_eos=False)[::-1]
     parted = [i for i in range(len(prompts)) if together[i] != alone[i] or reversed_[i] != alone[i]]
     assert not parted, f"chats {parted} differ from their solo runs; {llm.batch_invariance}"
+    # and the eight ran as one batch through the 8-row graph (requirement 5 of issue 32), not
+    # one row at a time, which would be equal by construction
+    assert not llm.batch_invariance["row_by_row"] and 8 in llm.batch_invariance["decode_rows"], \
+        llm.batch_invariance
     assert len({tuple(t) for t in alone}) == len(prompts)       # eight different answers
