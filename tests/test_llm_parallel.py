@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,9 +28,20 @@ def test_graphs_compiled_in_workers_generate_hugging_face_tokens():
     assert llm.generate(PROMPTS[:1], 10, stop_at_eos=False) == [_hf_greedy(model, PROMPTS[0], 10)]
 
 
-def test_a_workers_error_is_raised_with_its_type_and_message():
-    with pytest.raises(CompilerArgsError, match=r"(prefill|decode) \S+ graph: .*optlevel"):
+def test_a_workers_error_is_raised_with_its_type_and_message(tmp_path):
+    # the graph this process compiles itself (the first) fails the same way, naming it
+    with pytest.raises(CompilerArgsError, match=r"prefill 4 graph: .*optlevel"):
         compile_llm(_model("llama"), batch_size=2, context_buckets=(4,), cache_length=16, optlevel=7, workers=2)
+    # and a worker's: its process reports the error, raised here with its type
+    from kiln.llm.build import _decode_example
+    from kiln.llm.decoder import cache_shape
+    model = _model("llama")
+    job = ("decode 2x16", {"with_cache": True, "last_only": False}, _decode_example(cache_shape(model.config, 2, 16), 2))
+    torch.save({"model": model, "options": {"optlevel": 7}, "jobs": [job, job]}, tmp_path / "jobs.pt")
+    workers = parallel._Workers(str(tmp_path), ["unused", "decode 2x16"], None)
+    with pytest.raises(CompilerArgsError, match=r"decode 2x16 graph: .*optlevel"):
+        workers.start([1], 1)
+        workers.run(1)
 
 
 def test_small_models_compile_in_this_process():

@@ -27,7 +27,9 @@ machine) and by the interleaved rounds it already takes, which spread background
 over every candidate alike.
 
 Used when it pays (:func:`default_workers`): spawning a worker costs a few seconds of
-imports, more than a tiny model's whole graph.
+imports, more than a tiny model's whole graph. For the same reason this process compiles
+the first graph itself while the workers compile the others (``workers`` counts it): one
+worker fewer to start, and one graph neither saved by a worker nor loaded back here.
 """
 from __future__ import annotations
 
@@ -94,41 +96,85 @@ def compile_graphs(model, jobs, trace_options: dict, workers: int, on_graph=None
             log.warning("kiln llm: compiling the graphs one after another in this process: the model "
                         "cannot be sent to worker processes (%s: %s)", type(e).__name__, e)
             return None
-        _run(tmp, len(jobs), workers, [name for name, _, _ in jobs], on_graph)
+        names = [name for name, _, _ in jobs]
+        runner = _Workers(tmp, names, on_graph)
+        try:
+            runner.start(range(1, len(jobs)), workers - 1)
+            here = _compile_here(model, jobs[0], trace_options)
+            runner.finished(names[0], here[1])
+            runner.run(workers)
+        finally:
+            runner.stop()
         started = time.perf_counter()
-        graphs = [load(os.path.join(tmp, f"{k}.kiln"), trust_native_code=True) for k in range(len(jobs))]
-        log.info("kiln llm: loaded %d graphs from the workers in %.1fs", len(graphs), time.perf_counter() - started)
+        graphs = [here[0]] + [load(os.path.join(tmp, f"{k}.kiln"), trust_native_code=True)
+                              for k in range(1, len(jobs))]
+        log.info("kiln llm: loaded %d graphs from the workers in %.1fs", len(graphs) - 1,
+                 time.perf_counter() - started)
         return graphs
 
 
-def _run(tmp, n_jobs, workers, names, on_graph) -> None:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    pending, running, done = list(range(n_jobs)), {}, 0
+def _compile_here(model, job, trace_options) -> tuple:
+    """``(graph, seconds)``: ``job`` compiled in this process; its error is raised as a
+    worker's would be, naming the graph."""
+    from kiln.compiler.api import trace
+    from kiln.llm.decoder import DecoderStep
+    name, step_kwargs, example = job
+    started = time.perf_counter()
     try:
-        while pending or running:
-            while pending and len(running) < workers:
-                k = pending.pop(0)
-                # output to files, not pipes: a worker's warnings could fill a pipe nobody
-                # reads until it exits, and it would never exit
-                with open(os.path.join(tmp, f"{k}.out"), "w") as out, open(os.path.join(tmp, f"{k}.err"), "w") as err:
-                    running[k] = (time.perf_counter(), subprocess.Popen(
-                        [sys.executable, "-c", "from kiln.llm.parallel import worker_main; worker_main()",
-                         tmp, str(k)], env=env, stdout=out, stderr=err))
-            for k, (started, proc) in list(running.items()):
+        graph = trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options)
+    except errors.KilnError as e:
+        raise type(e)(f"{name} graph: {e}") from e
+    return graph, time.perf_counter() - started
+
+
+class _Workers:
+    """The worker processes of one compile: started per job, waited for, reported."""
+
+    def __init__(self, tmp, names, on_graph):
+        self.tmp, self.names, self.on_graph = tmp, names, on_graph
+        self.env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [self.env.get("PYTHONPATH")] if p])
+        self.pending, self.running, self.done = [], {}, 0
+
+    def start(self, jobs, at_most: int) -> None:
+        """Queue ``jobs`` and start up to ``at_most`` workers at once."""
+        self.pending += list(jobs)
+        self._fill(at_most)
+
+    def _fill(self, at_most):
+        while self.pending and len(self.running) < at_most:
+            k = self.pending.pop(0)
+            # output to files, not pipes: a worker's warnings could fill a pipe nobody
+            # reads until it exits, and it would never exit
+            with open(os.path.join(self.tmp, f"{k}.out"), "w") as out, \
+                    open(os.path.join(self.tmp, f"{k}.err"), "w") as err:
+                self.running[k] = (time.perf_counter(), subprocess.Popen(
+                    [sys.executable, "-c", "from kiln.llm.parallel import worker_main; worker_main()",
+                     self.tmp, str(k)], env=self.env, stdout=out, stderr=err))
+
+    def finished(self, name, seconds) -> None:
+        self.done += 1
+        if self.on_graph is not None:
+            self.on_graph(name, self.done, len(self.names), seconds)
+
+    def run(self, workers: int) -> None:
+        """Until every queued job is done, up to ``workers`` at once; a failure is raised."""
+        while self.pending or self.running:
+            self._fill(workers)
+            for k, (started, proc) in list(self.running.items()):
                 if proc.poll() is None:
                     continue
-                del running[k]
-                seconds = _check(_read(tmp, f"{k}.out"), _read(tmp, f"{k}.err"), proc.returncode, names[k])
-                log.info("kiln llm: %s graph compiled in a worker: %s", names[k],
+                del self.running[k]
+                seconds = _check(_read(self.tmp, f"{k}.out"), _read(self.tmp, f"{k}.err"), proc.returncode,
+                                 self.names[k])
+                log.info("kiln llm: %s graph compiled in a worker: %s", self.names[k],
                          ", ".join(f"{what} {s:.1f}" for what, s in seconds.items()))
-                done += 1
-                if on_graph is not None:
-                    on_graph(names[k], done, n_jobs, time.perf_counter() - started)
+                self.finished(self.names[k], time.perf_counter() - started)
             time.sleep(0.1)
-    finally:
-        for _, proc in running.values():       # an error or ^C: no orphaned compiles
+
+    def stop(self) -> None:
+        for _, proc in self.running.values():       # an error or ^C: no orphaned compiles
             proc.kill()
             proc.wait()
 
