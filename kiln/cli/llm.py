@@ -42,9 +42,9 @@ def add_parser(sub):
                         "int8 / int4 = kiln's weight-only quantization, none = float32 (the default "
                         "otherwise); all but none are held to the LLM accuracy gate")
     c.add_argument("--max-ppl-ratio", type=float, default=None,
-                   help="the gate's most perplexity relative to float32 (default: int8 1.05, int4 1.25)")
+                   help="the gate's most perplexity relative to float32 (default: int8 and gguf 1.05, int4 1.25)")
     c.add_argument("--min-agreement", type=float, default=None,
-                   help="the gate's least greedy agreement with float32 (default: int8 0.90, int4 0.75)")
+                   help="the gate's least greedy agreement with float32 (default: int8 0.90, gguf 0.85, int4 0.75)")
     c.add_argument("--workers", type=int, default=None,
                    help="processes compiling graphs side by side (default: one per CPU for models "
                         "of 20M parameters or more)")
