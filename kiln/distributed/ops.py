@@ -68,19 +68,32 @@ _LIB.impl("all_gather", lambda x, dim, size, group: _gathered(x, dim, size), "Me
 _LIB.impl("reduce_scatter", lambda x, dim, size, group: _scattered(x, dim, size), "Meta")
 
 
-@torch.library.register_fake("kiln::all_reduce")
+def _register_fake(name, fn):
+    """FakeTensor's shape function for ``name``. Older torch (2.11, the GPU image's) refuses a
+    fake implementation for an operator that already has a Meta kernel; there FakeTensor uses
+    the Meta kernel registered above, which computes the same shapes."""
+    try:
+        torch.library.register_fake(name)(fn)
+    except RuntimeError as e:
+        if "Meta" not in str(e) and "abstract" not in str(e):
+            raise
+
+
 def _fake_all_reduce(x, group, op="sum"):
     return torch.empty_like(x)
 
 
-@torch.library.register_fake("kiln::all_gather")
 def _fake_all_gather(x, dim, size, group):
     return _gathered(x, dim, size)
 
 
-@torch.library.register_fake("kiln::reduce_scatter")
 def _fake_reduce_scatter(x, dim, size, group):
     return _scattered(x, dim, size)
+
+
+_register_fake("kiln::all_reduce", _fake_all_reduce)
+_register_fake("kiln::all_gather", _fake_all_gather)
+_register_fake("kiln::reduce_scatter", _fake_reduce_scatter)
 
 
 def all_reduce(x, group: str = "tp", op: str = "sum"):
