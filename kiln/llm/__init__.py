@@ -12,7 +12,9 @@ as explicit input tensors and the new keys and values as outputs, compiled throu
   greedy agreement against float32, teacher-forced on a fixed text);
 * :mod:`kiln.llm.parallel`: the graphs compiled side by side in worker processes;
 * :mod:`kiln.llm.source`: a decoder and its tokenizer read from a local checkpoint
-  directory or GGUF file.
+  directory or GGUF file (:mod:`kiln.llm.gguf_file` checks the file first);
+* :mod:`kiln.llm.gguf_keep` / :mod:`kiln.llm.gguf_blocks`: ``quantize="gguf"``, the file's
+  own blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept on ONNX Runtime's kernels.
 
 The runtime side needs none of this package: :mod:`kiln.runtime.llm` (the loaded artifact,
 ``generate``), :mod:`kiln.runtime.kv` (the preallocated cache and its windows),
