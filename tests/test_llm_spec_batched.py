@@ -154,6 +154,12 @@ def test_ngram_lookup_and_clear_errors(tiny_llm, target):
         llm.scheduler(draft=other)
     with pytest.raises(InputError, match="draft= takes 'ngram'"):
         llm.scheduler(draft=3.5)
+    from kiln.errors import KilnError
+    from kiln.serving.server import parse_drafts
+    assert parse_drafts(["ngram"], ["a=x.kiln"]) == {"*": "ngram"}
+    assert parse_drafts(["a=d.kiln"], ["a=x.kiln"]) == {"a": "d.kiln"}
+    with pytest.raises(KilnError, match="--draft names b, which is not a served model"):
+        parse_drafts(["b=ngram"], ["a=x.kiln"])
 
 
 def test_server_streams_speculative_answers_equal_to_the_target_alone(tiny_llm, target, tmp_path):

@@ -164,8 +164,10 @@ def parse_pairs(items: list) -> dict:
     return out
 
 
-def parse_drafts(values: list) -> dict:
-    """``--draft`` values (``DRAFT`` or ``MODEL=DRAFT``) as ``{model or "*": draft}``."""
+def parse_drafts(values: list, models=()) -> dict:
+    """``--draft`` values (``DRAFT`` or ``MODEL=DRAFT``) as ``{model or "*": draft}``; a
+    MODEL that is not among ``models`` (the served ones) is an error."""
+    from kiln.serving.repository import resolve_models
     drafts = {}
     for value in values:
         name, sep, draft = value.partition("=")
@@ -174,6 +176,11 @@ def parse_drafts(values: list) -> dict:
             raise KilnError(f"--draft {value!r}: give one DRAFT ('ngram' or a .kiln path) per model, as "
                             "--draft DRAFT or --draft MODEL=DRAFT")
         drafts[name] = draft
+    served = set(resolve_models(models)) if models else set()
+    unknown = sorted(set(drafts) - {"*"} - served) if models else []
+    if unknown:
+        raise KilnError(f"--draft names {', '.join(unknown)}, which is not a served model (served: "
+                        f"{', '.join(sorted(served))})")
     return drafts
 
 
@@ -191,7 +198,7 @@ def run(args) -> int:
                      instances=args.instances, timeout_s=args.timeout, threads=args.threads,
                      max_request_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
                      merge_check=not args.no_merge_check, embeddings=parse_pairs(args.embeddings),
-                     drafts=parse_drafts(args.draft), prompt_lookup_max=args.prompt_lookup_max,
+                     drafts=parse_drafts(args.draft, args.models), prompt_lookup_max=args.prompt_lookup_max,
                      prompt_lookup_min=args.prompt_lookup_min)
     except KilnError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
