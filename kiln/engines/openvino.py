@@ -41,6 +41,7 @@ import torch
 
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
+from kiln.engines import ov_attention
 from kiln.engines.base import Engine
 from kiln.host import target as host_target
 
@@ -321,19 +322,18 @@ def _for_openvino(partition, example_inputs):
     """
     aten = torch.ops.aten
     nodes = list(partition.graph.nodes)
-    if any(_sdpa(n) and _repeated_heads(n) for n in nodes):
-        from torch._decomp import core_aten_decompositions
-        from torch.fx.experimental.proxy_tensor import make_fx
-        with torch.no_grad():
-            return make_fx(partition, decomposition_table=core_aten_decompositions())(*example_inputs)
-    if not any(n.target is aten.reshape.default or (_sdpa(n) and _sdpa_mask(n) is not None) for n in nodes):
+    repeated = any(_sdpa(n) and _repeated_heads(n) for n in nodes)
+    if not repeated and not any(n.target is aten.reshape.default or (_sdpa(n) and _sdpa_mask(n) is not None)
+                                for n in nodes):
         return partition
     graph = copy.deepcopy(partition.graph)
     for node in list(graph.nodes):
         if node.target is aten.reshape.default:
             node.target = aten.view.default
-        elif _sdpa(node) and _sdpa_mask(node) is not None:
+        elif _sdpa(node) and _sdpa_mask(node) is not None and not repeated:
             _zero_fully_masked_rows(graph, node)
+    if repeated:        # torch's decomposition, node by node (kiln.engines.ov_attention)
+        return ov_attention.decompose(partition, graph, _sdpa)
     return torch.fx.GraphModule(partition, graph)
 
 
