@@ -50,19 +50,37 @@ def prompts(tok, n: int) -> dict:
 
 
 def build(model, tok, args, work: Path, name: str, **options):
-    """Compile (or, with --reuse, load) one artifact."""
+    """Compile one LLM (kiln's compile cache makes a repeated run cheap); with --save, also
+    write it to --work, and with --reuse load it from there. Not saved by default: the fp32
+    target's five graphs are 2.7 GB, whose saving ran a 23 GB machine shared with other
+    work out of memory."""
     import kiln
     path = work / f"smollm2-{name}-b{args.streams}-c{args.cache}-k{args.k}.kiln"
-    if not (args.reuse and path.exists()):
-        from kiln.llm.build import compile_llm
-        t0 = time.perf_counter()
-        llm = compile_llm(model, batch_size=args.streams, context_buckets=(args.prompt,), cache_length=args.cache,
-                          tokenizer=tok, on_graph=lambda g, i, n, s: log(f"{name}: compiled {g} ({i}/{n}) in {s:.1f}s"),
-                          **options)
+    if args.reuse and path.exists():
+        return kiln.load(path, threads=args.threads)
+    from kiln.llm.build import compile_llm
+    t0 = time.perf_counter()
+    llm = compile_llm(model, batch_size=args.streams, context_buckets=(args.prompt,), cache_length=args.cache,
+                      tokenizer=tok, on_graph=lambda g, i, n, s: log(f"{name}: compiled {g} ({i}/{n}) in {s:.1f}s"),
+                      **options)
+    log(f"{name}: compiled in {time.perf_counter() - t0:.0f}s")
+    if args.save:
         llm.save(path)
-        log(f"{name}: compiled in {time.perf_counter() - t0:.0f}s -> {path}")
-        del llm
-    return kiln.load(path, threads=args.threads)
+    return llm
+
+
+def eager_llm(model, args):
+    """An LLM whose graphs are the uncompiled DecoderSteps (the same modules kiln compiles)."""
+    from kiln.llm.decoder import DecoderStep, cache_shape
+    from kiln.runtime.llm import FORMAT, LLM
+    prefill = DecoderStep(model, with_cache=False, last_only=True).eval()
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    rows = sorted({1, args.streams})
+    meta = {"format": FORMAT, "batch_size": args.streams, "decode_batches": rows, "context_buckets": [args.prompt],
+            "speculation_length": args.k, "cache_shape": list(cache_shape(model.config, args.streams, args.cache)),
+            "vocab_size": model.config.vocab_size, "eos_token_ids": []}
+    return LLM({args.prompt: prefill}, {b: step for b in rows}, meta, {}, manifest={"kind": "llm"},
+               verify={b: step for b in rows})
 
 
 def run(target, draft, prompt: list, streams: int, new: int) -> dict:
@@ -104,7 +122,7 @@ def measure(target, drafts: dict, texts: dict, args) -> list:
 
 
 def render(res) -> str:
-    out = [f"SmolLM2-135M-Instruct fp32 target, k={res['k']}, {res['new_tokens']} new tokens, "
+    out = [f"SmolLM2-135M-Instruct fp32 target ({res['graphs']} graphs), k={res['k']}, {res['new_tokens']} new tokens, "
            f"{res['threads']} threads ({res['date']})", "",
            "| prompt | streams | drafting | decode tok/s | speed-up | accepted / proposed | same tokens |",
            "|---|---|---|---|---|---|---|"]
@@ -123,7 +141,12 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=4, help="speculation length (default 4)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--reuse", action="store_true", help="reuse artifacts compiled by an earlier run")
+    p.add_argument("--save", action="store_true", help="save the compiled artifacts in --work")
+    p.add_argument("--eager", action="store_true",
+                   help="run the target's steps as eager PyTorch modules instead of compiling (minutes "
+                        "less on a busy machine; n-gram drafting only): the scheduler and acceptance are "
+                        "kiln's, the per-step speed PyTorch's")
+    p.add_argument("--reuse", action="store_true", help="load the artifacts an earlier --save run wrote")
     p.add_argument("--work", default=os.path.expanduser("~/.cache/kiln/llm-spec-bench"))
     p.add_argument("--json", default=str(HERE / "results" / "llm_speculative.json"))
     args = p.parse_args(argv)
@@ -133,11 +156,16 @@ def main(argv=None):
     model, tok = load_pretrained(gguf_path())
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    target = build(model, tok, args, work, "fp32-verify", speculation_length=args.k)
-    draft = build(model, tok, args, work, "int4", quantize="int4")
+    if args.eager:
+        target, drafts = eager_llm(model, args), {"n-gram": "ngram"}
+    else:
+        target = build(model, tok, args, work, "fp32-verify", speculation_length=args.k)
+        drafts = {"int4 draft": build(model, tok, args, work, "int4", quantize="int4"), "n-gram": "ngram"}
+        del model
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": latency.machine_info(args.threads),
-           "k": args.k, "new_tokens": args.new, "threads": args.threads, "streams": args.streams}
-    res["rows"] = measure(target, {"int4 draft": draft, "n-gram": "ngram"}, prompts(tok, args.prompt), args)
+           "k": args.k, "new_tokens": args.new, "threads": args.threads, "streams": args.streams,
+           "graphs": "eager PyTorch" if args.eager else "compiled"}
+    res["rows"] = measure(target, drafts, prompts(tok, args.prompt), args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
     print(render(res))

@@ -111,7 +111,12 @@ class LLM:
             raise InputError("speculative decoding needs the target's verify graph, which this artifact lacks: "
                              "compile it with speculation_length=k (kiln llm compile --speculation-length k)")
         drafter = drafter_for(self, draft, prompt_lookup_max, prompt_lookup_min)
-        return SpeculativeStep(self.verify_steps, self.meta["speculation_length"], drafter)
+        # verify graphs for the row counts whose decode graphs passed the batch-invariance
+        # check (kiln.runtime.invariance): where a smaller graph computes a row differently,
+        # a lone stream verifies through the larger one, as it decodes through it
+        decode, _ = self._decode_plan()
+        verify = {b: g for b, g in self.verify_steps.items() if b in decode} or self.verify_steps
+        return SpeculativeStep(verify, self.meta["speculation_length"], drafter)
 
     @property
     def batch_invariance(self) -> dict:
