@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kiln.engines import ort_rewrites
+
 _TABLES: list = []
 
 
@@ -104,7 +106,7 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
     ``nodes`` when no table is active)."""
     if not _TABLES:
         return list(nodes)
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(graph.value_info) + list(graph.input)
@@ -122,14 +124,7 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
             out.append(n)           # kept in float (the file's float type, or no rank for the sums)
             continue
         out.extend(_nodes(graph, n, kept, sums, ranks.get(n.input[0]), accuracy_level))
-    del graph.node[:]
-    graph.node.extend(out)
-    used = {i for n in graph.node for i in n.input}
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    ort_rewrites.replace_nodes(model, out, microsoft=True)
     return left
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.engines import ort_rewrites
+
 BLOCK = 32
 
 
@@ -93,12 +95,5 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
                                     accuracy_level=accuracy_level))
         out.append(helper.make_node("MatMul", [sums[x], name + "/offsets"], [name + "/offset"], name=name + "/offset"))
         out.append(helper.make_node("Add", [name + "/main", name + "/offset"], [n.output[0]], name=name + "/add"))
-    del graph.node[:]
-    graph.node.extend(out)
-    used = {i for n in graph.node for i in n.input}
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    ort_rewrites.replace_nodes(model, out, microsoft=True)
     return left

@@ -17,6 +17,8 @@ import collections
 
 import numpy as np
 
+from kiln.engines import ort_rewrites
+
 
 def merge(model, nodes: list) -> list:
     """Merge the constant-weight ``MatMul`` nodes named in ``nodes`` that share their
@@ -52,12 +54,7 @@ def merge(model, nodes: list) -> list:
         names.append(name)
     if not joined:
         return list(nodes)
-    del graph.node[:]
-    graph.node.extend(out)
-    used = {i for n in graph.node for i in n.input}
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+    ort_rewrites.replace_nodes(model, out)
     return names
 
 

@@ -243,3 +243,22 @@ def _rsqrt_mean_square(g: GraphIndex, x, recip):
     if int(axes.reshape(())) not in (-1, rank - 1):
         return None
     return float(eps.reshape(())), chain[::-1]
+
+
+def replace_nodes(model, nodes: list, microsoft: bool = False):
+    """Make ``nodes`` the main graph's nodes and drop the initializers nothing reads any more
+    (the weights a rewrite replaced); ``microsoft``: the new nodes include ONNX Runtime's
+    contrib operators (``MatMulNBits``), so the model imports the ``com.microsoft`` domain.
+    Shared by the weight-only rewrites (:mod:`~kiln.engines.ort_int4`,
+    :mod:`~kiln.engines.ort_blocks`, :mod:`~kiln.engines.ort_merge`)."""
+    from onnx import helper
+    graph = model.graph
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    keep = [i for i in graph.initializer if i.name in used]
+    if len(keep) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+    if microsoft and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
