@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kiln.engines import ort_rewrites
+from kiln.engines import ort_int4, ort_rewrites
 
 _TABLES: list = []
 
@@ -109,8 +109,7 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
     from onnx import numpy_helper
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(graph.value_info) + list(graph.input)
-             if v.type.tensor_type.HasField("shape")}
+    ranks = ort_int4.value_ranks(graph)
     wanted, left, sums, out = set(nodes), [], {}, []
     for n in graph.node:
         weight = inits.get(n.input[1]) if n.op_type == "MatMul" and n.name in wanted else None
@@ -135,25 +134,12 @@ def _nodes(graph, n, kept: Kept, sums: dict, rank, accuracy_level) -> list:
     name = n.name + "/kiln_kept"
     graph.initializer.extend([numpy_helper.from_array(kept.packed(), name + "/q"),
                               numpy_helper.from_array(kept.scales.astype(np.float32), name + "/scales")])
-    x, out = n.input[0], []
+    x = n.input[0]
     product = helper.make_node("MatMulNBits", [x, name + "/q", name + "/scales"],
                                [n.output[0] if kept.offsets is None else name + "/main"], name=name,
                                domain="com.microsoft", K=k, N=cols, bits=kept.bits, block_size=kept.block,
                                accuracy_level=accuracy_level)
     if kept.offsets is None:
         return [product]
-    key = (x, kept.block)
-    if key not in sums:
-        sums[key] = f"{x}/kiln_block_sums_{kept.block}"
-        shape = [0] * (rank - 1) + [k // kept.block, kept.block]
-        graph.initializer.extend([numpy_helper.from_array(np.array(shape, np.int64), sums[key] + "/shape"),
-                                  numpy_helper.from_array(np.array([-1], np.int64), sums[key] + "/axis")])
-        out.append(helper.make_node("Reshape", [x, sums[key] + "/shape"], [sums[key] + "/blocks"],
-                                    name=sums[key] + "/reshape"))
-        out.append(helper.make_node("ReduceSum", [sums[key] + "/blocks", sums[key] + "/axis"], [sums[key]],
-                                    name=sums[key] + "/sum", keepdims=0))
     graph.initializer.append(numpy_helper.from_array(kept.offsets.astype(np.float32), name + "/offsets"))
-    out += [product,
-            helper.make_node("MatMul", [sums[key], name + "/offsets"], [name + "/offset"], name=name + "/offset"),
-            helper.make_node("Add", [name + "/main", name + "/offset"], [n.output[0]], name=name + "/add")]
-    return out
+    return ort_int4.with_offsets(graph, sums, product, x, rank, kept.block, name, n.output[0], tag="kiln_kept")

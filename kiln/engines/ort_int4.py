@@ -56,6 +56,38 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray) -> 
     return w.reshape(n, nb * BLOCK).T
 
 
+def value_ranks(graph) -> dict:
+    """Each value's rank, where the graph knows its shape (the block sums reshape by it)."""
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in list(graph.value_info) + list(graph.input)
+            if v.type.tensor_type.HasField("shape")}
+
+
+def with_offsets(graph, sums: dict, product, x: str, rank: int, block: int, name: str, output: str,
+                 tag: str = "kiln_int4") -> list:
+    """The nodes making ``output = product + block_sums(x) @ offsets``. ``product`` is the
+    symmetric ``MatMulNBits`` writing ``name + "/main"`` (its ``K`` attribute the input dim);
+    ``name + "/offsets"``, the ``[K / block, N]`` initializer of each block's offset, must be
+    in the graph. An activation's per-block sums are computed once per rewrite: ``sums`` maps
+    ``(x, block)`` to their value, shared by every product reading ``x``; ``tag`` keeps the
+    names of two rewrites of one graph (:mod:`~kiln.engines.ort_blocks`, then this module's)
+    apart."""
+    from onnx import helper, numpy_helper
+    k = next(helper.get_attribute_value(a) for a in product.attribute if a.name == "K")
+    out, key = [], (x, block)
+    if key not in sums:
+        sums[key] = f"{x}/{tag}_block_sums_{block}"
+        shape = [0] * (rank - 1) + [k // block, block]
+        graph.initializer.extend([numpy_helper.from_array(np.array(shape, np.int64), sums[key] + "/shape"),
+                                  numpy_helper.from_array(np.array([-1], np.int64), sums[key] + "/axis")])
+        out.append(helper.make_node("Reshape", [x, sums[key] + "/shape"], [sums[key] + "/blocks"],
+                                    name=sums[key] + "/reshape"))
+        out.append(helper.make_node("ReduceSum", [sums[key] + "/blocks", sums[key] + "/axis"], [sums[key]],
+                                    name=sums[key] + "/sum", keepdims=0))
+    return out + [product,
+                  helper.make_node("MatMul", [sums[key], name + "/offsets"], [name + "/offset"], name=name + "/offset"),
+                  helper.make_node("Add", [name + "/main", name + "/offset"], [output], name=name + "/add")]
+
+
 def apply(model, nodes: list, accuracy_level: int) -> list:
     """Replace the constant-weight MatMuls named in ``nodes`` (weights ``[K, N]``, K a
     multiple of :data:`BLOCK`, activation rank known) in ``model`` in place; the names of
@@ -63,8 +95,7 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
     from onnx import helper, numpy_helper
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(graph.value_info) + list(graph.input)
-             if v.type.tensor_type.HasField("shape")}
+    ranks = value_ranks(graph)
     wanted, left, sums, out = set(nodes), [], {}, []
     for n in graph.node:
         weight = inits.get(n.input[1]) if n.op_type == "MatMul" and n.name in wanted else None
@@ -80,20 +111,9 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
         graph.initializer.extend([numpy_helper.from_array(packed, name + "/q"),
                                   numpy_helper.from_array(scales, name + "/scales"),
                                   numpy_helper.from_array(offsets, name + "/offsets")])
-        x = n.input[0]
-        if x not in sums:
-            sums[x] = x + "/kiln_block_sums"
-            shape = [0] * (rank - 1) + [k // BLOCK, BLOCK]
-            graph.initializer.extend([numpy_helper.from_array(np.array(shape, np.int64), sums[x] + "/shape"),
-                                      numpy_helper.from_array(np.array([-1], np.int64), sums[x] + "/axis")])
-            out.append(helper.make_node("Reshape", [x, sums[x] + "/shape"], [sums[x] + "/blocks"],
-                                        name=sums[x] + "/reshape"))
-            out.append(helper.make_node("ReduceSum", [sums[x] + "/blocks", sums[x] + "/axis"], [sums[x]],
-                                        name=sums[x] + "/sum", keepdims=0))
-        out.append(helper.make_node("MatMulNBits", [x, name + "/q", name + "/scales"], [name + "/main"], name=name,
-                                    domain="com.microsoft", K=k, N=cols, bits=4, block_size=BLOCK,
-                                    accuracy_level=accuracy_level))
-        out.append(helper.make_node("MatMul", [sums[x], name + "/offsets"], [name + "/offset"], name=name + "/offset"))
-        out.append(helper.make_node("Add", [name + "/main", name + "/offset"], [n.output[0]], name=name + "/add"))
+        product = helper.make_node("MatMulNBits", [n.input[0], name + "/q", name + "/scales"], [name + "/main"],
+                                   name=name, domain="com.microsoft", K=k, N=cols, bits=4, block_size=BLOCK,
+                                   accuracy_level=accuracy_level)
+        out += with_offsets(graph, sums, product, n.input[0], rank, BLOCK, name, n.output[0])
     ort_rewrites.replace_nodes(model, out, microsoft=True)
     return left
