@@ -23,10 +23,11 @@ new learning rate is new data, not a new program.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
-from kiln.device import foreach, rewrites, walk
+from kiln.device import binding, foreach, replay, rewrites, walk
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
 
@@ -47,7 +48,43 @@ def current() -> tr.Trace:
 
 def dispatch(func, args, kwargs):
     with LOCK:
-        return _dispatch(func, args, kwargs)
+        return _dispatch_any(func, args, kwargs)
+
+
+_MISS = object()
+
+
+def _dispatch_any(func, args, kwargs):
+    if _current[0].template is not None:
+        out = _replay_call(func, args, kwargs)
+        if out is not _MISS:
+            return out
+    return _dispatch(func, args, kwargs)
+
+
+def _replay_call(func, args, kwargs):
+    """The call replayed whole when the template recorded it as a plain operation or a
+    view and it matches (:mod:`kiln.device.replay`): what :func:`_dispatch` would do,
+    without the checks and rewrites whose outcome the guard already fixes."""
+    trace = _current[0]
+    n = len(trace.ops)
+    ops = trace.template.ops
+    if n >= len(ops) or ops[n].func is not func or ops[n].kind is None:
+        return _MISS
+    if torch.are_deterministic_algorithms_enabled():
+        return _MISS
+    try:
+        guard, fresh = replay.guard(trace, args, kwargs)
+    except TypeError:
+        return _MISS
+    op = ops[n]
+    if op.guard != guard:
+        return _MISS            # recorded (or run) by _dispatch, which ends the replay
+    out = _outputs(trace, trace.replay(op, fresh), op)
+    if op.kind == "view":
+        _note_views(out, args, func, kwargs)
+    _window()
+    return out
 
 
 class _Info:
@@ -91,7 +128,7 @@ def _dispatch(func, args, kwargs):
         if not torch.are_deterministic_algorithms_enabled():
             out = foreach.record_whole(_record, meta_call, _rebind, func, info.name, args, kwargs)
         if out is NotImplemented:
-            return foreach.split(_dispatch, run_now, func, args, kwargs)
+            return foreach.split(_dispatch_any, run_now, func, args, kwargs)
         _window()
         return out
     if info.name in _METADATA_INPLACE:
@@ -106,7 +143,7 @@ def _dispatch(func, args, kwargs):
     factory = not (_any_device_tensor(args) or _any_device_tensor(kwargs.values()))
     if factory or leaving or not info.recordable or torch.are_deterministic_algorithms_enabled():
         return run_now(func, args, kwargs)
-    lifted = rewrites.lift_scalars(_dispatch, func, args, kwargs)
+    lifted = rewrites.lift_scalars(_dispatch_any, func, args, kwargs)
     if lifted is not NotImplemented:
         return lifted
     if info.mutation:
@@ -114,7 +151,7 @@ def _dispatch(func, args, kwargs):
     elif info.view:
         out = _record_view(func, args, kwargs)
     else:
-        out = _record(func, args, kwargs)
+        out = _record(func, args, kwargs, "plain")
     if out is NotImplemented:
         return run_now(func, args, kwargs)
     _window()
@@ -162,56 +199,8 @@ def materialize(reason: str = "observed"):
             return
         _current[0] = tr.Trace()
         bound = tr.flush(trace, POLICY, at_step=reason == "optimizer step")
-        _bind(trace, bound)
-
-
-def _bind(trace, bound):
-    seen = {d.untyped_storage().data_ptr() for _, d in trace.inputs if d.numel()}
-    views = []
-    for cell, data in bound:
-        meta = trace.metas[cell.value]
-        if data.shape != meta.shape or data.dtype != meta.dtype:
-            raise RuntimeError(f"kiln device: a compiled graph returned {data.dtype}{list(data.shape)} "
-                               f"where {meta.dtype}{list(meta.shape)} was expected")
-        if data.numel() > 1 and data.stride() != meta.stride() and _dense(meta):
-            data = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype).copy_(data)
-        ptr = data.untyped_storage().data_ptr() if data.numel() else None
-        if ptr is not None and ptr in seen and cell.live_base() is None:
-            data = data.clone()       # never let two tensors share memory that are not views
-        elif ptr is not None:
-            seen.add(ptr)
-        cell.data, cell.value = data, None
-        if cell.live_base() is not None:
-            views.append(cell)
-    for cell in views:
-        _rederive(cell)
-
-
-def _dense(meta) -> bool:
-    return meta.is_contiguous() or meta.is_contiguous(memory_format=torch.channels_last) \
-        if meta.dim() == 4 else meta.is_contiguous() or (meta.dim() == 2 and meta.t().is_contiguous())
-
-
-def _rederive(cell):
-    """Make a view's data a real view of its base's data again (after a flush)."""
-    base = cell.live_base()
-    if base is None or base._kc.data is None:
-        return
-    _, func, args, kwargs, index = cell.base
-    res = func(base._kc.data, *_host(args), **_host(kwargs))
-    cell.data = res if index is None else res[index]
-
-
-def _host_one(a):
-    if isinstance(a, dt.DeviceTensor):
-        return a.host()
-    if isinstance(a, torch.device) and a.type == dt.device_type():
-        return torch.device("cpu")
-    return a
-
-
-def _host(tree):
-    return walk.tmap(_host_one, tree)
+        binding.bind(trace, bound)
+        tr.follow(trace, _current[0])
 
 
 def _is_pending(tree) -> bool:
@@ -229,7 +218,7 @@ def run_now(func, args, kwargs):
     written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if _is_pending((args, kwargs)) or any(_read_by_trace(_arg(schema, i, args, kwargs)) for i in written):
         materialize(f"run now: {func}")
-    out = func(*_host(args), **_host(kwargs))
+    out = func(*binding.host(args), **binding.host(kwargs))
     ret = schema.returns
     if schema.name.startswith("c10d::"):
         return _same_tensors(out, (args, kwargs))
@@ -314,8 +303,10 @@ def _sig(a):
         return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
     if isinstance(a, (list, tuple)):
         return (type(a), tuple([_sig(x) for x in a]))
-    if isinstance(a, float) and a != a:
-        return "nan"
+    if isinstance(a, float):
+        return (float, a.hex())      # 1.0 is not 1 (nor -0.0 0.0): dtypes differ
+    if isinstance(a, int):
+        return (type(a), a)          # True is not 1
     return a
 
 
@@ -348,30 +339,21 @@ def meta_call(func, args, kwargs):
     return out
 
 
-def _ref_of(trace, a):
-    """The argument as the graph will read it: a value of ``trace``. 0-dim host tensors
-    (an optimizer's step count) are copied in as inputs."""
-    if isinstance(a, dt.DeviceTensor):
-        cell = a._kc
-        if cell.value is not None:
-            return tr.Ref(cell.value)
-        return trace.input(cell.data)
-    if isinstance(a, torch.Tensor):
-        return trace.input(a.detach().clone())
-    if isinstance(a, torch.device) and a.type == dt.device_type():
-        return torch.device("cpu")
-    return a
-
-
-def _refs(trace, a):
-    if isinstance(a, (list, tuple)):
-        items = [_refs(trace, x) for x in a]
-        return items if type(a) is list else tuple(items)
-    return _ref_of(trace, a)
-
-
-def _record(func, args, kwargs):
-    """Record a functional operation; returns its pending output(s), or NotImplemented."""
+def _record(func, args, kwargs, kind=None):
+    """Record a functional operation; returns its pending output(s), or NotImplemented.
+    The trace's template's next operation is replayed instead when the call matches it
+    (:mod:`kiln.device.replay`). ``kind``: how the dispatcher came to record the call
+    ("plain", "view"), which lets a later trace replay the whole call."""
+    trace = current()
+    try:
+        gargs, gkwargs, guard, fresh = replay.walk(trace, args, kwargs)
+    except TypeError:
+        return NotImplemented
+    if trace.template is not None:
+        op = replay.next_op(trace, func, guard)
+        if op is not None:
+            return _outputs(trace, trace.replay(op, fresh), op)
+        trace.diverge()
     try:
         meta_out = meta_call(func, args, kwargs)
     except Exception:
@@ -380,21 +362,29 @@ def _record(func, args, kwargs):
     metas = [meta_out] if single else list(meta_out)
     if any(m is not None and not isinstance(m, torch.Tensor) for m in metas):
         return NotImplemented
-    trace = current()
-    gargs = _refs(trace, args)
-    gkwargs = {k: _refs(trace, v) for k, v in kwargs.items()} if kwargs else {}
-    outs = trace.record(func, gargs, gkwargs, metas, single)
+    for data in fresh:
+        trace.input(data)
+    trace.record(func, gargs, gkwargs, metas, single, guard, kind, isinstance(meta_out, list))
+    return _outputs(trace, trace.ops[-1].outs, trace.ops[-1])
+
+
+def _outputs(trace, outs, op):
+    """Pending device tensors for a recorded operation's outputs."""
+    sigs = op.sigs
+    if sigs is None:
+        sigs = op.sigs = [None if k is None else dt.signature(trace.metas[k]) for k in outs]
     tensors = []
-    for k, m in zip(outs, metas):
+    hold = trace.holders
+    for k, sig in zip(outs, sigs):
         if k is None:
             tensors.append(None)
             continue
-        t = dt.pending(m, k)
-        trace.hold(k, t._kc)
-        tensors.append(t)
-    if single:
+        cell = dt.Cell(value=k)
+        hold[k] = weakref.ref(cell)
+        tensors.append(dt.made(sig, cell))
+    if op.single:
         return tensors[0]
-    return tensors if isinstance(meta_out, list) else tuple(tensors)
+    return tensors if op.listed else tuple(tensors)
 
 
 def _dropout(x, p, train=None):
@@ -422,13 +412,17 @@ def _record_view(func, args, kwargs):
         return NotImplemented
     if isinstance(meta_out, torch.Tensor) and _same_layout(meta_in, meta_out):
         return dt.alias(base, meta_out)           # detach, .data, alias: the same cell
-    out = _record(func, args, kwargs)
+    out = _record(func, args, kwargs, "view")
     if out is NotImplemented:
         return out
+    _note_views(out, args, func, kwargs)
+    return out
+
+
+def _note_views(out, args, func, kwargs):
     outs = out if isinstance(out, (list, tuple)) else [out]
     for i, o in enumerate(outs):
-        dt.note_view(o, base, func, args, kwargs, i if isinstance(out, (list, tuple)) else None)
-    return out
+        dt.note_view(o, args[0], func, args, kwargs, i if isinstance(out, (list, tuple)) else None)
 
 
 def _same_layout(a, b) -> bool:

@@ -79,15 +79,7 @@ class DeviceTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, like, cell):
         # no __init__: every operation makes one of these, and a Python __init__ costs
-        device = _TORCH_DEVICE[0]
-        if device is None:
-            device = _TORCH_DEVICE[0] = torch.device(_DEVICE[0], 0)
-        shape, stride, offset, dtype = like.shape, like.stride(), like.storage_offset(), like.dtype
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=device, requires_grad=False)
-        t._kc = cell
-        t._ksig = (dtype, shape, stride, offset, True)    # fixed: see kiln.device.dispatch._sig
-        return t
+        return made(signature(like), cell)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -133,6 +125,25 @@ class DeviceTensor(torch.Tensor):
         # torch.save writes the host data as an ordinary CPU tensor, so torch.load with
         # weights_only=True reads it; load_state_dict copies it back onto the device
         return self.host().detach().clone().__reduce_ex__(protocol)
+
+
+def signature(like) -> tuple:
+    """``(dtype, shape, strides, offset, True)``: a device tensor's fixed signature (see
+    :func:`kiln.device.replay.walk`), for one shaped like ``like``."""
+    return (like.dtype, like.shape, like.stride(), like.storage_offset(), True)
+
+
+def made(sig: tuple, cell: Cell) -> DeviceTensor:
+    """A device tensor with signature ``sig`` holding ``cell``."""
+    device = _TORCH_DEVICE[0]
+    if device is None:
+        device = _TORCH_DEVICE[0] = torch.device(_DEVICE[0], 0)
+    t = torch.Tensor._make_wrapper_subclass(
+        DeviceTensor, sig[1], strides=sig[2], storage_offset=sig[3], dtype=sig[0], device=device,
+        requires_grad=False)
+    t._kc = cell
+    t._ksig = sig
+    return t
 
 
 def wrap(data: torch.Tensor) -> DeviceTensor:

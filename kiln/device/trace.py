@@ -60,12 +60,17 @@ class Policy:
 
 
 class _Op:
-    __slots__ = ("func", "args", "kwargs", "outs", "single")
+    __slots__ = ("func", "args", "kwargs", "outs", "single", "guard", "kind", "listed", "sigs")
 
-    def __init__(self, func, args, kwargs, outs, single):
+    def __init__(self, func, args, kwargs, outs, single, guard=None, kind=None, listed=False):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outs = outs        # value index per output (None where the op returned None)
         self.single = single    # the op returns one tensor, not a tuple or list
+        # what a later trace's call must match to replay this op (kiln.device.replay)
+        self.guard = guard
+        self.kind = kind        # how the dispatcher recorded it: "plain", "view", or None
+        self.listed = listed    # the op returns a list (a tuple otherwise, unless single)
+        self.sigs = None        # the outputs' device-tensor signatures (kiln.device.tensor.signature)
 
 
 _NAMES: dict = {}           # id(op) -> its name, for keys (str() and hash() of an op run Python;
@@ -73,34 +78,60 @@ _NAMES: dict = {}           # id(op) -> its name, for keys (str() and hash() of 
 
 
 class Trace:
-    def __init__(self):
+    """A program being recorded. ``template``: an earlier trace (flushed, its data
+    released) that this one replays while their operations match (see
+    :mod:`kiln.device.replay`); a mismatch ends the replay for good (:meth:`diverge`)."""
+
+    def __init__(self, template=None):
         self.ops: list = []
         self.metas: list = []             # value index -> meta tensor (None for inputs)
         self.inputs: list = []            # (value index, host tensor)
         self._input_of: dict = {}         # id(host tensor) -> value index
         self._memory: set = set()         # storage addresses of the inputs
         self.holders: dict = {}           # value index -> weakref to the cell holding it
-        self._key = hashlib.blake2b(digest_size=16)
+        # the key's text, one chunk per operation (with the inputs it introduced), so a
+        # replay that stops part way takes the template's first chunks as its own
+        self._chunks: list = []
+        self._texts: list = []            # input texts waiting for their operation's chunk
+        self.digest = None                # the key's digest, once flushed
+        self.template = template
+        self.replayed = 0                 # operations replayed from the template
 
     def __len__(self):
         return len(self.ops)
 
+    def index_of(self, data: torch.Tensor, fresh: list) -> int:
+        """The value index ``data`` has, or will have as the next new input (appended to
+        ``fresh``, registered by :meth:`record` or :meth:`replay`)."""
+        k = self._input_of.get(id(data))
+        if k is not None:
+            return k
+        for j, d in enumerate(fresh):
+            if d is data:
+                return len(self.metas) + j
+        fresh.append(data)
+        return len(self.metas) + len(fresh) - 1
+
     def input(self, data: torch.Tensor) -> Ref:
         k = self._input_of.get(id(data))
         if k is None:
-            k = len(self.metas)
-            self.metas.append(None)       # an input's data is at hand: no meta tensor needed
-            self.inputs.append((k, data))
-            self._input_of[id(data)] = k
-            if data.numel():
-                self._memory.add(data.untyped_storage().data_ptr())
-            self._key.update(f"in{k}:{data.dtype}{tuple(data.shape)}{data.stride()};".encode())
+            k = self._add_input(data)
+            self._texts.append(f"in{k}:{data.dtype}{tuple(data.shape)}{data.stride()};")
         return Ref(k)
+
+    def _add_input(self, data) -> int:
+        k = len(self.metas)
+        self.metas.append(None)       # an input's data is at hand: no meta tensor needed
+        self.inputs.append((k, data))
+        self._input_of[id(data)] = k
+        if data.numel():
+            self._memory.add(data.untyped_storage().data_ptr())
+        return k
 
     def reads_memory(self, data: torch.Tensor) -> bool:
         return data.untyped_storage().data_ptr() in self._memory
 
-    def record(self, func, args, kwargs, out_metas, single) -> list:
+    def record(self, func, args, kwargs, out_metas, single, guard=None, kind=None, listed=False) -> list:
         outs = []
         for meta in out_metas:
             if meta is None:
@@ -108,10 +139,55 @@ class Trace:
                 continue
             outs.append(len(self.metas))
             self.metas.append(meta)
-        self.ops.append(_Op(func, args, kwargs, outs, single))
+        self.ops.append(_Op(func, args, kwargs, outs, single, guard, kind, listed))
         name = _NAMES.get(id(func)) or _NAMES.setdefault(id(func), str(func))
-        self._key.update(f"{name}{args!r}{kwargs!r}->{outs};".encode())
+        text = f"{name}{args!r}{kwargs!r}->{outs};"
+        if self._texts:
+            text = "".join(self._texts) + text
+            self._texts.clear()
+        self._chunks.append(text)
         return outs
+
+    def replay(self, op, fresh) -> list:
+        """Append the template's ``op`` (its guard matched): ``fresh`` are the new inputs
+        it reads, in order; its outputs take the template's metas."""
+        for data in fresh:
+            self._add_input(data)
+        metas = self.template.metas
+        for k in op.outs:
+            if k is not None:
+                self.metas.append(metas[k])
+        self.ops.append(op)
+        return op.outs
+
+    def switch(self, func, guard):
+        """The next operation of another recent trace that shares this one's operations
+        so far and continues with ``func`` and ``guard`` (it becomes the template), or
+        None. A step after a one-off change (an evaluation, a new branch taken once)
+        has the one-off as its first template; the step before the change shares its
+        prefix, operation for operation (a replayed operation is its template's
+        record, so sharing the last one means sharing them all)."""
+        n = len(self.ops)
+        for other in reversed(_RECENT.values()):
+            if other is self.template or len(other.ops) <= n or (n and other.ops[n - 1] is not self.ops[n - 1]):
+                continue
+            op = other.ops[n]
+            if op.func is func and op.guard == guard:
+                self.template = other
+                return op
+        return None
+
+    def diverge(self):
+        """Stop replaying: the key so far is the template's first chunks."""
+        template, self.template = self.template, None
+        if template is not None:
+            self._chunks = template._chunks[:len(self.ops)]
+            self.replayed = len(self.ops)
+
+    def release(self):
+        """Drop the host data (after a flush): what is left is a template for later traces."""
+        self.inputs, self._input_of, self._memory, self.holders = [], {}, set(), {}
+        self.template = None
 
     def hold(self, k: int, cell):
         self.holders[k] = weakref.ref(cell)
@@ -126,7 +202,17 @@ class Trace:
         return out
 
     def key(self, outputs) -> tuple:
-        return (self._key.hexdigest(), tuple(outputs))
+        if self.digest is None:
+            template = self.template
+            if template is not None and len(template.ops) == len(self.ops):
+                self.digest = template.digest          # replayed whole: the template's program
+                self._chunks = template._chunks        # (for a trace that replays this one)
+                self.replayed = len(self.ops)
+            else:
+                self.diverge()
+                text = "".join(self._chunks).encode()
+                self.digest = hashlib.blake2b(text, digest_size=16).hexdigest()
+        return (self.digest, tuple(outputs))
 
     def graph(self, outputs) -> fx.GraphModule:
         """The program as an FX graph of flat tensors, dead code removed."""
@@ -191,6 +277,35 @@ _programs_lock = threading.Lock()
 def forget_programs():
     with _programs_lock:
         _programs.clear()
+    _NEXT.clear()
+    _LAST[0] = None
+    _RECENT.clear()
+
+
+_NEXT: dict = {}               # a flushed trace's digest -> the trace that followed it last time
+_LAST: list = [None]           # the trace flushed last
+_RECENT: dict = {}             # digest -> trace, the last few distinct programs, oldest first
+
+
+def follow(flushed: Trace, current: Trace):
+    """After ``flushed`` ran: remember it as what follows the trace flushed before it,
+    release its data, and give ``current`` (if it has recorded nothing yet) a template:
+    the trace that followed ``flushed`` last time, else ``flushed`` itself (a lazy-mode
+    step follows a step like it). Programs repeat in cycles (eager mode's windows, a
+    step read part way), so the template is what came next, not only what came last."""
+    before = _LAST[0]
+    if before is not None and before.digest is not None:
+        if len(_NEXT) >= 256:          # programs come and go; the steady ones come back
+            _NEXT.clear()
+        _NEXT[before.digest] = flushed
+    flushed.release()
+    _LAST[0] = flushed
+    _RECENT.pop(flushed.digest, None)
+    _RECENT[flushed.digest] = flushed
+    if len(_RECENT) > 8:
+        del _RECENT[next(iter(_RECENT))]
+    if not current.ops and flushed.digest is not None:
+        current.template = _NEXT.get(flushed.digest, flushed)
 
 
 def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
@@ -202,6 +317,8 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
         return []
     outputs = [k for k, _ in live]
     key = trace.key(outputs)
+    metrics.count("ReplayedOps", trace.replayed)
+    metrics.count("RecordedOps", len(trace.ops) - trace.replayed)
     with _programs_lock:
         entry = _programs.get(key)
         if entry is None:

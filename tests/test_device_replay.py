@@ -1,0 +1,83 @@
+"""The device replays a step whose operations match the last one's, and never replays a
+stale one: a step that takes another branch, another shape, another Python scalar
+(``2`` for ``2.0``, ``-0.0`` for ``0.0``) or another wiring part way through is recorded
+afresh from there on, and its values equal CPU eager's. Programs are interpreted here
+(nothing compiles), so a replayed program that is not the step's own shows up as wrong
+values, a wrong dtype or a shape error."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.device import metrics, modes
+
+DEV = modes.device()
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    modes.forget_compiled()
+    yield
+    modes.set_mode("eager")
+
+
+def _step(x, w, counts, *, branch="a", power=3, slope=0.1, shift=0.0, scale=2):
+    """A forward, a backward and a few results; every keyword changes the program part
+    way through, after operations a replay takes from the template."""
+    w = w.detach().requires_grad_()
+    h = x @ w                                   # the shared prefix: replayed each time
+    t = torch.tanh(h)
+    if branch == "a":
+        z = t - h                               # the same operations both ways, wired the other way
+    elif branch == "b":
+        z = h - t
+    else:
+        z = torch.sigmoid(h) - h
+    z = F.leaky_relu(z, slope).pow(power)
+    off = torch.full_like(h, shift)             # -0.0: the sign is the answer
+    loss = (z + off).sum()
+    loss.backward()
+    ints = counts.pow(scale).sum(0)             # int64 ** 2 stays int64; ** 2.0 is float32
+    return loss.detach(), w.grad, z.t().contiguous(), off, ints
+
+
+def _cpu(out):
+    return [t.cpu() for t in out]
+
+
+CHANGES = [{"branch": "b"}, {"branch": "c"}, {"power": 2}, {"slope": 0.2}, {"shift": -0.0}, {"scale": 2.0},
+           {"rows": 6}]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_changed_step_is_recorded_afresh_never_replayed_stale(mode):
+    modes.set_mode(mode, compile_after=10 ** 9)                 # interpret: no compiles
+    metrics.clear()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g)
+    counts = torch.randint(0, 5, (4, 3), generator=g)
+    xs = {rows: torch.randn(rows, 8, generator=g) for rows in (4, 6)}
+    plan = [{}, {}] + [step for change in CHANGES for step in (change, {})]
+    counted = []
+    for change in plan:
+        kw = dict(change)
+        x = xs[kw.pop("rows", 4)]
+        expected = _step(x, w, counts, **kw)
+        before = metrics.counter_value("ReplayedOps"), metrics.counter_value("RecordedOps")
+        got = _step(x.to(DEV), w.to(DEV), counts.to(DEV), **kw)
+        if mode == "lazy":
+            modes.mark_step()
+        got = _cpu(got)
+        for e, o in zip(expected, got):
+            assert o.dtype == e.dtype and o.shape == e.shape, (change, o.dtype, e.dtype, o.shape, e.shape)
+            torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{change}: {m}")
+            assert torch.equal(torch.signbit(o), torch.signbit(e)), change           # -0.0 stays -0.0
+        counted.append((change, metrics.counter_value("ReplayedOps") - before[0],
+                        metrics.counter_value("RecordedOps") - before[1]))
+    # every repeat of the first step replays whole, the one right after a change too
+    # (from the template it shares a prefix with); every change replays the operations
+    # before it (none for a new input shape) and records the rest
+    for change, replayed, recorded in counted[1:]:
+        if change:
+            assert recorded > 0 and (replayed > 0 or "rows" in change), str(counted)
+        else:
+            assert replayed > 0 and recorded == 0, str(counted)
