@@ -147,10 +147,19 @@ def recording_cost(n: int = 2000) -> dict:
     """What recording one operation on the device costs, in microseconds: ``n`` additions
     of two 64x64 tensors recorded in lazy mode, against the same additions run by CPU
     eager. Part of every kiln-lazy and kiln-eager step time above (a BERT step records
-    about 800 operations)."""
+    about 800 operations). ``kiln_record_us`` is a step recorded again (replayed: it
+    matches the last one), ``kiln_record_fresh_us`` one recorded from scratch."""
     from kiln.device import modes
     dev = modes.device()
-    modes.set_mode("lazy", compile_after=10 ** 9)      # flushes interpret: nothing compiles
+    out = {}
+    for key, replay in (("kiln_record_fresh_us", False), ("kiln_record_us", True)):
+        modes.set_mode("lazy", compile_after=10 ** 9, replay=replay)   # flushes interpret: nothing compiles
+        out.update(_chain_cost(dev, n, key))
+    return out
+
+
+def _chain_cost(dev, n, key) -> dict:
+    from kiln.device import modes
 
     def chain(x, y):
         for _ in range(n):
@@ -159,14 +168,14 @@ def recording_cost(n: int = 2000) -> dict:
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     da, db = a.to(dev), b.to(dev)
     out = {}
-    for name, (x, y) in (("kiln_record_us", (da, db)), ("cpu_eager_us", (a, b))):
+    for name, (x, y) in ((key, (da, db)), ("cpu_eager_us", (a, b))):
         times = []
-        for _ in range(3):
+        for _ in range(6):
             start = time.perf_counter()
             chain(x, y)
             times.append((time.perf_counter() - start) / n * 1e6)
             modes.mark_step()
-        out[name] = sorted(times)[1]
+        out[name] = sorted(times[1:])[2]           # the first is recorded afresh either way
     return out
 
 
@@ -203,7 +212,7 @@ def _in_child(key, args) -> dict:
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", key, "--json", out.name,
-               "--warmup", str(args.warmup), "--steps", str(args.steps)]
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["exit code %d" % proc.returncode]
@@ -216,7 +225,7 @@ def _child(args) -> int:
     warnings.simplefilter("ignore")
     from kiln.device import modes
     modes.device()          # before any backward pass: autograd sizes its device queues once
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
         if args.one == "recording-cost":
             result = recording_cost()
@@ -237,6 +246,8 @@ def main(argv=None):
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per runner (default: every CPU; 1 is steadier on a loaded machine)")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "train.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)     # model/precision/runner, in a child process
     args = p.parse_args(argv)
@@ -258,8 +269,8 @@ def main(argv=None):
     if any(k.startswith("kiln-") for k in args.runners.split(",")):
         cost = results["recording-cost"] = _in_child("recording-cost", args)
         if "error" not in cost:
-            print(f"recording one operation on the device: {cost['kiln_record_us']:.1f} us "
-                  f"(CPU eager runs it in {cost['cpu_eager_us']:.1f} us)")
+            print(f"recording one operation on the device: {cost['kiln_record_us']:.1f} us replayed, "
+                  f"{cost['kiln_record_fresh_us']:.1f} us afresh (CPU eager runs it in {cost['cpu_eager_us']:.1f} us)")
     info = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "warmup": args.warmup, "steps": args.steps, "targets": TARGETS}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

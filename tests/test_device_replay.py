@@ -21,10 +21,11 @@ def _interpreted():
 
 
 def _step(x, w, counts, *, branch="a", power=3, slope=0.1, shift=0.0, scale=2):
-    """A forward, a backward and a few results; every keyword changes the program part
-    way through, after operations a replay takes from the template."""
-    w = w.detach().requires_grad_()
-    h = x @ w                                   # the shared prefix: replayed each time
+    """A forward with dropout, a backward and a few results; every keyword changes the
+    program part way through, after operations a replay takes from the template."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.manual_seed(7)                        # dropout's mask: the CPU generator, in order
+    h = F.dropout(x, 0.25) @ w                  # the shared prefix: replayed each time
     t = torch.tanh(h)
     if branch == "a":
         z = t - h                               # the same operations both ways, wired the other way
@@ -37,7 +38,7 @@ def _step(x, w, counts, *, branch="a", power=3, slope=0.1, shift=0.0, scale=2):
     loss = (z + off).sum()
     loss.backward()
     ints = counts.pow(scale).sum(0)             # int64 ** 2 stays int64; ** 2.0 is float32
-    return loss.detach(), w.grad, z.t().contiguous(), off, ints
+    return loss.detach(), w.grad, z.t().contiguous(), off, ints, x.grad
 
 
 def _cpu(out):

@@ -40,9 +40,12 @@ def _after_optimizer_step(optimizer, args, kwargs):
         dispatch.materialize("optimizer step")
 
 
-def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None, **options):
+def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None,
+             replay: bool | None = None, **options):
     """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
-    compiled (default ``optlevel=2``: each partition timed against running it op by op)."""
+    compiled (default ``optlevel=2``: each partition timed against running it op by op).
+    ``replay=False`` records every operation afresh instead of replaying a matching step
+    (:mod:`kiln.device.replay`): the same programs, recorded slower."""
     if mode not in ("eager", "lazy"):
         raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
     dispatch.materialize()
@@ -51,6 +54,10 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     policy.compile_after = compile_after if compile_after is not None else (1 if mode == "lazy" else 2)
     if window is not None:
         policy.window = window
+    if replay is not None:
+        policy.replay = bool(replay)
+        if not policy.replay:
+            dispatch.current().template = None
     if options:
         policy.options = dict(options)
     return policy

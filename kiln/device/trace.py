@@ -52,6 +52,9 @@ class Policy:
     # model's whole training step (a 4-layer BERT step queues 642): split at 512, that
     # step ran at 0.73x CPU eager, whole level with lazy mode (docs/device.md)
     window: int = 2048
+    # replay a step whose operations match a recent one's (kiln.device.replay); off: every
+    # operation recorded afresh (for comparison: the programs are the same)
+    replay: bool = True
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
@@ -287,7 +290,7 @@ _LAST: list = [None]           # the trace flushed last
 _RECENT: dict = {}             # digest -> trace, the last few distinct programs, oldest first
 
 
-def follow(flushed: Trace, current: Trace):
+def follow(flushed: Trace, current: Trace, replay: bool = True):
     """After ``flushed`` ran: remember it as what follows the trace flushed before it,
     release its data, and give ``current`` (if it has recorded nothing yet) a template:
     the trace that followed ``flushed`` last time, else ``flushed`` itself (a lazy-mode
@@ -304,7 +307,7 @@ def follow(flushed: Trace, current: Trace):
     _RECENT[flushed.digest] = flushed
     if len(_RECENT) > 8:
         del _RECENT[next(iter(_RECENT))]
-    if not current.ops and flushed.digest is not None:
+    if replay and not current.ops and flushed.digest is not None:
         current.template = _NEXT.get(flushed.digest, flushed)
 
 
