@@ -47,7 +47,7 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.quiet import quiet
 from kiln.engines.base import Engine
-from kiln.engines import ort_export, ort_fusions, ort_quantize, ort_rewrites
+from kiln.engines import ort_decoder, ort_export, ort_fusions, ort_quantize, ort_rewrites
 from kiln import config
 
 _MAGIC = b"KILNORT2"
@@ -149,6 +149,9 @@ class OnnxRuntimeEngine(Engine):
             ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
             with open(so.optimized_model_filepath, "rb") as f:
                 graph = f.read()
+            graph, fused = _fuse_decoder(graph)
+            if fused:
+                settings["decoder_fusions"] = fused
             data_path = os.path.join(tmp, _DATA)
             data = b""
             if os.path.exists(data_path):
@@ -194,6 +197,16 @@ class OnnxRuntimeEngine(Engine):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return OrtRunner(session)
+
+
+def _fuse_decoder(graph: bytes):
+    """The optimised graph with a decoder step's attention block on ORT's fused operators
+    (:mod:`kiln.engines.ort_decoder`), and what was fused."""
+    import onnx
+    model = onnx.ModelProto()
+    model.ParseFromString(graph)
+    fused = ort_decoder.fuse(model)
+    return (model.SerializeToString(), fused) if fused else (graph, fused)
 
 
 def _private_copy(data) -> str:

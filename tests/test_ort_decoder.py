@@ -1,0 +1,60 @@
+"""A decoder step on ONNX Runtime's fused operators (kiln.engines.ort_decoder): the rotary
+embeddings, the cached attention and the residual norms of kiln's decode step are
+rewritten into RotaryEmbedding, GroupQueryAttention and SkipSimplifiedLayerNormalization,
+and the step still equals eager PyTorch for any cache mask, not only the prefix masks
+the runtime makes: the attention takes the whole window with the mask as a bias."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.compiler.api import trace  # noqa: E402
+from kiln.engines import onnxruntime as ort_engine  # noqa: E402
+from kiln.llm.build import _decode_example  # noqa: E402
+from kiln.llm.decoder import DecoderStep, cache_shape  # noqa: E402
+from tests.conftest import assert_close  # noqa: E402
+from tests.test_llm_decoder import _model  # noqa: E402
+
+
+def _header(compiled):
+    blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
+    return ort_engine.header_of(blob), ort_engine.graph_of(blob)
+
+
+@pytest.mark.parametrize("export", ["exporter-optimized", "large"])
+def test_decode_step_on_fused_operators_equals_eager_for_any_mask(monkeypatch, export):
+    if export == "large":      # a real decoder's graphs skip the exporter's optimizer: rotary written out
+        monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+    model = _model("llama").eval()
+    rows, slots = 3, 16
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    compiled = trace(step, _decode_example(cache_shape(model.config, rows, slots), rows), optlevel=1,
+                     engine="onnxruntime", cache=False)
+    header, graph = _header(compiled)
+    fused = header.get("decoder_fusions", {})
+    assert fused.get("attention") == 2 and fused.get("skip_norm", 0) >= 3, fused
+    if export == "large":
+        assert fused.get("rotary") == 4, fused
+    ops = {n.op_type for n in graph.graph.node}
+    assert {"GroupQueryAttention", "RotaryEmbedding"} <= ops and "Softmax" not in ops, ops
+    torch.manual_seed(1)
+    for trial in range(3):
+        valid = torch.rand(rows, slots) < 0.5          # not a prefix: holes, and one row with none
+        valid[trial % rows] = False
+        cache = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
+        inputs = (torch.randint(0, 97, (rows, 1)), torch.randint(0, slots, (rows, 1)), *cache, valid)
+        with torch.no_grad():
+            expected = step(*inputs)
+        got = compiled(*inputs)
+        for g, e in zip(got, expected):
+            assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_and_multi_token_steps_keep_their_attention(tiny_llm):
+    """GroupQueryAttention takes one new token per row with a past (or one row); the
+    prefill graphs have no cache and keep attention as it was."""
+    _, llm, _ = tiny_llm
+    for rows, model in llm.decode.items():
+        assert _header(model)[0]["decoder_fusions"]["attention"] == 2, rows
+    for width, model in llm.prefill.items():
+        assert "attention" not in _header(model)[0].get("decoder_fusions", {}), width
