@@ -34,7 +34,8 @@ TRAIN = textwrap.dedent("""
     start = copy.deepcopy(model)
     cpu = train(copy.deepcopy(start), "cpu")
     dev = train(copy.deepcopy(start), "kiln")
-    from kiln.device import metrics
+    from kiln.device import metrics, modes
+    modes.wait_compiles()                           # programs compile in the background
     print(json.dumps({"start": [p.tolist() for p in start.parameters()], "cpu": cpu, "dev": dev,
                       "compiled": metrics.counter_value("UncachedCompile"),
                       "executed": metrics.metric_data("ExecuteTime")[0]}))

@@ -85,6 +85,7 @@ for step in range(3):
     xm.mark_step()
 assert seen == [3.0, 0.5, -2.0], seen
 assert torch.equal(w.cpu(), torch.tensor([1.0, -0.5, -2.0]))
+modes.wait_compiles()                               # programs compile in the background
 assert met.counter_value("MarkStep") == 3 and met.counter_value("UncachedCompile") >= 1
 assert "Counter: MarkStep" in met.short_metrics_report()
 assert xm.rendezvous("x", b"p") == [b"p"] and xr.world_size() == 1 and xr.global_ordinal() == 0

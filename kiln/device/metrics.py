@@ -65,8 +65,19 @@ def clear():
         _warned.clear()
 
 
+_BEFORE_REPORT: list = []      # kiln.device.trace's wait for background compiles
+
+
+def before_report(wait):
+    """Call ``wait()`` before each report (so it includes the compiles under way)."""
+    _BEFORE_REPORT.append(wait)
+
+
 def report() -> str:
-    """The counters and metrics as torch_xla's ``metrics_report()`` lays them out."""
+    """The counters and metrics as torch_xla's ``metrics_report()`` lays them out, once
+    the compiles under way in the background are done (their times are part of it)."""
+    for wait in _BEFORE_REPORT:
+        wait()
     with _LOCK:
         samples = {k: list(v) for k, v in _samples.items()}
         counters = dict(_counters)

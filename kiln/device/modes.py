@@ -41,11 +41,13 @@ def _after_optimizer_step(optimizer, args, kwargs):
 
 
 def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None,
-             replay: bool | None = None, **options):
+             replay: bool | None = None, background: bool | None = None, **options):
     """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
     compiled (default ``optlevel=2``: each partition timed against running it op by op).
     ``replay=False`` records every operation afresh instead of replaying a matching step
-    (:mod:`kiln.device.replay`): the same programs, recorded slower."""
+    (:mod:`kiln.device.replay`): the same programs, recorded slower. ``background=False``
+    makes the flush that compiles a program wait for it, instead of running the program
+    op by op while it compiles on a thread of its own (:func:`wait_compiles`)."""
     if mode not in ("eager", "lazy"):
         raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
     dispatch.materialize()
@@ -54,6 +56,8 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     policy.compile_after = compile_after if compile_after is not None else (1 if mode == "lazy" else 2)
     if window is not None:
         policy.window = window
+    if background is not None:
+        policy.background = bool(background)
     if replay is not None:
         policy.replay = bool(replay)
         if not policy.replay:
@@ -79,6 +83,12 @@ def mark_step():
 
 def synchronize():
     dispatch.materialize()
+
+
+def wait_compiles(timeout: float | None = None) -> bool:
+    """Wait until the programs compiling in the background are ready (they take over at
+    their next run); True when none is left compiling."""
+    return trace.wait_compiles(timeout)
 
 
 def forget_compiled():

@@ -55,6 +55,9 @@ class Policy:
     # replay a step whose operations match a recent one's (kiln.device.replay); off: every
     # operation recorded afresh (for comparison: the programs are the same)
     replay: bool = True
+    # compile on a background thread, running the program op by op until it is ready
+    # (first steps in seconds); off: the flush that compiles waits for it
+    background: bool = True
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
@@ -265,12 +268,15 @@ def _resolve(a, env):
 
 
 class _Entry:
-    __slots__ = ("seen", "run", "name")
+    __slots__ = ("seen", "run", "name", "compiling", "failed", "interpreted")
 
     def __init__(self, name):
         self.seen = 0
         self.run = None
         self.name = name
+        self.compiling = None      # the background compile's thread while it runs
+        self.failed = None         # why the background compile failed, until warned about
+        self.interpreted = False   # run op by op at least once (a later compiled run is a swap)
 
 
 _programs: dict = {}           # key -> _Entry
@@ -329,25 +335,94 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
         entry.seen += 1
     inputs = [data for _, data in trace.inputs]
     threshold = 1 if at_step else policy.compile_after
-    if entry.run is None and entry.seen >= threshold and outputs:
-        entry.run = _compile(trace, outputs, inputs, entry.name, policy)
-    if entry.run is not None:
-        results = entry.run(*inputs)
-    else:
-        started = time.perf_counter()
-        results = trace.interpret(outputs)
-        metrics.count("InterpretedGraphs")
-        metrics.sample("ExecuteTime", time.perf_counter() - started)
+    if entry.run is None and entry.compiling is None and entry.seen >= threshold and outputs:
+        if policy.background:
+            _compile_in_background(entry, trace, outputs, inputs, policy)
+        else:
+            entry.run = _compile(trace, outputs, inputs, entry.name, policy)
+    if entry.failed is not None:
+        import warnings
+        failed, entry.failed = entry.failed, None
+        warnings.warn(f"kiln: {entry.name}: compiling it in the background failed ({failed}); "
+                      "it runs op by op", RuntimeWarning, stacklevel=4)
+    run = entry.run
+    if run is not None and run is not _OP_BY_OP:
+        if entry.interpreted:
+            entry.interpreted = False
+            metrics.count("SwappedIn")            # compiled in the background, now in use
+        return [(cell, data) for (_, cell), data in zip(live, run(*inputs))]
+    started = time.perf_counter()
+    results = trace.interpret(outputs)
+    entry.interpreted = True
+    metrics.count("InterpretedGraphs")
+    metrics.sample("ExecuteTime", time.perf_counter() - started)
     return [(cell, data) for (_, cell), data in zip(live, results)]
 
 
+_OP_BY_OP = object()           # an entry's run after its compile failed: interpret it
+
+
+def _compile_in_background(entry, trace, outputs, inputs, policy):
+    """Compile on a thread of its own while the program runs op by op (exactly CPU
+    eager's kernels: the cheapest engine, and one that needs no check); the compiled
+    program takes over at the first flush after it is ready (``SwappedIn``). It compiles
+    and checks against copies of this flush's inputs: a later step may rebind or update
+    the tensors these are. Its warnings go through the process's filters as they would
+    from the caller; a compile that raises leaves the program running op by op, with a
+    warning at its next flush."""
+    from kiln.device.graphs import compile_graph
+    gm = trace.graph(outputs)
+    examples = [x.clone() for x in inputs]
+
+    def work():
+        try:
+            entry.run = compile_graph(gm, examples, name=entry.name, real_inputs=True, **policy.options)
+        except Exception as e:      # noqa: BLE001 - never a crash: the program still runs op by op
+            entry.failed = f"{type(e).__name__}: {e}"
+            entry.run = _OP_BY_OP
+        finally:
+            entry.compiling = None
+    metrics.count("BackgroundCompile")
+    entry.compiling = _compiler().submit(work)
+    with _programs_lock:
+        _COMPILING.append(entry.compiling)
+
+
+def _compiler():
+    """The one thread every device compile runs on, in turn: torch.export keeps state in
+    globals (its module hierarchy, the dispatch-mode stack), so two exports at once on
+    two threads break each other. A thread of its own also keeps the dispatcher state of
+    a flush (inside ``__torch_dispatch__``, the Python key excluded) out of torch.export.
+    Python waits for the work queued on it at exit: no process ends part way through a
+    compile (a half-written cache entry, a C++ compiler killed mid-file)."""
+    if not _WORKER:
+        from concurrent.futures import ThreadPoolExecutor
+        _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="kiln-device-compile"))
+    return _WORKER[0]
+
+
+_WORKER: list = []
+
+
+def wait_compiles(timeout: float | None = None) -> bool:
+    """Wait for the background compiles under way; True when none is left."""
+    from concurrent.futures import wait
+    with _programs_lock:
+        pending = list(_COMPILING)
+    wait(pending, timeout)
+    with _programs_lock:
+        _COMPILING[:] = [f for f in _COMPILING if not f.done()]
+        return not _COMPILING
+
+
+_COMPILING: list = []          # background compiles' futures (kept past forget_programs)
+metrics.before_report(wait_compiles)      # a metrics report includes the compiles under way
+
+
 def _compile(trace, outputs, inputs, name, policy):
-    """Compile on a fresh thread: a flush usually happens inside ``__torch_dispatch__``
-    (a value was read), whose thread-local dispatch state (the Python key excluded)
-    would leak into torch.export's tracing and break it. Warnings are re-raised here,
-    in the caller's thread."""
+    """Compile on the compile thread (:func:`_compiler`), waiting for it. Warnings are
+    re-raised here, in the caller's thread."""
     import warnings
-    from concurrent.futures import ThreadPoolExecutor
 
     from kiln.device.graphs import compile_graph
     gm = trace.graph(outputs)
@@ -357,8 +432,7 @@ def _compile(trace, outputs, inputs, name, policy):
             warnings.simplefilter("always")
             run = compile_graph(gm, inputs, name=name, real_inputs=True, **policy.options)
         return run, caught
-    with ThreadPoolExecutor(1, thread_name_prefix="kiln-device-compile") as pool:
-        run, caught = pool.submit(work).result()
+    run, caught = _compiler().submit(work).result()
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return run
