@@ -1,8 +1,10 @@
 """A decoder step on ONNX Runtime's fused operators (kiln.engines.ort_decoder): the rotary
 embeddings, the cached attention and the residual norms of kiln's decode step are
-rewritten into RotaryEmbedding, GroupQueryAttention and SkipSimplifiedLayerNormalization,
-and the step still equals eager PyTorch for any cache mask, not only the prefix masks
-the runtime makes: the attention takes the whole window with the mask as a bias."""
+rewritten into RotaryEmbedding, GroupQueryAttention and SkipSimplifiedLayerNormalization.
+The step equals eager PyTorch for the masks the runtime makes (each row's valid slots a
+prefix, rows of different lengths, an empty row riding along), and writes each row's new
+key and value into the cache it was given at the row's next slot and nowhere else (an
+empty row's at its last slot)."""
 import pytest
 import torch
 
@@ -39,15 +41,26 @@ def test_decode_step_on_fused_operators_equals_eager_for_any_mask(monkeypatch, e
     assert {"GroupQueryAttention", "RotaryEmbedding"} <= ops and "Softmax" not in ops, ops
     torch.manual_seed(1)
     for trial in range(3):
-        valid = torch.rand(rows, slots) < 0.5          # not a prefix: holes, and one row with none
-        valid[trial % rows] = False
+        lengths = torch.tensor([5 + trial, 0, slots - 1])[torch.randperm(rows)]
+        valid = torch.arange(slots).unsqueeze(0) < lengths.unsqueeze(1)
         cache = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
-        inputs = (torch.randint(0, 97, (rows, 1)), torch.randint(0, slots, (rows, 1)), *cache, valid)
+        before = [c.clone() for c in cache]
+        inputs = (torch.randint(0, 97, (rows, 1)), lengths.unsqueeze(1).clone(), *cache, valid)
         with torch.no_grad():
             expected = step(*inputs)
         got = compiled(*inputs)
+        live = lengths > 0
         for g, e in zip(got, expected):
-            assert_close(g, e, atol=1e-4, rtol=1e-4)
+            assert_close(g[live] if g.shape[0] == rows else g[:, live], e[live] if e.shape[0] == rows else e[:, live],
+                         atol=1e-4, rtol=1e-4)
+        for layer, (c, b) in enumerate(zip(cache, before)):
+            new = got[1 + layer // 2][layer % 2]               # [rows, H_kv, 1, D]: this layer's new keys or values
+            for row in range(rows):
+                slot = int(lengths[row]) if lengths[row] > 0 else slots - 1
+                assert torch.equal(c[row, :, slot], new[row, :, 0]) or lengths[row] == 0
+                others = torch.ones(slots, dtype=torch.bool)
+                others[slot] = False
+                assert torch.equal(c[row][:, others], b[row][:, others]), (layer, row)
 
 
 def test_prefill_and_multi_token_steps_keep_their_attention(tiny_llm):

@@ -47,7 +47,7 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.quiet import quiet
 from kiln.engines.base import Engine
-from kiln.engines import ort_decoder, ort_export, ort_fusions, ort_quantize, ort_rewrites
+from kiln.engines import ort_decoder, ort_export, ort_fusions, ort_gqa, ort_quantize, ort_rewrites
 from kiln import config
 
 _MAGIC = b"KILNORT2"
@@ -355,12 +355,20 @@ _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64,
 
 
 class OrtRunner:
-    """Calls an ORT session with torch tensors, sharing memory both ways (no copies)."""
+    """Calls an ORT session with torch tensors, sharing memory both ways (no copies).
+
+    An output named ``kiln_inplace/<input>`` (:data:`kiln.engines.ort_gqa.INPLACE`) is
+    not returned: it is bound to that input's own memory, so the graph updates the input
+    in place (a decode step's keys written into the cache it was given). Where the input
+    is not one contiguous buffer ORT allocates the output instead and it is dropped."""
 
     def __init__(self, session):
         self.session = session
         self.input_names = [i.name for i in session.get_inputs()]
-        self.output_names = [o.name for o in session.get_outputs()]
+        names = [o.name for o in session.get_outputs()]
+        self.output_names = [n for n in names if not n.startswith(ort_gqa.INPLACE)]
+        self.in_place = [(n, self.input_names.index(n[len(ort_gqa.INPLACE):])) for n in names
+                         if n.startswith(ort_gqa.INPLACE) and n[len(ort_gqa.INPLACE):] in self.input_names]
 
     def signature(self):
         """([(shape, dtype)] of the inputs, [(shape, dtype)] of the outputs) as the session
@@ -370,9 +378,21 @@ class OrtRunner:
             static = isinstance(shape, list) and all(isinstance(d, int) for d in shape)
             return (tuple(shape) if static else None), _ORT_DTYPES.get(arg.type)
         return ([one(a) for a in self.session.get_inputs()],
-                [one(a) for a in self.session.get_outputs()])
+                [one(a) for a in self.session.get_outputs() if a.name in self.output_names])
 
     def __call__(self, inputs):
-        feed = {name: t.numpy() for name, t in zip(self.input_names, inputs)}
-        # Naming the outputs is measurably cheaper per call than passing None.
-        return [torch.from_numpy(o) for o in self.session.run(self.output_names, feed)]
+        arrays = [t.numpy() for t in inputs]
+        if not self.in_place or not all(arrays[i].flags.c_contiguous for _, i in self.in_place):
+            # Naming the outputs is measurably cheaper per call than passing None.
+            feed = dict(zip(self.input_names, arrays))
+            return [torch.from_numpy(o) for o in self.session.run(self.output_names, feed)]
+        binding = self.session.io_binding()
+        for name, a in zip(self.input_names, arrays):
+            binding.bind_cpu_input(name, a)
+        for name in self.output_names:
+            binding.bind_output(name, "cpu")
+        for name, i in self.in_place:
+            a = arrays[i]
+            binding.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return [torch.from_numpy(o.numpy()) for o in binding.get_outputs()[:len(self.output_names)]]

@@ -27,6 +27,7 @@ class Graph:
                 self.consumers[i].append(n)
         self.inits = {i.name: i for i in graph.initializer}
         self.inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+        self.input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
         self.shapes = dict(self.inputs)
         for v in graph.value_info:
             dims = v.type.tensor_type.shape.dim
@@ -75,6 +76,12 @@ class Graph:
         for i in inputs:
             self.consumers[i].append(node)
         return node
+
+    def add_output(self, name, shape, elem_type=1):
+        """A new float (``elem_type`` 1) graph output ``name`` of static ``shape``."""
+        from onnx import helper
+        self.graph.output.append(helper.make_tensor_value_info(name, elem_type, list(shape)))
+        self.outputs.add(name)
 
     def remove(self, *nodes):
         self.removed.update(id(n) for n in nodes)

@@ -153,6 +153,7 @@ class ModelDrafter:
         positions = self.cache.lengths[:rows].clamp(max=self.cache.capacity - 1).unsqueeze(1).clone()
         with torch.no_grad():
             logits, new_k, new_v = self.decode[rows](tokens, positions, *self.cache.inputs(rows))
+        self.cache.parked(rows)
         self.calls += 1
         for slot in list(feed):
             queue, budget = feed[slot]

@@ -146,6 +146,16 @@ class KVCache:
         """Free a row: its length is 0, so nothing in it is attended to (the values stay)."""
         self.lengths[slot] = 0
 
+    def parked(self, rows: int):
+        """A decode step over the first ``rows`` rows has run. A graph that writes the
+        step's keys into the cache in place (ONNX Runtime's GroupQueryAttention,
+        :mod:`kiln.engines.ort_gqa`) writes an empty row's at its last slot: what an empty
+        row holds there is no longer the token it held, so it is not offered for reuse
+        (nor a full row's, whose step, riding along, writes there too)."""
+        for slot in range(rows):
+            if int(self.lengths[slot]) in (0, self.window):
+                del self.held[slot][self.window - 1:]
+
     def valid(self) -> torch.Tensor:
         """``[B, W]`` bool: the positions each sequence may attend to (W: the window)."""
         return torch.arange(self.window).unsqueeze(0) < self.lengths.unsqueeze(1)

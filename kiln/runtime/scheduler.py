@@ -351,6 +351,7 @@ class Scheduler:
                 r.error = e
                 self._free(slot, "error")
             return
+        self.cache.parked(rows)
         for slot, r in running:
             self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1], r.tokens[-1:])
             self._append(slot, r, logits[slot, -1:])
