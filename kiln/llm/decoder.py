@@ -25,6 +25,12 @@ The mask is built here, from positions, as a boolean ``[B, 1, T, S + T]``:
   window``, as ``transformers.masking_utils.sliding_window_overlay`` has it.
 
 Every query sees at least itself, so no row is fully masked.
+
+The runtime only ever passes prefix masks (a row's first ``length`` slots, with the new
+tokens at positions ``length, length + 1, ...``), and a decode step compiled for ONNX
+Runtime relies on it: its attention is ``GroupQueryAttention`` over each row's count of
+valid slots, which also writes the step's keys into the cache it is given
+(:mod:`kiln.engines.ort_gqa`).
 """
 from __future__ import annotations
 
