@@ -22,7 +22,7 @@ def _fresh():
     modes.forget_compiled()
     yield
     modes.wait_compiles()
-    modes.set_mode("eager")
+    modes.set_mode("eager", background=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -141,7 +141,8 @@ def test_training_equals_cpu_eager(kind, mode):
     x, y = _data(kind)
     # the CNN with the defaults (-O2: timed against eager; whole_graph: on Inductor), the
     # others at -O1 with ONNX Runtime's partitions, which compile sooner
-    modes.set_mode(mode, **({} if kind == "cnn" else {"optlevel": 1, "whole_graph": False}))
+    # compiles in the background (each step waits for them: no capture overlaps training)
+    modes.set_mode(mode, background=True, **({} if kind == "cnn" else {"optlevel": 1, "whole_graph": False}))
     expected, _ = _train(ref, x, y, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)          # every graph compiled
@@ -193,6 +194,10 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
     for v in (xs, ys):
         torch._foreach_add_(v, [v[1], v[0]])               # v[1] reads v[0] after v[0]'s update
     assert torch.equal(torch.stack(xs).cpu(), torch.stack(ys))
+    ps = [torch.ones(3, device=DEV), torch.ones(3, device=DEV)]
+    halves = [torch.full((3,), 2.0, device=DEV)] * 2
+    torch._foreach_addcdiv_(ps, ps, halves, torch.tensor([0.5, 0.25]))   # AdamW's form when compiling
+    assert torch.stack(ps).cpu().tolist() == [[1.25] * 3, [1.125] * 3]
 
 
 def test_bf16_autocast_training_follows_cpu():

@@ -45,7 +45,7 @@ def element_op(func):
         base = func._schema.name.split("::")[-1][len("_foreach_"):]
         found = aten.linalg_vector_norm.default if base == "norm" else None
         packet = getattr(aten, base, None)
-        if base in ("addcdiv", "addcmul") and func._overloadname == "Tensor":
+        if base.rstrip("_") in ("addcdiv", "addcmul") and func._overloadname == "Tensor":
             packet = None        # one 1-D tensor of per-tensor scalars: no per-tensor form
         for candidate in _ELEMENT_OVERLOADS.get(func._overloadname, ()) if packet is not None else ():
             found = found or getattr(packet, candidate, None)

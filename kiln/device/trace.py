@@ -56,8 +56,10 @@ class Policy:
     # operation recorded afresh (for comparison: the programs are the same)
     replay: bool = True
     # compile on a background thread, running the program op by op until it is ready
-    # (first steps in seconds); off: the flush that compiles waits for it
-    background: bool = True
+    # (first steps in seconds). Off by default: torch.export's "compiling" flag is
+    # process-wide, so code on the training thread that asks torch.compiler.is_compiling()
+    # (AdamW does) takes its compile path while a capture runs (docs/device.md)
+    background: bool = False
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
