@@ -34,6 +34,29 @@ from kiln.device import modes as _device_modes  # noqa: E402
 _device_modes.device()
 
 
+def worker_threads(cpus: int, workers: int) -> int | None:
+    """Threads each of ``workers`` pytest-xdist processes on ``cpus`` CPUs should use: its
+    share of the CPUs, or None (leave the defaults) when the suite runs in one process.
+
+    ``make test`` runs one worker per CI core. Left alone, each worker sizes torch's OpenMP
+    pool and the engines' thread pools to every CPU, so two busy workers' threads fight for
+    two cores: OpenMP's barriers and ONNX Runtime's spinning threads wait on threads that are
+    descheduled. Measured here beside another busy process: SmolLM2's eager 11-token
+    reference (the LLM accuracy gate's) took 5.5 CPU s with 2 threads and 0.6 with 1, and a
+    SmolLM2 int8 build 107 against 81 CPU s."""
+    if workers < 2:
+        return None
+    return max(1, cpus // workers)
+
+
+_SHARE = worker_threads(len(os.sched_getaffinity(0)), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+if _SHARE is not None:
+    torch.set_num_threads(_SHARE)
+    # engines (kiln.runtime.options) and the test's own subprocesses (servers, CLIs) inherit it
+    os.environ.setdefault("KILN_NUM_THREADS", str(_SHARE))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+
+
 def run_py(code: str, *, cwd=None, timeout=300, env=None):
     """Run Python code in a fresh interpreter; returns CompletedProcess (text)."""
     e = dict(os.environ, **(env or {}))

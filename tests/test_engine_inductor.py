@@ -107,6 +107,17 @@ def test_threads_option_applies_per_call_and_is_restored(mlp):
     runner = _runner(loaded)
     assert runner.threads == 1 and runner._omp is not None, "torch's OpenMP runtime was not found"
     recorder = runner._omp = _RecordingOpenMP(runner._omp)
+    process_wide = torch.get_num_threads()
+    # a process-wide count other than the call's 1 (the suite's workers run at 1 thread:
+    # tests/conftest.py), so that a call that leaked its count would show
+    torch.set_num_threads(2)
+    try:
+        _check_threads_per_call(loaded, model, x, recorder)
+    finally:
+        torch.set_num_threads(process_wide)
+
+
+def _check_threads_per_call(loaded, model, x, recorder):
     before = torch.get_num_threads()
 
     def call():
