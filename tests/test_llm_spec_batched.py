@@ -119,7 +119,15 @@ def test_stops_inside_an_accepted_run_and_ngram_drafting(target):
     sched = llm.scheduler(draft=llm)                             # accepts every proposal
     at = sched.add(Request([11, 2], 20, stop_token_ids=[stop]))
     listener = sched.add(Request([11, 2], 20, on_token=lambda r, t: len(r.tokens) == 5))
+    # a request whose stop token is a kept proposal (positions 1..K of the first round; the
+    # prefill gave position 0): the accepted count as each token is heard, as the server
+    # reports usage from there, already includes it
+    proposal_stop = next(t for j, t in enumerate(full[1:K + 1], start=1) if t not in full[:j])
+    seen = []
+    counted = sched.add(Request([11, 2], 20, stop_token_ids=[proposal_stop],
+                                on_token=lambda r, t: seen.append(r.draft_accepted)))
     sched.run()
+    assert counted.tokens[-1] == proposal_stop and seen[-1] == counted.draft_accepted > 0
     assert at.tokens == full[:full.index(stop) + 1] and at.finish_reason == "stop"
     assert listener.tokens == full[:5] and listener.finish_reason == "stop"
     assert at.draft_accepted == at.draft_proposed > 0      # a stop token among the kept proposals counts

@@ -208,11 +208,14 @@ class LockstepScheduler(Scheduler):
             self.failure = request.error      # a failed graph call is its rank's failure (module doc)
         super()._finish(request, reason)
 
-    def _append(self, slot: int, request: Request, logits):
+    def _append(self, slot: int, request: Request, logits, proposed=None):
         """The base's, but a listener's verdict ends the request at the next step (module doc)."""
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
         request.tokens.append(token)
         request.token_times.append(time.perf_counter())
+        if proposed is not None and token == proposed:
+            request.draft_accepted += 1
+            self.draft_accepted += 1
         verdict = None
         if request.on_token is not None:
             try:

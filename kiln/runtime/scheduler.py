@@ -358,10 +358,15 @@ class Scheduler:
         self.rows_run[rows] = self.rows_run.get(rows, 0) + 1
         self.window_steps[window] = self.window_steps.get(window, 0) + 1
 
-    def _append(self, slot: int, request: Request, logits):
+    def _append(self, slot: int, request: Request, logits, proposed=None):
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
         request.tokens.append(token)
         request.token_times.append(time.perf_counter())
+        if proposed is not None and token == proposed:
+            # a draft's proposal kept: counted before the listener hears of the token, which
+            # may end the request and report its usage from another thread
+            request.draft_accepted += 1
+            self.draft_accepted += 1
         if request.logprobs is not None:
             request.token_logprobs.append(sampling.logprobs(logits, token, request.logprobs))
         stop = token in request.stop_token_ids
@@ -382,10 +387,11 @@ class Scheduler:
         """One decode step for every running row (module doc, step 3)."""
         self._decode()
 
-    def append_token(self, slot: int, request: Request, logits) -> int:
+    def append_token(self, slot: int, request: Request, logits, proposed=None) -> int:
         """Choose ``request``'s next token from ``logits`` (``[1, V]``, its own row), record
-        it (and its logprobs), tell its listener, end the request when it should; the token."""
-        self._append(slot, request, logits)
+        it (and its logprobs), tell its listener, end the request when it should; the token.
+        ``proposed``: the draft's proposal for this place, counted as accepted when chosen."""
+        self._append(slot, request, logits, proposed)
         return request.tokens[-1]
 
     def free(self, slot: int, reason: str):

@@ -124,11 +124,11 @@ class SpeculativeStep:
         request.draft_proposed += len(proposal)
         sched.draft_proposed += len(proposal)
         for i in range(len(proposal) + 1):
-            token = sched.append_token(slot, request, logits[i:i + 1])
+            # a kept proposal is counted (by the scheduler, before the request's listener
+            # hears of it) even when it ends the request (a stop token)
+            token = sched.append_token(slot, request, logits[i:i + 1], proposal[i] if i < len(proposal) else None)
             if i == len(proposal) or token != proposal[i]:
                 return
-            request.draft_accepted += 1          # kept, even when it ends the request (a stop token)
-            sched.draft_accepted += 1
             if request.done:
                 return
             sched.cache.write_slot(slot, new_k[:, :, i + 1:i + 2], new_v[:, :, i + 1:i + 2], [token])
