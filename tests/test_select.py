@@ -87,7 +87,7 @@ def test_engine_that_fails_falls_through_to_the_next(monkeypatch):
 
     monkeypatch.setattr(ort, "compile", broken)
     model, x = models.mlp()
-    compiled = kiln.trace(model, x)
+    compiled = kiln.trace(model, x, optlevel=1)     # -O2 would also time eager, which may win on a loaded machine
     (part,) = compiled.manifest["partitions"]
     assert part["engine"] == "openvino"
     assert "onnxruntime failed" in part["choice"]

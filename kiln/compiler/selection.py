@@ -222,11 +222,11 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
         if all(label in differs for label in labels):
             continue
         for i in floats[:_PROBED_INPUTS]:
-            probe = list(inputs)
-            probe[i] = inputs[i].detach().contiguous().clone()
-            flat = probe[i].view(-1)
-            for k, value in enumerate(values[:flat.numel()]):
-                flat[-1 - k] = value
+            probe, filled = list(inputs), inputs[i].detach().contiguous().clone()
+            for k, value in enumerate(values[:filled.numel()]):
+                filled.view(-1)[-1 - k] = value
+            # the example's own strides: a stage may take a view that its graph permutes back
+            probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype).copy_(filled)
             with torch.no_grad():
                 out = reference.sub(*probe)
             expected = list(out) if isinstance(out, (list, tuple)) else [out]
