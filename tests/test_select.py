@@ -165,7 +165,7 @@ def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypa
 
     monkeypatch.setattr(ort, "load", load)
     model, x = models.mlp()
-    compiled = kiln.trace(model, x)
+    compiled = kiln.trace(model, x, optlevel=1)     # -O2 would also time eager, which may win under load
     (part,) = compiled.manifest["partitions"]
     first = part["candidates"][0]
     assert first["engine"] == "onnxruntime" and first["status"] == "inaccurate"
