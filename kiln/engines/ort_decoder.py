@@ -29,7 +29,7 @@ prove equal (the attention, given the runtime's prefix masks):
 
 What matched is counted for the blob's header; the graph is then checked against eager
 PyTorch like every compiled partition. On SmolLM2's int4 decode step all three match in
-every layer: 1,912 nodes become 981. Generating 128 tokens alone on the loaded 2-core
+every layer: 1,912 nodes become 980. Generating 128 tokens alone on the loaded 2-core
 machine (engine threads not spinning, two alternating rounds) took 3.3 instead of 3.9-4.4 s
 of CPU, and eight 64-token chats at once 3.5 instead of 3.8 s. What is left between it and
 ORT GenAI's graph is mostly the Q4_1 offset products (:mod:`kiln.engines.ort_int4`, about

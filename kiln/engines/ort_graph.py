@@ -8,43 +8,35 @@ import heapq
 
 import numpy as np
 
+from kiln.engines import ort_rewrites
+
 MS = "com.microsoft"
 
 
-class Graph:
-    """Producers, consumers and constants of an optimised graph; nodes added and removed
-    are applied by :meth:`commit`, which also drops what nothing reads and restores a
-    topological order."""
+class Graph(ort_rewrites.GraphIndex):
+    """:class:`~kiln.engines.ort_rewrites.GraphIndex` (producers, readers, static shapes)
+    of an optimised graph, with edits: nodes added and removed are applied by
+    :meth:`commit`, which also drops what nothing reads and restores a topological order."""
 
     def __init__(self, graph):
         from onnx import numpy_helper
-        self.graph = graph
+        super().__init__(graph)
         self.nodes = list(graph.node)
-        self.producer = {o: n for n in self.nodes for o in n.output}
-        self.consumers = collections.defaultdict(list)
-        for n in self.nodes:
-            for i in n.input:
-                self.consumers[i].append(n)
-        self.inits = {i.name: i for i in graph.initializer}
+        self.inits = self.initializers
         self.inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
         self.input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-        self.shapes = dict(self.inputs)
-        for v in graph.value_info:
-            dims = v.type.tensor_type.shape.dim
-            if all(d.HasField("dim_value") for d in dims):
-                self.shapes[v.name] = [d.dim_value for d in dims]
-        self.outputs = {o.name for o in graph.output}
-        self._array = numpy_helper.to_array
+        self.shapes.update(self.inputs)
         self._from_array = numpy_helper.from_array
         self.removed: set = set()
         self.added: list = []
         self._names = 0
 
     def const(self, name):
+        """A small constant's value; None for a weight ORT saved as external data."""
         init = self.inits.get(name)
-        if init is None or init.data_location == 1:       # external data: a weight, not a small constant
+        if init is None or init.data_location == 1:
             return None
-        return self._array(init)
+        return self._numpy(init)
 
     def op(self, name, op_type, domain=""):
         """The node producing ``name`` when it is ``op_type`` and not already replaced."""
@@ -83,7 +75,7 @@ class Graph:
         self.graph.output.append(helper.make_tensor_value_info(name, elem_type, list(shape)))
         self.outputs.add(name)
 
-    def remove(self, *nodes):
+    def remove(self, *nodes):        # marked here, dropped by commit()
         self.removed.update(id(n) for n in nodes)
 
     def commit(self):
