@@ -39,8 +39,8 @@ def test_int4_of_a_decoder_exported_as_a_large_one(monkeypatch):
     """A real decoder's graphs are too large for the exporter's own optimizer: kiln's
     rewrites and quantization then meet the raw export (constants as nodes, weights behind
     Transpose). The tiny model is forced down that path."""
-    from kiln.engines import onnxruntime as ort_engine
-    monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+    from kiln.engines import onnx_model, onnxruntime as ort_engine
+    monkeypatch.setattr(onnx_model, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
     llm = compile_llm(_model("llama"), quantize="int4", **OPTIONS, **LIMITS["int4"])
     assert llm.meta["accuracy_gate"]["passed"]
     blob = llm.decode[1]._artifact.blobs[llm.decode[1].manifest["partitions"][0]["blob"]]

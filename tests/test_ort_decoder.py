@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kiln.compiler.api import trace  # noqa: E402
-from kiln.engines import onnxruntime as ort_engine  # noqa: E402
+from kiln.engines import onnx_model, onnxruntime as ort_engine  # noqa: E402
 from kiln.llm.build import _decode_example  # noqa: E402
 from kiln.llm.decoder import DecoderStep, cache_shape  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
@@ -26,7 +26,7 @@ def _header(compiled):
 @pytest.mark.parametrize("export", ["exporter-optimized", "large"])
 def test_decode_step_on_fused_operators_equals_eager_for_any_mask(monkeypatch, export):
     if export == "large":      # a real decoder's graphs skip the exporter's optimizer: rotary written out
-        monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+        monkeypatch.setattr(onnx_model, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
     model = _model("llama").eval()
     rows, slots = 3, 16
     step = DecoderStep(model, with_cache=True, last_only=False).eval()

@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln import engines
 from kiln.compiler.options import CompileOptions
-from kiln.engines import onnxruntime as ort_engine
+from kiln.engines import onnx_model, onnxruntime as ort_engine
 from kiln.graph.capture import capture
 from kiln.runtime.options import RuntimeOptions
 from tests.conftest import assert_close
@@ -59,7 +59,7 @@ class Block(nn.Module):
 def unoptimized_export(monkeypatch):
     """As for a large partition: without the exporter's own optimizer, which would fuse
     these itself (and costs tens of seconds on a 30-layer decoder)."""
-    monkeypatch.setattr(ort_engine, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
+    monkeypatch.setattr(onnx_model, "EXPORTER_OPTIMIZE_MAX_OPS", 0)
 
 
 def _compile(module, tol=TOL, **options):

@@ -64,7 +64,7 @@ def test_a_bf16_sum_near_zero_is_held_to_the_outputs_scale():
 
 # -- TF32: graphs on NVIDIA GPUs held to the precision PyTorch lets them compute at ------------
 
-from kiln.compiler import selection                       # noqa: E402
+from kiln.compiler import checks, selection               # noqa: E402
 from kiln.compiler.driver import make_options              # noqa: E402
 from kiln.graph.validation import TF32_RTOL, comparison_precision   # noqa: E402
 from kiln.host import tf32                                 # noqa: E402
@@ -204,9 +204,9 @@ def test_engine_selection_holds_gpu_builds_to_tf32_and_cpu_builds_to_atol_rtol(m
     e = _logits()
     a = e + 0.3
     cpu = make_options(device="cpu")
-    assert "differs from eager" in selection._disagreement([e], [a], cpu, None)
-    assert selection._disagreement([e], [a], cpu, "tf32") is None
-    assert "differs from eager" in selection._disagreement([e], [e * 1.02], cpu, "tf32")
+    assert "differs from eager" in checks.disagreement([e], [a], cpu, None)
+    assert checks.disagreement([e], [a], cpu, "tf32") is None
+    assert "differs from eager" in checks.disagreement([e], [e * 1.02], cpu, "tf32")
     monkeypatch.setattr(selection, "cuda_available", lambda: True)
     gpu = make_options(device="cuda")
     assert selection._Reference(_conv_graph(), [], cpu).precision is None

@@ -34,7 +34,8 @@ class Engine:
     * ``prefers_attention``: at -O2 partitions with attention go to this engine first
       (measured faster on them).
     * ``quantizes``: the ``quantize=`` modes its ``compile`` implements (``("int8",)``);
-      a quantized partition never goes to another engine.
+      a quantized partition never goes to another engine. ``quantize_modes``: the
+      ``quantize_mode=`` values it implements them in.
     * ``package``: the distribution whose version is recorded (``pip install`` name);
       ``modules``: the Python modules it needs, all importable when it is available;
       ``load_modules``: the ones loading a blob needs, where fewer (None: ``modules``).
@@ -53,6 +54,7 @@ class Engine:
     fallback: bool = False
     prefers_attention: bool = False
     quantizes: tuple = ()
+    quantize_modes: tuple = ("dynamic", "static", "weight_only")
     package: str = ""
     modules: tuple = ()
     load_modules: tuple | None = None

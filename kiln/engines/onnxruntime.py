@@ -33,9 +33,7 @@ issue 17, and where nothing matched). Blobs of older kilns are a plain ONNX mode
 """
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import os
 import shutil
 import struct
@@ -45,9 +43,8 @@ import torch
 
 from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
-from kiln.quiet import quiet
 from kiln.engines.base import Engine
-from kiln.engines import ort_decoder, ort_export, ort_fusions, ort_gqa, ort_quantize, ort_rewrites
+from kiln.engines import onnx_model, ort_decoder, ort_fusions, ort_gqa, ort_quantize
 from kiln import config
 
 _MAGIC = b"KILNORT2"
@@ -55,27 +52,9 @@ _ALIGN = 4096
 _DATA = "weights.bin"
 
 
-@functools.lru_cache(maxsize=1)
-def _registry():
-    # torchvision ops are optional in the registry; its absence is not news.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    return ort_export.registry_for()
+_registry = onnx_model.registry
+EXPORT_OPSET = onnx_model.EXPORT_OPSET
 
-
-# The ONNX opset partitions are exported at. From opset 23 torch's exporter writes
-# ``scaled_dot_product_attention`` as ONNX's fused ``Attention`` op, which ONNX Runtime
-# runs as one kernel (fully masked rows give zeros, as torch does); at the exporter's
-# default (18) it is a dozen ops that no ORT fusion recognises. Measured on the 2-core
-# AVX2 machine (docs/performance.md): all-MiniLM-L6-v2 seq 128 26.1 -> 23.9 ms, BERT-base
-# 156.8 -> 151.7 ms; and ORT's own session fusions then find SkipLayerNormalization and
-# Gelu without help.
-EXPORT_OPSET = 23
-
-# The exporter's own optimizer (onnxscript's rewriter) costs time that grows faster than
-# the graph: 42 s of a 65 s compile for SmolLM2's 30-layer decode step (2,524 ops), with
-# the same step time without it (35.1 vs 35.2 ms), since the session's optimizer folds
-# and fuses the graph anyway. Larger partitions skip it; BERT-base (~540 ops) keeps it.
-EXPORTER_OPTIMIZE_MAX_OPS = 1500
 
 _UNSUPPORTED_DTYPES = {torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2}
 
@@ -115,21 +94,11 @@ class OnnxRuntimeEngine(Engine):
         import onnxruntime as ort
         if variant not in (None, "transformers"):
             raise ValueError(f"unknown onnxruntime variant {variant!r}")
-        optimize = sum(n.op == "call_function" for n in partition.graph.nodes) <= EXPORTER_OPTIMIZE_MAX_OPS
-        with torch.no_grad(), quiet():
-            program = ort_export.export(partition, example_inputs, opset=EXPORT_OPSET, optimize=optimize,
-                                        registry=_registry())
         with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
-            # the model stays in memory from export to quantization: each save and load
-            # of a 135M-parameter decoder costs seconds
-            proto = program.model_proto
-            settings = {}
-            rewritten = ort_rewrites.rewrite(proto)
-            if rewritten:
-                settings["rewritten"] = rewritten
             if options.quantize and variant is None:
-                model = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)])
+                model, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
             else:
+                proto, settings = onnx_model.exported(partition, example_inputs)
                 model = ort_quantize.save(proto, os.path.join(tmp, "model.onnx"))
             if variant == "transformers":
                 fused = os.path.join(tmp, "fused.onnx")
@@ -157,8 +126,7 @@ class OnnxRuntimeEngine(Engine):
             if os.path.exists(data_path):
                 with open(data_path, "rb") as f:
                     data = f.read()
-            header = {"graph": len(graph), "data": len(data), "prepacked": prepacked,
-                      "opset": EXPORT_OPSET, "exporter_optimized": optimize, "isa": _isa(),
+            header = {"graph": len(graph), "data": len(data), "prepacked": prepacked, "isa": _isa(),
                       "onnxruntime": ort.__version__, **settings}
             return _pack(header, graph, data)
 

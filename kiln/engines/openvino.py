@@ -19,6 +19,16 @@ range-checked on every call.
 Which ATen ops are supported is read from OpenVINO's own table for its PyTorch
 frontend, so the analysis report tracks the installed OpenVINO.
 
+Weight-only quantized partitions (int8, int4, a GGUF file's blocks) take another road: the
+ONNX model ONNX Runtime's engine quantizes (:mod:`kiln.engines.onnx_model`: the same
+``MatMulNBits`` blocks, bit for bit) is read by OpenVINO's ONNX frontend, which keeps the
+blocks as compressed weights, and the CPU plugin multiplies them with each group of 32
+activations quantized to int8 on the fly, as ONNX Runtime's kernels do
+(``DYNAMIC_QUANTIZATION_GROUP_SIZE``). On SmolLM2-135M's 128-token int4 prefill graph that
+took about half ONNX Runtime's time, with logits closer to float32's (docs/performance.md);
+on its one-token decode step it was slower, so which engine runs which graph is measured
+(:func:`kiln.compiler.selection.times_quantizers`).
+
 Blob layout: ``b"KILNOV1\\0"``, a little-endian uint32 header length, a JSON
 header (``kind``: ``compiled`` or ``ir``; ``openvino``: its version;
 ``precision``; ``inputs`` and ``outputs``: counts; ``xml``: the size of the IR's
@@ -30,7 +40,6 @@ import copy
 import functools
 import io
 import json
-import math
 import os
 import struct
 import tempfile
@@ -41,36 +50,13 @@ import torch
 
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
-from kiln.engines import ov_attention
+from kiln.engines import ov_attention, ov_dtypes
 from kiln.engines.base import Engine
 from kiln.host import target as host_target
 
 _MAGIC = b"KILNOV1\0"
 _LOGGERS = EXPORTER_LOGGERS + ("openvino", "torch.fx")
-_INT32 = (-2**31, 2**31 - 1)
-_NEVER = {torch.complex64: "complex", torch.complex128: "complex",
-          torch.float8_e4m3fn: "float8", torch.float8_e5m2: "float8",
-          torch.float64: "float64 (OpenVINO's CPU plugin computes it in float32)",
-          torch.float16: "float16 (OpenVINO's CPU plugin drops its rounding)",
-          torch.bfloat16: "bfloat16 (OpenVINO's CPU plugin does not round to it exactly)"}
-# Ops that only move, select or compare int64 values (or make indices): in int32
-# they give the same answer whenever their inputs fit int32, which the runtime
-# checks at every call. Other int64 ops must be proven to stay in int32 (below).
-_INT64_SAFE = {
-    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "squeeze", "unsqueeze",
-    "permute", "transpose", "t", "clone", "alias", "cat", "stack", "index", "_unsafe_index",
-    "index_select", "gather", "repeat", "flip", "roll", "split", "split_with_sizes", "narrow",
-    "unbind", "where", "masked_fill", "full", "full_like", "zeros", "zeros_like", "ones",
-    "ones_like", "scalar_tensor", "arange", "max", "min", "amax", "amin", "maximum", "minimum",
-    "argmax", "argmin", "sort", "topk", "constant_pad_nd", "clamp", "_to_copy", "lift_fresh_copy",
-    "embedding", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
-    "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d",
-    "adaptive_max_pool3d", "bitwise_not",
-}
-_MOVES = _INT64_SAFE - {"arange", "argmax", "argmin", "full", "full_like", "scalar_tensor",
-                        "zeros", "zeros_like", "ones", "ones_like", "_to_copy", "bitwise_not"}
-
-
+_INT32 = ov_dtypes.INT32
 # Ops capture leaves that OpenVINO's op table does not list but its FX frontend converts
 # (whole SDPA, kiln.graph.capture.KEEP_WHOLE, and the reshapes of its output; as a view):
 # see _for_openvino.
@@ -95,6 +81,18 @@ def _config(precision: str, **extra) -> dict:
             "NUM_STREAMS": "1", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0", **extra}
 
 
+# A quantized partition's activations are quantized to int8 in groups of this many along
+# the input dim inside each product, as ONNX Runtime's MatMulNBits does at accuracy level 4
+# (kiln.engines.ort_quantize.ACCURACY_LEVEL) with the same 32-wide blocks. At 0 (float
+# activations) the prefill step was slower than ONNX Runtime's.
+QUANTIZED_GROUP = 32
+
+
+def _header_config(header: dict, **extra) -> dict:
+    group = header.get("dynamic_quantization_group_size", 0)
+    return _config(header["precision"], DYNAMIC_QUANTIZATION_GROUP_SIZE=str(group), **extra)
+
+
 class OpenVinoEngine(Engine):
     name = "openvino"
     title = "OpenVINO"
@@ -107,6 +105,9 @@ class OpenVinoEngine(Engine):
     package = "openvino"
     blob_suffix = ".ovblob"
     modules = ("openvino",)
+    # weight-only only: ONNX Runtime's int8 dynamic/static models are its own QDQ operators
+    quantizes = ("int8", "int4")
+    quantize_modes = ("weight_only",)
 
     def version(self) -> str:
         # The build string (2026.4.1-22982-...): compiled blobs load only in that build.
@@ -123,11 +124,13 @@ class OpenVinoEngine(Engine):
             return self.not_an_op(node)
         if target not in _CONVERTED and not _op_table().is_node_supported({}, node):
             return "not in OpenVINO's PyTorch frontend op table"
-        return _dtype_reason(node)
+        return ov_dtypes.reason(node)
 
     def compile(self, partition, example_inputs, options, *, variant=None, calibration=None) -> bytes:
         if variant is not None:
             raise ValueError(f"unknown openvino variant {variant!r}")
+        if options.quantize:
+            return self._compile_quantized(partition, example_inputs, options, calibration)
         # Another engine's rules may have drawn this partition (-O3 tries every engine):
         # refuse ops whose results OpenVINO would change rather than compile them.
         for node in partition.graph.nodes:
@@ -139,6 +142,25 @@ class OpenVinoEngine(Engine):
         header = {"kind": "ir" if options.target == "generic" else "compiled",
                   "openvino": self.version(), "precision": _precision(options),
                   "inputs": len(model.inputs), "outputs": len(model.outputs)}
+        return self._blob(model, header)
+
+    def _compile_quantized(self, partition, example_inputs, options, calibration) -> bytes:
+        from kiln.engines import onnx_model
+        if options.quantize_mode != "weight_only":
+            raise RuntimeError(f"OpenVINO runs weight-only quantized partitions only, not "
+                               f"quantize_mode={options.quantize_mode!r}")
+        with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
+            path, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
+            with quiet(_LOGGERS):
+                model = _core().read_model(path)
+            _check_io(model, partition, example_inputs)
+            header = {"kind": "ir" if options.target == "generic" else "compiled",
+                      "openvino": self.version(), "precision": "f32", "inputs": len(model.inputs),
+                      "outputs": len(model.outputs), "quantized": options.quantize,
+                      "dynamic_quantization_group_size": QUANTIZED_GROUP, "onnx": settings}
+            return self._blob(model, header)
+
+    def _blob(self, model, header) -> bytes:
         if header["kind"] == "ir":
             xml, weights = _serialize(model)
             header["xml"] = len(xml)
@@ -146,14 +168,13 @@ class OpenVinoEngine(Engine):
         out = io.BytesIO()
         out.write(_pack(header))
         with quiet(_LOGGERS):
-            _core().compile_model(model, "CPU", _config(header["precision"])).export_model(out)
+            _core().compile_model(model, "CPU", _header_config(header)).export_model(out)
         return out.getvalue()
 
     def load(self, blob, runtime_options, origin=None):
         import openvino as ov
         header, payload = _unpack(blob)
-        config = _config(header["precision"],
-                         INFERENCE_NUM_THREADS=str(runtime_options.resolved_threads()))
+        config = _header_config(header, INFERENCE_NUM_THREADS=str(runtime_options.resolved_threads()))
         core = _core()
         mapped = None
         if header["kind"] == "ir":
@@ -192,88 +213,6 @@ class OpenVinoEngine(Engine):
 
 
 # -- op support -------------------------------------------------------------------
-
-def _dtypes(node):
-    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-    for v in vals:
-        for t in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(t, torch.Tensor):
-                yield t.dtype
-
-
-def _dtype_reason(node) -> str | None:
-    """Why OpenVINO's CPU plugin would silently change this op's result, if it would."""
-    name = node.target.overloadpacket.__name__
-    dtypes = set(_dtypes(node))
-    for dtype in dtypes:
-        if dtype in _NEVER:
-            return f"dtype {_NEVER[dtype]} is not supported by kiln's OpenVINO engine"
-    if torch.int64 not in dtypes:
-        return None
-    if name not in _INT64_SAFE and not _fits_int32(_range(node)):
-        return "int64 arithmetic: OpenVINO's CPU plugin computes int64 in int32, which could overflow"
-    if name == "_to_copy" and node.kwargs.get("dtype") == torch.int64 and any(
-            _dtype_of(a) is not None and _dtype_of(a).is_floating_point for a in node.all_input_nodes):
-        return "float to int64 conversion: OpenVINO's CPU plugin converts to int32, which could overflow"
-    for a in list(node.args) + list(node.kwargs.values()):
-        if isinstance(a, (int, float)) and not isinstance(a, bool) and not _fits_int32((a, a)):
-            return f"int64 constant {a} is outside int32, which OpenVINO's CPU plugin computes int64 in"
-    return None
-
-
-def _dtype_of(node):
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _fits_int32(r) -> bool:
-    return r is not None and all(math.isfinite(v) for v in r) and _INT32[0] <= r[0] and r[1] <= _INT32[1]
-
-
-def _range(a, depth=0):
-    """A (lo, hi) bound on the values of an integer fx value, or None when kiln cannot tell.
-
-    Enough interval arithmetic to prove index bookkeeping such as
-    ``arange(n) + offset`` stays small; graph inputs are unknown.
-    """
-    if isinstance(a, bool) or isinstance(a, (int, float)):
-        return (a, a)
-    if not isinstance(a, torch.fx.Node) or depth > 32:
-        return None
-    if _dtype_of(a) == torch.bool:
-        return (0, 1)
-    if a.op != "call_function" or not isinstance(a.target, torch._ops.OpOverload):
-        return None
-    name, args = a.target.overloadpacket.__name__, a.args
-    sub = [_range(x, depth + 1) for x in args if isinstance(x, (torch.fx.Node, int, float))]
-    if name == "arange":
-        ends = [x for x in args if isinstance(x, (int, float))][:2]
-        return (min(0, *ends), max(0, *ends)) if ends else None
-    if name in ("full", "full_like", "scalar_tensor", "zeros", "zeros_like", "ones", "ones_like"):
-        fill = {"zeros": 0, "zeros_like": 0, "ones": 1, "ones_like": 1}.get(name)
-        if fill is None:
-            fill = next((x for x in args if isinstance(x, (int, float))), None)
-        return None if fill is None else (fill, fill)
-    if None in sub:
-        return None
-    if name in _MOVES or name == "_to_copy":
-        return (min(r[0] for r in sub), max(r[1] for r in sub)) if sub else None
-    if name in ("add", "sub", "mul") and len(sub) == 2:
-        (a0, a1), (b0, b1) = sub
-        if name == "add":
-            return (a0 + b0, a1 + b1)
-        if name == "sub":
-            return (a0 - b1, a1 - b0)
-        products = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
-        return (min(products), max(products))
-    if name == "neg" and sub:
-        return (-sub[0][1], -sub[0][0])
-    if name in ("cumsum", "sum") and sub:
-        val = args[0].meta.get("val") if isinstance(args[0], torch.fx.Node) else None
-        n = val.numel() if isinstance(val, torch.Tensor) else None
-        return None if n is None else (min(0, sub[0][0] * n), max(0, sub[0][1] * n))
-    return None
-
 
 def _precision(options) -> str:
     """f32 unless --auto-cast asks for a type this CPU computes natively (else kiln emulates it)."""

@@ -22,7 +22,7 @@ nodes without changing the arithmetic:
 torch's exporter has an optimizer (onnxscript's rewriter) that does both, and more; but its
 cost grows faster than the graph (42 s of a 65 s compile for SmolLM2's 30-layer decode
 step), so kiln skips it on large partitions
-(:data:`kiln.engines.onnxruntime.EXPORTER_OPTIMIZE_MAX_OPS`) and runs these instead, in
+(:data:`kiln.engines.onnx_model.EXPORTER_OPTIMIZE_MAX_OPS`) and runs these instead, in
 about a second. Measured on that int4 decode step (2 cores, ONNX Runtime alone, five
 alternating runs): 2,160 → 1,462 nodes, 11.2 → 10.6 ms.
 

@@ -1,0 +1,147 @@
+"""A build checked against eager on its partition's example inputs: the same answers
+within tolerance (or, for lossy compiles, no invented NaN), and how it treats NaN and
+infinities (:func:`nonfinite_probe`). Selection (:mod:`kiln.compiler.selection`) keeps
+only builds that pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.compiler.options import lossy, tf32_ops
+from kiln.errors import KilnError
+from kiln.graph import validation
+
+_SATURATED = 1e30
+
+
+class Reference:
+    """The partition's eager outputs on its example inputs, computed once, when first needed."""
+
+    def __init__(self, sub, inputs, opts):
+        self.sub, self.inputs, self._outputs = sub, inputs, None
+        # on a GPU: the precision the partition computes at there (TF32 where torch allows it)
+        self.precision = (validation.comparison_precision(sub, "cuda", tf32_ops(opts))
+                          if opts.device == "cuda" else None)
+
+    def outputs(self) -> list:
+        if self._outputs is None:
+            with torch.no_grad():
+                out = self.sub(*self.inputs)
+            self._outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+        return self._outputs
+
+
+def try_run(engine, blob, runtime_opts, inputs, reference, opts):
+    """(runner, None), or (runner or None, why) when the engine cannot run its own build or
+    answers differently from eager on the partition's example inputs.
+
+    Checked per partition so that the next engine gets a partition the first
+    one gets wrong: OpenVINO 2026.4 answered 18 of the 144 two-stage cuts of a
+    tiny BERT pipeline wrongly (errors up to 3.7, or NaN), where ONNX Runtime ran
+    all of them right. Lossy compiles (int8, auto-cast) are held to the model's
+    accuracy gate instead; here they must only not invent NaN. When no engine
+    agrees, the first that ran is kept and the model's validation reports it.
+    """
+    try:
+        runner = engine.load(blob, runtime_opts)
+        actual = runner(list(inputs))
+    except KilnError:
+        raise
+    except Exception as e:
+        return None, f"compiled, but could not run: {type(e).__name__}: {str(e).strip()[:300]}"
+    expected = reference.outputs()
+    problem = disagreement(expected, actual, opts, reference.precision)
+    return runner, problem
+
+
+# (values refused if the probe differs, what goes in the last two elements of an input)
+_NONFINITE = ((("nan",), (float("nan"), float("nan"))),
+              (("+inf",), (float("inf"), float("inf"))),
+              (("-inf",), (float("-inf"), float("-inf"))),
+              (("+inf", "-inf"), (float("inf"), float("-inf"))))
+
+
+def nonfinite_probe(runner, reference, opts) -> list | None:
+    """Which of NaN, +inf and -inf in a float input this build does not answer as eager does.
+
+    Engines differ from PyTorch here and the example inputs never show it: OpenVINO's
+    ReLU, clamp, max-pool and softmax turn NaN into numbers (so also the NaN that two
+    infinities make in a matmul), ONNX Runtime's ReduceMax and ArgMax skip NaN unless it
+    comes first. Each value goes in the last two elements of a float input (last: a max
+    that starts from the first element skips it; two: inf - inf inside), one input at a
+    time (NaN in every input at once can hide one that a max skips), and the NaN pattern
+    and the rest are compared with eager. A build that mishandles NaN gets the infinities
+    listed as well: inside the graph they become NaN (inf - inf, 0 * inf) in ways no probe
+    covers. The runtime refuses inputs holding the values listed (``InputError``) rather
+    than answer differently from PyTorch. None when there is nothing to probe (no float
+    inputs, lossy compiles).
+    """
+    inputs = reference.inputs
+    floats = [i for i, t in enumerate(inputs)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not floats or lossy(opts):
+        return None
+    differs: list = []
+    for labels, values in _NONFINITE:
+        if all(label in differs for label in labels):
+            continue
+        for i in floats[:_PROBED_INPUTS]:
+            probe, filled = list(inputs), inputs[i].detach().contiguous().clone()
+            for k, value in enumerate(values[:filled.numel()]):
+                filled.view(-1)[-1 - k] = value
+            # the example's own strides: a stage may take a view that its graph permutes back
+            probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype).copy_(filled)
+            with torch.no_grad():
+                out = reference.sub(*probe)
+            expected = list(out) if isinstance(out, (list, tuple)) else [out]
+            try:
+                actual = runner(probe)
+            except Exception:  # noqa: BLE001 - an engine that cannot run such values differs
+                actual = None
+            if actual is None or nonfinite_disagreement(expected, actual, opts, reference.precision):
+                differs += [label for label in labels if label not in differs]
+                break
+        if "nan" in differs:
+            # arithmetic makes NaN of infinities (inf - inf, 0 * inf) anywhere inside, and
+            # this build mishandles NaN: no probe can show every such case, so refuse them
+            return ["nan", "+inf", "-inf"]
+    return differs
+
+
+_PROBED_INPUTS = 4      # bounds the probe's runs: 3 values x this many float inputs
+
+
+def nonfinite_disagreement(expected, actual, opts, precision=None) -> bool:
+    for e, a in zip(expected, actual):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if tuple(a.shape) != tuple(e.shape):
+            return True
+        a = a.to(e.dtype)
+        if e.is_floating_point() and not torch.equal(e.isnan(), a.isnan()):
+            return True
+    return disagreement(expected, actual, opts, precision) is not None
+
+
+def disagreement(expected, actual, opts, precision=None) -> str | None:
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if tuple(a.shape) != tuple(e.shape):
+            return f"output {i} has shape {tuple(a.shape)}, eager {tuple(e.shape)}"
+        if not e.is_floating_point():
+            if not torch.equal(e, a.to(e.dtype)):
+                return f"integer output {i} differs from eager"
+            continue
+        a = a.to(e.dtype)
+        if (a.isnan() & ~e.isnan()).any():
+            return f"output {i} has NaN where eager has none"
+        # Mask arithmetic saturates: -inf and float32's lowest both mean "masked out",
+        # and engines legitimately disagree on which one a partition returns.
+        e, a = (t.nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) for t in (e, a))
+        rtol, atol = (validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol, opts.rtol,
+                                            validation.rtol_floor(precision)) if precision else (opts.rtol, opts.atol))
+        if not lossy(opts) and not torch.allclose(a, e, atol=atol, rtol=rtol):
+            err = (a.double() - e.double()).abs().max().item()
+            return f"output {i} differs from eager: max abs error {err:.3g} (atol {atol:.3g}, rtol {rtol:g})"
+    return None

@@ -1,0 +1,85 @@
+"""A partition as an ONNX model (torch's exporter, kiln's rewrites, ONNX Runtime's quantization
+tools), shared by the engines that run ONNX: ONNX Runtime, and OpenVINO for weight-only
+quantized partitions (its ONNX frontend reads ``MatMulNBits`` as compressed weights).
+
+A quantized partition is timed on each engine that quantizes it (:mod:`kiln.compiler.selection`),
+and the export and quantization are the slow part of a build (SmolLM2-135M's prefill graph:
+about 4 s to export and 6 s to quantize), so the second engine takes the first one's model:
+the last weight-only model of each partition is kept while the partition lives.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+
+import torch
+
+from kiln.engines import ort_export, ort_quantize, ort_rewrites
+from kiln.quiet import quiet
+
+# The ONNX opset partitions are exported at. From opset 23 torch's exporter writes
+# ``scaled_dot_product_attention`` as ONNX's fused ``Attention`` op, which ONNX Runtime
+# runs as one kernel (fully masked rows give zeros, as torch does); at the exporter's
+# default (18) it is a dozen ops that no ORT fusion recognises. Measured on the 2-core
+# AVX2 machine (docs/performance.md): all-MiniLM-L6-v2 seq 128 26.1 -> 23.9 ms, BERT-base
+# 156.8 -> 151.7 ms; and ORT's own session fusions then find SkipLayerNormalization and
+# Gelu without help.
+EXPORT_OPSET = 23
+
+# The exporter's own optimizer (onnxscript's rewriter) costs time that grows faster than
+# the graph: 42 s of a 65 s compile for SmolLM2's 30-layer decode step (2,524 ops), with
+# the same step time without it (35.1 vs 35.2 ms), since the session's optimizer folds
+# and fuses the graph anyway. Larger partitions skip it; BERT-base (~540 ops) keeps it.
+EXPORTER_OPTIMIZE_MAX_OPS = 1500
+
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # partition -> (key, bytes, settings)
+_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def registry():
+    # torchvision ops are optional in the registry; its absence is not news.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    return ort_export.registry_for()
+
+
+def exported(partition, example_inputs) -> tuple:
+    """``(model proto, settings)``: the partition exported and rewritten
+    (:mod:`kiln.engines.ort_rewrites`); ``settings`` say how, for the blob's header."""
+    optimize = sum(n.op == "call_function" for n in partition.graph.nodes) <= EXPORTER_OPTIMIZE_MAX_OPS
+    with torch.no_grad(), quiet():
+        program = ort_export.export(partition, example_inputs, opset=EXPORT_OPSET, optimize=optimize,
+                                    registry=registry())
+    # the model stays in memory from export to quantization: each save and load of a
+    # 135M-parameter decoder costs seconds
+    proto = program.model_proto
+    settings = {"opset": EXPORT_OPSET, "exporter_optimized": optimize}
+    rewritten = ort_rewrites.rewrite(proto)
+    if rewritten:
+        settings["rewritten"] = rewritten
+    return proto, settings
+
+
+def quantized(partition, example_inputs, options, calibration, tmp: str) -> tuple:
+    """``(path, settings)``: the partition's model quantized as ``options`` ask, written in
+    ``tmp``. A weight-only model is kept for the partition's next engine (above)."""
+    key = (options.quantize, options.quantize_mode)
+    shared = options.quantize_mode == "weight_only"
+    with _LOCK:
+        kept = _KEPT.get(partition) if shared else None
+    path = os.path.join(tmp, "quantized.onnx")
+    if kept is not None and kept[0] == key:
+        with open(path, "wb") as f:
+            f.write(kept[1])
+        return path, dict(kept[2])
+    proto, settings = exported(partition, example_inputs)
+    path = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)])
+    if shared and not os.path.exists(path + ".data"):     # under protobuf's 2 GB: one file
+        with open(path, "rb") as f:
+            data = f.read()
+        with _LOCK:
+            _KEPT[partition] = (key, data, dict(settings))
+    return path, settings
