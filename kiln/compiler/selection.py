@@ -36,6 +36,7 @@ import torch
 
 from kiln import engines
 from kiln.compiler import measure
+from kiln.compiler.options import CompileOptions
 from kiln.compiler.checks import Reference as _Reference, nonfinite_probe, try_run as _try_run
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
@@ -139,7 +140,14 @@ def candidate_order(opts, sub) -> list:
     if opts.optlevel >= 3 and not opts.engine:
         order = default_order(opts)
     if opts.quantize:
-        order = [n for n in order if quantizes(engines.describe(n), opts)]
+        able = [n for n in order if quantizes(engines.describe(n), opts)]
+        if not able:
+            others = [e.name for e in engines.ranked(opts.device) if quantizes(e, opts)]
+            raise CompilerArgsError(
+                f"{' and '.join(order) or 'no engine'} cannot quantize to {opts.quantize} with quantize_mode="
+                f"{opts.quantize_mode!r}" + (f" (engine={opts.engine!r} was named)" if opts.engine else "")
+                + f"; engines that can: {', '.join(others) or 'none'}")
+        order = able
     return order
 
 
@@ -147,6 +155,12 @@ def quantizes(engine, opts) -> bool:
     """Whether ``engine`` (a description) implements ``opts``' quantization, mode included."""
     return (opts.quantize in getattr(engine, "quantizes", ())
             and opts.quantize_mode in getattr(engine, "quantize_modes", ("dynamic", "static", "weight_only")))
+
+
+def default_quantizer(quantize: str, quantize_mode: str, device: str = "cpu") -> str | None:
+    """The first engine in ``device``'s default order that implements this quantization."""
+    opts = dataclasses.replace(CompileOptions(), quantize=quantize, quantize_mode=quantize_mode, device=device)
+    return next((e.name for e in engines.ranked(device) if quantizes(e, opts)), None)
 
 
 def times_quantizers(opts, order) -> bool:
@@ -181,6 +195,7 @@ class _Search:
         self.calibration = calibration if opts.quantize else None
         self.measure = opts.optlevel >= 3
         self.why_measured = "fastest measured latency (-O3)"
+        self.every = False             # build every candidate, whatever the budget
         self.reference = _Reference(sub, inputs, opts)
         self.attempts: list = []
         self.compiled: dict = {}       # key -> (engine, blob, attempt, runner)
@@ -201,7 +216,10 @@ class _Search:
 
     def run(self, order):
         if times_quantizers(self.opts, order):
-            self.measure = True
+            # in the default order (ONNX Runtime first: the other engines reuse its ONNX
+            # model), each built whatever the budget says: the point is to time them all
+            order = [n for n in default_order(self.opts) if n in order]
+            self.measure, self.every = True, True
             self.why_measured = "fastest measured latency of the engines that quantize it (-O2)"
         if self.measure:
             return self.search(order)
@@ -220,7 +238,7 @@ class _Search:
             self.probes[_EAGER_KEY] = measure.probe(self.eager, self.inputs)
         for engine, variant in candidates:
             key = engine.name if variant is None else f"{engine.name}:{variant}"
-            why = self.budget.refusal(engine, key) if self.compiled else None
+            why = self.budget.refusal(engine, key) if self.compiled and not self.every else None
             if why:
                 self.attempts.append({"engine": engine.name, **({"variant": variant} if variant else {}),
                                       "status": "skipped", "note": why})

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kiln.compiler import selection
 from kiln.compiler.api import trace
 from kiln.errors import CompilerArgsError, ValidationError
 from kiln.llm import cuda, gate, gguf_keep, parallel
@@ -100,15 +101,34 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph) -> list:
     workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
-    graphs = parallel.compile_graphs(model, jobs, trace_options, workers, on_graph) if workers > 1 else None
+    per_job = graph_options(jobs, trace_options)
+    graphs = parallel.compile_graphs(model, jobs, per_job, workers, on_graph) if workers > 1 else None
     if graphs is None:
         graphs = []
         for k, (name, step_kwargs, example) in enumerate(jobs):
             started = time.perf_counter()
-            graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **trace_options))
+            graphs.append(trace(DecoderStep(model, **step_kwargs).eval(), example, **per_job[k]))
             if on_graph is not None:
                 on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
     return graphs
+
+
+def graph_options(jobs, trace_options) -> list:
+    """Each graph's ``kiln.trace`` options. A quantized model's prefill graphs go to whichever
+    engine that quantizes them measures fastest (:func:`kiln.compiler.selection.times_quantizers`);
+    the graphs a batch's rows run through (decode, verify, chunk, windows) all take one
+    engine, the first in the default order that quantizes, unless the user named one. Two
+    engines round differently, and a row must get the same answer whatever the batch
+    holds (:mod:`kiln.runtime.invariance`). Measured on SmolLM2 int8, 2 cores, per graph:
+    prefill (128 tokens) ONNX Runtime 164 ms, OpenVINO 84; decode, 1 row, 9.2 and 12.8 ms;
+    8 rows, 66.0 and 39.7 ms. Timed one by one, the 1-row graph went to ONNX Runtime and the
+    8-row graph to OpenVINO; the invariance probe then dropped the 1-row graph, and a lone
+    stream ran on the 8-row one at 36 tok/s instead of ~110 (docs/performance.md)."""
+    if not trace_options.get("quantize") or trace_options.get("engine"):
+        return [trace_options] * len(jobs)
+    rows_engine = dict(trace_options, engine=selection.default_quantizer(
+        trace_options["quantize"], trace_options.get("quantize_mode", "weight_only")))
+    return [trace_options if name.startswith("prefill") else rows_engine for name, _, _ in jobs]
 
 
 def _gguf_plan(model, trace_options):

@@ -80,16 +80,17 @@ def _available_bytes() -> int:
     return psutil.virtual_memory().available
 
 
-def compile_graphs(model, jobs, trace_options: dict, workers: int, on_graph=None) -> list:
+def compile_graphs(model, jobs, trace_options, workers: int, on_graph=None) -> list:
     """Compile ``jobs`` (``(name, step_kwargs, example)``: a :class:`DecoderStep` of
-    ``model`` built with ``step_kwargs``, traced at ``example``) in up to ``workers``
-    processes; the compiled graphs in the order of ``jobs``. A worker's failure is raised
+    ``model`` built with ``step_kwargs``, traced at ``example`` with ``trace_options``, one
+    dict for every job or a list of one per job) in up to ``workers`` processes; the compiled graphs in the order of ``jobs``. A worker's failure is raised
     here with its message, as the in-process compile would have raised it. None when the
     model cannot be pickled for the workers (the caller compiles in its own process)."""
     from kiln.runtime.loader import load
+    per_job = trace_options if isinstance(trace_options, list) else [trace_options] * len(jobs)
     with tempfile.TemporaryDirectory(prefix="kiln-llm-") as tmp:
         try:
-            torch.save({"model": model, "options": trace_options,
+            torch.save({"model": model, "options": per_job,
                         "jobs": [(name, kwargs, example) for name, kwargs, example in jobs]},
                        os.path.join(tmp, "jobs.pt"))
         except Exception as e:  # noqa: BLE001 - a model that does not pickle (hooks, closures)
@@ -100,7 +101,7 @@ def compile_graphs(model, jobs, trace_options: dict, workers: int, on_graph=None
         runner = _Workers(tmp, names, on_graph)
         try:
             runner.start(range(1, len(jobs)), workers - 1)
-            here = _compile_here(model, jobs[0], trace_options)
+            here = _compile_here(model, jobs[0], per_job[0])
             runner.finished(names[0], here[1])
             runner.run(workers)
         finally:
@@ -210,7 +211,8 @@ def worker_main():
         _, step_kwargs, example = payload["jobs"][k]
         step = DecoderStep(payload["model"], **step_kwargs).eval()
         marks.append(time.perf_counter())
-        compiled = trace(step, example, **payload["options"])
+        options = payload["options"]
+        compiled = trace(step, example, **(options[k] if isinstance(options, list) else options))
         marks.append(time.perf_counter())
         compiled.save(os.path.join(tmp, f"{k}.kiln"))
         marks.append(time.perf_counter())

@@ -1,0 +1,128 @@
+"""Weight-only quantized partitions on OpenVINO (its ONNX frontend reading the ``MatMulNBits``
+model ONNX Runtime's engine quantizes, kiln.engines.onnx_model), and -O2 timing every engine
+that quantizes a partition (kiln.compiler.selection.times_quantizers)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln import engines
+from kiln.compiler import selection
+from kiln.compiler.options import CompileOptions
+
+pytest.importorskip("openvino")
+
+
+class Wide(torch.nn.Module):
+    """Products whose input dims are multiples of 32, as MatMulNBits' blocks need."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+X = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+# the model-level gate judges top-1 over 8 rows of 64 outputs: int4 may flip one of them
+WEIGHT_ONLY = dict(quantize_mode="weight_only", cache=False, min_top1=0.5)
+
+
+def _partition(compiled):
+    (p,) = compiled.manifest["partitions"]
+    return p
+
+
+@pytest.fixture(scope="module")
+def builds():
+    model = Wide().eval()
+    with torch.no_grad():
+        want = model(X)
+    out = {}
+    for engine in ("openvino", "onnxruntime"):
+        for q in ("int4", "int8"):
+            out[engine, q] = kiln.trace(model, X, quantize=q, engine=engine, optlevel=1, **WEIGHT_ONLY)
+    return model, want, out
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_openvino_runs_the_same_blocks_as_onnx_runtime(builds, quantize):
+    model, want, out = builds
+    ov, ort = out["openvino", quantize], out["onnxruntime", quantize]
+    assert _partition(ov)["engine"] == "openvino" and _partition(ort)["engine"] == "onnxruntime"
+    a, b = ov(X), ort(X)
+    # the same weight blocks; both quantize each 32-wide group of activations to int8 inside
+    # the products, so only that rounding differs
+    scale = b.abs().max().item()
+    assert (a - b).abs().max().item() < 0.02 * scale, quantize
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), want.flatten(), dim=0).item()
+    assert 0.99 < cos < 1.0, quantize       # really quantized, and close to float32
+    assert not torch.allclose(a, want, atol=1e-6)
+
+
+def test_openvino_quantized_artifact_loads_in_a_fresh_process(builds, tmp_path):
+    _, _, out = builds
+    for target in ("native", "generic"):
+        compiled = (out["openvino", "int4"] if target == "native" else
+                    kiln.trace(Wide().eval(), X, quantize="int4", engine="openvino", optlevel=1,
+                               target="generic", **WEIGHT_ONLY))
+        path = tmp_path / f"wide-{target}.kiln"
+        compiled.save(path)
+        torch.save(X, tmp_path / "x.pt")
+        code = ("import sys, torch, kiln; m = kiln.load(sys.argv[1]); "
+                "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])")
+        subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                       check=True, timeout=300)
+        assert torch.equal(torch.load(tmp_path / "y.pt"), compiled(X)), target
+
+
+def test_o2_times_every_engine_that_quantizes_and_keeps_the_fastest():
+    compiled = kiln.trace(Wide().eval(), X, quantize="int4", **WEIGHT_ONLY)
+    p = _partition(compiled)
+    timed = {c["engine"]: c["latency_ms"] for c in p["candidates"] if c["status"] == "ok"}
+    assert set(timed) == {"openvino", "onnxruntime"}
+    assert p["engine"] == min(timed, key=timed.get)
+    assert p["choice"] == "fastest measured latency of the engines that quantize it (-O2)"
+    # -O1 takes the first engine that builds it, untimed
+    first = _partition(kiln.trace(Wide().eval(), X, quantize="int4", optlevel=1, **WEIGHT_ONLY))
+    assert [c["engine"] for c in first["candidates"]] == ["onnxruntime"] and "latency_ms" not in first
+
+
+def test_onnx_runtimes_own_int8_modes_never_go_to_openvino():
+    sub = torch.fx.symbolic_trace(Wide())
+    for mode, expected in (("dynamic", ["onnxruntime"]), ("static", ["onnxruntime"]),
+                           ("weight_only", ["onnxruntime", "openvino"])):
+        opts = CompileOptions(quantize="int8", quantize_mode=mode, device="cpu")
+        order = selection.candidate_order(opts, sub)
+        assert sorted(n for n in order if engines.describe(n).quantizes) == expected, mode
+    # and an OpenVINO build asked for such a mode by name is a clear error, not an fp32 model
+    with pytest.raises(kiln.CompilerArgsError, match="cannot quantize to int8 with quantize_mode='dynamic' .engine='openvino' was named.; engines that can: onnxruntime"):
+        kiln.trace(Wide().eval(), X, quantize="int8", quantize_mode="dynamic", engine="openvino", cache=False)
+
+
+def test_an_llms_prefill_is_timed_on_each_engine_and_its_batch_graphs_share_one():
+    transformers = pytest.importorskip("transformers")
+    from kiln.llm.build import compile_llm, graph_options
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    llm = compile_llm(model, batch_size=2, context_buckets=(16,), cache_length=32, quantize="int4", cache=False,
+                      workers=1, max_ppl_ratio=1e9, min_agreement=0.0)
+    (prefill,) = llm.prefill[16].manifest["partitions"]
+    assert {c["engine"] for c in prefill["candidates"] if c["status"] in ("ok", "dropped")} == {"onnxruntime",
+                                                                                            "openvino"}
+    # a batch's rows run through the decode graphs: one engine for all, whatever each would win
+    engines_of = {b: {p["engine"] for p in g.manifest["partitions"]} for b, g in llm.decode.items()}
+    assert engines_of == {1: {"onnxruntime"}, 2: {"onnxruntime"}}
+    assert llm.batch_invariance["decode_rows"] == [1, 2]
+    jobs = [("prefill 16", {}, ()), ("decode 2x32", {}, ()), ("verify 3", {}, ())]
+    assert [o.get("engine") for o in graph_options(jobs, {"quantize": "int8"})] == [None, "onnxruntime",
+                                                                                    "onnxruntime"]
+    assert graph_options(jobs, {"quantize": "int8", "engine": "openvino"}) == [{"quantize": "int8",
+                                                                                 "engine": "openvino"}] * 3
+    assert graph_options(jobs, {}) == [{}] * 3
