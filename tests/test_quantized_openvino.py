@@ -83,9 +83,14 @@ def test_openvino_quantized_artifact_loads_in_a_fresh_process(builds, tmp_path):
 def test_o2_times_every_engine_that_quantizes_and_keeps_the_fastest():
     compiled = kiln.trace(Wide().eval(), X, quantize="int4", **WEIGHT_ONLY)
     p = _partition(compiled)
-    timed = {c["engine"]: c["latency_ms"] for c in p["candidates"] if c["status"] == "ok"}
-    assert set(timed) == {"openvino", "onnxruntime"}
+    built = {c["engine"]: c for c in p["candidates"] if c["status"] in ("ok", "dropped")}
+    assert set(built) == {"openvino", "onnxruntime"}
+    # each was built and checked; one whose first calls were already clearly slower is dropped
+    timed = {name: c["latency_ms"] for name, c in built.items() if c["status"] == "ok"}
     assert p["engine"] == min(timed, key=timed.get)
+    for c in built.values():
+        if c["status"] == "dropped":
+            assert c["probe_ms"] > 0 and "dropped:" in c["note"]
     assert p["choice"] == "fastest measured latency of the engines that quantize it (-O2)"
     # -O1 takes the first engine that builds it, untimed
     first = _partition(kiln.trace(Wide().eval(), X, quantize="int4", optlevel=1, **WEIGHT_ONLY))

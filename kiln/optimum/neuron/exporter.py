@@ -1,0 +1,122 @@
+"""``kiln export`` (``optimum-cli export neuron``): a Hugging Face checkpoint directory compiled
+into a directory ``from_pretrained`` loads, checked against the source model.
+
+The task comes from the checkpoint (``--task auto``: its architecture, or a
+sentence-transformers directory); encoders go through :mod:`kiln.optimum.neuron.modeling`,
+decoders (``*ForCausalLM``) through kiln's LLM path (:func:`kiln.llm.build.compile_llm`). An
+encoder export runs the compiled model and the source model on the same inputs at the static
+shapes, a third of each row padded, and reports the largest difference against ``atol``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from kiln.errors import CompilerArgsError, ValidationError
+from kiln.optimum.neuron import modeling, sentence
+
+CLASSES = {
+    "feature-extraction": modeling.NeuronModelForFeatureExtraction,
+    "fill-mask": modeling.NeuronModelForMaskedLM,
+    "multiple-choice": modeling.NeuronModelForMultipleChoice,
+    "question-answering": modeling.NeuronModelForQuestionAnswering,
+    "text-classification": modeling.NeuronModelForSequenceClassification,
+    "token-classification": modeling.NeuronModelForTokenClassification,
+    "sentence-similarity": sentence.NeuronSentenceTransformers,
+}
+SUFFIXES = (("ForSequenceClassification", "text-classification"),
+            ("ForTokenClassification", "token-classification"),
+            ("ForQuestionAnswering", "question-answering"), ("ForMaskedLM", "fill-mask"),
+            ("ForMultipleChoice", "multiple-choice"), ("ForCausalLM", "text-generation"),
+            ("Model", "feature-extraction"))
+
+
+def infer_task(path: str) -> str:
+    """The task a checkpoint directory was saved for, from its architecture."""
+    if os.path.exists(os.path.join(path, "modules.json")):
+        return "sentence-similarity"
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise CompilerArgsError(f"{path}: no config.json; give a Hugging Face checkpoint directory")
+    with open(config_path) as f:
+        archs = json.load(f).get("architectures") or []
+    for arch in archs:
+        for suffix, task in SUFFIXES:
+            if arch.endswith(suffix):
+                return task
+    raise CompilerArgsError(f"{path}: cannot infer the task from its architectures {archs}; pass --task "
+                            f"(one of {', '.join(sorted([*CLASSES, 'text-generation']))})")
+
+
+def export(model_dir: str, output: str, task: str = "auto", atol: float | None = None,
+           validate: bool = True, **kwargs) -> dict:
+    """Export ``model_dir`` into ``output``; what was done (task, cache hit, validation)."""
+    model_dir = os.fspath(model_dir)
+    task = infer_task(model_dir) if task in (None, "auto") else task
+    if task == "text-generation":
+        return _export_decoder(model_dir, output, kwargs)
+    cls = CLASSES.get(task)
+    if cls is None:
+        raise CompilerArgsError(f"--task {task}: kiln exports {', '.join(sorted([*CLASSES, 'text-generation']))}")
+    model = cls.from_pretrained(model_dir, export=True, **kwargs)
+    model.save_pretrained(output)
+    report = {"task": task, "class": cls.__name__, "output": output,
+              "cache_hit": model.cache_hit}
+    if validate:
+        atol = atol if atol is not None else (1e-2 if model.neuron.get("auto_cast") else 1e-4)
+        report["validation"] = check(cls, model, model_dir, atol)
+    return report
+
+
+def check(cls, model, model_dir: str, atol: float) -> dict:
+    """The compiled model against the source model at the static shapes, padding included."""
+    import transformers
+    reference = getattr(transformers, cls.auto_class).from_pretrained(model_dir, local_files_only=True).eval()
+    inputs = cls._example(reference, reference.config, model.static)
+    if "attention_mask" in inputs:
+        length = inputs["attention_mask"].shape[-1]
+        inputs["attention_mask"][..., length - length // 3:] = 0
+    with torch.no_grad():
+        want = reference(**inputs, return_dict=True)
+    got = modeling.NeuronTracedModel.forward(model, **inputs)
+    errors = {}
+    for name in model.output_names:
+        keep = inputs.get("attention_mask") if name in modeling.PER_TOKEN else None
+        diff = (got[name] - want[name]).abs()
+        if keep is not None and diff.dim() >= keep.dim():      # padded positions are not the model's answer
+            diff = diff[keep.bool()]
+        errors[name] = float(diff.max())
+    worst = max(errors.values())
+    result = {"max_abs_difference": errors, "atol": atol, "passed": worst <= atol}
+    if worst > atol:
+        raise ValidationError(f"the exported model differs from the source model by up to {worst:.3g} "
+                              f"(atol {atol:g}): {errors}; raise --atol if that is acceptable")
+    return result
+
+
+def _export_decoder(model_dir: str, output: str, kwargs: dict) -> dict:
+    """A decoder through kiln's LLM path: ``batch_size`` streams, ``sequence_length`` tokens of
+    cache, prompts up to half of them (Optimum's default input budget)."""
+    from kiln.llm.build import compile_llm
+    from kiln.llm.source import load_pretrained
+    kwargs = dict(kwargs)
+    batch, seq = kwargs.pop("batch_size", None), kwargs.pop("sequence_length", None)
+    if not batch or not seq:
+        raise CompilerArgsError("exporting a text-generation model needs --batch_size and --sequence_length")
+    cores = kwargs.pop("num_cores", None) or kwargs.pop("tensor_parallel_size", None) or 1
+    optlevel = int(kwargs.pop("optlevel", 2))
+    cast = kwargs.pop("auto_cast_type", None)
+    if cast not in (None, "fp32"):
+        raise CompilerArgsError(f"auto_cast_type={cast!r}: kiln's LLM path compiles float32 weights or "
+                                "quantizes them (kiln llm compile --quantize int8/int4)")
+    if kwargs.pop("disable_neuron_cache", False):
+        kwargs["cache"] = False
+    model, tokenizer = load_pretrained(model_dir)
+    llm = compile_llm(model, batch_size=batch, context_buckets=(max(1, seq // 2),), cache_length=seq,
+                      tokenizer=tokenizer, tp_degree=cores, optlevel=optlevel, **kwargs)
+    os.makedirs(output, exist_ok=True)
+    llm.save(os.path.join(output, modeling.MODEL_FILE))
+    return {"task": "text-generation", "class": "NeuronModelForCausalLM", "output": output, "cache_hit": None,
+            "validation": {"passed": True, "note": "each graph was checked against eager PyTorch as it compiled"}}

