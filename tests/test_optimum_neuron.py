@@ -283,3 +283,112 @@ def test_kiln_export_sends_a_decoder_through_the_llm_path(tmp_path):
     llm = kiln.load(tmp_path / "out" / "model.kiln")
     prompt = [3, 14, 15, 9, 2]
     assert llm.generate([prompt], 8, stop_at_eos=False) == [_hf_greedy(model, prompt, 8)]
+    assert neuron.NeuronModelForCausalLM.from_pretrained(tmp_path / "out").neuron_config["batch_size"] == 1
+
+
+def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(tmp_path):
+    from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model
+    hf = _model("llama")
+    hf.save_pretrained(tmp_path / "llama")
+    path = str(tmp_path / "llama")
+    # Optimum Neuron >= 0.4: get_neuron_config + export
+    nc = neuron.NeuronModelForCausalLM.get_neuron_config(path, batch_size=2, sequence_length=32)
+    assert (nc["batch_size"], nc["sequence_length"], nc["tp_degree"], nc["prefill_chunk_size"]) == (2, 32, 1, 16)
+    model = neuron.NeuronModelForCausalLM.export(path, nc, optlevel=1, cache=False)
+    prompts = PROMPTS[:2]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])          # right-padded, as Optimum asks
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    # kiln's generate stops a row at the model's end-of-sequence token (2), as transformers' does
+    want = [_until_eos(_hf_greedy(hf, p, 8)) for p in prompts]
+    assert out.shape == (2, width + max(map(len, want))) and torch.equal(out[:, :width], ids)
+    assert [out[k, width:width + len(w)].tolist() for k, w in enumerate(want)] == want
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "neuron_config.json").read_text())
+    assert saved["_serialized_key"] == "NxDNeuronConfig" and saved["sequence_length"] == 32
+    again = neuron.NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=8), out)
+    # up to Optimum Neuron 0.3: from_pretrained(export=True, num_cores=, auto_cast_type=)
+    with pytest.raises(CompilerArgsError, match="auto_cast_type='bf16'"):
+        neuron.NeuronModelForCausalLM.from_pretrained(path, export=True, batch_size=1, sequence_length=32,
+                                                      auto_cast_type="bf16")
+    with pytest.raises(FileNotFoundError, match="holds no model kiln exported"):
+        neuron.NeuronModelForCausalLM.from_pretrained(path)
+    legacy = neuron.NeuronModelForCausalLM.from_pretrained(path, export=True, batch_size=1, sequence_length=32,
+                                                           num_cores=1, auto_cast_type="fp32")
+    one = torch.tensor([prompts[0]])
+    assert legacy.generate(one, max_new_tokens=8)[0, len(prompts[0]):].tolist() == want[0]
+
+
+def _until_eos(tokens, eos=2):
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def _vit(directory):
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=3)
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(cfg).eval().save_pretrained(directory)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(directory)
+    return str(directory)
+
+
+def _wav2vec2(directory, head):
+    cfg = transformers.Wav2Vec2Config(vocab_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4),
+                                      conv_kernel=(10, 8), num_feat_extract_layers=2, num_conv_pos_embeddings=8,
+                                      num_conv_pos_embedding_groups=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    head(cfg).eval().save_pretrained(directory)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "|": 4, "A": 5, "B": 6, "C": 7}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    transformers.Wav2Vec2CTCTokenizer(str(directory / "vocab.json")).save_pretrained(directory)
+    transformers.Wav2Vec2FeatureExtractor(sampling_rate=16000).save_pretrained(directory)
+    return str(directory)
+
+
+def test_image_classification_and_its_pipeline(tmp_path):
+    from PIL import Image
+    path = _vit(tmp_path / "vit")
+    model = neuron.NeuronModelForImageClassification.from_pretrained(path, export=True, batch_size=2, **FAST)
+    assert model.static == {"batch_size": 2, "num_channels": 3, "height": 32, "width": 32}   # from the config
+    eager = transformers.ViTForImageClassification.from_pretrained(path).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    for x in (pixels, pixels[:1]):
+        with torch.no_grad():
+            torch.testing.assert_close(model(pixel_values=x).logits, eager(pixel_values=x).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"exported for \[batch, 3, 32, 32\]"):
+        model(pixel_values=torch.randn(1, 3, 16, 16))
+    image = Image.fromarray((np.random.default_rng(0).random((40, 48, 3)) * 255).astype("uint8"))
+    want = transformers.pipeline("image-classification", model=eager,
+                                 image_processor=transformers.AutoImageProcessor.from_pretrained(path))(image)
+    _same(neuron.pipeline("image-classification", model=model)(image), want)
+
+
+def test_ctc_and_audio_classification_and_the_speech_pipeline(tmp_path):
+    audio = np.random.default_rng(1).standard_normal(1600).astype(np.float32)
+    ctc_dir = _wav2vec2(tmp_path / "ctc", transformers.Wav2Vec2ForCTC)
+    ctc = neuron.NeuronModelForCTC.from_pretrained(ctc_dir, export=True, batch_size=1, audio_sequence_length=1600,
+                                                   **FAST)
+    eager = transformers.Wav2Vec2ForCTC.from_pretrained(ctc_dir).eval()
+    x = torch.from_numpy(audio)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(ctc(input_values=x).logits, eager(input_values=x).logits, atol=1e-4, rtol=1e-4)
+    # appended zeros would change every frame (wav2vec2 normalizes over time): refused, not padded
+    with pytest.raises(ValueError, match="exported for \\[batch, 1600\\]"):
+        ctc(input_values=x[:, :1500])
+    with pytest.raises(ValueError, match="attention_mask marks padded samples"):
+        ctc(input_values=x, attention_mask=torch.cat([torch.ones(1, 1500), torch.zeros(1, 100)], 1))
+    processor = dict(tokenizer=transformers.AutoTokenizer.from_pretrained(ctc_dir),
+                     feature_extractor=transformers.AutoFeatureExtractor.from_pretrained(ctc_dir))
+    want = transformers.pipeline("automatic-speech-recognition", model=eager, **processor)(audio)
+    assert neuron.pipeline("automatic-speech-recognition", model=ctc)(audio) == want
+    cls_dir = _wav2vec2(tmp_path / "cls", transformers.Wav2Vec2ForSequenceClassification)
+    from kiln.optimum.neuron.exporter import infer_task
+    assert infer_task(cls_dir) == "audio-classification" and infer_task(ctc_dir) == "automatic-speech-recognition"
+    clf = neuron.NeuronModelForAudioClassification.from_pretrained(cls_dir, export=True, batch_size=2,
+                                                                   audio_sequence_length=1600, **FAST)
+    ref = transformers.Wav2Vec2ForSequenceClassification.from_pretrained(cls_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(clf(input_values=x).logits, ref(input_values=x).logits, atol=1e-4, rtol=1e-4)

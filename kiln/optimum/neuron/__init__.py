@@ -13,10 +13,14 @@ from kiln.optimum.neuron.modeling import (NeuronModelForFeatureExtraction, Neuro
                                           NeuronModelForMultipleChoice, NeuronModelForQuestionAnswering,
                                           NeuronModelForSequenceClassification,
                                           NeuronModelForTokenClassification, NeuronTracedModel)
+from kiln.optimum.neuron.causal import NeuronModelForCausalLM
+from kiln.optimum.neuron.media import (NeuronModelForAudioClassification, NeuronModelForCTC,
+                                       NeuronModelForImageClassification)
 from kiln.optimum.neuron.pipelines import pipeline
 from kiln.optimum.neuron.sentence import NeuronModelForSentenceTransformers, NeuronSentenceTransformers
 
-__all__ = ["NeuronModelForFeatureExtraction", "NeuronModelForMaskedLM", "NeuronModelForMultipleChoice",
+__all__ = ["NeuronModelForAudioClassification", "NeuronModelForCTC", "NeuronModelForCausalLM",
+           "NeuronModelForImageClassification", "NeuronModelForFeatureExtraction", "NeuronModelForMaskedLM", "NeuronModelForMultipleChoice",
            "NeuronModelForQuestionAnswering", "NeuronModelForSequenceClassification",
            "NeuronModelForSentenceTransformers", "NeuronModelForTokenClassification", "NeuronSentenceTransformers",
            "NeuronTracedModel", "pipeline"]

@@ -15,7 +15,7 @@ import os
 import torch
 
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.optimum.neuron import modeling, sentence
+from kiln.optimum.neuron import media, modeling, sentence
 
 CLASSES = {
     "feature-extraction": modeling.NeuronModelForFeatureExtraction,
@@ -25,8 +25,13 @@ CLASSES = {
     "text-classification": modeling.NeuronModelForSequenceClassification,
     "token-classification": modeling.NeuronModelForTokenClassification,
     "sentence-similarity": sentence.NeuronSentenceTransformers,
+    "image-classification": media.NeuronModelForImageClassification,
+    "audio-classification": media.NeuronModelForAudioClassification,
+    "automatic-speech-recognition": media.NeuronModelForCTC,
 }
-SUFFIXES = (("ForSequenceClassification", "text-classification"),
+SUFFIXES = (("ForImageClassification", "image-classification"), ("ForCTC", "automatic-speech-recognition"),
+            ("ForAudioClassification", "audio-classification"),
+            ("ForSequenceClassification", "text-classification"),
             ("ForTokenClassification", "token-classification"),
             ("ForQuestionAnswering", "question-answering"), ("ForMaskedLM", "fill-mask"),
             ("ForMultipleChoice", "multiple-choice"), ("ForCausalLM", "text-generation"),
@@ -41,11 +46,13 @@ def infer_task(path: str) -> str:
     if not os.path.exists(config_path):
         raise CompilerArgsError(f"{path}: no config.json; give a Hugging Face checkpoint directory")
     with open(config_path) as f:
-        archs = json.load(f).get("architectures") or []
+        config = json.load(f)
+    archs = config.get("architectures") or []
     for arch in archs:
         for suffix, task in SUFFIXES:
             if arch.endswith(suffix):
-                return task
+                # a speech encoder's sequence classifier (wav2vec2's feature encoder) hears audio
+                return "audio-classification" if task == "text-classification" and "conv_dim" in config else task
     raise CompilerArgsError(f"{path}: cannot infer the task from its architectures {archs}; pass --task "
                             f"(one of {', '.join(sorted([*CLASSES, 'text-generation']))})")
 
@@ -97,26 +104,27 @@ def check(cls, model, model_dir: str, atol: float) -> dict:
 
 
 def _export_decoder(model_dir: str, output: str, kwargs: dict) -> dict:
-    """A decoder through kiln's LLM path: ``batch_size`` streams, ``sequence_length`` tokens of
-    cache, prompts up to half of them (Optimum's default input budget)."""
-    from kiln.llm.build import compile_llm
-    from kiln.llm.source import load_pretrained
+    """A decoder through kiln's LLM path (:class:`~kiln.optimum.neuron.causal.NeuronModelForCausalLM`):
+    ``batch_size`` streams, ``sequence_length`` positions of KV cache."""
+    from kiln.optimum.neuron.causal import NeuronModelForCausalLM
     kwargs = dict(kwargs)
     batch, seq = kwargs.pop("batch_size", None), kwargs.pop("sequence_length", None)
     if not batch or not seq:
         raise CompilerArgsError("exporting a text-generation model needs --batch_size and --sequence_length")
     cores = kwargs.pop("num_cores", None) or kwargs.pop("tensor_parallel_size", None) or 1
-    optlevel = int(kwargs.pop("optlevel", 2))
     cast = kwargs.pop("auto_cast_type", None)
     if cast not in (None, "fp32"):
         raise CompilerArgsError(f"auto_cast_type={cast!r}: kiln's LLM path compiles float32 weights or "
                                 "quantizes them (kiln llm compile --quantize int8/int4)")
+    options = {"optlevel": int(kwargs.pop("optlevel", 2))}
     if kwargs.pop("disable_neuron_cache", False):
-        kwargs["cache"] = False
-    model, tokenizer = load_pretrained(model_dir)
-    llm = compile_llm(model, batch_size=batch, context_buckets=(max(1, seq // 2),), cache_length=seq,
-                      tokenizer=tokenizer, tp_degree=cores, optlevel=optlevel, **kwargs)
-    os.makedirs(output, exist_ok=True)
-    llm.save(os.path.join(output, modeling.MODEL_FILE))
+        options["cache"] = False
+    ignored = sorted(k for k in kwargs if k not in ("instance_type", "compiler_workdir"))
+    if ignored:
+        raise CompilerArgsError(f"{', '.join(ignored)}: not options of a text-generation export")
+    nc = NeuronModelForCausalLM.get_neuron_config(model_dir, batch_size=batch, sequence_length=seq,
+                                                  tensor_parallel_size=cores)
+    model = NeuronModelForCausalLM.export(model_dir, nc, **options)
+    model.save_pretrained(output)
     return {"task": "text-generation", "class": "NeuronModelForCausalLM", "output": output, "cache_hit": None,
             "validation": {"passed": True, "note": "each graph was checked against eager PyTorch as it compiled"}}

@@ -32,7 +32,7 @@ TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 PER_TOKEN = {"last_hidden_state", "start_logits", "end_logits", "token_embeddings"}
 
 
-def _transformers():
+def require_transformers():
     try:
         import transformers
     except ImportError:
@@ -96,7 +96,7 @@ class NeuronTracedModel:
 
     @classmethod
     def _export(cls, path, config=None, **kwargs):
-        tf = _transformers()
+        tf = require_transformers()
         for loading in ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code"):
             kwargs.pop(loading, None)
         opts = neuron_options.parse(cls.task, cls.shapes, kwargs)
@@ -116,7 +116,7 @@ class NeuronTracedModel:
                          name=f"{type(model).__name__} ({cls.task})", **opts.trace)
         neuron = dict(opts.neuron, input_names=list(example), output_names=outputs,
                       model_type=config.model_type)
-        model = cls(compiled, config, neuron, _preprocessors(path))
+        model = cls(compiled, config, neuron, preprocessors_of(path))
         if model.cache_hit:
             log.info("kiln.optimum: %s came from the compile cache (%s): nothing was recompiled", path,
                      compiled.manifest["cache"].get("url"))
@@ -150,7 +150,7 @@ class NeuronTracedModel:
 
     @classmethod
     def _load(cls, path, file_name):
-        tf = _transformers()
+        tf = require_transformers()
         model_path = os.path.join(path, file_name)
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"{model_path} does not exist: {path} holds no model kiln exported; pass "
@@ -163,7 +163,7 @@ class NeuronTracedModel:
         if neuron.get("task") != cls.task:
             raise ArtifactError(f"{path} was exported for task {neuron.get('task')!r}; load it with that "
                                 f"task's class, not {cls.__name__} ({cls.task!r})")
-        return cls(load(model_path), config, neuron, _preprocessors(path))
+        return cls(load(model_path), config, neuron, preprocessors_of(path))
 
     def save_pretrained(self, save_directory) -> None:
         """``model.kiln``, ``config.json`` (the model's config with the ``neuron`` section) and
@@ -182,16 +182,29 @@ class NeuronTracedModel:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
-        given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+    def forward(self, *args, **kwargs):
+        given = dict(zip(self.input_names, args))
         given.update(kwargs)
-        unknown = [k for k, v in given.items() if v is not None and k not in self.input_names
-                   and k not in ("return_dict", "output_attentions", "output_hidden_states")]
+        given.pop("return_dict", None)
+        for flag in ("output_attentions", "output_hidden_states"):
+            if given.pop(flag, None):
+                raise ValueError(f"{flag}=True: this model was exported without those outputs")
+        given = self._accept({k: v for k, v in given.items() if v is not None})
+        unknown = [k for k in given if k not in self.input_names]
         if unknown:
             raise ValueError(f"{type(self).__name__} was exported with inputs {list(self.input_names)}; got "
                              f"{', '.join(unknown)} too")
-        if given.get("input_ids") is None:
-            raise ValueError("input_ids is required")
+        if self.main_input_name not in given:
+            raise ValueError(f"{self.main_input_name} is required")
+        outs = self._run(self._inputs(given))
+        return _output(self.output_class, dict(zip(self.output_names, outs)))
+
+    def _accept(self, given: dict) -> dict:
+        """The inputs a caller gave, less those this model may drop (none for text models)."""
+        return given
+
+    def _inputs(self, given: dict) -> dict:
+        """Every exported input: a text model's mask defaults to ones, its token types to zeros."""
         ids = torch.as_tensor(given["input_ids"])
         inputs = {}
         for n in self.input_names:
@@ -199,11 +212,10 @@ class NeuronTracedModel:
             if v is None:
                 v = torch.ones_like(ids) if n == "attention_mask" else torch.zeros_like(ids)
             inputs[n] = torch.as_tensor(v).to(torch.int64)
-        outs = self._run(inputs)
-        return _output(self.output_class, dict(zip(self.output_names, outs)))
+        return inputs
 
     def _run(self, inputs: dict) -> list:
-        batch, static_batch = inputs["input_ids"].shape[0], self.static["batch_size"]
+        batch, static_batch = inputs[self.main_input_name].shape[0], self.static["batch_size"]
         if batch <= static_batch:
             return self._run_padded(inputs)
         if not self.neuron.get("dynamic_batch_size"):
@@ -259,16 +271,26 @@ def _output(class_name: str, values: dict):
     return getattr(modeling_outputs, class_name)(**values)
 
 
-def _preprocessors(path) -> list:
-    """The tokenizer saved beside a checkpoint, if any (Optimum keeps what the model loaded)."""
-    tf = _transformers()
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                "vocab.txt")):
-        return []
-    try:
-        return [tf.AutoTokenizer.from_pretrained(path, local_files_only=True)]
-    except (OSError, ValueError):
-        return []
+def preprocessors_of(path) -> list:
+    """The tokenizer and image processor or feature extractor saved beside a checkpoint, as
+    Optimum keeps what the model loaded (and pipelines take them from the model)."""
+    tf = require_transformers()
+    out = []
+    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        try:
+            out.append(tf.AutoTokenizer.from_pretrained(path, local_files_only=True))
+        except (OSError, ValueError, TypeError):
+            pass
+    config = os.path.join(path, "preprocessor_config.json")
+    if os.path.exists(config):
+        with open(config) as f:
+            kind = json.load(f)
+        auto = tf.AutoImageProcessor if "image_processor_type" in kind else tf.AutoFeatureExtractor
+        try:
+            out.append(auto.from_pretrained(path, local_files_only=True))
+        except (OSError, ValueError, TypeError):
+            pass
+    return out
 
 
 class NeuronModelForFeatureExtraction(NeuronTracedModel):

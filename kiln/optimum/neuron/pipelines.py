@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 
-from kiln.optimum.neuron import modeling
+from kiln.optimum.neuron import media, modeling
 
 log = logging.getLogger("kiln.optimum")
 
@@ -20,6 +20,9 @@ TASKS = {
     "sentiment-analysis": modeling.NeuronModelForSequenceClassification,
     "token-classification": modeling.NeuronModelForTokenClassification,
     "ner": modeling.NeuronModelForTokenClassification,
+    "image-classification": media.NeuronModelForImageClassification,
+    "audio-classification": media.NeuronModelForAudioClassification,
+    "automatic-speech-recognition": media.NeuronModelForCTC,
 }
 DEFAULT_SHAPES = {"batch_size": 1, "sequence_length": 128}
 
@@ -58,15 +61,31 @@ def pipeline(task, model=None, tokenizer=None, feature_extractor=None, image_pro
             model = cls.from_pretrained(source)
     elif export:
         raise ValueError("This model has already been exported to Neuron format: pass export=False")
-    if tokenizer is None:
-        tokenizer = next(iter(model.preprocessors), None)
-    if tokenizer is None and source is not None:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
-    if model.static["batch_size"] > 1 and getattr(tokenizer, "pad_token_id", None) is None:
-        tokenizer.pad_token_id = tokenizer.eos_token_id
+    parts = {"tokenizer": tokenizer, "feature_extractor": feature_extractor, "image_processor": image_processor}
+    for p in model.preprocessors:
+        kind = _kind(p, transformers)
+        if kind and parts[kind] is None:
+            parts[kind] = p
+    if parts["tokenizer"] is None and source is not None and cls.main_input_name == "input_ids":
+        parts["tokenizer"] = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+    tok = parts["tokenizer"]
+    if tok is not None and model.static["batch_size"] > 1 and getattr(tok, "pad_token_id", None) is None:
+        tok.pad_token_id = tok.eos_token_id
     with quiet_model_check():
-        return transformers.pipeline(task, model=model, tokenizer=tokenizer, batch_size=model.static["batch_size"],
-                                     **kwargs)
+        return transformers.pipeline(task, model=model, batch_size=model.static["batch_size"],
+                                     **{k: v for k, v in parts.items() if v is not None}, **kwargs)
+
+
+def _kind(preprocessor, transformers) -> str | None:
+    from transformers.feature_extraction_utils import FeatureExtractionMixin
+    from transformers.image_processing_base import ImageProcessingMixin
+    if isinstance(preprocessor, transformers.PreTrainedTokenizerBase):
+        return "tokenizer"
+    if isinstance(preprocessor, ImageProcessingMixin):
+        return "image_processor"
+    if isinstance(preprocessor, FeatureExtractionMixin):
+        return "feature_extractor"
+    return None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,45 @@
+"""kiln doctor: each check compares what is installed with kiln's own requirements and names the
+one command that fixes a mismatch; run as the command, and with versions swapped in."""
+import json
+import subprocess
+import sys
+
+from kiln.cli import doctor
+
+
+def test_kiln_doctor_reports_this_machine():
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "doctor", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert r.returncode == (1 if any(c["status"] == "error" for c in checks.values()) else 0)
+    import torch
+    assert checks["torch"]["status"] == "ok" and checks["torch"]["found"].startswith(torch.__version__)
+    for engine in ("engine onnxruntime", "engine openvino"):
+        assert checks[engine]["status"] == "ok", checks[engine]
+    assert {"python", "cpu", "gpu", "compile cache"} <= set(checks)
+    table = subprocess.run([sys.executable, "-m", "kiln.cli", "doctor"], capture_output=True, text=True, timeout=300)
+    assert "kiln doctor" in table.stdout and "error(s)" in table.stdout
+
+
+def test_mismatches_are_errors_with_the_command_that_fixes_them(monkeypatch, tmp_path):
+    versions = {"torch": "2.12.1", "onnxruntime": None, "openvino": "2026.4.1", "openvino-genai": "2025.3.0.0"}
+    real = doctor._installed
+    monkeypatch.setattr(doctor, "_installed", lambda dist: versions[dist] if dist in versions else real(dist))
+    checks = {c["check"]: c for c in doctor.collect()}
+    pin = str(doctor.requirement("torch").specifier)
+    assert checks["torch"] == {"check": "torch", "status": "error", "found": f"2.12.1, kiln needs torch{pin}",
+                               "fix": f"pip install 'torch{pin}'"}
+    assert checks["engine onnxruntime"]["status"] == "error"
+    assert checks["engine onnxruntime"]["fix"].startswith("pip install 'onnxruntime")
+    assert checks["openvino-genai"]["status"] == "error"
+    assert checks["openvino-genai"]["fix"] == "pip install 'openvino-genai==2026.4.*'"
+    versions["openvino-genai"] = "2026.4.0.0"
+    assert {c["check"]: c for c in doctor.collect()}["openvino-genai"]["status"] == "ok"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    monkeypatch.setenv("KILN_CACHE_URL", str(locked / "cache"))
+    cache = doctor._cache()
+    if cache["status"] != "ok":          # root can write anywhere: then the check rightly passes
+        assert cache["status"] == "error" and "not writable" in cache["found"]
+    monkeypatch.setenv("KILN_CACHE_URL", "off")
+    assert doctor._cache()["status"] == "warning"
