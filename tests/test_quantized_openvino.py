@@ -131,3 +131,18 @@ def test_an_llms_prefill_is_timed_on_each_engine_and_its_batch_graphs_share_one(
     assert graph_options(jobs, {"quantize": "int8", "engine": "openvino"}) == [{"quantize": "int8",
                                                                                  "engine": "openvino"}] * 3
     assert graph_options(jobs, {}) == [{}] * 3
+
+
+class WideWithInt64(Wide):
+    def forward(self, x, idx):
+        return super().forward(x) + (idx * idx).unsqueeze(-1).float()     # int64 products: may leave int32
+
+
+def test_int64_arithmetic_stays_off_openvino_on_the_onnx_road_too():
+    idx = torch.arange(8)
+    # partitions are cut by the first engine's rules (ONNX Runtime's keeps the int64 product in);
+    # timed at -O2 on OpenVINO too, the build is refused and the refusal recorded
+    p = _partition(kiln.trace(WideWithInt64().eval(), (X, idx), quantize="int4", **WEIGHT_ONLY))
+    assert p["engine"] == "onnxruntime"
+    (refused,) = [c for c in p["candidates"] if c["engine"] == "openvino"]
+    assert refused["status"] == "failed" and "int64 arithmetic" in refused["note"]

@@ -149,6 +149,12 @@ class OpenVinoEngine(Engine):
         if options.quantize_mode != "weight_only":
             raise RuntimeError(f"OpenVINO runs weight-only quantized partitions only, not "
                                f"quantize_mode={options.quantize_mode!r}")
+        # through ONNX too, the CPU plugin computes int64 in int32: the same dtype rules apply
+        for node in partition.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                reason = ov_dtypes.reason(node)
+                if reason:
+                    raise RuntimeError(f"{node.target} cannot run on OpenVINO: {reason}")
         with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
             path, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
             with quiet(_LOGGERS):
