@@ -189,6 +189,8 @@ def test_optimum_export_keywords_are_applied_noted_or_refused(exported, caplog):
     with pytest.raises(CompilerArgsError, match="needs the static input shapes batch_size, sequence_length: "
                                                 "pass sequence_length"):
         cls.from_pretrained(path, export=True, batch_size=1)
+    with pytest.raises(CompilerArgsError, match="pass sequence_length"):      # None is not given
+        cls.from_pretrained(path, export=True, batch_size=1, sequence_length=None)
     with pytest.raises(CompilerArgsError, match="unknown export argument.*compiler_flags"):
         cls.from_pretrained(path, export=True, compiler_flags="--x", **SHAPES)
     with pytest.raises(CompilerArgsError, match="tensor_parallel_size=2"):

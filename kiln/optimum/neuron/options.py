@@ -46,7 +46,7 @@ class ExportOptions:
 def parse(task: str, needed: tuple, kwargs: dict) -> ExportOptions:
     """``kwargs``: ``from_pretrained(export=True, ...)``'s keywords after the loading ones."""
     kwargs = dict(kwargs)
-    shapes = {k: kwargs.pop(k) for k in SHAPES if k in kwargs and kwargs[k] is not None}
+    shapes = {k: v for k, v in ((k, kwargs.pop(k, None)) for k in SHAPES) if v is not None}
     missing = [k for k in needed if k not in shapes]
     if missing:
         raise CompilerArgsError(f"exporting a {task} model needs the static input shapes {', '.join(needed)}: "
