@@ -1,6 +1,6 @@
 """The ``kiln`` parser, assembled from the command modules, and ``main``.
 
-Each command module (compile, inspect, trust, observe, bench, serve, cache, llm, export, doctor)
+Each command module (compile, inspect, trust, observe, bench, serve, cache, llm, export, port, doctor)
 contributes ``add_<command>(subparsers)`` functions that add one subcommand
 and set its handler, ``fn(args, console) -> exit code``. ``COMMANDS`` below
 lists them in the order ``kiln --help`` shows them.
@@ -12,14 +12,14 @@ import sys
 
 from rich.console import Console
 
-from kiln.cli import bench, cache, doctor, export, llm, observe, run_xla, serve, trust
+from kiln.cli import bench, cache, doctor, export, llm, observe, port, run_xla, serve, trust
 from kiln.cli import compile as compile_cmds
 from kiln.cli import inspect as inspect_cmd
 
 COMMANDS = (compile_cmds.add_analyze, compile_cmds.add_compile, compile_cmds.add_run, inspect_cmd.add_parser,
             trust.add_parser, observe.add_ls, bench.add_parser, serve.add_parser, observe.add_monitor,
             observe.add_top, cache.add_cache, cache.add_parallel_compile, llm.add_parser, export.add_parser,
-            doctor.add_parser, run_xla.add_parser)
+            port.add_parser, doctor.add_parser, run_xla.add_parser)
 
 
 def build_parser():
