@@ -9,6 +9,7 @@ stages on the model, never from a list of architectures.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ def port(spec, *, batch_size=None, sequence_length=None, compiler_args=None, tim
     with progress.phase("analyze"):
         placed = _place(subject, captured, dyn, options, blockers, notes)
     cost = _cost(subject, captured, dyn, options, progress, timing_budget, blockers)
+    blockers = findings.merge(blockers)
     report = PortReport(subject.name, subject.source, findings.tier_of(blockers), blockers,
                         list(subject.hazards) + _hazards(subject, whole, dyn), placed, cost, whole,
                         len(dyn.breaks), _llm(subject), notes)
@@ -100,14 +102,18 @@ def port(spec, *, batch_size=None, sequence_length=None, compiler_args=None, tim
 
 @contextlib.contextmanager
 def quiet_torch():
-    """torch logs a failed export's whole graph as a warning; the blocker says it in a line."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """A failed export prints the whole graph to stderr and logs a warning per unbacked
+    symbol; the blocker says it in a line, with the user's line and the fix."""
+    loggers = [logging.getLogger(n) for n in ("torch", "torch.fx.experimental.symbolic_shapes")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _place(subject, captured, dyn, options, blockers, notes) -> list:

@@ -35,8 +35,8 @@ def graph_picture(placed_graphs, engines_of, path: str) -> str:
         g = nx.DiGraph()
         g.add_nodes_from(range(len(placed.nodes)))
         g.add_edges_from(placed.edges)
+        layers = _layers(g, nx)
         pos = {}
-        layers = list(nx.topological_generations(g))
         for y, layer in enumerate(layers):
             for x, n in enumerate(sorted(layer)):
                 pos[n] = (x - (len(layer) - 1) / 2, -y)
@@ -53,6 +53,21 @@ def graph_picture(placed_graphs, engines_of, path: str) -> str:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _layers(g, nx) -> list:
+    """Rows of the picture: each op one row below its deepest input; ops with no inputs
+    (constants, aranges) one row above their first user rather than all in the top row."""
+    level = {}
+    for n in nx.topological_sort(g):
+        level[n] = 1 + max((level[p] for p in g.predecessors(n)), default=-1)
+    for n in g.nodes:
+        if g.in_degree(n) == 0 and g.out_degree(n):
+            level[n] = max(0, min(level[u] for u in g.successors(n)) - 1)
+    rows = [[] for _ in range(1 + max(level.values(), default=0))]
+    for n, y in level.items():
+        rows[y].append(n)
+    return [r for r in rows if r]
 
 
 def _draw_one(ax, placed, pos, engine_of):

@@ -64,15 +64,18 @@ def from_capture_error(message: str) -> Blocker:
 
 
 _BREAKS = (
-    (("generic_jump", "data-dependent jump", "Data-dependent"),
+    ("data-dependent", ("generic_jump", "data-dependent jump", "Data-dependent"),
      "a Python branch on a tensor's value (data-dependent control flow) splits the graph",
      "compute both sides and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, false_fn, "
      "operands); a value known ahead of time can be a Python constant"),
-    (("Tensor.item", ".item()", "item"),
+    ("dynamic-shape", ("Dynamic shape operator", "dynamic shape"),
+     "an op whose output shape depends on values (nonzero, unique, masked_select)",
+     "keep shapes static: a mask instead of indices (torch.where(mask, x, 0)), a fixed-size result"),
+    ("graph-break", ("Tensor.item", ".item()", "item"),
      "a tensor's value is read into Python (.item(), int(t), float(t))",
      "keep the value a tensor (use it in tensor ops), or set torch._dynamo.config.capture_scalar_outputs = "
      "True and bound it with torch._check"),
-    (("print", "logging", "builtin", "call_function", "Unsupported"),
+    ("graph-break", ("print", "logging", "builtin", "call_function", "Unsupported"),
      "a call Dynamo cannot trace (print, logging, numpy, an untraceable builtin or library)",
      "move the call out of forward(), or wrap it in torch.compiler.disable where it must stay"),
 )
@@ -81,15 +84,27 @@ _BREAKS = (
 def from_breaks(breaks) -> list:
     out = []
     for b in breaks:
-        what, fix = f"graph break: {b.reason}", ("move the untraceable code out of forward() or rewrite it in "
-                                                  "torch operations; torch._dynamo.explain(model)(*args) lists them")
-        for keys, plain, remedy in _BREAKS:
-            if any(k in b.reason for k in keys):
-                what, fix = f"graph break: {plain} ({b.reason})", remedy
+        kind, what = "graph-break", f"graph break: {b.reason}"
+        fix = ("move the untraceable code out of forward() or rewrite it in torch operations; "
+               "torch._dynamo.explain(model)(*args) lists them")
+        for k, keys, plain, remedy in _BREAKS:
+            if any(key in b.reason for key in keys):
+                kind, what, fix = k, f"graph break: {plain} ({b.reason})", remedy
                 break
-        kind = "data-dependent" if "data-dependent" in what else "graph-break"
         out.append(Blocker(kind, 2, what, b.where, fix))
     return out
+
+
+def merge(blockers) -> list:
+    """One blocker per kind and line: a graph's own finding (with the op's substitution)
+    replaces Dynamo's break at the same line, which says less."""
+    kept = {}
+    for b in blockers:
+        key = (b.kind, b.where or b.what)
+        old = kept.get(key)
+        if old is None or (old.what.startswith("graph break") and not b.what.startswith("graph break")):
+            kept[key] = b
+    return list(kept.values())
 
 
 def host_op(op: str, reason: str, count: int, where: str | None, engine_unsupported: bool) -> Blocker:
