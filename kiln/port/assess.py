@@ -170,7 +170,8 @@ def _hazards(subject, whole, dyn) -> list:
 
 def _llm(subject) -> dict | None:
     """For a decoder: whether kiln's LLM path (KV cache, batching, serving) takes it."""
-    if subject.task != "text-generation":
+    arch = type(subject.model).__name__
+    if subject.task != "text-generation" and not arch.endswith(("ForCausalLM", "LMHeadModel")):
         return None
     from kiln.errors import UnsupportedModelError
     from kiln.llm.decoder import check_supported

@@ -93,8 +93,7 @@ def dynamo(subject, options, budget: float) -> Cost:
 
 def _timed(cost, subject, call, budget):
     with torch.no_grad():
-        cost.eager_ms = _median_ms(subject.call, budget)
-        cost.kiln_ms = _median_ms(call, budget)
+        cost.eager_ms, cost.kiln_ms = _median_ms(subject.call, call, budget)
         with tempfile.TemporaryDirectory() as tmp:
             trace = os.path.join(tmp, "trace.json")
             calls = 10
@@ -116,15 +115,18 @@ def _timed(cost, subject, call, budget):
                         key=lambda s: -s["ms"])
 
 
-def _median_ms(call, budget: float) -> float:
-    call()
-    times = []
-    deadline = time.perf_counter() + budget
-    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 1000):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e3, 4)
+def _median_ms(eager, kiln, budget: float) -> tuple:
+    """Median milliseconds per call of each, timed in alternation (a busy machine slows both
+    alike) for ``budget`` seconds each, at least 5 calls."""
+    eager(), kiln()
+    times = ([], [])
+    deadline = time.perf_counter() + 2 * budget
+    while len(times[0]) < 5 or (time.perf_counter() < deadline and len(times[0]) < 1000):
+        for fn, out in ((eager, times[0]), (kiln, times[1])):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return tuple(round(statistics.median(t) * 1e3, 4) for t in times)
 
 
 def _max_difference(got, want) -> float:
