@@ -10,7 +10,7 @@ import os
 
 SHAPES = ("batch_size", "text_batch_size", "image_batch_size", "sequence_length", "num_beams", "num_choices",
           "num_channels", "width", "height", "image_size", "patch_size", "num_images_per_prompt",
-          "audio_sequence_length")
+          "audio_sequence_length", "decoder_sequence_length")
 NEURON_ONLY = ("instance_type", "compiler_workdir", "subfolder", "cache_dir")
 
 

@@ -18,9 +18,10 @@ from kiln.optimum.neuron.media import (NeuronModelForAudioClassification, Neuron
                                        NeuronModelForImageClassification)
 from kiln.optimum.neuron.pipelines import pipeline
 from kiln.optimum.neuron.sentence import NeuronModelForSentenceTransformers, NeuronSentenceTransformers
+from kiln.optimum.neuron.seq2seq import NeuronModelForSeq2SeqLM
 
 __all__ = ["NeuronModelForAudioClassification", "NeuronModelForCTC", "NeuronModelForCausalLM",
            "NeuronModelForImageClassification", "NeuronModelForFeatureExtraction", "NeuronModelForMaskedLM", "NeuronModelForMultipleChoice",
-           "NeuronModelForQuestionAnswering", "NeuronModelForSequenceClassification",
+           "NeuronModelForQuestionAnswering", "NeuronModelForSeq2SeqLM", "NeuronModelForSequenceClassification",
            "NeuronModelForSentenceTransformers", "NeuronModelForTokenClassification", "NeuronSentenceTransformers",
            "NeuronTracedModel", "pipeline"]

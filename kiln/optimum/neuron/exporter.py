@@ -3,9 +3,11 @@ into a directory ``from_pretrained`` loads, checked against the source model.
 
 The task comes from the checkpoint (``--task auto``: its architecture, or a
 sentence-transformers directory); encoders go through :mod:`kiln.optimum.neuron.modeling`,
+encoder-decoders (``*ForConditionalGeneration``) through :mod:`kiln.optimum.neuron.seq2seq`,
 decoders (``*ForCausalLM``) through kiln's LLM path (:func:`kiln.llm.build.compile_llm`). An
-encoder export runs the compiled model and the source model on the same inputs at the static
-shapes, a third of each row padded, and reports the largest difference against ``atol``.
+encoder (or encoder-decoder) export runs the compiled model and the source model on the same
+inputs at the static shapes, a third of each row padded, and reports the largest difference
+against ``atol`` (an encoder-decoder: its encoder output and first decoder step).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 import torch
 
 from kiln.errors import CompilerArgsError, ValidationError
-from kiln.optimum.neuron import media, modeling, sentence
+from kiln.optimum.neuron import media, modeling, sentence, seq2seq
 
 CLASSES = {
     "feature-extraction": modeling.NeuronModelForFeatureExtraction,
@@ -28,6 +30,7 @@ CLASSES = {
     "image-classification": media.NeuronModelForImageClassification,
     "audio-classification": media.NeuronModelForAudioClassification,
     "automatic-speech-recognition": media.NeuronModelForCTC,
+    "text2text-generation": seq2seq.NeuronModelForSeq2SeqLM,
 }
 SUFFIXES = (("ForImageClassification", "image-classification"), ("ForCTC", "automatic-speech-recognition"),
             ("ForAudioClassification", "audio-classification"),
@@ -35,7 +38,7 @@ SUFFIXES = (("ForImageClassification", "image-classification"), ("ForCTC", "auto
             ("ForTokenClassification", "token-classification"),
             ("ForQuestionAnswering", "question-answering"), ("ForMaskedLM", "fill-mask"),
             ("ForMultipleChoice", "multiple-choice"), ("ForCausalLM", "text-generation"),
-            ("Model", "feature-extraction"))
+            ("ForConditionalGeneration", "text2text-generation"), ("Model", "feature-extraction"))
 
 
 def infer_task(path: str) -> str:
@@ -51,6 +54,8 @@ def infer_task(path: str) -> str:
     for arch in archs:
         for suffix, task in SUFFIXES:
             if arch.endswith(suffix):
+                if task == "text2text-generation" and not config.get("is_encoder_decoder"):
+                    continue        # LLaVA-style *ForConditionalGeneration: not a text encoder-decoder
                 # a speech encoder's sequence classifier (wav2vec2's feature encoder) hears audio
                 return "audio-classification" if task == "text-classification" and "conv_dim" in config else task
     raise CompilerArgsError(f"{path}: cannot infer the task from its architectures {archs}; pass --task "
@@ -73,7 +78,8 @@ def export(model_dir: str, output: str, task: str = "auto", atol: float | None =
               "cache_hit": model.cache_hit}
     if validate:
         atol = atol if atol is not None else (1e-2 if model.neuron.get("auto_cast") else 1e-4)
-        report["validation"] = check(cls, model, model_dir, atol)
+        report["validation"] = (check_seq2seq(model, model_dir, atol) if task == "text2text-generation"
+                                else check(cls, model, model_dir, atol))
     return report
 
 
@@ -95,12 +101,41 @@ def check(cls, model, model_dir: str, atol: float) -> dict:
         if keep is not None and diff.dim() >= keep.dim():      # padded positions are not the model's answer
             diff = diff[keep.bool()]
         errors[name] = float(diff.max())
+    return _verdict(errors, atol)
+
+
+def _verdict(errors: dict, atol: float) -> dict:
     worst = max(errors.values())
-    result = {"max_abs_difference": errors, "atol": atol, "passed": worst <= atol}
     if worst > atol:
         raise ValidationError(f"the exported model differs from the source model by up to {worst:.3g} "
                               f"(atol {atol:g}): {errors}; raise --atol if that is acceptable")
-    return result
+    return {"max_abs_difference": errors, "atol": atol, "passed": True}
+
+
+def check_seq2seq(model, model_dir: str, atol: float) -> dict:
+    """An encoder-decoder's encoder output and first decoder step (the logits after the start
+    token, ``batch_size * num_beams`` rows) against the source model at the static shapes, a
+    third of each input row masked; the same report as :func:`check`."""
+    import transformers
+    reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(model_dir, local_files_only=True).eval()
+    rows, length, beams = (model.static[k] for k in ("batch_size", "sequence_length", "num_beams"))
+    vocab = max(int(getattr(reference.config, "vocab_size", 2) or 2), 2)
+    ids = torch.randint(1, vocab, (rows, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[:, length - length // 3:] = 0
+    start = reference.generation_config.decoder_start_token_id
+    start = reference.config.decoder_start_token_id if start is None else start
+    decoder_ids = torch.full((rows * beams, 1), int(start or 0), dtype=torch.int64)
+    with torch.no_grad():
+        hidden = reference.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
+        expanded, beam_mask = hidden.repeat_interleave(beams, dim=0), mask.repeat_interleave(beams, dim=0)
+        want = reference(encoder_outputs=(expanded,), attention_mask=beam_mask, decoder_input_ids=decoder_ids,
+                         use_cache=False, return_dict=True).logits[:, -1:]
+    got_hidden = model.encode(ids, mask)
+    got = model.decode(decoder_ids, expanded, beam_mask)
+    errors = {"last_hidden_state": float((got_hidden - hidden).abs()[mask.bool()].max()),
+              "logits": float((got - want).abs().max())}
+    return _verdict(errors, atol)
 
 
 def _export_decoder(model_dir: str, output: str, kwargs: dict) -> dict:

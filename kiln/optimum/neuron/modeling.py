@@ -153,6 +153,10 @@ class NeuronTracedModel:
         tf = require_transformers()
         model_path = os.path.join(path, file_name)
         if not os.path.exists(model_path):
+            task = exported_task(path)
+            if task not in (None, cls.task):      # e.g. an encoder-decoder's encoder/ and decoder/ graphs
+                raise ArtifactError(f"{path} was exported for task {task!r}; load it with that task's class, "
+                                    f"not {cls.__name__} ({cls.task!r})")
             raise FileNotFoundError(f"{model_path} does not exist: {path} holds no model kiln exported; pass "
                                     "export=True to compile a Hugging Face checkpoint")
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -269,6 +273,16 @@ class NeuronTracedModel:
 def _output(class_name: str, values: dict):
     from transformers import modeling_outputs
     return getattr(modeling_outputs, class_name)(**values)
+
+
+def exported_task(path) -> str | None:
+    """The task of a directory kiln.optimum saved (its config.json's kiln ``neuron`` section), else None."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            neuron = json.load(f).get("neuron")
+    except (OSError, ValueError):
+        return None
+    return neuron.get("task") if isinstance(neuron, dict) and neuron.get("compiler_type") == "kiln" else None
 
 
 def preprocessors_of(path) -> list:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 
-from kiln.optimum.neuron import media, modeling
+from kiln.optimum.neuron import media, modeling, seq2seq
 
 log = logging.getLogger("kiln.optimum")
 
@@ -23,6 +23,10 @@ TASKS = {
     "image-classification": media.NeuronModelForImageClassification,
     "audio-classification": media.NeuronModelForAudioClassification,
     "automatic-speech-recognition": media.NeuronModelForCTC,
+    # transformers 5 has none of these three pipelines: asking is a clear error naming generate()
+    "text2text-generation": seq2seq.NeuronModelForSeq2SeqLM,
+    "summarization": seq2seq.NeuronModelForSeq2SeqLM,
+    "translation": seq2seq.NeuronModelForSeq2SeqLM,
 }
 DEFAULT_SHAPES = {"batch_size": 1, "sequence_length": 128}
 
@@ -39,8 +43,10 @@ def pipeline(task, model=None, tokenizer=None, feature_extractor=None, image_pro
                          f"{', '.join(sorted(TASKS))}")
     from transformers.pipelines import SUPPORTED_TASKS, TASK_ALIASES
     if TASK_ALIASES.get(task, task) not in SUPPORTED_TASKS:
-        raise ValueError(f"the installed transformers {transformers.__version__} has no {task!r} pipeline (transformers "
-                         f"5 removed question-answering's); call the {cls.__name__} model directly")
+        call = f"{cls.__name__}.generate()" if hasattr(cls, "generate") else f"the {cls.__name__} model"
+        raise ValueError(f"task {task!r} is not supported by kiln.optimum.neuron.pipeline with the installed "
+                         f"transformers {transformers.__version__}: it has no {task!r} pipeline (transformers 5 "
+                         f"removed it); call {call} directly")
     if model is None:
         raise ValueError("pass model= (a local checkpoint directory or a kiln model): nothing is downloaded")
     source = None
@@ -102,4 +108,4 @@ def quiet_model_check():
 
 
 def _is_exported(path: str) -> bool:
-    return os.path.exists(os.path.join(path, modeling.MODEL_FILE))
+    return any(os.path.exists(os.path.join(path, *part, modeling.MODEL_FILE)) for part in ((), ("encoder",)))

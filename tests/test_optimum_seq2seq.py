@@ -1,0 +1,279 @@
+"""kiln.optimum.neuron.NeuronModelForSeq2SeqLM (Optimum Neuron's T5 class) on a tiny random T5
+saved to a directory: ``generate`` gives transformers' ``model.generate`` tokens exactly, greedy
+and beam search, on a padded batch of rows of different lengths; the decoder graph's right
+padding never changes an earlier position; save_pretrained reloads in a fresh process without
+recompiling and without T5's modeling code; ``kiln export`` infers the task and validates; the
+limits fixed at export are clear errors.
+
+Two exports are shared by the module: greedy (``kiln export`` on the command line) and
+num_beams=2 (``from_pretrained(export=True)`` in process)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from kiln.errors import ArtifactError, CompilerArgsError  # noqa: E402
+from kiln.optimum import neuron  # noqa: E402
+from kiln.optimum.neuron import exporter  # noqa: E402
+
+SHAPES = dict(batch_size=2, sequence_length=8)
+FAST = dict(optlevel="1", disable_neuron_cache=True)
+# two rows of different lengths, the second padded (pad 0, mask 0); 1 is </s>
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 1], [11, 12, 13, 1, 0, 0, 0, 0]])
+MASK = (IDS != 0).to(torch.int64)
+NEW = 8
+
+
+def _t5_config():
+    # at T5's default initialization a random model repeats one token; initializer_factor=2 and
+    # seed 36 give varied tokens, an early </s> in one row, beams that differ from greedy, and
+    # float32 answers within 2e-5 of float64 ones (larger factors make attention ill-conditioned)
+    return transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                 num_heads=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                                 initializer_factor=2.0)
+
+
+def _tokenizer():
+    """A word-level tokenizer built offline (w3 ... w63 are ids 3 ... 63)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, 64)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                                unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("t5") / "ckpt"
+    torch.manual_seed(36)
+    transformers.T5ForConditionalGeneration(_t5_config()).eval().save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf(t5_dir):
+    return transformers.T5ForConditionalGeneration.from_pretrained(t5_dir).eval()
+
+
+def _kiln(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+@pytest.fixture(scope="module")
+def cli_export(t5_dir, tmp_path_factory):
+    """``kiln export --task auto`` of the T5 directory (greedy: num_beams defaults to 1)."""
+    out = tmp_path_factory.mktemp("cli") / "t5-kiln"
+    run = _kiln("export", "-m", t5_dir, "--task", "auto", "--batch_size", "2", "--sequence_length", "8", "-O1",
+                "--disable_neuron_cache", str(out))
+    return run, str(out)
+
+
+@pytest.fixture(scope="module")
+def greedy(cli_export):
+    run, out = cli_export
+    assert run.returncode == 0, run.stderr[-3000:]
+    return neuron.NeuronModelForSeq2SeqLM.from_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def beam(t5_dir):
+    return neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir, export=True, num_beams=2, **SHAPES, **FAST)
+
+
+def _hf_generate(hf, ids, mask, **kwargs):
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, **kwargs)
+
+
+def test_greedy_generate_equals_transformers_tokens(greedy, hf):
+    want = _hf_generate(hf, IDS, MASK)
+    # the case is not degenerate: varied tokens, one row ends early with </s> (the rest padded)
+    assert len(set(want[1].tolist())) >= 4 and (want[0] == 1).any() and not (want[1] == 1).any()
+    got = greedy.generate(IDS, attention_mask=MASK, max_new_tokens=NEW)
+    assert got.tolist() == want.tolist()
+    # one row of a model compiled for two (the batch filled), and a prompt shorter than compiled
+    short, short_mask = IDS[1:, :4], MASK[1:, :4]
+    assert greedy.generate(short, attention_mask=short_mask, max_new_tokens=NEW).tolist() == \
+        _hf_generate(hf, short, short_mask).tolist()
+    # without max_new_tokens: transformers' default (max_length 20) cut to the compiled decoder length
+    assert greedy.generate(IDS, attention_mask=MASK).tolist() == want.tolist()
+
+
+def test_beam_search_equals_transformers_tokens(beam, hf):
+    want = _hf_generate(hf, IDS, MASK, num_beams=2)
+    assert want.tolist() != _hf_generate(hf, IDS, MASK).tolist()       # beams change the answer here
+    assert beam.generate(IDS, attention_mask=MASK, max_new_tokens=NEW).tolist() == want.tolist()
+    assert beam.generate(IDS, attention_mask=MASK, max_new_tokens=NEW, num_beams=2).tolist() == want.tolist()
+
+
+def test_decoder_right_padding_never_changes_earlier_positions(greedy, hf):
+    """The decoder graph sees every prefix padded on the right to 8 tokens; the logits of its
+    last real token equal transformers' on the unpadded sequence, at every length."""
+    decoder_ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = hf.get_encoder()(input_ids=IDS, attention_mask=MASK).last_hidden_state
+        want = hf(encoder_outputs=(hidden,), attention_mask=MASK, decoder_input_ids=decoder_ids,
+                  use_cache=False).logits
+    for t in range(1, 9):
+        got = greedy.decode(decoder_ids[:, :t], hidden, MASK)
+        assert got.shape == (2, 1, 64)
+        torch.testing.assert_close(got[:, 0], want[:, t - 1], atol=1e-5, rtol=1e-5, msg=f"position {t - 1}")
+    # the forward of the model as transformers calls it: the encoder run too
+    out = greedy(input_ids=IDS, attention_mask=MASK, decoder_input_ids=decoder_ids[:, :5])
+    torch.testing.assert_close(out.logits[:, 0], want[:, 4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.encoder_last_hidden_state[MASK.bool()], hidden[MASK.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
+    three = torch.cat([IDS, IDS[1:, [2, 1, 0, 3, 4, 5, 6, 7]]])
+    three_mask = (three != 0).to(torch.int64)
+    with pytest.raises(ValueError, match="Unable to pad 3 rows to the compiled batch_size 2: export with a larger "
+                                         "batch_size \\(or dynamic_batch_size=True\\)"):
+        greedy.generate(three, attention_mask=three_mask, max_new_tokens=NEW)
+    # the same graphs with dynamic_batch_size=True: 2 rows, then 1, padded to one width as transformers pads
+    dynamic = neuron.NeuronModelForSeq2SeqLM(greedy.encoder, greedy.decoder, greedy.config,
+                                             dict(greedy.neuron, dynamic_batch_size=True), greedy.generation_config)
+    assert dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == \
+        _hf_generate(hf, three, three_mask).tolist()
+
+
+def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
+    with pytest.raises(ValueError, match="num_beams=2: this model was exported with num_beams=1.*export with "
+                                         "num_beams=2"):
+        greedy.generate(IDS, attention_mask=MASK, num_beams=2)
+    with pytest.raises(ValueError, match="num_beams=1: this model was exported with num_beams=2"):
+        beam.generate(IDS, attention_mask=MASK, num_beams=1)
+    long = torch.ones(1, 9, dtype=torch.int64)
+    with pytest.raises(ValueError, match="Unable to pad 9 input tokens to the compiled sequence_length 8: export "
+                                         "with a larger sequence_length"):
+        greedy.generate(long)
+    with pytest.raises(ValueError, match="max_new_tokens=9 exceeds the 8 new tokens the compiled "
+                                         "decoder_sequence_length 8 allows: export with decoder_sequence_length=9"):
+        greedy.generate(IDS, attention_mask=MASK, max_new_tokens=9)
+    with pytest.raises(ValueError, match="max_new_tokens=9 exceeds"):
+        greedy.generate(IDS, attention_mask=MASK, max_length=10)
+    with pytest.raises(ValueError, match="decoder sequence of 9 tokens does not fit the compiled "
+                                         "decoder_sequence_length 8"):
+        greedy.decode(torch.zeros(1, 9, dtype=torch.int64), torch.zeros(1, 8, 16))
+    with pytest.raises(CompilerArgsError, match="pass sequence_length"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir, export=True, batch_size=1)
+    with pytest.raises(CompilerArgsError, match="decoder_sequence_length must be a positive integer"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir, export=True, decoder_sequence_length=0, **SHAPES)
+    with pytest.raises(FileNotFoundError, match="pass export=True"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir)
+
+
+RELOAD = """
+import json, sys, torch
+sys.modules["transformers.models.t5.modeling_t5"] = None      # T5's modeling code cannot be imported
+import kiln.optimum.neuron.seq2seq as seq2seq
+def no_compile(*a, **k):
+    raise SystemExit("recompiled")
+seq2seq.trace = no_compile
+from kiln.optimum.neuron import NeuronModelForSeq2SeqLM
+ids, mask = torch.tensor(json.loads(sys.argv[3])), torch.tensor(json.loads(sys.argv[4]))
+out = {}
+for name, path in (("greedy", sys.argv[1]), ("beam", sys.argv[2])):
+    model = NeuronModelForSeq2SeqLM.from_pretrained(path)
+    out[name] = model.generate(ids, attention_mask=mask, max_new_tokens=8).tolist()
+    out[name + "_tokenizer"] = [type(p).__name__ for p in model.preprocessors]
+print(json.dumps(out))
+"""
+
+
+def test_save_pretrained_reloads_in_a_fresh_process(greedy, beam, cli_export, hf, tmp_path):
+    out = tmp_path / "beam"
+    beam.save_pretrained(out)
+    files = {os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            os.path.join("encoder", "model.kiln"), os.path.join("encoder", "config.json"),
+            os.path.join("decoder", "model.kiln"), os.path.join("decoder", "config.json")} <= files
+    section = json.loads((out / "config.json").read_text())["neuron"]
+    assert section["compiler_type"] == "kiln" and section["task"] == "text2text-generation"
+    assert (section["static_batch_size"], section["static_sequence_length"], section["static_num_beams"],
+            section["static_decoder_sequence_length"]) == (2, 8, 2, 8)
+    assert section["input_names"] == ["input_ids", "attention_mask", "decoder_input_ids"]
+    assert section["output_names"] == ["logits"]
+    decoder = json.loads((out / "decoder" / "config.json").read_text())["neuron"]
+    assert decoder["input_names"] == ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask",
+                                      "decoder_position"] and decoder["model_type"] == "t5-decoder"
+    assert json.loads((out / "generation_config.json").read_text())["decoder_start_token_id"] == 0
+    env = dict(os.environ, KILN_CACHE_URL="off")
+    run = subprocess.run([sys.executable, "-c", RELOAD, cli_export[1], str(out), json.dumps(IDS.tolist()),
+                          json.dumps(MASK.tolist())], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["greedy"] == _hf_generate(hf, IDS, MASK).tolist()
+    assert got["beam"] == _hf_generate(hf, IDS, MASK, num_beams=2).tolist()
+    assert got["greedy_tokenizer"] and got["beam_tokenizer"]          # the checkpoint's tokenizer came along
+
+
+def test_a_directory_of_another_task_is_an_artifact_error(greedy, cli_export, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(cli_export[1], other)
+    config = json.loads((other / "config.json").read_text())
+    config["neuron"]["task"] = "text-classification"
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="exported for task 'text-classification'.*not NeuronModelForSeq2SeqLM"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(other)
+    # and the other way round: an encoder class on the seq2seq directory (encoder/, decoder/, no model.kiln)
+    with pytest.raises(ArtifactError, match="exported for task 'text2text-generation'.*not "
+                                            "NeuronModelForSequenceClassification"):
+        neuron.NeuronModelForSequenceClassification.from_pretrained(cli_export[1])
+
+
+def test_kiln_export_infers_the_task_and_validates(cli_export, t5_dir, tmp_path):
+    run, out = cli_export
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "NeuronModelForSeq2SeqLM (text2text-generation) written to" in run.stdout
+    line = next(x for x in run.stdout.splitlines() if x.startswith("validated against the source model"))
+    errors = json.loads(line[line.index("{"):])
+    assert set(errors) == {"last_hidden_state", "logits"} and max(errors.values()) <= 1e-4
+    assert exporter.infer_task(t5_dir) == "text2text-generation"
+    # a *ForConditionalGeneration that is not an encoder-decoder (LLaVA-style) is not taken for one
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                                   "is_encoder_decoder": False}))
+    with pytest.raises(CompilerArgsError, match="cannot infer the task"):
+        exporter.infer_task(str(llava))
+
+
+def test_validation_fails_when_the_compiled_model_differs(greedy, t5_dir):
+    """check_seq2seq compares against the source weights: a model whose weights changed fails."""
+    report = exporter.check_seq2seq(greedy, t5_dir, 1e-4)
+    assert report["passed"] and set(report["max_abs_difference"]) == {"last_hidden_state", "logits"}
+    from kiln.errors import ValidationError
+    with pytest.raises(ValidationError, match="differs from the source model by up to 0.01"):
+        exporter.check_seq2seq(_perturbed(greedy), t5_dir, 1e-4)
+
+
+def _perturbed(model):
+    class Shifted:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def __call__(self, *args):
+            out = self.graph(*args)
+            return (out[0] if isinstance(out, (list, tuple)) else out) + 1e-2
+    return neuron.NeuronModelForSeq2SeqLM(Shifted(model.encoder), model.decoder, model.config, model.neuron,
+                                          model.generation_config)
+
+
+@pytest.mark.parametrize("task", ["text2text-generation", "summarization", "translation"])
+def test_pipeline_of_a_seq2seq_task_is_a_clear_error(task, cli_export):
+    from transformers.pipelines import SUPPORTED_TASKS
+    if task in SUPPORTED_TASKS:
+        pytest.skip(f"the installed transformers has a {task} pipeline")
+    with pytest.raises(ValueError, match=f"has no '{task}' pipeline.*NeuronModelForSeq2SeqLM.generate\\(\\)"):
+        neuron.pipeline(task, model=cli_export[1])
