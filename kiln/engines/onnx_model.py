@@ -43,7 +43,8 @@ _LOCK = threading.Lock()
 def registry():
     # torchvision ops are optional in the registry; its absence is not news.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    return ort_export.registry_for()
+    # the opset kiln exports at: one registry serves both the support check and the export
+    return ort_export.registry_for(EXPORT_OPSET)
 
 
 def exported(partition, example_inputs) -> tuple:

@@ -108,27 +108,62 @@ _REGISTRIES: dict = {}     # opset -> the exporter's ONNXRegistry, built once
 
 
 def registry_for(opset_version=None):
-    """torch's ONNX registry for ``opset_version`` (its default when None), built once."""
-    from torch.onnx._internal.exporter import _constants, _registration
+    """torch's ONNX registry for ``opset_version`` (its default when None), built once, with
+    each torchlib function's signature worked out when an op first asks for it."""
+    from torch.onnx._internal.exporter import _constants
     version = _constants.TORCHLIB_OPSET if opset_version is None else opset_version
     if version not in _REGISTRIES:
-        _REGISTRIES[version] = _ORIGINAL.get("from_torchlib", _registration.ONNXRegistry.from_torchlib.__func__)(
-            _registration.ONNXRegistry, opset_version=version)
+        _REGISTRIES[version] = _lazy_registry(version)
     return _REGISTRIES[version]
 
 
-_ORIGINAL: dict = {}
+def _lazy_registry(version: int):
+    """``ONNXRegistry.from_torchlib(version)`` without its eager part: from_torchlib infers the
+    ONNX signature of all ~560 torchlib functions up front, parsing each one's source (2-4 s a
+    process, most of a tiny model's ONNX export); an export meets a few dozen of them. Here
+    each function's metadata is made with the inference skipped, and ``get_decomps`` runs it
+    (the same ``OnnxDecompMeta.__post_init__``) the first time an op is looked up."""
+    from onnxscript.function_libs.torch_lib import ops, registration  # noqa: F401 - registers torchlib
+    from torch.onnx._internal.exporter import _registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    class LazySignatures(_registration.ONNXRegistry):
+        def get_decomps(self, target):
+            decomps = super().get_decomps(target)
+            for meta in decomps:
+                if getattr(meta, "kiln_lazy", False):
+                    meta.kiln_lazy, meta.skip_signature_inference = False, False
+                    meta.__post_init__()
+            return decomps
+
+    reg = LazySignatures()
+    reg._opset_version = version
+    for meta in _torchlib_registry.get_torchlib_ops():
+        reg._register(meta.fx_target, meta)
+    for qualified_name, functions in registration.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue
+        target = _registration._get_overload(qualified_name)
+        if target is None:
+            continue
+        for function, is_complex in [(f, False) for f in functions.overloads] + [(f, True) for f in functions.complex]:
+            meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
+                                                is_complex=is_complex, skip_signature_inference=True)
+            meta.kiln_lazy = True
+            reg._register(target, meta)
+    reg._cleanup_registry_based_on_opset_version()
+    return reg
 
 
 @contextlib.contextmanager
 def _registry_once():
+    """torch.onnx.export builds its registry afresh each call: it gets the one kiln keeps."""
     try:
         from torch.onnx._internal.exporter import _registration
         original = _registration.ONNXRegistry.__dict__["from_torchlib"]
     except (ImportError, KeyError):
         yield
         return
-    _ORIGINAL.setdefault("from_torchlib", original.__func__)
     _registration.ONNXRegistry.from_torchlib = classmethod(lambda cls, opset_version=None: registry_for(opset_version))
     try:
         yield
