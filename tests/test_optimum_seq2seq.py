@@ -92,7 +92,7 @@ def beam(t5_dir):
 
 def _hf_generate(hf, ids, mask, **kwargs):
     with torch.no_grad():
-        return hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, **kwargs)
+        return hf.generate(ids, attention_mask=mask, **dict(dict(max_new_tokens=NEW), **kwargs))
 
 
 def test_greedy_generate_equals_transformers_tokens(greedy, hf):
@@ -107,6 +107,10 @@ def test_greedy_generate_equals_transformers_tokens(greedy, hf):
         _hf_generate(hf, short, short_mask).tolist()
     # without max_new_tokens: transformers' default (max_length 20) cut to the compiled decoder length
     assert greedy.generate(IDS, attention_mask=MASK).tolist() == want.tolist()
+    # a forced decoder prefix (3 of the 8 decoder positions), then 6 new tokens
+    prefix = torch.tensor([[0, 5, 9], [0, 7, 7]])
+    assert greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=6).tolist() == \
+        _hf_generate(hf, IDS, MASK, decoder_input_ids=prefix, max_new_tokens=6).tolist()
 
 
 def test_beam_search_equals_transformers_tokens(beam, hf):
@@ -135,16 +139,17 @@ def test_decoder_right_padding_never_changes_earlier_positions(greedy, hf):
 
 
 def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
-    three = torch.cat([IDS, IDS[1:, [2, 1, 0, 3, 4, 5, 6, 7]]])
+    three = torch.cat([IDS, torch.tensor([[9, 1, 0, 0, 0, 0, 0, 0]])])
     three_mask = (three != 0).to(torch.int64)
+    want = _hf_generate(hf, three, three_mask)
+    assert want[2].tolist() == [0, 1] + [0] * (NEW - 1)      # the second chunk is one token long: padded
     with pytest.raises(ValueError, match="Unable to pad 3 rows to the compiled batch_size 2: export with a larger "
                                          "batch_size \\(or dynamic_batch_size=True\\)"):
         greedy.generate(three, attention_mask=three_mask, max_new_tokens=NEW)
     # the same graphs with dynamic_batch_size=True: 2 rows, then 1, padded to one width as transformers pads
     dynamic = neuron.NeuronModelForSeq2SeqLM(greedy.encoder, greedy.decoder, greedy.config,
                                              dict(greedy.neuron, dynamic_batch_size=True), greedy.generation_config)
-    assert dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == \
-        _hf_generate(hf, three, three_mask).tolist()
+    assert dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == want.tolist()
 
 
 def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
@@ -160,8 +165,11 @@ def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
     with pytest.raises(ValueError, match="max_new_tokens=9 exceeds the 8 new tokens the compiled "
                                          "decoder_sequence_length 8 allows: export with decoder_sequence_length=9"):
         greedy.generate(IDS, attention_mask=MASK, max_new_tokens=9)
-    with pytest.raises(ValueError, match="max_new_tokens=9 exceeds"):
+    with pytest.raises(ValueError, match="max_length=10 \\(9 new tokens\\) exceeds the 8 new tokens"):
         greedy.generate(IDS, attention_mask=MASK, max_length=10)
+    prefix = torch.zeros(2, 3, dtype=torch.int64)       # a forced decoder prefix takes decoder positions too
+    with pytest.raises(ValueError, match="max_new_tokens=7 exceeds the 6 new tokens.*decoder_sequence_length=9"):
+        greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=7)
     with pytest.raises(ValueError, match="decoder sequence of 9 tokens does not fit the compiled "
                                          "decoder_sequence_length 8"):
         greedy.decode(torch.zeros(1, 9, dtype=torch.int64), torch.zeros(1, 8, 16))

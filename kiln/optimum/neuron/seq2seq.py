@@ -79,12 +79,11 @@ class _DecoderGraph(torch.nn.Module):
             index = decoder_position.view(-1, 1, 1).expand(-1, 1, args[0].shape[-1])
             return (torch.gather(args[0], 1, index),)
 
-        tf = require_transformers()
+        encoded = require_transformers().modeling_outputs.BaseModelOutput(last_hidden_state=encoder_hidden_states)
         hook = self.model.get_output_embeddings().register_forward_pre_hook(one_position)
         try:
-            out = self.model(encoder_outputs=tf.modeling_outputs.BaseModelOutput(last_hidden_state=encoder_hidden_states),
-                             attention_mask=encoder_attention_mask, decoder_input_ids=decoder_input_ids,
-                             use_cache=False, return_dict=True)
+            out = self.model(encoder_outputs=encoded, attention_mask=encoder_attention_mask,
+                             decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=True)
         finally:
             hook.remove()
         return out.logits[:, 0]
@@ -191,10 +190,8 @@ class NeuronModelForSeq2SeqLM:
         missing = [g for g in graphs if not os.path.exists(g)]
         if missing:
             raise ArtifactError(f"{path} is incomplete: {', '.join(missing)} missing; export the model again")
-        generation = None
-        if os.path.exists(os.path.join(path, GENERATION_CONFIG)):
-            generation = tf.GenerationConfig.from_pretrained(path, local_files_only=True)
-        return cls(load(graphs[0]), load(graphs[1]), config, neuron, generation, preprocessors_of(path))
+        return cls(load(graphs[0]), load(graphs[1]), config, neuron, _generation_config(config, path),
+                   preprocessors_of(path))
 
     def save_pretrained(self, save_directory) -> None:
         """``encoder/`` and ``decoder/`` (each ``model.kiln`` and a ``config.json`` naming that
@@ -242,7 +239,7 @@ class NeuronModelForSeq2SeqLM:
                 else torch.as_tensor(attention_mask).to(torch.int64))
         static_rows = self.static["batch_size"] * self.static["num_beams"]
         decoder_length = self.static[DECODER_LENGTH]
-        self._fits(rows, static_rows, "decoder rows (batch x beams)", "batch_size")
+        self._fits(rows, static_rows, "decoder rows", "batch_size x num_beams")
         if length > decoder_length:
             raise ValueError(f"a decoder sequence of {length} tokens does not fit the compiled "
                              f"{DECODER_LENGTH} {decoder_length}: export with a larger {DECODER_LENGTH} "
@@ -315,20 +312,21 @@ class NeuronModelForSeq2SeqLM:
         return self._generator().generate(ids, attention_mask=mask, generation_config=config, **rest)
 
     def _limit_new_tokens(self, config, kwargs) -> None:
-        """At most ``decoder_sequence_length`` new tokens (one decoder position each, the start
-        token's included): asking for more is an error; a default larger than that is cut."""
-        limit = self.static[DECODER_LENGTH] - _prefix_length(kwargs) + 1
-        asked = kwargs.get("max_new_tokens")
+        """At most ``decoder_sequence_length`` decoder tokens (the start token, or the given
+        ``decoder_input_ids``, and the new ones but the last): asking for more is an error; a
+        default larger than that is cut."""
+        prefix, length = _prefix_length(kwargs), self.static[DECODER_LENGTH]
+        limit = length - prefix + 1
+        asked, what = kwargs.get("max_new_tokens"), "max_new_tokens={}"
         if asked is None and kwargs.get("max_length") is not None:
-            asked = kwargs["max_length"] - 1
-        if asked is not None:
-            if asked > limit:
-                raise ValueError(f"max_new_tokens={asked} exceeds the {limit} new tokens the compiled "
-                                 f"{DECODER_LENGTH} {self.static[DECODER_LENGTH]} allows: export with "
-                                 f"{DECODER_LENGTH}={asked} or more (default: sequence_length)")
-            return
-        default = config.max_new_tokens or ((config.max_length or 20) - 1)
-        kwargs["max_new_tokens"] = min(default, limit)
+            asked, what = kwargs["max_length"] - prefix, f"max_length={kwargs['max_length']} ({{}} new tokens)"
+        if asked is None:
+            default = config.max_new_tokens or ((config.max_length or 20) - prefix)
+            kwargs["max_new_tokens"] = min(default, limit)
+        elif asked > limit:
+            raise ValueError(f"{what.format(asked)} exceeds the {limit} new tokens the compiled {DECODER_LENGTH} "
+                             f"{length} allows: export with {DECODER_LENGTH}={asked + prefix - 1} or more "
+                             "(default: sequence_length)")
 
     def _generator(self):
         if self._driver is None:
