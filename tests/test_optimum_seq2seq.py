@@ -71,10 +71,11 @@ def _kiln(*args, env=None):
 
 @pytest.fixture(scope="module")
 def cli_export(t5_dir, tmp_path_factory):
-    """``kiln export --task auto`` of the T5 directory (greedy: num_beams defaults to 1)."""
+    """``kiln export --task auto`` of the T5 directory (greedy: num_beams defaults to 1), with 10
+    decoder positions for 8 input tokens (the beam export keeps the default, 8)."""
     out = tmp_path_factory.mktemp("cli") / "t5-kiln"
-    run = _kiln("export", "-m", t5_dir, "--task", "auto", "--batch_size", "2", "--sequence_length", "8", "-O1",
-                "--disable_neuron_cache", str(out))
+    run = _kiln("export", "-m", t5_dir, "--task", "auto", "--batch_size", "2", "--sequence_length", "8",
+                "--decoder_sequence_length", "10", "-O1", "--disable_neuron_cache", str(out))
     return run, str(out)
 
 
@@ -106,7 +107,7 @@ def test_greedy_generate_equals_transformers_tokens(greedy, hf):
     assert greedy.generate(short, attention_mask=short_mask, max_new_tokens=NEW).tolist() == \
         _hf_generate(hf, short, short_mask).tolist()
     # without max_new_tokens: transformers' default (max_length 20) cut to the compiled decoder length
-    assert greedy.generate(IDS, attention_mask=MASK).tolist() == want.tolist()
+    assert greedy.generate(IDS, attention_mask=MASK).tolist() == _hf_generate(hf, IDS, MASK, max_new_tokens=10).tolist()
     # a forced decoder prefix (3 of the 8 decoder positions), then 6 new tokens
     prefix = torch.tensor([[0, 5, 9], [0, 7, 7]])
     assert greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=6).tolist() == \
@@ -121,14 +122,14 @@ def test_beam_search_equals_transformers_tokens(beam, hf):
 
 
 def test_decoder_right_padding_never_changes_earlier_positions(greedy, hf):
-    """The decoder graph sees every prefix padded on the right to 8 tokens; the logits of its
+    """The decoder graph sees every prefix padded on the right to 10 tokens; the logits of its
     last real token equal transformers' on the unpadded sequence, at every length."""
-    decoder_ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    decoder_ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         hidden = hf.get_encoder()(input_ids=IDS, attention_mask=MASK).last_hidden_state
         want = hf(encoder_outputs=(hidden,), attention_mask=MASK, decoder_input_ids=decoder_ids,
                   use_cache=False).logits
-    for t in range(1, 9):
+    for t in range(1, 11):
         got = greedy.decode(decoder_ids[:, :t], hidden, MASK)
         assert got.shape == (2, 1, 64)
         torch.testing.assert_close(got[:, 0], want[:, t - 1], atol=1e-5, rtol=1e-5, msg=f"position {t - 1}")
@@ -162,17 +163,20 @@ def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
     with pytest.raises(ValueError, match="Unable to pad 9 input tokens to the compiled sequence_length 8: export "
                                          "with a larger sequence_length"):
         greedy.generate(long)
+    with pytest.raises(ValueError, match="max_new_tokens=11 exceeds the 10 new tokens the compiled "
+                                         "decoder_sequence_length 10 allows: export with decoder_sequence_length=11"):
+        greedy.generate(IDS, attention_mask=MASK, max_new_tokens=11)
     with pytest.raises(ValueError, match="max_new_tokens=9 exceeds the 8 new tokens the compiled "
-                                         "decoder_sequence_length 8 allows: export with decoder_sequence_length=9"):
-        greedy.generate(IDS, attention_mask=MASK, max_new_tokens=9)
-    with pytest.raises(ValueError, match="max_length=10 \\(9 new tokens\\) exceeds the 8 new tokens"):
-        greedy.generate(IDS, attention_mask=MASK, max_length=10)
+                                         "decoder_sequence_length 8 allows"):
+        beam.generate(IDS, attention_mask=MASK, max_new_tokens=9)
+    with pytest.raises(ValueError, match="max_length=12 \\(11 new tokens\\) exceeds the 10 new tokens"):
+        greedy.generate(IDS, attention_mask=MASK, max_length=12)
     prefix = torch.zeros(2, 3, dtype=torch.int64)       # a forced decoder prefix takes decoder positions too
-    with pytest.raises(ValueError, match="max_new_tokens=7 exceeds the 6 new tokens.*decoder_sequence_length=9"):
-        greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=7)
-    with pytest.raises(ValueError, match="decoder sequence of 9 tokens does not fit the compiled "
-                                         "decoder_sequence_length 8"):
-        greedy.decode(torch.zeros(1, 9, dtype=torch.int64), torch.zeros(1, 8, 16))
+    with pytest.raises(ValueError, match="max_new_tokens=9 exceeds the 8 new tokens.*decoder_sequence_length=11"):
+        greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=9)
+    with pytest.raises(ValueError, match="decoder sequence of 11 tokens does not fit the compiled "
+                                         "decoder_sequence_length 10"):
+        greedy.decode(torch.zeros(1, 11, dtype=torch.int64), torch.zeros(1, 8, 16))
     with pytest.raises(CompilerArgsError, match="pass sequence_length"):
         neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir, export=True, batch_size=1)
     with pytest.raises(CompilerArgsError, match="decoder_sequence_length must be a positive integer"):
@@ -244,6 +248,8 @@ def test_kiln_export_infers_the_task_and_validates(cli_export, t5_dir, tmp_path)
     run, out = cli_export
     assert run.returncode == 0, run.stderr[-3000:]
     assert "NeuronModelForSeq2SeqLM (text2text-generation) written to" in run.stdout
+    section = json.loads(open(os.path.join(out, "config.json")).read())["neuron"]
+    assert (section["static_num_beams"], section["static_decoder_sequence_length"]) == (1, 10)
     line = next(x for x in run.stdout.splitlines() if x.startswith("validated against the source model"))
     errors = json.loads(line[line.index("{"):])
     assert set(errors) == {"last_hidden_state", "logits"} and max(errors.values()) <= 1e-4

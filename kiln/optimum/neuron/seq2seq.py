@@ -304,7 +304,8 @@ class NeuronModelForSeq2SeqLM:
         parts = [self._hf_generate(ids[i:i + rows], None if mask is None else mask[i:i + rows], config, beams, kwargs)
                  for i in range(0, ids.shape[0], rows)]
         width = max(p.shape[1] for p in parts)
-        return torch.cat([_pad(p, 1, width, self._pad_id) for p in parts])
+        pad = config.pad_token_id if config.pad_token_id is not None else self._pad_id   # as generate pads rows
+        return torch.cat([_pad(p, 1, width, pad) for p in parts])
 
     def _hf_generate(self, ids, mask, config, beams, kwargs):
         config = copy.deepcopy(config)
