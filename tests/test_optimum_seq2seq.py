@@ -121,22 +121,96 @@ def test_beam_search_equals_transformers_tokens(beam, hf):
     assert beam.generate(IDS, attention_mask=MASK, max_new_tokens=NEW, num_beams=2).tolist() == want.tolist()
 
 
-def test_decoder_right_padding_never_changes_earlier_positions(greedy, hf):
-    """The decoder graph sees every prefix padded on the right to 10 tokens; the logits of its
-    last real token equal transformers' on the unpadded sequence, at every length."""
-    decoder_ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+def _reference_logits(hf, decoder_ids, ids=IDS, mask=MASK):
     with torch.no_grad():
-        hidden = hf.get_encoder()(input_ids=IDS, attention_mask=MASK).last_hidden_state
-        want = hf(encoder_outputs=(hidden,), attention_mask=MASK, decoder_input_ids=decoder_ids,
-                  use_cache=False).logits
-    for t in range(1, 11):
-        got = greedy.decode(decoder_ids[:, :t], hidden, MASK)
-        assert got.shape == (2, 1, 64)
-        torch.testing.assert_close(got[:, 0], want[:, t - 1], atol=1e-5, rtol=1e-5, msg=f"position {t - 1}")
+        hidden = hf.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        return hidden, hf(encoder_outputs=(hidden,), attention_mask=mask, decoder_input_ids=decoder_ids,
+                          use_cache=False).logits
+
+
+def test_cached_decoder_step_logits_equal_transformers_at_every_step(greedy, hf):
+    """The decoder step with its static KV cache, one token a step for all 10 compiled decoder
+    positions, on two rows of different input lengths: each step's logits equal transformers
+    eager's at that position (1e-4); so do a cache-less call on a whole prefix and forward()."""
+    assert greedy.kv_cache and greedy.cross is not None
+    decoder_ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    decoder_ids[:, 0] = 0                                               # decoder_start_token_id
+    hidden, want = _reference_logits(hf, decoder_ids)
+    cache = greedy.new_cache()
+    for t in range(10):
+        got = greedy.decode(decoder_ids[:, t:t + 1], hidden, MASK, cache=cache)
+        assert got.shape == (2, 1, 64) and cache.get_seq_length() == t + 1
+        torch.testing.assert_close(got[:, 0], want[:, t], atol=1e-4, rtol=0, msg=f"step {t}")
+    with pytest.raises(ValueError, match="decoder sequence of 11 tokens does not fit"):
+        greedy.decode(decoder_ids[:, :1], hidden, MASK, cache=cache)
+    torch.testing.assert_close(greedy.decode(decoder_ids[:, :7], hidden, MASK)[:, 0], want[:, 6], atol=1e-4, rtol=0)
     # the forward of the model as transformers calls it: the encoder run too
     out = greedy(input_ids=IDS, attention_mask=MASK, decoder_input_ids=decoder_ids[:, :5])
-    torch.testing.assert_close(out.logits[:, 0], want[:, 4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[:, 0], want[:, 4], atol=1e-4, rtol=0)
     torch.testing.assert_close(out.encoder_last_hidden_state[MASK.bool()], hidden[MASK.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_beam_rows_share_cross_attention_and_the_cache_follows_the_beams(beam, hf, monkeypatch):
+    """Four rows (two inputs x two beams): the cross-attention keys run once per input, and
+    beam search reorders the cache rows (not only in the identity order) on the way to
+    transformers' tokens."""
+    from kiln.optimum.neuron import seq2seq_cache
+    hidden, _ = _reference_logits(hf, torch.zeros(2, 1, dtype=torch.int64))
+    calls, orders, graph = [], [], beam.cross
+    monkeypatch.setattr(beam, "cross", lambda h: calls.append(tuple(h.shape)) or graph(h))
+    cross = beam.cross_attention(hidden.repeat_interleave(2, dim=0))
+    assert calls == [(2, 8, 16)]                                       # one call on the two distinct rows
+    assert len(cross) == 4 and cross[0].shape == (4, 2, 8, 8)           # 2 layers' keys and values, 4 rows
+    torch.testing.assert_close(cross[1][0], cross[1][1])
+    assert not torch.equal(cross[1][1], cross[1][2])
+    reorder = seq2seq_cache.StaticSeq2SeqCache.reorder_cache
+    monkeypatch.setattr(seq2seq_cache.StaticSeq2SeqCache, "reorder_cache",
+                        lambda self, idx: orders.append(idx.tolist()) or reorder(self, idx))
+    assert beam.generate(IDS, attention_mask=MASK, max_new_tokens=NEW).tolist() == \
+        _hf_generate(hf, IDS, MASK, num_beams=2).tolist()
+    assert len(orders) >= NEW - 1 and any(o != sorted(o) for o in orders)
+
+
+@pytest.fixture(scope="module")
+def legacy_dir(greedy, hf, tmp_path_factory):
+    """A model without the KV cache, as kiln exported them before it (and still does with
+    ``decoder_kv_cache=False`` or for encoder-decoders other than T5): the greedy export's
+    encoder and the decoder over the whole prefix, padded to 10 positions; saved, with the
+    ``neuron`` section kiln wrote then (no format key)."""
+    from kiln.compiler.api import trace
+    from kiln.optimum.neuron.seq2seq_graphs import PaddedDecoderGraph
+    example = (torch.randint(1, 64, (2, 10)), torch.randn(2, 8, 16), MASK, torch.tensor([3, 9]))
+    decoder = trace(PaddedDecoderGraph(hf).eval(), example, optlevel=1, cache=False, quiet=True)
+    section = {k: v for k, v in greedy.neuron.items() if k not in ("kiln_seq2seq_format", "decoder_kv_cache")}
+    model = neuron.NeuronModelForSeq2SeqLM(greedy.encoder, decoder, greedy.config, section, greedy.generation_config)
+    assert not model.kv_cache and model.cross is None
+    out = tmp_path_factory.mktemp("legacy") / "t5-kiln"
+    model.save_pretrained(out)
+    assert not (out / "cross_attention").exists()
+    assert "kiln_seq2seq_format" not in json.loads((out / "config.json").read_text())["neuron"]
+    return out
+
+
+def test_an_export_without_the_kv_cache_still_loads_and_generates(legacy_dir, hf, tmp_path):
+    model = neuron.NeuronModelForSeq2SeqLM.from_pretrained(legacy_dir)
+    assert not model.kv_cache and model.cross is None
+    assert model.generate(IDS, attention_mask=MASK, max_new_tokens=NEW).tolist() == _hf_generate(hf, IDS, MASK).tolist()
+    # its decoder sees every prefix padded on the right to 10 tokens: the padding never changes
+    # the logits of the last real token
+    decoder_ids = torch.randint(2, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    hidden, want = _reference_logits(hf, decoder_ids)
+    for t in range(1, 11):
+        got = model.decode(decoder_ids[:, :t], hidden, MASK)
+        torch.testing.assert_close(got[:, 0], want[:, t - 1], atol=1e-5, rtol=1e-5, msg=f"position {t - 1}")
+    with pytest.raises(ValueError, match="use_cache=True: this model's decoder graph has no KV cache"):
+        model.generate(IDS, attention_mask=MASK, use_cache=True)
+    newer = tmp_path / "newer"
+    shutil.copytree(legacy_dir, newer)
+    config = json.loads((newer / "config.json").read_text())
+    config["neuron"]["kiln_seq2seq_format"] = 3
+    (newer / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="saved in kiln_seq2seq_format 3; this kiln reads formats 1 to 2"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(newer)
 
 
 def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
@@ -149,11 +223,12 @@ def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
         greedy.generate(three, attention_mask=three_mask, max_new_tokens=NEW)
     # the same graphs with dynamic_batch_size=True: 2 rows, then 1, padded to one width as transformers pads
     dynamic = neuron.NeuronModelForSeq2SeqLM(greedy.encoder, greedy.decoder, greedy.config,
-                                             dict(greedy.neuron, dynamic_batch_size=True), greedy.generation_config)
+                                             dict(greedy.neuron, dynamic_batch_size=True), greedy.generation_config,
+                                             cross=greedy.cross)
     assert dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == want.tolist()
 
 
-def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
+def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir, tmp_path):
     with pytest.raises(ValueError, match="num_beams=2: this model was exported with num_beams=1.*export with "
                                          "num_beams=2"):
         greedy.generate(IDS, attention_mask=MASK, num_beams=2)
@@ -183,15 +258,21 @@ def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir):
         neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir, export=True, decoder_sequence_length=0, **SHAPES)
     with pytest.raises(FileNotFoundError, match="pass export=True"):
         neuron.NeuronModelForSeq2SeqLM.from_pretrained(t5_dir)
+    bart = tmp_path / "bart"
+    transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)).save_pretrained(bart)
+    with pytest.raises(CompilerArgsError, match="decoder_kv_cache=True: kiln builds the cached decoder step for T5"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(bart, export=True, decoder_kv_cache=True, **SHAPES)
 
 
 RELOAD = """
 import json, sys, torch
 sys.modules["transformers.models.t5.modeling_t5"] = None      # T5's modeling code cannot be imported
-import kiln.optimum.neuron.seq2seq as seq2seq
+import kiln.optimum.neuron.seq2seq_graphs as graphs
 def no_compile(*a, **k):
     raise SystemExit("recompiled")
-seq2seq.trace = no_compile
+graphs.trace = no_compile
 from kiln.optimum.neuron import NeuronModelForSeq2SeqLM
 ids, mask = torch.tensor(json.loads(sys.argv[3])), torch.tensor(json.loads(sys.argv[4]))
 out = {}
@@ -209,6 +290,7 @@ def test_save_pretrained_reloads_in_a_fresh_process(greedy, beam, cli_export, hf
     files = {os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs}
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             os.path.join("encoder", "model.kiln"), os.path.join("encoder", "config.json"),
+            os.path.join("cross_attention", "model.kiln"), os.path.join("cross_attention", "config.json"),
             os.path.join("decoder", "model.kiln"), os.path.join("decoder", "config.json")} <= files
     section = json.loads((out / "config.json").read_text())["neuron"]
     assert section["compiler_type"] == "kiln" and section["task"] == "text2text-generation"
@@ -216,9 +298,14 @@ def test_save_pretrained_reloads_in_a_fresh_process(greedy, beam, cli_export, hf
             section["static_decoder_sequence_length"]) == (2, 8, 2, 8)
     assert section["input_names"] == ["input_ids", "attention_mask", "decoder_input_ids"]
     assert section["output_names"] == ["logits"]
+    assert (section["kiln_seq2seq_format"], section["decoder_kv_cache"]) == (2, True)
     decoder = json.loads((out / "decoder" / "config.json").read_text())["neuron"]
-    assert decoder["input_names"] == ["decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask",
-                                      "decoder_position"] and decoder["model_type"] == "t5-decoder"
+    assert decoder["input_names"] == ["decoder_input_ids", "decoder_position", "encoder_attention_mask",
+                                      "past_key_0", "past_key_1", "past_value_0", "past_value_1", "cross_key_0",
+                                      "cross_key_1", "cross_value_0", "cross_value_1"]
+    assert decoder["output_names"] == ["logits", "new_keys", "new_values"] and decoder["model_type"] == "t5-decoder"
+    cross = json.loads((out / "cross_attention" / "config.json").read_text())["neuron"]
+    assert cross["input_names"] == ["encoder_hidden_states"] and len(cross["output_names"]) == 4
     assert json.loads((out / "generation_config.json").read_text())["decoder_start_token_id"] == 0
     env = dict(os.environ, KILN_CACHE_URL="off")
     run = subprocess.run([sys.executable, "-c", RELOAD, cli_export[1], str(out), json.dumps(IDS.tolist()),
@@ -281,7 +368,7 @@ def _perturbed(model):
             out = self.graph(*args)
             return (out[0] if isinstance(out, (list, tuple)) else out) + 1e-2
     return neuron.NeuronModelForSeq2SeqLM(Shifted(model.encoder), model.decoder, model.config, model.neuron,
-                                          model.generation_config)
+                                          model.generation_config, cross=model.cross)
 
 
 @pytest.mark.parametrize("task", ["text2text-generation", "summarization", "translation"])

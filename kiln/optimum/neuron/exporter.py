@@ -113,28 +113,34 @@ def _verdict(errors: dict, atol: float) -> dict:
 
 
 def check_seq2seq(model, model_dir: str, atol: float) -> dict:
-    """An encoder-decoder's encoder output and first decoder step (the logits after the start
-    token, ``batch_size * num_beams`` rows) against the source model at the static shapes, a
+    """An encoder-decoder's encoder output and its first decoder steps (the start token and two
+    more, or as many as the decoder length holds, on ``batch_size * num_beams`` rows; with a KV
+    cache one token a step through the cache) against the source model at the static shapes, a
     third of each input row masked; the same report as :func:`check`."""
     import transformers
     reference = transformers.AutoModelForSeq2SeqLM.from_pretrained(model_dir, local_files_only=True).eval()
     rows, length, beams = (model.static[k] for k in ("batch_size", "sequence_length", "num_beams"))
     vocab = max(int(getattr(reference.config, "vocab_size", 2) or 2), 2)
-    ids = torch.randint(1, vocab, (rows, length), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (rows, length), generator=gen)
     mask = torch.ones_like(ids)
     mask[:, length - length // 3:] = 0
     start = reference.generation_config.decoder_start_token_id
     start = reference.config.decoder_start_token_id if start is None else start
-    decoder_ids = torch.full((rows * beams, 1), int(start or 0), dtype=torch.int64)
+    steps = min(3, model.static["decoder_sequence_length"])
+    decoder_ids = torch.randint(1, vocab, (rows * beams, steps), generator=gen)
+    decoder_ids[:, 0] = int(start or 0)
     with torch.no_grad():
         hidden = reference.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True).last_hidden_state
         expanded, beam_mask = hidden.repeat_interleave(beams, dim=0), mask.repeat_interleave(beams, dim=0)
         want = reference(encoder_outputs=(expanded,), attention_mask=beam_mask, decoder_input_ids=decoder_ids,
-                         use_cache=False, return_dict=True).logits[:, -1:]
+                         use_cache=False, return_dict=True).logits
     got_hidden = model.encode(ids, mask)
-    got = model.decode(decoder_ids, expanded, beam_mask)
+    cache = model.new_cache() if model.kv_cache else None
+    got = [model.decode(decoder_ids[:, t:t + 1], expanded, beam_mask, cache=cache) if cache is not None
+           else model.decode(decoder_ids[:, :t + 1], expanded, beam_mask) for t in range(steps)]
     errors = {"last_hidden_state": float((got_hidden - hidden).abs()[mask.bool()].max()),
-              "logits": float((got - want).abs().max())}
+              "logits": float((torch.cat(got, dim=1) - want).abs().max())}
     return _verdict(errors, atol)
 
 

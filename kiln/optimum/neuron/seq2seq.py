@@ -3,25 +3,29 @@
     model = NeuronModelForSeq2SeqLM.from_pretrained("./t5", export=True, batch_size=1,
                                                     sequence_length=64, num_beams=4)
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32)   # transformers' tokens
-    model.save_pretrained("./t5-kiln")   # encoder/model.kiln, decoder/model.kiln, config.json, ...
+    model.save_pretrained("./t5-kiln")   # encoder/, cross_attention/, decoder/, config.json, ...
 
-Two graphs are compiled with ``kiln.trace``:
+For T5 (the default there) three graphs are compiled with ``kiln.trace``, as Optimum Neuron
+builds T5 with a KV cache (:mod:`kiln.optimum.neuron.seq2seq_graphs`):
 
 * the **encoder**, ``(input_ids, attention_mask) -> last_hidden_state`` at
   ``[batch_size, sequence_length]``;
-* the **decoder step**, without a KV cache: ``(decoder_input_ids, encoder_hidden_states,
-  encoder_attention_mask, decoder_position) -> logits`` at ``batch_size * num_beams`` rows and
-  ``decoder_sequence_length`` (default: ``sequence_length``) decoder tokens. The tokens so far
-  are padded on the right to the static length; the decoder is causal, so the padding never
-  changes an earlier position, and the graph returns the logits of ``decoder_position`` only
-  (the LM head runs on that one position).
+* the **cross-attention** projections, ``last_hidden_state -> each decoder layer's keys and
+  values``, run once per ``generate`` call (on the distinct rows: beams share them);
+* the **decoder step**: one new token per row (``batch_size * num_beams`` rows), its position,
+  the static self-attention cache (``decoder_sequence_length`` slots, default
+  ``sequence_length``), the cross-attention keys/values and the encoder mask in; that token's
+  logits and its keys/values out, written into the cache in place
+  (:class:`~kiln.optimum.neuron.seq2seq_cache.StaticSeq2SeqCache`).
 
-transformers' own ``GenerationMixin.generate`` drives both graphs (``use_cache=False``), so
-greedy search, beam search and their stopping rules are Hugging Face's code, and the tokens are
-transformers' ``model.generate`` tokens. The cost of having no cache: every new token runs the
-decoder over all ``decoder_sequence_length`` positions, so a step costs as much as the longest
-one, and ``n`` new tokens cost ``n * decoder_sequence_length`` decoder positions where a KV
-cache would cost ``n``. Keep ``decoder_sequence_length`` near the longest output you need.
+Other encoder-decoders (BART, mT5, ...), ``decoder_kv_cache=False``, and directories saved
+before the cache existed use the decoder without a cache: the whole prefix, padded on the
+right to ``decoder_sequence_length``, rerun at every step.
+
+transformers' own ``GenerationMixin.generate`` drives the graphs, so greedy search, beam search
+and their stopping rules are Hugging Face's code, and the tokens are transformers'
+``model.generate`` tokens; kiln's cache object stands in for transformers' and reorders its
+rows for beam search.
 
 ``num_beams`` is fixed at export, as on Neuron; so are the batch, the input length and the
 decoder length: a shorter or smaller input is padded (the pad token with a zero mask; the batch
@@ -38,59 +42,26 @@ import os
 import torch
 
 from kiln.atomic import write_atomic
-from kiln.compiler.api import trace
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.optimum.neuron import options as neuron_options
+from kiln.optimum.neuron import seq2seq_graphs as graphs_mod
 from kiln.optimum.neuron.modeling import MODEL_FILE, preprocessors_of, require_transformers
+from kiln.optimum.neuron.seq2seq_cache import StaticSeq2SeqCache, fill_rows, first, hf_driver, pad_right
 from kiln.runtime.loader import load
 
 log = logging.getLogger("kiln.optimum")
-TASK = "text2text-generation"
+TASK = graphs_mod.TASK
 SHAPES = ("batch_size", "sequence_length", "num_beams")
 DECODER_LENGTH = "decoder_sequence_length"
-ENCODER_INPUTS = ("input_ids", "attention_mask")
-ENCODER_OUTPUTS = ("last_hidden_state",)
-DECODER_INPUTS = ("decoder_input_ids", "encoder_hidden_states", "encoder_attention_mask", "decoder_position")
-DECODER_OUTPUTS = ("logits",)
+KV_CACHE = "decoder_kv_cache"
+FORMAT_KEY, FORMAT = "kiln_seq2seq_format", 2      # 1 (the key absent): no KV cache, encoder/ and decoder/
 GENERATION_CONFIG = "generation_config.json"
 LOADING = ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code")
-
-
-class _EncoderGraph(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.encoder = model.get_encoder()
-
-    def forward(self, input_ids, attention_mask):
-        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
-
-
-class _DecoderGraph(torch.nn.Module):
-    """One decoding step without a cache: the right-padded decoder tokens in, the logits of
-    ``decoder_position`` out. A pre-hook on the LM head keeps only that position's hidden
-    state, so the head (the largest matmul of a small decoder) runs once per row."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, decoder_input_ids, encoder_hidden_states, encoder_attention_mask, decoder_position):
-        def one_position(module, args):
-            index = decoder_position.view(-1, 1, 1).expand(-1, 1, args[0].shape[-1])
-            return (torch.gather(args[0], 1, index),)
-
-        encoded = require_transformers().modeling_outputs.BaseModelOutput(last_hidden_state=encoder_hidden_states)
-        hook = self.model.get_output_embeddings().register_forward_pre_hook(one_position)
-        try:
-            out = self.model(encoder_outputs=encoded, attention_mask=encoder_attention_mask,
-                             decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=True)
-        finally:
-            hook.remove()
-        return out.logits[:, 0]
+CROSS_DIR = "cross_attention"
 
 
 class NeuronModelForSeq2SeqLM:
-    """An encoder-decoder compiled as two kiln graphs; ``generate`` is transformers' own."""
+    """An encoder-decoder compiled as kiln graphs; ``generate`` is transformers' own."""
 
     task = TASK
     auto_class = "AutoModelForSeq2SeqLM"
@@ -98,10 +69,14 @@ class NeuronModelForSeq2SeqLM:
     device = torch.device("cpu")
     dtype = torch.float32
 
-    def __init__(self, encoder, decoder, config, neuron: dict, generation_config=None, preprocessors=None):
-        self.encoder, self.decoder = encoder, decoder
+    def __init__(self, encoder, decoder, config, neuron: dict, generation_config=None, preprocessors=None,
+                 cross=None):
+        self.encoder, self.decoder, self.cross = encoder, decoder, cross
         self.config = config
         self.neuron = dict(neuron)
+        self.kv_cache = bool(self.neuron.get(KV_CACHE, False))
+        if self.kv_cache and cross is None:
+            raise ValueError("a decoder with a KV cache needs the cross-attention graph (cross=)")
         self.static = neuron_options.static_shapes(self.neuron)
         self.generation_config = generation_config or _generation_config(config)
         self.preprocessors = list(preprocessors or [])
@@ -131,7 +106,7 @@ class NeuronModelForSeq2SeqLM:
     @classmethod
     def _export(cls, path, config=None, **kwargs):
         tf = require_transformers()
-        decoder_length = kwargs.pop(DECODER_LENGTH, None)
+        decoder_length, kv_cache = kwargs.pop(DECODER_LENGTH, None), kwargs.pop(KV_CACHE, None)
         if kwargs.get("num_beams") is None:
             kwargs["num_beams"] = 1
         opts = neuron_options.parse(TASK, SHAPES, kwargs)
@@ -152,21 +127,28 @@ class NeuronModelForSeq2SeqLM:
             raise CompilerArgsError(f"{path}: transformers' {cls.auto_class} does not load a {config.model_type} "
                                     f"model ({str(e).splitlines()[0]}); {cls.__name__} exports text-to-text "
                                     "encoder-decoders such as T5") from None
+        kv_cache = _kv_cache_choice(model, kv_cache)
         shapes = dict(opts.shapes, **{DECODER_LENGTH: decoder_length})
-        encoder, decoder = _compile(model, shapes, opts.trace)
-        neuron = dict(opts.neuron, **{f"static_{DECODER_LENGTH}": decoder_length},
-                      input_names=[*ENCODER_INPUTS, "decoder_input_ids"], output_names=list(DECODER_OUTPUTS),
+        compiled = graphs_mod.compile_graphs(model, shapes, opts.trace, kv_cache)
+        neuron = dict(opts.neuron, **{f"static_{DECODER_LENGTH}": decoder_length, KV_CACHE: kv_cache,
+                                      FORMAT_KEY: FORMAT},
+                      input_names=[*graphs_mod.ENCODER_INPUTS, "decoder_input_ids"], output_names=["logits"],
                       model_type=config.model_type)
         generation = _generation_config(config, path)
-        out = cls(encoder, decoder, config, neuron, generation, preprocessors_of(path))
+        out = cls(compiled["encoder"], compiled["decoder"], config, neuron, generation, preprocessors_of(path),
+                  cross=compiled.get("cross"))
         if out.cache_hit:
             log.info("kiln.optimum: %s came from the compile cache: nothing was recompiled", path)
         return out
 
     @property
     def cache_hit(self) -> bool:
-        """Whether exporting took both compiled graphs from kiln's compile cache."""
-        return all(bool(m.manifest.get("cache", {}).get("hit")) for m in (self.encoder, self.decoder))
+        """Whether exporting took every compiled graph from kiln's compile cache."""
+        return all(bool(m.manifest.get("cache", {}).get("hit")) for m in self._graphs().values())
+
+    def _graphs(self) -> dict:
+        graphs = {"encoder": self.encoder, CROSS_DIR: self.cross, "decoder": self.decoder}
+        return {part: g for part, g in graphs.items() if g is not None}
 
     @classmethod
     def _load(cls, path):
@@ -186,25 +168,32 @@ class NeuronModelForSeq2SeqLM:
         if neuron.get("task") != TASK:
             raise ArtifactError(f"{path} was exported for task {neuron.get('task')!r}; load it with that "
                                 f"task's class, not {cls.__name__} ({TASK!r})")
-        graphs = [os.path.join(path, part, MODEL_FILE) for part in ("encoder", "decoder")]
-        missing = [g for g in graphs if not os.path.exists(g)]
+        version = neuron.get(FORMAT_KEY, 1)
+        if not isinstance(version, int) or not 1 <= version <= FORMAT:
+            raise ArtifactError(f"{path} was saved in {FORMAT_KEY} {version!r}; this kiln reads formats 1 to "
+                                f"{FORMAT}: load it with the kiln that saved it, or export the model again")
+        neuron = dict(neuron, **{KV_CACHE: bool(neuron.get(KV_CACHE, False)) and version >= 2})
+        parts = ("encoder", CROSS_DIR, "decoder") if neuron[KV_CACHE] else ("encoder", "decoder")
+        files = {part: os.path.join(path, part, MODEL_FILE) for part in parts}
+        missing = [f for f in files.values() if not os.path.exists(f)]
         if missing:
             raise ArtifactError(f"{path} is incomplete: {', '.join(missing)} missing; export the model again")
-        return cls(load(graphs[0]), load(graphs[1]), config, neuron, _generation_config(config, path),
-                   preprocessors_of(path))
+        graphs = {part: load(f) for part, f in files.items()}
+        return cls(graphs["encoder"], graphs["decoder"], config, neuron, _generation_config(config, path),
+                   preprocessors_of(path), cross=graphs.get(CROSS_DIR))
 
     def save_pretrained(self, save_directory) -> None:
-        """``encoder/`` and ``decoder/`` (each ``model.kiln`` and a ``config.json`` naming that
-        graph's inputs and outputs), ``config.json`` with the ``neuron`` section,
-        ``generation_config.json`` and the preprocessors; each file written atomically."""
+        """``encoder/``, ``cross_attention/`` (with a KV cache) and ``decoder/`` (each
+        ``model.kiln`` and a ``config.json`` naming that graph's inputs and outputs),
+        ``config.json`` with the ``neuron`` section, ``generation_config.json`` and the
+        preprocessors; each file written atomically."""
         os.makedirs(save_directory, exist_ok=True)
-        graphs = {"encoder": (self.encoder, ENCODER_INPUTS, ENCODER_OUTPUTS),
-                  "decoder": (self.decoder, DECODER_INPUTS, DECODER_OUTPUTS)}
-        for part, (graph, inputs, outputs) in graphs.items():
+        for part, graph in self._graphs().items():
+            inputs, outputs = self._graph_names(part)
             os.makedirs(os.path.join(save_directory, part), exist_ok=True)
             graph.save(os.path.join(save_directory, part, MODEL_FILE))
             section = dict(self.neuron, input_names=list(inputs), output_names=list(outputs),
-                           model_type=f"{self.config.model_type}-{part}")
+                           model_type=f"{self.config.model_type}-{part.replace('_', '-')}")
             _write_json(os.path.join(save_directory, part, "config.json"), dict(self.config.to_dict(), neuron=section))
         _write_json(os.path.join(save_directory, "config.json"), dict(self.config.to_dict(), neuron=self.neuron))
         if self.generation_config is not None:
@@ -212,6 +201,16 @@ class NeuronModelForSeq2SeqLM:
             write_atomic(os.path.join(save_directory, GENERATION_CONFIG), lambda f: f.write(text))
         for p in self.preprocessors:
             p.save_pretrained(save_directory)
+
+    def _graph_names(self, part: str) -> tuple:
+        layers = graphs_mod.layer_count(self.config)
+        if part == "encoder":
+            return graphs_mod.ENCODER_INPUTS, graphs_mod.ENCODER_OUTPUTS
+        if part == CROSS_DIR:
+            return ("encoder_hidden_states",), graphs_mod.cross_output_names(layers)
+        if self.kv_cache:
+            return graphs_mod.step_input_names(layers), graphs_mod.STEP_OUTPUTS
+        return graphs_mod.PADDED_INPUTS, ("logits",)
 
     # -- run ------------------------------------------------------------------------------
 
@@ -223,49 +222,107 @@ class NeuronModelForSeq2SeqLM:
         rows, length = ids.shape
         self._fits(rows, self.static["batch_size"], "rows", "batch_size")
         self._fits(length, self.static["sequence_length"], "input tokens", "sequence_length")
-        ids = _pad(ids, 1, self.static["sequence_length"], self._pad_id)
-        mask = _pad(mask, 1, self.static["sequence_length"], 0)
-        hidden = self.encoder(_fill(ids, self.static["batch_size"]), _fill(mask, self.static["batch_size"]))
-        return _first(hidden)[:rows, :length]
+        ids = pad_right(ids, 1, self.static["sequence_length"], self._pad_id)
+        mask = pad_right(mask, 1, self.static["sequence_length"], 0)
+        hidden = self.encoder(fill_rows(ids, self.static["batch_size"]), fill_rows(mask, self.static["batch_size"]))
+        return first(hidden)[:rows, :length]
 
-    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask=None):
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask=None, cache=None):
         """The logits ``[n, 1, vocab]`` of the last of ``decoder_input_ids`` (``[n, t]``), as
         transformers' ``model(...).logits[:, -1:]``, for ``n <= batch_size * num_beams`` rows
-        and ``t <= decoder_sequence_length`` tokens."""
+        and ``t <= decoder_sequence_length`` tokens. With a KV cache, ``cache`` (from
+        :meth:`new_cache`) keeps the positions run so far, and ``decoder_input_ids`` are the
+        tokens after them; without one, each call runs the ``t`` tokens from position 0."""
         ids = torch.as_tensor(decoder_input_ids).to(torch.int64)
         hidden = torch.as_tensor(encoder_hidden_states)
         rows, length = ids.shape
         mask = (torch.ones(hidden.shape[:2], dtype=torch.int64) if attention_mask is None
                 else torch.as_tensor(attention_mask).to(torch.int64))
-        static_rows = self.static["batch_size"] * self.static["num_beams"]
-        decoder_length = self.static[DECODER_LENGTH]
-        self._fits(rows, static_rows, "decoder rows", "batch_size x num_beams")
-        if length > decoder_length:
-            raise ValueError(f"a decoder sequence of {length} tokens does not fit the compiled "
-                             f"{DECODER_LENGTH} {decoder_length}: export with a larger {DECODER_LENGTH} "
-                             "(default: sequence_length), or ask for fewer new tokens")
+        self._fits(rows, self._rows, "decoder rows", "batch_size x num_beams")
+        done = cache.length if cache is not None else 0
+        if done + length > self.static[DECODER_LENGTH]:
+            raise ValueError(f"a decoder sequence of {done + length} tokens does not fit the compiled "
+                             f"{DECODER_LENGTH} {self.static[DECODER_LENGTH]}: export with a larger "
+                             f"{DECODER_LENGTH} (default: sequence_length), or ask for fewer new tokens")
         self._fits(hidden.shape[1], self.static["sequence_length"], "input tokens", "sequence_length")
-        ids = _fill(_pad(ids, 1, decoder_length, self._pad_id), static_rows)
-        hidden = _fill(_pad(hidden, 1, self.static["sequence_length"], 0.0), static_rows)
-        mask = _fill(_pad(mask, 1, self.static["sequence_length"], 0), static_rows)
-        position = torch.full((static_rows,), length - 1, dtype=torch.int64)
-        logits = _first(self.decoder(ids, hidden.to(torch.float32).contiguous(), mask, position))
+        if self.kv_cache:
+            return self._decode_cached(ids, hidden, mask, self.new_cache() if cache is None else cache)
+        if cache is not None:
+            raise ValueError("this model's decoder has no KV cache (exported without one): pass no cache")
+        ids = fill_rows(pad_right(ids, 1, self.static[DECODER_LENGTH], self._pad_id), self._rows)
+        position = torch.full((self._rows,), length - 1, dtype=torch.int64)
+        logits = first(self.decoder(ids, self._padded_hidden(hidden), self._padded_mask(mask), position))
         return logits[:rows, None]
 
-    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, encoder_outputs=None, **kwargs):
-        """``Seq2SeqLMOutput`` with the logits of the last decoder position (``[n, 1, vocab]``)."""
+    def new_cache(self) -> StaticSeq2SeqCache:
+        """An empty static cache for :meth:`decode` (``generate`` makes its own)."""
+        if not self.kv_cache:
+            raise ValueError("this model's decoder has no KV cache (exported without one)")
+        c = self.config
+        return StaticSeq2SeqCache(self._rows, c.num_heads, self.static[DECODER_LENGTH], c.d_kv,
+                                  graphs_mod.layer_count(c))
+
+    def _decode_cached(self, ids, hidden, mask, cache):
+        rows = ids.shape[0]
+        if not cache.started:
+            cache.start(self.cross_attention(hidden), self._padded_mask(mask), rows)
+        elif rows != cache.rows:
+            raise ValueError(f"{rows} decoder rows for a cache started with {cache.rows}")
+        logits = None
+        for j in range(ids.shape[1]):
+            token = fill_rows(ids[:, j:j + 1], self._rows)
+            position = torch.full((self._rows,), cache.length, dtype=torch.int64)
+            logits, new_k, new_v = self.decoder(token, position, cache.mask, *cache.inputs())
+            cache.append(new_k, new_v)
+        return logits[:rows, None]
+
+    def cross_attention(self, encoder_hidden_states) -> list:
+        """Each decoder layer's cross-attention keys, then values, ``[batch_size * num_beams,
+        heads, sequence_length, d_kv]``, of ``[n, s, d_model]`` hidden states. Rows that are
+        beams of one input (each repeated ``num_beams`` times, as ``generate`` expands them) run
+        once."""
+        hidden = self._padded_hidden(encoder_hidden_states, fill=False)
+        beams, batch = self.static["num_beams"], self.static["batch_size"]
+        repeat = beams > 1 and hidden.shape[0] % beams == 0 and \
+            torch.equal(hidden[::beams].repeat_interleave(beams, dim=0), hidden)
+        distinct = hidden[::beams] if repeat else hidden
+        parts = []
+        for i in range(0, distinct.shape[0], batch):
+            chunk = distinct[i:i + batch]
+            parts.append([t[:chunk.shape[0]] for t in self.cross(fill_rows(chunk, batch))])
+        states = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*parts)]
+        if repeat:
+            states = [t.repeat_interleave(beams, dim=0) for t in states]
+        return [fill_rows(t, self._rows) for t in states]
+
+    def _padded_hidden(self, hidden, fill: bool = True):
+        hidden = pad_right(hidden.to(torch.float32), 1, self.static["sequence_length"], 0.0)
+        return fill_rows(hidden, self._rows) if fill else hidden.contiguous()
+
+    def _padded_mask(self, mask):
+        return fill_rows(pad_right(mask, 1, self.static["sequence_length"], 0), self._rows)
+
+    @property
+    def _rows(self) -> int:
+        return self.static["batch_size"] * self.static["num_beams"]
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, encoder_outputs=None,
+                cache=None, **kwargs):
+        """``Seq2SeqLMOutput`` with the logits of the last decoder position (``[n, 1, vocab]``)
+        and, with a KV cache, the ``cache`` given (``decoder_input_ids`` are then the tokens
+        after those it holds, as transformers has it)."""
         tf = require_transformers()
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, None):
                 raise ValueError(f"{flag}=True: this model was exported without those outputs")
         kwargs.pop("return_dict", None)
-        if kwargs.pop("use_cache", None):
-            raise ValueError("use_cache=True: kiln's decoder graph has no KV cache; it reruns the whole "
-                             "(padded) decoder sequence each step")
+        if kwargs.pop("use_cache", None) and not self.kv_cache:
+            raise ValueError("use_cache=True: this model's decoder graph has no KV cache (exported without "
+                             "one); it reruns the whole (padded) decoder sequence each step")
         unknown = sorted(k for k, v in kwargs.items() if v is not None)
         if unknown:
-            raise ValueError(f"{type(self).__name__} takes input_ids, attention_mask, decoder_input_ids and "
-                             f"encoder_outputs; got {', '.join(unknown)} too")
+            raise ValueError(f"{type(self).__name__} takes input_ids, attention_mask, decoder_input_ids, "
+                             f"encoder_outputs and cache; got {', '.join(unknown)} too")
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids is required")
         if encoder_outputs is None:
@@ -274,8 +331,8 @@ class NeuronModelForSeq2SeqLM:
             encoder_outputs = tf.modeling_outputs.BaseModelOutput(last_hidden_state=self.encode(input_ids,
                                                                                                 attention_mask))
         hidden = encoder_outputs[0]
-        logits = self.decode(decoder_input_ids, hidden, attention_mask)
-        return tf.modeling_outputs.Seq2SeqLMOutput(logits=logits, encoder_last_hidden_state=hidden)
+        logits = self.decode(decoder_input_ids, hidden, attention_mask, cache)
+        return tf.modeling_outputs.Seq2SeqLMOutput(logits=logits, cache=cache, encoder_last_hidden_state=hidden)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -288,8 +345,8 @@ class NeuronModelForSeq2SeqLM:
         if beams != self.static["num_beams"]:
             raise ValueError(f"num_beams={beams}: this model was exported with num_beams={self.static['num_beams']}, "
                              f"which generate() cannot change; export with num_beams={beams}")
-        if kwargs.pop("use_cache", None):
-            raise ValueError("use_cache=True: kiln's decoder graph has no KV cache")
+        if kwargs.get("use_cache") and not self.kv_cache:
+            raise ValueError("use_cache=True: this model's decoder graph has no KV cache (exported without one)")
         self._limit_new_tokens(config, kwargs)
         ids = torch.as_tensor(input_ids)
         mask = None if attention_mask is None else torch.as_tensor(attention_mask)
@@ -305,11 +362,12 @@ class NeuronModelForSeq2SeqLM:
                  for i in range(0, ids.shape[0], rows)]
         width = max(p.shape[1] for p in parts)
         pad = config.pad_token_id if config.pad_token_id is not None else self._pad_id   # as generate pads rows
-        return torch.cat([_pad(p, 1, width, pad) for p in parts])
+        return torch.cat([pad_right(p, 1, width, pad) for p in parts])
 
     def _hf_generate(self, ids, mask, config, beams, kwargs):
         config = copy.deepcopy(config)
-        rest = config.update(num_beams=beams, use_cache=False, **kwargs)     # the model's inputs remain
+        kwargs = dict(kwargs, use_cache=kwargs.get("use_cache", True) if self.kv_cache else False)
+        rest = config.update(num_beams=beams, **kwargs)     # the model's inputs remain
         return self._generator().generate(ids, attention_mask=mask, generation_config=config, **rest)
 
     def _limit_new_tokens(self, config, kwargs) -> None:
@@ -369,26 +427,16 @@ def _check_positions(config, sequence_length: int, decoder_length: int) -> None:
                                     f"position embeddings for; use {name} <= {limit}")
 
 
-def _compile(model, shapes: dict, options: dict):
-    """The encoder at ``[batch, sequence]``, then the decoder step at ``[batch * beams,
-    decoder length]``, each traced on inputs of its static shape."""
-    rows, length = shapes["batch_size"], shapes["sequence_length"]
-    beam_rows, decoder_length = rows * shapes["num_beams"], shapes[DECODER_LENGTH]
-    vocab = max(int(getattr(model.config, "vocab_size", 2) or 2), 2)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (rows, length), generator=gen)
-    mask = torch.ones(rows, length, dtype=torch.int64)
-    name = type(model).__name__
-    encoder_graph = _EncoderGraph(model).eval()
-    encoder = trace(encoder_graph, (ids, mask), name=f"{name} encoder ({TASK})", **options)
-    with torch.no_grad():
-        hidden = encoder_graph(ids, mask).repeat_interleave(shapes["num_beams"], dim=0)
-    decoder_ids = torch.randint(1, vocab, (beam_rows, decoder_length), generator=gen)
-    position = torch.arange(beam_rows, dtype=torch.int64) % decoder_length
-    decoder = trace(_DecoderGraph(model).eval(),
-                    (decoder_ids, hidden, mask.repeat_interleave(shapes["num_beams"], dim=0), position),
-                    name=f"{name} decoder ({TASK})", **options)
-    return encoder, decoder
+def _kv_cache_choice(model, asked) -> bool:
+    """The decoder with a KV cache where kiln can build one (T5), unless ``decoder_kv_cache=False``."""
+    supported = graphs_mod.supports_kv_cache(model)
+    if asked is None:
+        return supported
+    if asked and not supported:
+        raise CompilerArgsError(f"{KV_CACHE}=True: kiln builds the cached decoder step for T5 "
+                                f"({', '.join(graphs_mod.CACHED_MODEL_TYPES)}), not {model.config.model_type}; "
+                                f"export without it (the decoder then reruns its prefix each step)")
+    return bool(asked)
 
 
 def _generation_config(config, path=None):
@@ -406,82 +454,6 @@ def _write_json(path, data: dict) -> None:
     write_atomic(path, lambda f: f.write(text))
 
 
-# -- run helpers ----------------------------------------------------------------------------
-
-def _pad(t, dim: int, size: int, value):
-    """``t`` padded on the right along ``dim`` to ``size`` with ``value``."""
-    missing = size - t.shape[dim]
-    if missing <= 0:
-        return t
-    pads = [0, 0] * (t.dim() - 1 - dim) + [0, missing]
-    return torch.nn.functional.pad(t, pads, value=value)
-
-
-def _fill(t, rows: int):
-    """``t`` with copies of its first row up to ``rows`` (a row of padding alone would attend to nothing)."""
-    if t.shape[0] < rows:
-        t = torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
-    return t.contiguous()
-
-
-def _first(out):
-    return out[0] if isinstance(out, (list, tuple)) else out
-
-
 def _prefix_length(kwargs) -> int:
     given = kwargs.get("decoder_input_ids")
     return 1 if given is None else int(torch.as_tensor(given).shape[-1])
-
-
-# -- transformers' generate on the compiled graphs --------------------------------------------
-
-class _Encoder:
-    """What ``generate`` calls as the encoder (``get_encoder()``)."""
-
-    main_input_name = "input_ids"
-
-    def __init__(self, owner):
-        self.owner = owner
-
-    def __call__(self, **kwargs):
-        return self.forward(**kwargs)
-
-    def forward(self, input_ids=None, attention_mask=None, output_attentions=None, output_hidden_states=None,
-                return_dict=True):
-        from transformers.modeling_outputs import BaseModelOutput
-        if output_attentions or output_hidden_states:
-            raise ValueError("output_attentions/output_hidden_states: this model was exported without them")
-        return BaseModelOutput(last_hidden_state=self.owner.encode(input_ids, attention_mask))
-
-
-def hf_driver(owner):
-    """A weightless ``transformers.PreTrainedModel`` + ``GenerationMixin`` whose encoder and
-    forward are ``owner``'s compiled graphs: transformers' ``generate`` runs on it unchanged."""
-    tf = require_transformers()
-
-    class KilnSeq2SeqDriver(tf.PreTrainedModel, tf.GenerationMixin):
-        main_input_name = "input_ids"
-        base_model_prefix = "kiln"
-        _supports_sdpa = True
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.generation_config = copy.deepcopy(owner.generation_config)
-
-        @property
-        def device(self):
-            return torch.device("cpu")
-
-        def get_encoder(self, *args, **kwargs):
-            return _Encoder(owner)
-
-        def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, encoder_outputs=None,
-                    **kwargs):
-            return owner.forward(input_ids=input_ids, attention_mask=attention_mask,
-                                 decoder_input_ids=decoder_input_ids, encoder_outputs=encoder_outputs, **kwargs)
-
-    config = copy.deepcopy(owner.config)
-    if hasattr(config, "neuron"):
-        del config.neuron
-    return KilnSeq2SeqDriver(config).eval()
-
