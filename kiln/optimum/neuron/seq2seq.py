@@ -239,6 +239,8 @@ class NeuronModelForSeq2SeqLM:
         mask = (torch.ones(hidden.shape[:2], dtype=torch.int64) if attention_mask is None
                 else torch.as_tensor(attention_mask).to(torch.int64))
         self._fits(rows, self._rows, "decoder rows", "batch_size x num_beams")
+        if length < 1:
+            raise ValueError("decoder_input_ids holds no token")
         done = cache.length if cache is not None else 0
         if done + length > self.static[DECODER_LENGTH]:
             raise ValueError(f"a decoder sequence of {done + length} tokens does not fit the compiled "
