@@ -143,6 +143,10 @@ def test_clear_errors(tmp_path, kiln_cli):
         port("no_such_thing", quiet=True)
     with pytest.raises(KilnError, match="no function 'nope'"):
         port(f"{bare}:nope", quiet=True)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\nmodel = torch.nn.Linear(4, 2)\nexample_inputs = torch.randn(3, 5)\n")
+    with pytest.raises(KilnError, match="Linear fails on its example inputs in eager PyTorch.*RuntimeError"):
+        port(str(broken), quiet=True)
     r = subprocess.run([kiln_cli, "port", str(tmp_path / "missing.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "missing.py: no such file" in r.stderr

@@ -72,6 +72,7 @@ def port(spec, *, batch_size=None, sequence_length=None, compiler_args=None, tim
     progress = Progress("kiln port", quiet=quiet)
     with progress.phase("load"):
         subject = subject or source.resolve(spec, batch_size, sequence_length)
+        _runs_eagerly(subject)
     options = make_options(compiler_args, optlevel=1)
     blockers, notes = [], []
     with progress.phase("dynamo probe"):
@@ -98,6 +99,18 @@ def port(spec, *, batch_size=None, sequence_length=None, compiler_args=None, tim
                         len(dyn.breaks), _llm(subject), notes)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _runs_eagerly(subject) -> None:
+    """Porting starts from a model that runs: one that fails on its own example inputs in
+    eager PyTorch is the user's error to fix first, said as such (not a capture failure)."""
+    try:
+        with torch.no_grad():
+            subject.call()
+    except Exception as e:   # the user's model: any error it raises is reported with its type
+        raise KilnError(f"{subject.name} fails on its example inputs in eager PyTorch, before kiln does anything: "
+                        f"{type(e).__name__}: {str(e).strip()[:300]}; fix the model or the example inputs "
+                        f"({subject.source})") from e
 
 
 @contextlib.contextmanager
