@@ -52,7 +52,20 @@ class _Traced(torch.nn.Module):
         return tuple(out[k] for k in self.outputs)
 
 
-class NeuronTracedModel:
+class CpuModel:
+    """What transformers asks of any model it is handed: ``eval()``, and ``to(device)``,
+    which must refuse a device the compiled graphs do not run on."""
+
+    def eval(self):
+        return self
+
+    def to(self, device):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"this model was compiled for the CPU; it cannot move to {device}")
+        return self
+
+
+class NeuronTracedModel(CpuModel):
     """One compiled task model. Subclasses set the task, the transformers auto class, the
     output names and the output class."""
 
@@ -260,14 +273,6 @@ class NeuronTracedModel:
 
     def can_generate(self) -> bool:
         return False
-
-    def eval(self):
-        return self
-
-    def to(self, device):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"this model was compiled for the CPU; it cannot move to {device}")
-        return self
 
 
 def _output(class_name: str, values: dict):

@@ -45,7 +45,7 @@ from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.optimum.neuron import options as neuron_options
 from kiln.optimum.neuron import seq2seq_graphs as graphs_mod
-from kiln.optimum.neuron.modeling import MODEL_FILE, preprocessors_of, require_transformers
+from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of, require_transformers
 from kiln.optimum.neuron.seq2seq_cache import StaticSeq2SeqCache, fill_rows, first, hf_driver, pad_right
 from kiln.runtime.loader import load
 
@@ -60,7 +60,7 @@ LOADING = ("token", "revision", "force_download", "cache_dir", "subfolder", "tru
 CROSS_DIR = "cross_attention"
 
 
-class NeuronModelForSeq2SeqLM:
+class NeuronModelForSeq2SeqLM(CpuModel):
     """An encoder-decoder compiled as kiln graphs; ``generate`` is transformers' own."""
 
     task = TASK
@@ -408,14 +408,6 @@ class NeuronModelForSeq2SeqLM:
 
     def can_generate(self) -> bool:
         return True
-
-    def eval(self):
-        return self
-
-    def to(self, device):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"this model was compiled for the CPU; it cannot move to {device}")
-        return self
 
 
 # -- export helpers -------------------------------------------------------------------------
