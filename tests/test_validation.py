@@ -47,6 +47,20 @@ def test_the_narrowest_float_of_a_graph_is_found_in_its_values():
     assert narrowest_float(make_fx(lambda x: x * 2)(torch.randn(4))) is None
 
 
+def test_a_split_graphs_narrowest_float_is_found_inside_its_partitions():
+    # the compiler checks a graph after splitting it into partitions: the top graph then holds
+    # only calls to them (fp32 in and out), and the bf16 values are inside
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.split_module import split_module
+    gm = make_fx(lambda x: (x.bfloat16() @ x.bfloat16().t()).float().relu() + 1)(torch.randn(4, 4))
+    split = split_module(gm, None, lambda node: 0 if node.target is not torch.ops.aten.add.Tensor else 1)
+    top = {n.meta["val"].dtype for n in split.graph.nodes
+           if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert top == {torch.float32}                       # nothing narrow left at the top
+    assert narrowest_float(split) == torch.bfloat16
+    assert comparison_precision(split, "cpu") == "bf16"
+
+
 def test_a_float_output_of_another_dtype_fails_however_close():
     e = torch.linspace(1, 8, 8)
     with pytest.raises(ValidationError, match=r"output 'y': dtype bfloat16, eager gives float32"):

@@ -47,11 +47,21 @@ def narrowest_float(gm) -> torch.dtype | None:
     graph's convolutions, say), else None: its fp32 outputs then carry those roundings
     too (batch norm's statistics of a bf16 convolution's output)."""
     found = set()
-    for node in gm.graph.nodes:
+    for node in _all_nodes(gm):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype in (torch.bfloat16, torch.float16):
             found.add(val.dtype)
     return torch.bfloat16 if torch.bfloat16 in found else next(iter(found), None)
+
+
+def _all_nodes(gm):
+    """The nodes of ``gm`` and of the graphs inside it: once the compiler has split a graph
+    into partitions, the operations (and their dtypes) live in the partitions' submodules,
+    and the top graph holds only the calls to them."""
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            yield from graph.nodes
 
 
 def comparison_precision(gm, device: str, tf32: dict | None = None) -> str:
@@ -66,7 +76,7 @@ def comparison_precision(gm, device: str, tf32: dict | None = None) -> str:
     if device != "cuda":
         return "fp32"
     allowed = tf32_host.in_effect() if tf32 is None else tf32
-    for node in gm.graph.nodes:
+    for node in _all_nodes(gm):
         kind = TF32_OPS.get(str(node.target)) if node.op == "call_function" else None
         if kind and allowed.get(kind) and any(
                 isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32
