@@ -7,6 +7,7 @@ graph break still gets every host op named at its line.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -32,8 +33,11 @@ class Placed:
 
 
 def place(captured, options, dynamo_gm=None) -> tuple:
-    """Plan ``captured`` as ``kiln.trace`` would at ``options``; (Placed, blockers)."""
-    planned = plan(captured, options, Progress(quiet=True))
+    """Plan ``captured`` as ``kiln.trace`` would at ``options``; (Placed, blockers). Auto-cast
+    is left to the compile: it rewrites the graph in place (casts inserted), and the compile
+    that follows plans the same graph again; the engines each partition ended on come from
+    the compiled model."""
+    planned = plan(captured, dataclasses.replace(options, auto_cast="none"), Progress(quiet=True))
     placement, report = planned.placement, planned.report
     part_of = {n: i for i, nodes in enumerate(placement.partitions) for n in nodes}
     gm = captured.graph_module
