@@ -71,7 +71,7 @@ _BREAKS = (
     ("dynamic-shape", ("Dynamic shape operator", "dynamic shape"),
      "an op whose output shape depends on values (nonzero, unique, masked_select)",
      "keep shapes static: a mask instead of indices (torch.where(mask, x, 0)), a fixed-size result"),
-    ("graph-break", ("Tensor.item", ".item()", "item"),
+    ("graph-break", ("Tensor.item", ".item()"),
      "a tensor's value is read into Python (.item(), int(t), float(t))",
      "keep the value a tensor (use it in tensor ops), or set torch._dynamo.config.capture_scalar_outputs = "
      "True and bound it with torch._check"),

@@ -42,8 +42,10 @@ def place(captured, options, dynamo_gm=None) -> tuple:
     part_of = {n: i for i, nodes in enumerate(placement.partitions) for n in nodes}
     gm = captured.graph_module
 
+    by_name = {n.name: n for n in dynamo_gm.graph.nodes} if dynamo_gm is not None else None
+
     def where(node):
-        return origin(node, dynamo_gm) if dynamo_gm is not None else describe_node(node)["location"]
+        return origin(node, by_name) if by_name is not None else describe_node(node)["location"]
 
     placed = Placed(captured.model_name, planned.engine.name, total_ops=report.total_ops,
                     host_ops=report.host_ops, notes=list(report.notes))

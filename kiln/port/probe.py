@@ -66,16 +66,16 @@ def _plain(reason: str) -> str:
     return first[:300]
 
 
-def origin(node, dynamo_gm) -> str | None:
+def origin(node, by_name: dict) -> str | None:
     """The user's line for an ATen node captured from one of Dynamo's graphs: the Dynamo
-    node it came from (``from_node``'s deepest name) carries the model's own stack trace."""
+    node it came from (``from_node``'s deepest name; ``by_name`` maps that graph's node
+    names to its nodes) carries the model's own stack trace."""
     names = []
     sources = list(node.meta.get("from_node") or [])
     while sources:
         s = sources.pop(0)
         names.append(s.name)
         sources = list(s.from_node or []) + sources
-    by_name = {n.name: n for n in dynamo_gm.graph.nodes}
     for name in reversed(names):
         if name in by_name:
             where = user_frame(by_name[name].meta.get("stack_trace"))
