@@ -90,6 +90,24 @@ def test_view_of_transposed_attention_output(keep_whole):
         _close(compiled(x2), model(x2))
 
 
+def test_two_trace_path_still_works_around_refused_views(monkeypatch):
+    """Where capture's one trace is not taken (torch's private tracer changed, or it
+    failed), the two-trace path's retry with reshapes still gets attention's refused view
+    through (torch's decomposition lays its output out differently from the op's meta)."""
+    from kiln.graph import capture as capture_mod
+    monkeypatch.setattr(capture_mod, "KEEP_WHOLE", ())
+    monkeypatch.setattr(capture_mod, "_export_decomposed", lambda wrapper, args: None)
+    torch.manual_seed(0)
+    model, x = AttentionThenView().eval(), torch.randn(2, 8, 32)
+    retried = []
+    real = capture_mod._views_to_reshapes
+    monkeypatch.setattr(capture_mod, "_views_to_reshapes", lambda gm: retried.append(real(gm)) or retried[-1])
+    compiled = kiln.trace(model, x)
+    assert retried and retried[0] > 0           # the first decomposition refused a view
+    with torch.no_grad():
+        _close(compiled(x), model(x))
+
+
 class StarArgs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -196,12 +214,18 @@ class ViewWrittenInPlace(AttentionThenView):
         return self.out(a)
 
 
-def test_view_written_in_place_is_not_copied(keep_whole):
+def test_view_written_in_place_is_not_copied(keep_whole, monkeypatch):
     """The workaround never turns a view that is written through into a copy. Kept whole,
-    attention needs no workaround and the model compiles; decomposed, the error names the
-    line and says what to change."""
+    attention needs no workaround and the model compiles. Decomposed, capture's one trace
+    runs torch's decomposition on the model's own code, whose ``.contiguous()`` then copies
+    for real, so it compiles too; the two-trace path (export, then decomposition) cannot
+    see that, and its error names the line and says what to change."""
+    from kiln.graph import capture as capture_mod
     model, x = ViewWrittenInPlace().eval(), torch.randn(2, 8, 32)
     if keep_whole == "attention decomposed":
+        with torch.no_grad():
+            _close(kiln.trace(model, x)(x), model(x))
+        monkeypatch.setattr(capture_mod, "_export_decomposed", lambda wrapper, args: None)
         with pytest.raises(kiln.CaptureError, match=r"(?s)test_capture_robust.py:\d+ in forward.*in place"):
             kiln.trace(model, x)
         return
