@@ -94,9 +94,9 @@ def test_two_trace_path_still_works_around_refused_views(monkeypatch):
     """Where capture's one trace is not taken (torch's private tracer changed, or it
     failed), the two-trace path's retry with reshapes still gets attention's refused view
     through (torch's decomposition lays its output out differently from the op's meta)."""
-    from kiln.graph import capture as capture_mod
+    from kiln.graph import capture as capture_mod, one_trace
     monkeypatch.setattr(capture_mod, "KEEP_WHOLE", ())
-    monkeypatch.setattr(capture_mod, "_export_decomposed", lambda wrapper, args: None)
+    monkeypatch.setattr(one_trace, "export_decomposed", lambda wrapper, args, table: None)
     torch.manual_seed(0)
     model, x = AttentionThenView().eval(), torch.randn(2, 8, 32)
     retried = []
@@ -220,12 +220,12 @@ def test_view_written_in_place_is_not_copied(keep_whole, monkeypatch):
     runs torch's decomposition on the model's own code, whose ``.contiguous()`` then copies
     for real, so it compiles too; the two-trace path (export, then decomposition) cannot
     see that, and its error names the line and says what to change."""
-    from kiln.graph import capture as capture_mod
+    from kiln.graph import capture as capture_mod, one_trace
     model, x = ViewWrittenInPlace().eval(), torch.randn(2, 8, 32)
     if keep_whole == "attention decomposed":
         with torch.no_grad():
             _close(kiln.trace(model, x)(x), model(x))
-        monkeypatch.setattr(capture_mod, "_export_decomposed", lambda wrapper, args: None)
+        monkeypatch.setattr(one_trace, "export_decomposed", lambda wrapper, args, table: None)
         with pytest.raises(kiln.CaptureError, match=r"(?s)test_capture_robust.py:\d+ in forward.*in place"):
             kiln.trace(model, x)
         return
@@ -234,3 +234,49 @@ def test_view_written_in_place_is_not_copied(keep_whole, monkeypatch):
     assert torch.ops.aten.view.default in targets          # the view written through stays one
     with torch.no_grad():
         _close(kiln.trace(model, x)(x), model(x))
+
+
+def _ops(ep):
+    import collections
+    return collections.Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+                               and n.target is not torch.ops.aten._assert_tensor_metadata.default)
+
+
+def test_one_trace_gives_the_graph_of_export_then_decomposition():
+    """Capture's one trace (kiln.graph.one_trace) is taken for a decoder step, a BERT and a
+    CNN, and gives the ops that torch.export then run_decompositions give; a model reading
+    a number input is left to the two traces, which bake the number in."""
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+    from kiln.graph import capture as capture_mod, one_trace
+    from kiln.llm import build
+    from kiln.llm.decoder import DecoderStep, cache_shape
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                vocab_size=100)).eval()
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    subjects = [(DecoderStep(llama, with_cache=True, last_only=False).eval(),
+                 tuple(build._decode_example(cache_shape(llama.config, 2, 16), 2))),
+                (bert, (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.long))),
+                (cnn, (torch.randn(2, 3, 8, 8),))]
+    for model, args in subjects:
+        wrapper = capture_mod._Positional(model, [f"a{i}" for i in range(len(args))], len(args))
+        once = one_trace.export_decomposed(wrapper, args, capture_mod.decompositions)
+        assert once is not None, type(model).__name__
+        with torch.no_grad():
+            twice = capture_mod.decompose_program(torch.export.export(wrapper, args, strict=False))
+        assert _ops(once) == _ops(twice), type(model).__name__
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, n: int = 3):
+            return self.lin(x) * n
+
+    x = torch.randn(2, 4)
+    wrapper = capture_mod._Positional(Scaled().eval(), ["x", "n"], 2)
+    assert one_trace.export_decomposed(wrapper, (x, 3), capture_mod.decompositions) is None
+    graph = capture_mod.capture(Scaled().eval(), (x, 3)).graph_module.graph
+    assert [n.name for n in graph.nodes if n.op == "placeholder"] == ["values_0"]

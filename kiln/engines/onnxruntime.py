@@ -45,7 +45,7 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.engines.base import Engine
 from kiln.engines import onnx_model, ort_decoder, ort_fusions, ort_gqa, ort_quantize
-from kiln import config
+from kiln import config, scratch
 
 _MAGIC = b"KILNORT2"
 _ALIGN = 4096
@@ -94,7 +94,8 @@ class OnnxRuntimeEngine(Engine):
         import onnxruntime as ort
         if variant not in (None, "transformers"):
             raise ValueError(f"unknown onnxruntime variant {variant!r}")
-        with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
+        # the exported model, ORT's optimized model and its weights: three copies at most
+        with scratch.directory("kiln-ort-", 3 * scratch.tensor_bytes(partition)) as tmp:
             if options.quantize and variant is None:
                 model, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
             else:
@@ -179,10 +180,9 @@ def _fuse_decoder(graph: bytes):
 
 def _private_copy(data) -> str:
     """A fresh directory holding ``data`` as _DATA: in shared memory where there is room
-    (no disk writes of hundreds of MB), else in the temp directory."""
-    for where in ("/dev/shm", None):
-        if where is not None and not os.path.isdir(where):
-            continue
+    (no disk writes of hundreds of MB; :mod:`kiln.scratch`), else in the temp directory."""
+    shared = scratch.root_for(len(data))
+    for where in ((shared, None) if shared else (None,)):
         tmp = None
         try:
             tmp = tempfile.mkdtemp(prefix="kiln-ort-", dir=where)

@@ -48,6 +48,7 @@ import threading
 import numpy as np
 import torch
 
+from kiln import scratch
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 from kiln.engines import ov_attention, ov_dtypes
@@ -155,7 +156,7 @@ class OpenVinoEngine(Engine):
                 reason = ov_dtypes.reason(node)
                 if reason:
                     raise RuntimeError(f"{node.target} cannot run on OpenVINO: {reason}")
-        with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
+        with scratch.directory("kiln-ov-", 2 * scratch.tensor_bytes(partition)) as tmp:
             path, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
             with quiet(_LOGGERS):
                 model = _core().read_model(path)
@@ -360,7 +361,8 @@ def _ov_type(dtype):
 
 def _serialize(model) -> tuple[bytes, bytes]:
     import openvino as ov
-    with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
+    size = sum(op.get_byte_size() for op in model.get_ops() if op.get_type_name() == "Constant")
+    with scratch.directory("kiln-ov-", size) as tmp:
         xml, weights = os.path.join(tmp, "model.xml"), os.path.join(tmp, "model.bin")
         ov.save_model(model, xml, compress_to_fp16=False)
         with open(xml, "rb") as f, open(weights, "rb") as g:

@@ -11,7 +11,6 @@ import inspect
 import math
 import os
 import re
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
+from kiln.graph import one_trace
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -189,7 +189,7 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
 
     module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
     wrapper = _Positional(module, names, n_positional)
-    ep = _export_decomposed(wrapper, tuple(named.values())) if decompose else None
+    ep = one_trace.export_decomposed(wrapper, tuple(named.values()), decompositions) if decompose else None
     if ep is None:
         try:
             with torch.no_grad(), warnings.catch_warnings():
@@ -270,67 +270,6 @@ def _flash_attention_for_cpu(torch_decomposition):
                       else scores + attn_mask.float())
         return output, torch.logsumexp(scores, dim=-1)
     return decompose
-
-
-_ONE_PASS = threading.local()
-
-
-def _export_decomposed(wrapper, args):
-    """``torch.export.export(wrapper, args).run_decompositions(decompositions())`` in one
-    trace instead of two, or None when that cannot be done (the caller then takes the
-    two-trace path, which has its own workaround for refused views).
-
-    Why: ``torch.export`` traces the model to pre-dispatch ATen, and ``run_decompositions``
-    traces that graph again with the table; the second trace costs as much as the first
-    or more. Tracing straight to post-dispatch ATen with the table applied (what
-    ``run_decompositions`` does on its retrace: CompositeImplicit ops kept or decomposed
-    by the table, the others by the table during functionalization) gives the same
-    graph: checked node for node on a Llama decode step, a BERT and a CNN (only the
-    ``_assert_tensor_metadata`` checks kiln drops differ). Measured on SmolLM2-135M's
-    8-row decode step (1 thread): 3.2 s export + 6.6 s decomposition against 5.3 s.
-
-    It goes through torch's private tracer (``torch.export._trace``, as pinned): the
-    tracer's ``_export_to_aten_ir`` is given the table for this thread's call only."""
-    trace_mod = getattr(torch.export, "_trace", None)
-    to_aten = getattr(trace_mod, "_export_to_aten_ir", None)
-    try:
-        from torch.export.exported_program import (_override_composite_implicit_decomp,
-                                                   _split_decomp_table_to_cia_and_python_decomp)
-        cia, python_table = _split_decomp_table_to_cia_and_python_decomp(decompositions())
-    except (ImportError, AttributeError, TypeError):
-        return None
-    if to_aten is None or not hasattr(trace_mod, "_export"):
-        return None
-    _install_one_pass(trace_mod)
-    _ONE_PASS.tables = (cia, python_table, _override_composite_implicit_decomp)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return trace_mod._export(wrapper, args, strict=False, pre_dispatch=False)
-    except Exception:     # the two-trace path reports it, or works around it
-        return None
-    finally:
-        _ONE_PASS.tables = None
-
-
-def _install_one_pass(trace_mod):
-    """Wrap the tracer's ``_export_to_aten_ir`` once per process: it applies the thread's
-    tables while :func:`_export_decomposed` runs on that thread, and is torch's own
-    function for every other caller and thread."""
-    if getattr(trace_mod._export_to_aten_ir, "_kiln_one_pass", False):
-        return
-    original = trace_mod._export_to_aten_ir
-
-    def to_aten_ir(*args, **kwargs):
-        tables = getattr(_ONE_PASS, "tables", None)
-        if tables is None or kwargs.get("pre_dispatch") or kwargs.get("decomp_table") is not None:
-            return original(*args, **kwargs)
-        cia, python_table, override = tables
-        with override(cia):
-            return original(*args, **dict(kwargs, decomp_table=python_table))
-
-    to_aten_ir._kiln_one_pass = True
-    trace_mod._export_to_aten_ir = to_aten_ir
 
 
 # What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
