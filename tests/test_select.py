@@ -2,6 +2,7 @@
 import time
 
 import pytest
+import torch
 
 import kiln
 from kiln import engines
@@ -150,17 +151,19 @@ def test_o2_compiles_attention_on_openvino_first_and_o1_keeps_the_plain_order():
     assert {p["engine"] for p in fast.manifest["partitions"]} == {"onnxruntime"}
 
 
-@pytest.mark.parametrize("corrupt", ["offset", "nan"])
+@pytest.mark.parametrize("corrupt", ["offset", "nan", "dtype"])
 def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypatch, corrupt):
     """Each engine's build is run once on the partition's example inputs and compared with
-    eager; a wrong answer (or NaN where eager has none) passes the partition on, with a note."""
+    eager; a wrong answer (or NaN where eager has none, or the right values in another dtype:
+    the next partition would read them as eager's) passes the partition on, with a note."""
     pytest.importorskip("openvino")
     ort = engines.get("onnxruntime")
     real_load = ort.load
 
     def load(blob, runtime_options, origin=None):
         run = real_load(blob, runtime_options, origin)
-        bad = (lambda t: t + 0.5) if corrupt == "offset" else (lambda t: t.masked_fill(t > 0, float("nan")))
+        bad = {"offset": lambda t: t + 0.5, "nan": lambda t: t.masked_fill(t > 0, float("nan")),
+               "dtype": lambda t: t.to(torch.bfloat16)}[corrupt]
         return lambda inputs: [bad(t) for t in run(inputs)]
 
     monkeypatch.setattr(ort, "load", load)
@@ -169,6 +172,24 @@ def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypa
     (part,) = compiled.manifest["partitions"]
     first = part["candidates"][0]
     assert first["engine"] == "onnxruntime" and first["status"] == "inaccurate"
-    assert ("max abs error 0.5" if corrupt == "offset" else "NaN") in first["note"]
+    assert {"offset": "max abs error 0.5", "nan": "NaN", "dtype": "dtype bfloat16, eager float32"}[corrupt] in first["note"]
     assert part["engine"] == "openvino" and "onnxruntime inaccurate" in part["choice"]
     assert_close(compiled(x), model(x).detach())
+
+
+def test_a_build_in_the_wrong_dtype_is_never_kept_even_when_no_engine_agrees(monkeypatch):
+    """An inaccurate build is kept when no engine matches eager (the validation gate then
+    reports its numbers); one whose outputs have another dtype is not: whatever reads them
+    next reads garbage (AOTInductor once returned a bf16 step's fp32 outputs as bf16)."""
+    ort = engines.get("onnxruntime")
+    real_load = ort.load
+
+    def load(blob, runtime_options, origin=None):
+        run = real_load(blob, runtime_options, origin)
+        return lambda inputs: [t.to(torch.float64) for t in run(inputs)]
+
+    monkeypatch.setattr(ort, "load", load)
+    model, x = models.mlp()
+    with engines.registered(without=("openvino", "inductor", "eager")), \
+            pytest.raises(kiln.CompileError, match="dtype float64, eager float32"):
+        kiln.trace(model, x, optlevel=1)

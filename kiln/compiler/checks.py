@@ -123,12 +123,24 @@ def nonfinite_disagreement(expected, actual, opts, precision=None) -> bool:
     return disagreement(expected, actual, opts, precision) is not None
 
 
+class Misfit(str):
+    """A build's outputs that are not eager's shapes or dtypes: whatever reads them next (a
+    partition built for eager's, a host op, the caller) reads garbage, so unlike a build
+    that is only inaccurate (:data:`selection` keeps the first of those for the validation
+    gate to report), such a build is never kept."""
+
+
 def disagreement(expected, actual, opts, precision=None) -> str | None:
     for i, (e, a) in enumerate(zip(expected, actual)):
         if not isinstance(e, torch.Tensor):
             continue
         if tuple(a.shape) != tuple(e.shape):
-            return f"output {i} has shape {tuple(a.shape)}, eager {tuple(e.shape)}"
+            return Misfit(f"output {i} has shape {tuple(a.shape)}, eager {tuple(e.shape)}")
+        if a.dtype != e.dtype:
+            # AOTInductor returned a bf16 MLP step's fp32 loss terms as bf16, and the
+            # partition after them, built for fp32, computed garbage (cosine 0, NaN)
+            return Misfit(f"output {i} has dtype {str(a.dtype).replace('torch.', '')}, "
+                          f"eager {str(e.dtype).replace('torch.', '')}")
         if not e.is_floating_point():
             if not torch.equal(e, a.to(e.dtype)):
                 return f"integer output {i} differs from eager"

@@ -37,7 +37,7 @@ import torch
 from kiln import engines
 from kiln.compiler import measure
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.checks import Reference as _Reference, nonfinite_probe, try_run as _try_run
+from kiln.compiler.checks import Misfit, Reference as _Reference, nonfinite_probe, try_run as _try_run
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
 # Partitions holding these ops have attention: -O2 gives them to an engine that
@@ -286,8 +286,8 @@ class _Search:
                 runner, problem = _try_run(engine, blob, self.runtime_opts, self.inputs,
                                            self.reference, self.opts)
             if problem:
-                attempt.update(status="inaccurate", note=problem)
-                if runner is not None:
+                attempt.update(status="inaccurate", note=str(problem))
+                if runner is not None and not isinstance(problem, Misfit):
                     self.inaccurate.append((engine, blob, attempt, runner))
                 return False
             if self.opts.validate:
