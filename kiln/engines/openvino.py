@@ -42,7 +42,6 @@ import io
 import json
 import os
 import struct
-import tempfile
 import threading
 
 import numpy as np
