@@ -126,8 +126,8 @@ def nonfinite_disagreement(expected, actual, opts, precision=None) -> bool:
 class Misfit(str):
     """A build's outputs that are not eager's shapes or dtypes: whatever reads them next (a
     partition built for eager's, a host op, the caller) reads garbage, so unlike a build
-    that is only inaccurate (:data:`selection` keeps the first of those for the validation
-    gate to report), such a build is never kept."""
+    that is only inaccurate (:mod:`kiln.compiler.selection` keeps the first of those for the
+    validation gate to report), such a build is never kept."""
 
 
 def disagreement(expected, actual, opts, precision=None) -> str | None:
@@ -142,10 +142,9 @@ def disagreement(expected, actual, opts, precision=None) -> str | None:
             return Misfit(f"output {i} has dtype {str(a.dtype).replace('torch.', '')}, "
                           f"eager {str(e.dtype).replace('torch.', '')}")
         if not e.is_floating_point():
-            if not torch.equal(e, a.to(e.dtype)):
+            if not torch.equal(e, a):
                 return f"integer output {i} differs from eager"
             continue
-        a = a.to(e.dtype)
         if (a.isnan() & ~e.isnan()).any():
             return f"output {i} has NaN where eager has none"
         # Mask arithmetic saturates: -inf and float32's lowest both mean "masked out",

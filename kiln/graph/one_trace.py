@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
 
 
 _ONE_PASS = threading.local()
@@ -57,7 +58,6 @@ def _constants_specialised(ep, args) -> bool:
     input the graph reads (``mul.Tensor(x, n)``); kiln compiles such inputs as constants
     and checks calls against them, so that graph is not taken."""
     leaves = pytree.tree_leaves(args)
-    from torch.export.graph_signature import InputKind
     names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
     if len(names) != len(leaves):
         return False
