@@ -16,6 +16,12 @@ AdamW (lr 1e-4), in fp32 and under bf16 autocast:
 * ``kiln-compile``   ``torch.compile(model, backend="kiln")``
 * ``kiln-lazy``      the model on ``torch.device("kiln")`` in lazy mode, ``mark_step()`` per step
 * ``kiln-eager``     the model on ``torch.device("kiln")`` in eager mode (adaptive fusion)
+* ``torch-xla``      torch_xla's lazy mode on the CPU (``PJRT_DEVICE=CPU``), ``xm.mark_step()`` per
+  step: the system kiln's lazy mode imitates. torch_xla pairs with its own torch (2.9), so
+  it runs in another interpreter: ``--torch-xla-python`` (or ``TORCH_XLA_PYTHON``) names
+  one whose environment has ``torch-xla`` and ``transformers``; without one the row says
+  it was not run. Its dropout draws from XLA's generator, so its losses differ from
+  eager's as Inductor's do.
 
 Each runner runs in a process of its own (engine thread pools and compiled programs of
 one runner must not slow the next), trains ``--warmup`` steps (compiles happen there), then ``--steps`` timed steps,
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -44,9 +51,9 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-RUNNERS = ("eager", "inductor", "kiln-compile", "kiln-lazy", "kiln-eager")
+RUNNERS = ("eager", "inductor", "kiln-compile", "kiln-lazy", "kiln-eager", "torch-xla")
 TARGETS = {"kiln-lazy": ("eager", 1.3, "inductor", 1.0), "kiln-compile": ("eager", 1.3, "inductor", 1.0),
-           "kiln-eager": ("eager", 0.9, None, None)}
+           "kiln-eager": ("eager", 0.9, None, None), "kiln-lazy vs torch-xla": ("torch-xla", 1.0, None, None)}
 
 
 class SmallCNN(nn.Module):
@@ -128,15 +135,21 @@ def run(kind, case, precision, warmup, steps):
             from kiln.device import modes
             modes.mark_step()
         return float(loss)
+    return _timed(step, warmup, steps, lambda: _compile_count(kind),
+                  kind in ("kiln-lazy", "kiln-eager"))
+
+
+def _timed(step, warmup, steps, compiles, kiln_device=False) -> dict:
+    """``warmup`` steps (the first timed alone), then ``steps`` timed ones."""
     started = time.perf_counter()
     losses = [step(0)]
     first = time.perf_counter() - started
     losses += [step(i) for i in range(1, warmup)]
-    if kind in ("kiln-lazy", "kiln-eager"):
+    if kiln_device:
         from kiln.device import modes
         modes.wait_compiles()             # programs compile in the background: timed steps run them
     warm = time.perf_counter() - started
-    compiles = _compile_count(kind)
+    before = compiles()
     times = []
     for i in range(warmup, warmup + steps):
         t0 = time.perf_counter()
@@ -146,7 +159,36 @@ def run(kind, case, precision, warmup, steps):
     median = times[len(times) // 2]
     return {"steps_per_s": 1.0 / median, "median_step_ms": median * 1e3, "best_step_ms": times[0] * 1e3,
             "warmup_s": warm, "first_step_s": first,
-            "compiles_after_warmup": _compile_count(kind) - compiles, "losses": losses}
+            "compiles_after_warmup": compiles() - before, "losses": losses}
+
+
+def run_torch_xla(case, precision, warmup, steps):
+    """The step of :func:`run` in torch_xla's lazy mode on the CPU, in an interpreter whose
+    torch is torch_xla's (see the module's docstring)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+    model, batches, loss_fn = case
+    device = torch_xla.device()
+    model = copy.deepcopy(model).train().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(123)
+
+    def compiles():
+        data = met.metric_data("CompileTime")
+        return data[0] if data else 0
+
+    def step(i):
+        inputs, labels = batches[i % len(batches)]
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        opt.zero_grad()
+        with torch.autocast("xla", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model, inputs, labels.to(device))
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        return float(loss)
+    return _timed(step, warmup, steps, compiles)
 
 
 def recording_cost(n: int = 2000) -> dict:
@@ -187,7 +229,7 @@ def _chain_cost(dev, n, key) -> dict:
 
 def summarize(results):
     for key, res in results.items():
-        if "error" in res or key.count("/") != 2:
+        if "error" in res or "skipped" in res or key.count("/") != 2:
             continue
         base = results.get(key.rsplit("/", 1)[0] + "/eager", {})
         ind = results.get(key.rsplit("/", 1)[0] + "/inductor", {})
@@ -197,6 +239,9 @@ def summarize(results):
             res["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(res["losses"], base["losses"]))
         if "steps_per_s" in ind:
             res["vs_inductor"] = res["steps_per_s"] / ind["steps_per_s"]
+        xla = results.get(key.rsplit("/", 1)[0] + "/torch-xla", {})
+        if "steps_per_s" in xla and key.split("/")[2].startswith("kiln-"):
+            res["vs_torch_xla"] = res["steps_per_s"] / xla["steps_per_s"]
 
 
 def table(results):
@@ -204,8 +249,9 @@ def table(results):
            f"{'compiles':>9}{'first s':>9}{'warmup s':>10}{'loss diff':>11}"
     lines = [head, "-" * len(head)]
     for key, res in results.items():
-        if "error" in res:
-            lines.append(f"{key:<28} error: {res['error'][:90]}")
+        if "error" in res or "skipped" in res:
+            lines.append(f"{key:<28} {'error' if 'error' in res else 'not run'}: "
+                         f"{res.get('error', res.get('skipped'))[:90]}")
             continue
         lines.append(f"{key:<28}{res['steps_per_s']:>9.2f}{res['median_step_ms']:>9.1f}"
                      f"{res.get('vs_eager', float('nan')):>9.2f}{res.get('vs_inductor', float('nan')):>9.2f}"
@@ -213,16 +259,36 @@ def table(results):
                      f"{res['compiles_after_warmup']:>9}{res.get('first_step_s', float('nan')):>9.1f}"
                      f"{res['warmup_s']:>10.1f}"
                      f"{res.get('loss_diff_vs_eager', float('nan')):>11.2e}")
+    lines += [f"{key:<28}{res['vs_torch_xla']:>9.2f} x torch_xla's lazy mode" for key, res in results.items()
+              if "vs_torch_xla" in res]
     return "\n".join(lines)
+
+
+def torch_xla_python(given) -> str | None:
+    """The interpreter to run torch_xla in: ``given``, ``TORCH_XLA_PYTHON``, or this one
+    where it imports torch_xla; None where there is none."""
+    import importlib.util
+    given = given or os.environ.get("TORCH_XLA_PYTHON")
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("torch_xla") is not None else None
 
 
 def _in_child(key, args) -> dict:
     import subprocess
     import tempfile
+    python, env = sys.executable, dict(os.environ)
+    if key.endswith("/torch-xla"):
+        python = torch_xla_python(args.torch_xla_python)
+        if python is None:
+            return {"skipped": "torch_xla is not installed: give --torch-xla-python, an interpreter of an "
+                               "environment with torch-xla and transformers (pip install 'torch-xla==2.9.*' "
+                               "'torch==2.9.*' transformers)"}
+        env["PJRT_DEVICE"] = "CPU"
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", key, "--json", out.name,
+        cmd = [python, os.path.abspath(__file__), "--one", key, "--json", out.name,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["exit code %d" % proc.returncode]
             return {"error": tail[0]}
@@ -232,15 +298,18 @@ def _in_child(key, args) -> dict:
 
 def _child(args) -> int:
     warnings.simplefilter("ignore")
-    from kiln.device import modes
-    modes.device()          # before any backward pass: autograd sizes its device queues once
+    if not args.one.endswith("/torch-xla"):       # torch_xla's interpreter has no kiln
+        from kiln.device import modes
+        modes.device()          # before any backward pass: autograd sizes its device queues once
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
         if args.one == "recording-cost":
             result = recording_cost()
         else:
             name, precision, kind = args.one.split("/")
-            result = run(kind, make_case(name), precision, args.warmup, args.steps)
+            runner = run_torch_xla if kind == "torch-xla" else functools.partial(run, kind)
+            result = runner(make_case(name), precision, args.warmup, args.steps)
+            result["torch"] = torch.__version__
     except Exception as e:             # a runner that fails is reported, not fatal
         result = {"error": f"{type(e).__name__}: {e}"}
     with open(args.json, "w") as f:
@@ -258,6 +327,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per runner (default: every CPU; 1 is steadier on a loaded machine)")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "train.json"))
+    p.add_argument("--torch-xla-python", help="an interpreter whose environment has torch-xla and transformers "
+                                              "(default: TORCH_XLA_PYTHON, or this one if it has torch_xla)")
     p.add_argument("--one", help=argparse.SUPPRESS)     # model/precision/runner, in a child process
     args = p.parse_args(argv)
     if args.one:
@@ -271,7 +342,8 @@ def main(argv=None):
                 key = f"{name}/{precision}/{kind}"
                 print(f"[train] {key} ...", file=sys.stderr, flush=True)
                 results[key] = _in_child(key, args)
-                print(f"[train] {key}: {results[key].get('steps_per_s', results[key].get('error'))}",
+                print(f"[train] {key}: "
+                      f"{results[key].get('steps_per_s', results[key].get('error', results[key].get('skipped')))}",
                       file=sys.stderr, flush=True)
     summarize(results)
     print(table(results))
