@@ -27,6 +27,7 @@ warning that names why: never a crash, never a silently wrong answer.
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import threading
 import time
@@ -67,7 +68,8 @@ def _fake(args) -> bool:
     return any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta) for x in args)
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_inputs=False, **options):
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_inputs=False, in_child=False,
+                  **options):
     """A callable ``f(*tensors) -> list of tensors``: ``gm`` compiled by kiln, or ``gm``
     itself (eager) with a warning when it cannot be. ``real_inputs``: the examples are
     real data (a device's flush), compiled and checked against now; else (fake tensors,
@@ -84,7 +86,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     shapes = [tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
     metrics.note_compile(structure_of(gm), shapes, _readers(gm), f"graph '{name}' ({ops} ops)")
     if real_inputs:
-        return _build(gm, tuple(inputs), name, options)
+        return (build_in_child if in_child else _build)(gm, tuple(inputs), name, options)
     return _on_first_call(gm, name, options)
 
 
@@ -124,16 +126,53 @@ def _build(gm, examples, name, options):
             compiled = trace(gm, examples, name=name, quiet=True, **options)
             misfit = _misfit(compiled, gm) if compiled.manifest.get("cache", {}).get("hit") else None
             if misfit:                 # never run another graph's artifact: compile afresh
-                warnings.warn(f"kiln: graph '{name}': the compile cache's entry does not fit it "
-                              f"({misfit}); compiling it again", RuntimeWarning, stacklevel=3)
+                _warn_misfit(name, misfit)
                 compiled = trace(gm, examples, name=name, quiet=True, **{**options, "cache": False})
-            compiled.take_turns()      # it runs between host operations, never back to back
         except KilnError as e:
             return _eager(gm, name, str(e))
         except Exception as e:       # torch itself failing on the graph: still never a crash
             return _eager(gm, name, f"{type(e).__name__}: {e}")
+    return _runner(gm, compiled, started, bool(compiled.manifest.get("cache", {}).get("hit")))
+
+
+def build_in_child(gm, examples, name, options):
+    """:func:`_build`, the compile done by the compile process
+    (:mod:`kiln.device.compile_process`): the training process only loads the result.
+    Its warnings are raised here; its refusals run ``gm`` eagerly with the reason."""
+    from kiln.device import compile_process
+    from kiln.runtime.loader import load
+    started = time.perf_counter()
+    child = compile_process.shared()
+    try:
+        answer = child.compile(gm, examples, name, options)
+        compiled = load(answer["path"], trust_native_code=True) if "path" in answer else None
+        misfit = _misfit(compiled, gm) if compiled is not None and answer["hit"] else None
+        if misfit:
+            _warn_misfit(name, misfit)
+            answer = child.compile(gm, examples, name, {**options, "cache": False})
+            compiled = load(answer["path"], trust_native_code=True) if "path" in answer else None
+    except compile_process.Unpicklable:         # a graph holding something pickle cannot take
+        return _build(gm, examples, name, options)
+    except (compile_process.ChildError, KilnError) as e:
+        return _eager(gm, name, str(e))
+    for category, message in answer["warnings"]:
+        category = getattr(builtins, category, None)
+        warnings.warn(message, category if isinstance(category, type) and issubclass(category, Warning)
+                      else UserWarning, stacklevel=2)
+    if compiled is None:
+        return _eager(gm, name, answer["error"])
+    return _runner(gm, compiled, started, answer["hit"])
+
+
+def _warn_misfit(name, misfit):
+    warnings.warn(f"kiln: graph '{name}': the compile cache's entry does not fit it "
+                  f"({misfit}); compiling it again", RuntimeWarning, stacklevel=4)
+
+
+def _runner(gm, compiled, started, hit):
+    """The callable running ``compiled`` in ``gm``'s place, counted in the metrics."""
+    compiled.take_turns()      # it runs between host operations, never back to back
     metrics.sample("CompileTime", time.perf_counter() - started)
-    hit = bool(compiled.manifest.get("cache", {}).get("hit"))
     metrics.count("CachedCompile" if hit else "UncachedCompile")
     # a backward graph returns None for inputs without gradients; the compiled graph
     # returns its tensors only, so the Nones are put back where the graph had them

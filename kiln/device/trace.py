@@ -55,11 +55,9 @@ class Policy:
     # replay a step whose operations match a recent one's (kiln.device.replay); off: every
     # operation recorded afresh (for comparison: the programs are the same)
     replay: bool = True
-    # compile on a background thread, running the program op by op until it is ready
-    # (first steps in seconds). Off by default: torch.export's "compiling" flag is
-    # process-wide, so code on the training thread that asks torch.compiler.is_compiling()
-    # (AdamW does) takes its compile path while a capture runs (docs/device.md)
-    background: bool = False
+    # compile in the background (kiln.device.compile_process: a process of its own), running
+    # the program op by op until it is ready: first steps in a fraction of a second
+    background: bool = True
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
@@ -378,7 +376,8 @@ def _compile_in_background(entry, trace, outputs, inputs, policy):
 
     def work():
         try:
-            entry.run = compile_graph(gm, examples, name=entry.name, real_inputs=True, **policy.options)
+            entry.run = compile_graph(gm, examples, name=entry.name, real_inputs=True, in_child=True,
+                                      **policy.options)
         except Exception as e:      # noqa: BLE001 - never a crash: the program still runs op by op
             entry.failed = f"{type(e).__name__}: {e}"
             entry.run = _OP_BY_OP

@@ -1,0 +1,183 @@
+"""The device's background compiles, in a process of their own.
+
+A program compiled in the background (:mod:`kiln.device.trace`) used to compile on a
+thread of the training process, which made it unsafe to leave on by default:
+
+* ``torch.export`` sets the flag behind ``torch.compiler.is_compiling()`` for the whole
+  process, so the training thread, running the program op by op meanwhile, saw it too:
+  AdamW then took its compile path (step sizes as one tensor) and recorded another
+  program, and Hugging Face models ask the same question.
+* A process ending while a compile ran waited for it, and Inductor cannot start its
+  worker pool once the interpreter shuts down, so such a compile failed.
+
+Here the capture, the engines' builds and the check against eager run in one child
+process (``python -m kiln.device.compile_process DIR``), started at the first background
+compile and kept for the next ones, so its imports are paid once (about 2-3 s). What
+travels, all in a private temporary directory (mode 0700) removed at exit:
+
+* each request as a pickle this process writes and its own child reads: the program's FX
+  graph, copies of its inputs, its name and ``kiln.trace`` options;
+* each answer as a ``.kiln`` file the child saves and this process loads with
+  ``trust_native_code=True`` (an Inductor library compiled by this process's own child is
+  trusted as far as one compiled in-process is), and a JSON line on the child's stdout
+  saying how it went (a cache hit, the warnings it raised, or the error).
+
+The child compiles one program at a time, as the compile thread did. At exit the child is
+killed, not waited for: the compile cache's writes are atomic, so a compile cut short
+leaves no entry, and the next run compiles that program again. A child that dies (killed,
+out of memory) fails the compile under way with its stderr's last lines; the program
+keeps running op by op, and the next compile starts a new child.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+
+class ChildError(RuntimeError):
+    """The compile process failed or died; the message says how."""
+
+
+class Unpicklable(ChildError):
+    """The request cannot be pickled for the child (the caller compiles in-process)."""
+
+
+class CompileProcess:
+    """One child process compiling device programs, one request at a time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc = None
+        # programs loaded from here may keep their files open: removed at exit, not before
+        self._dir = tempfile.mkdtemp(prefix="kiln-device-compile-")
+        self._count = 0
+        # at exit, before Python joins the compile thread waiting on the child (threading's
+        # exit hooks run last-registered first, and before threads are joined)
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(self.close)
+
+    def compile(self, gm, examples, name: str, options: dict) -> dict:
+        """Compile ``gm`` on ``examples`` in the child: ``{"path", "hit", "warnings"}`` on
+        success (the ``.kiln`` file to load), ``{"error", "kiln_error"}`` when kiln refused
+        the graph; raises :class:`ChildError` when the child itself failed."""
+        with self._lock:
+            proc = self._start()
+            self._count += 1
+            request = os.path.join(self._dir, f"request-{self._count}.pkl")
+            try:
+                with open(request, "wb") as f:
+                    pickle.dump((gm, list(examples), name, dict(options)), f, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                _remove(request)
+                raise Unpicklable(f"{type(e).__name__}: {e}") from e
+            try:
+                proc.stdin.write(f"{self._count}\n".encode())
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+            except (BrokenPipeError, OSError):
+                line = b""
+            finally:
+                _remove(request)
+            if not line:
+                why = _tail(self._log())
+                self._stop()
+                raise ChildError(f"the compile process ended ({why})")
+            return json.loads(line)
+
+    def _start(self):
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._stop()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # kiln's parent
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        with open(self._log(), "wb") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", "kiln.device.compile_process", self._dir],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        return self._proc
+
+    def _log(self) -> str:
+        return os.path.join(self._dir, "child.log")
+
+    def _stop(self):
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:          # a request the dead child never read: nothing to flush to
+                    pass
+
+    def close(self):
+        """Kill the child (a compile under way is abandoned) and remove its files."""
+        self._stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _tail(path, lines: int = 8) -> str:
+    try:
+        with open(path, "rb") as f:
+            text = f.read()[-4000:].decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(text[-lines:]) or "it printed nothing"
+
+
+_SHARED: list = []
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> CompileProcess:
+    """The process's one compile process (started at its first request)."""
+    with _SHARED_LOCK:
+        if not _SHARED:
+            _SHARED.append(CompileProcess())
+        return _SHARED[0]
+
+
+def _serve(directory: str) -> int:
+    """The child: compile each request named on stdin, answer on stdout."""
+    from kiln.compiler.api import trace
+    from kiln.errors import KilnError
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr               # anything else printed goes to the log
+    for line in sys.stdin.buffer:
+        n = int(line)
+        with open(os.path.join(directory, f"request-{n}.pkl"), "rb") as f:
+            gm, examples, name, options = pickle.load(f)      # written by our parent
+        path = os.path.join(directory, f"program-{n}.kiln")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                compiled = trace(gm, tuple(examples), name=name, quiet=True, **options)
+                compiled.save(path)
+                answer = {"path": path, "hit": bool(compiled.manifest.get("cache", {}).get("hit"))}
+            except KilnError as e:
+                answer = {"error": str(e), "kiln_error": True}
+            except Exception as e:  # noqa: BLE001 - torch failing on the graph: reported, never a crash
+                answer = {"error": f"{type(e).__name__}: {e}", "kiln_error": False}
+        answer["warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
+        out.write(json.dumps(answer).encode() + b"\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1]))

@@ -1,0 +1,138 @@
+"""Background compiles (the default) run in a compile process of kiln's own
+(kiln.device.compile_process): the training thread never sees torch.export's process-wide
+"compiling" flag, a child that dies leaves the program running op by op with a warning,
+a graph pickle cannot take compiles in-process, and a process that ends mid-compile
+kills its child rather than waiting for it or leaving it behind."""
+import copy
+import os
+import sys
+import textwrap
+import warnings
+
+import psutil
+import pytest
+import torch
+
+from kiln.device import compile_process, metrics, modes
+from tests.conftest import run_py
+
+DEV = modes.device()
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    metrics.clear()
+    modes.forget_compiled()
+    modes.set_mode("lazy", optlevel=1)          # background compiles: the default
+    yield
+    modes.wait_compiles()
+    modes.set_mode("eager", background=True)
+
+
+class Probe(torch.nn.Module):
+    """An MLP that notes whether torch says it is compiling each time it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        self.compiling = []
+
+    def forward(self, x):
+        self.compiling.append(torch.compiler.is_compiling())
+        return self.net(x)
+
+
+def _train(model, steps, device=None, wait=True):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((model(x.to(device or "cpu")) - y.to(device or "cpu")) ** 2).mean()
+        loss.backward()
+        opt.step()
+        if device is not None:
+            modes.mark_step()
+        losses.append(float(loss.detach()))
+        if device is not None and wait:
+            modes.wait_compiles()
+    return losses
+
+
+def test_background_compiles_run_in_a_child_and_take_over():
+    torch.manual_seed(0)
+    ref = Probe()
+    model = copy.deepcopy(ref).to(DEV)
+    expected = _train(ref, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # every program compiled
+        got = _train(model, 4, DEV, wait=False)                 # steps overlap the compiles
+        modes.wait_compiles()
+        got += _train(model, 0, DEV)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert metrics.counter_value("BackgroundCompile") >= 1 and metrics.counter_value("UncachedCompile") >= 1
+    child = compile_process.shared()._proc
+    assert child is not None and child.poll() is None and child.pid != os.getpid()
+    assert not any(model.compiling), "the training thread saw torch.export's compiling flag"
+
+
+def test_a_child_that_dies_leaves_the_program_op_by_op(monkeypatch):
+    torch.manual_seed(0)
+    ref = Probe().net
+    model = copy.deepcopy(ref).to(DEV)
+    python = sys.executable
+    monkeypatch.setattr(compile_process, "_SHARED", [])          # a compile process of this test's
+    monkeypatch.setattr(sys, "executable", "/bin/false")         # that ends at once
+    with pytest.warns(RuntimeWarning, match="runs eagerly.*compile process ended"):
+        got = _train(model, 3, DEV)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(_train(copy.deepcopy(ref), 3)), rtol=1e-5, atol=1e-6)
+    assert metrics.counter_value("UncachedCompile") == 0
+    # the next compile starts a new child
+    monkeypatch.setattr(sys, "executable", python)
+    modes.forget_compiled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _train(model, 2, DEV)
+    assert metrics.counter_value("UncachedCompile") >= 1 and metrics.counter_value("SwappedIn") >= 1, \
+        metrics.report()
+    compile_process.shared().close()
+
+
+def test_a_graph_pickle_cannot_take_compiles_in_process(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise TypeError("cannot pickle 'generator' object")
+    monkeypatch.setattr(compile_process.pickle, "dump", refuse)
+    torch.manual_seed(0)
+    ref = Probe().net
+    model = copy.deepcopy(ref).to(DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = _train(model, 3, DEV)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(_train(copy.deepcopy(ref), 3)), rtol=1e-5, atol=1e-6)
+    assert metrics.counter_value("UncachedCompile") >= 1 and metrics.counter_value("SwappedIn") >= 1
+
+
+def test_a_process_that_ends_mid_compile_kills_its_child(tmp_path):
+    """The script starts a CNN step's compile (Inductor's C++ build: many seconds) and ends
+    at once; its compile process must be gone when it has, not left compiling."""
+    script = textwrap.dedent("""
+        import torch
+        from kiln.device import compile_process, modes
+        dev = modes.device()
+        modes.set_mode("lazy", engine="inductor", optlevel=1)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                  torch.nn.Linear(800, 2)).to(dev)
+        out = net(torch.randn(2, 3, 12, 12).to(dev)).sum()
+        out.backward()
+        modes.mark_step()
+        proc = compile_process.shared()._proc
+        assert proc is not None and proc.poll() is None, "no compile process under way"
+        print("CHILD", proc.pid, flush=True)
+    """)
+    r = run_py(script, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pid = int(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("CHILD")))
+    alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    assert not alive, "the compile process outlived the process that started it"
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
