@@ -22,7 +22,7 @@ def _fresh():
     modes.forget_compiled()
     yield
     modes.wait_compiles()
-    modes.set_mode("eager", background=True)     # the default
+    modes.set_mode("eager", background="auto")     # the default
 
 
 @pytest.fixture(scope="module", autouse=True)

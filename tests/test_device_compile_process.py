@@ -26,7 +26,7 @@ def _fresh():
     modes.set_mode("lazy", optlevel=1)          # background compiles: the default
     yield
     modes.wait_compiles()
-    modes.set_mode("eager", background=True)
+    modes.set_mode("eager", background="auto")
 
 
 class Probe(torch.nn.Module):
@@ -117,6 +117,7 @@ def test_a_process_that_ends_mid_compile_kills_its_child(tmp_path):
     """The script starts a CNN step's compile (Inductor's C++ build: many seconds) and ends
     at once; its compile process must be gone when it has, not left compiling."""
     script = textwrap.dedent("""
+        import time
         import torch
         from kiln.device import compile_process, modes
         dev = modes.device()
@@ -126,7 +127,11 @@ def test_a_process_that_ends_mid_compile_kills_its_child(tmp_path):
         out = net(torch.randn(2, 3, 12, 12).to(dev)).sum()
         out.backward()
         modes.mark_step()
-        proc = compile_process.shared()._proc
+        for _ in range(600):             # the compile thread starts the child: wait for it
+            proc = compile_process.shared()._proc
+            if proc is not None:
+                break
+            time.sleep(0.05)
         assert proc is not None and proc.poll() is None, "no compile process under way"
         print("CHILD", proc.pid, flush=True)
     """)

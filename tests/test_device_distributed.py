@@ -48,6 +48,11 @@ def test_two_processes_equal_one(kind, tmp_path, cache):
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
     got = [float(v) for v in line.split()[1:]]
+    # every step ran a compiled program, compiled in-line (not in the background: the two
+    # ranks must switch to it at the same step, kiln.device.trace.in_background)
+    compiled, background, interpreted = map(int, next(ln for ln in proc.stdout.splitlines()
+                                                      if ln.startswith("compiles ")).split()[1:])
+    assert compiled >= 1 and background == 0 and interpreted == 0, (compiled, background, interpreted)
     expected, state = _single_process()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     params = torch.load(out, weights_only=True)

@@ -41,13 +41,15 @@ def _after_optimizer_step(optimizer, args, kwargs):
 
 
 def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None,
-             replay: bool | None = None, background: bool | None = None, **options):
+             replay: bool | None = None, background: bool | str | None = None, **options):
     """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
     compiled (default ``optlevel=2``: each partition timed against running it op by op).
     ``replay=False`` records every operation afresh instead of replaying a matching step
     (:mod:`kiln.device.replay`): the same programs, recorded slower. ``background=False``
     makes the flush that compiles a program wait for it, instead of running the program
-    op by op while it compiles on a thread of its own (:func:`wait_compiles`)."""
+    op by op while kiln's compile process builds it (:mod:`kiln.device.compile_process`,
+    :func:`wait_compiles`); ``"auto"``, the default, compiles in the background except in
+    a process group of several ranks (:func:`kiln.device.trace.in_background`)."""
     if mode not in ("eager", "lazy"):
         raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
     dispatch.materialize()
@@ -57,7 +59,7 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     if window is not None:
         policy.window = window
     if background is not None:
-        policy.background = bool(background)
+        policy.background = background if background == "auto" else bool(background)
     if replay is not None:
         policy.replay = bool(replay)
         if not policy.replay:

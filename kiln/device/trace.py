@@ -56,8 +56,9 @@ class Policy:
     # operation recorded afresh (for comparison: the programs are the same)
     replay: bool = True
     # compile in the background (kiln.device.compile_process: a process of its own), running
-    # the program op by op until it is ready: first steps in a fraction of a second
-    background: bool = True
+    # the program op by op until it is ready: first steps in a fraction of a second.
+    # "auto": on, except in a process group of several ranks (in_background())
+    background: bool | str = "auto"
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
@@ -336,7 +337,7 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
     inputs = [data for _, data in trace.inputs]
     threshold = 1 if at_step else policy.compile_after
     if entry.run is None and entry.compiling is None and entry.seen >= threshold and outputs:
-        if policy.background:
+        if in_background(policy):
             _compile_in_background(entry, trace, outputs, inputs, policy)
         else:
             entry.run = _compile(trace, outputs, inputs, entry.name, policy)
@@ -360,6 +361,19 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
 
 
 _OP_BY_OP = object()           # an entry's run after its compile failed: interpret it
+
+
+def in_background(policy) -> bool:
+    """Whether programs compile in the background. By default ("auto") they do, except in
+    a ``torch.distributed`` process group of two or more ranks: there each rank would swap
+    its compiled program in at a step of its own, and a step run compiled rounds otherwise
+    than one run op by op, so replicas that must stay equal (DDP's parameters, tensor
+    parallelism's replicated norms) would drift apart. In-line compiles switch every rank
+    at the same step, as torch_xla's do."""
+    if policy.background != "auto":
+        return bool(policy.background)
+    import torch.distributed as dist
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _compile_in_background(entry, trace, outputs, inputs, policy):

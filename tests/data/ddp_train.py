@@ -45,6 +45,10 @@ for step in range(3):
     losses.append(float(total) / world)
 params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
 if rank == 0:
+    from kiln.device import metrics
     print("losses", " ".join(f"{v:.7f}" for v in losses))
+    # in a process group, programs compile in-line: every rank swaps them in at one step
+    print("compiles", metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile"),
+          metrics.counter_value("BackgroundCompile"), metrics.counter_value("InterpretedGraphs"))
     torch.save(params, out)
 dist.destroy_process_group()
