@@ -29,6 +29,25 @@ def test_quantized_llm_passes_the_gate_and_stores_its_numbers(mode):
     assert len(llm.generate([[5, 17, 3]], 10, stop_at_eos=False)[0]) == 10
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_gates_one_pass_reference_equals_a_step_at_a_time(family):
+    """The float32 reference reads the gate's text in one forward pass; each position's
+    logits are those prefill and one decode step per token give (what the gate read
+    before), to float rounding."""
+    import torch
+
+    from kiln.llm import gate
+    from kiln.llm.decoder import DecoderStep, cache_shape
+    model = _model(family).eval()
+    ids = gate.gate_ids(None, model.config.vocab_size, 40)
+    stepwise = gate.forced_logits(DecoderStep(model, with_cache=False, last_only=True),
+                                  DecoderStep(model, with_cache=True, last_only=False), ids,
+                                  cache_shape(model.config, 1, 64))
+    one_pass = gate.teacher_forced(DecoderStep(model, with_cache=False, last_only=False), ids)
+    assert one_pass.shape == stepwise.shape == (39, model.config.vocab_size)
+    torch.testing.assert_close(one_pass, stepwise, rtol=1e-4, atol=1e-5)
+
+
 def test_a_gate_too_strict_fails_with_the_numbers():
     with pytest.raises(ValidationError, match=r"int4 model fails the accuracy gate: perplexity \S+ vs \S+ in "
                                               r"float32 \(ratio \S+, limit 1.0001\); greedy agreement"):
