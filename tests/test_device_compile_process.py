@@ -77,6 +77,19 @@ def test_background_compiles_run_in_a_child_and_take_over():
     assert not any(model.compiling), "the training thread saw torch.export's compiling flag"
 
 
+def test_the_child_compiles_with_kilns_settings_of_the_moment(monkeypatch, tmp_path):
+    """The child was started under the suite's settings (compile cache off); a compile cache
+    named afterwards is the one its next compile fills."""
+    torch.manual_seed(0)
+    _train(copy.deepcopy(Probe().net).to(DEV), 2, DEV)
+    assert compile_process.shared()._proc is not None and metrics.counter_value("UncachedCompile") >= 1
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KILN_CACHE_URL", str(cache))
+    modes.forget_compiled()
+    _train(copy.deepcopy(torch.nn.Sequential(torch.nn.Linear(8, 2))).to(DEV), 2, DEV)
+    assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*")), "the child ignored the new cache"
+
+
 def test_a_child_that_dies_leaves_the_program_op_by_op(monkeypatch):
     torch.manual_seed(0)
     ref = Probe().net

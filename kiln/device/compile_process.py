@@ -16,7 +16,8 @@ compile and kept for the next ones, so its imports are paid once (about 2-3 s). 
 travels, all in a private temporary directory (mode 0700) removed at exit:
 
 * each request as a pickle this process writes and its own child reads: the program's FX
-  graph, copies of its inputs, its name and ``kiln.trace`` options;
+  graph, copies of its inputs, its name and ``kiln.trace`` options, and this process's
+  ``KILN_*`` settings at the time (the compile cache, threads), which the child takes on;
 * each answer as a ``.kiln`` file the child saves and this process loads with
   ``trust_native_code=True`` (an Inductor library compiled by this process's own child is
   trusted as far as one compiled in-process is), and a JSON line on the child's stdout
@@ -72,9 +73,12 @@ class CompileProcess:
             proc = self._start()
             self._count += 1
             request = os.path.join(self._dir, f"request-{self._count}.pkl")
+            # kiln's settings as they are now (the cache, threads...), not as at the child's start
+            settings = {k: v for k, v in os.environ.items() if k.startswith("KILN_")}
             try:
                 with open(request, "wb") as f:
-                    pickle.dump((gm, list(examples), name, dict(options)), f, protocol=pickle.HIGHEST_PROTOCOL)
+                    pickle.dump((gm, list(examples), name, dict(options), settings), f,
+                                protocol=pickle.HIGHEST_PROTOCOL)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 _remove(request)
                 raise Unpicklable(f"{type(e).__name__}: {e}") from e
@@ -90,7 +94,11 @@ class CompileProcess:
                 why = _tail(self._log())
                 self._stop()
                 raise ChildError(f"the compile process ended ({why})")
-            return json.loads(line)
+            try:
+                return json.loads(line)
+            except ValueError:
+                self._stop()
+                raise ChildError(f"the compile process answered {line[:200]!r}") from None
 
     def _start(self):
         if self._proc is not None and self._proc.poll() is None:
@@ -154,14 +162,20 @@ def shared() -> CompileProcess:
 
 def _serve(directory: str) -> int:
     """The child: compile each request named on stdin, answer on stdout."""
+    # answers go to the pipe on a descriptor of their own; anything else written to stdout,
+    # by Python or by an engine's native code, goes to the log with stderr
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from kiln.compiler.api import trace
     from kiln.errors import KilnError
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr               # anything else printed goes to the log
     for line in sys.stdin.buffer:
         n = int(line)
         with open(os.path.join(directory, f"request-{n}.pkl"), "rb") as f:
-            gm, examples, name, options = pickle.load(f)      # written by our parent
+            gm, examples, name, options, settings = pickle.load(f)      # written by our parent
+        for key in [k for k in os.environ if k.startswith("KILN_") and k not in settings]:
+            del os.environ[key]
+        os.environ.update(settings)
         path = os.path.join(directory, f"program-{n}.kiln")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

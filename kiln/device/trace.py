@@ -377,7 +377,8 @@ def in_background(policy) -> bool:
 
 
 def _compile_in_background(entry, trace, outputs, inputs, policy):
-    """Compile on a thread of its own while the program runs op by op (exactly CPU
+    """Compile in the compile process (:mod:`kiln.device.compile_process`; kiln's compile
+    thread waits on it) while the program runs op by op (exactly CPU
     eager's kernels: the cheapest engine, and one that needs no check); the compiled
     program takes over at the first flush after it is ready (``SwappedIn``). It compiles
     and checks against copies of this flush's inputs: a later step may rebind or update
@@ -408,8 +409,8 @@ def _compiler():
     globals (its module hierarchy, the dispatch-mode stack), so two exports at once on
     two threads break each other. A thread of its own also keeps the dispatcher state of
     a flush (inside ``__torch_dispatch__``, the Python key excluded) out of torch.export.
-    Python waits for the work queued on it at exit: no process ends part way through a
-    compile (a half-written cache entry, a C++ compiler killed mid-file)."""
+    Python waits for the work queued on it at exit; a background compile's wait ends
+    first, as the compile process is killed (its cache writes are atomic)."""
     if not _WORKER:
         from concurrent.futures import ThreadPoolExecutor
         _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="kiln-device-compile"))
