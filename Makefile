@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench bench-train clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,5 +33,16 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/latency.py
 
+# The training benchmark with torch_xla's lazy mode as a peer. torch-xla 2.9 needs torch 2.9
+# (with its CUDA packages, a few GB), so it gets an environment of its own, never the tests'.
+XLA_VENV := .venv-xla
+$(XLA_VENV)/.installed:
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install --quiet 'torch==2.9.*' 'torch-xla==2.9.*' transformers
+	touch $@
+
+bench-train: $(STAMP) $(XLA_VENV)/.installed
+	$(PY) benchmarks/train.py --torch-xla-python $(XLA_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) build *.egg-info

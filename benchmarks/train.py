@@ -285,6 +285,7 @@ def _in_child(key, args) -> dict:
                                "environment with torch-xla and transformers (pip install 'torch-xla==2.9.*' "
                                "'torch==2.9.*' transformers)"}
         env["PJRT_DEVICE"] = "CPU"
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"    # that torch must not look for kiln's device
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, os.path.abspath(__file__), "--one", key, "--json", out.name,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads)]
