@@ -23,7 +23,7 @@ DEV = modes.device()
 def _fresh():
     metrics.clear()
     modes.forget_compiled()
-    modes.set_mode("lazy", optlevel=1)          # background compiles: the default
+    modes.set_mode("lazy", optlevel=1, background="auto")     # background compiles: the default
     yield
     modes.wait_compiles()
     modes.set_mode("eager", background="auto")
@@ -43,6 +43,8 @@ class Probe(torch.nn.Module):
 
 
 def _train(model, steps, device=None, wait=True):
+    """Losses of ``steps`` AdamW steps; on the device, waiting for the compiles after every
+    step (``wait=True``) or once, after step ``wait`` (an int), letting the others overlap."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
@@ -55,7 +57,7 @@ def _train(model, steps, device=None, wait=True):
         if device is not None:
             modes.mark_step()
         losses.append(float(loss.detach()))
-        if device is not None and wait:
+        if device is not None and (wait is True or wait == len(losses)):
             modes.wait_compiles()
     return losses
 
@@ -64,14 +66,13 @@ def test_background_compiles_run_in_a_child_and_take_over():
     torch.manual_seed(0)
     ref = Probe()
     model = copy.deepcopy(ref).to(DEV)
-    expected = _train(ref, 4)
+    expected = _train(ref, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)          # every program compiled
-        got = _train(model, 4, DEV, wait=False)                 # steps overlap the compiles
-        modes.wait_compiles()
-        got += _train(model, 0, DEV)
+        got = _train(model, 6, DEV, wait=4)                     # the first steps overlap the compiles
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     assert metrics.counter_value("BackgroundCompile") >= 1 and metrics.counter_value("UncachedCompile") >= 1
+    assert metrics.counter_value("SwappedIn") >= 1             # the last steps ran a compiled program
     child = compile_process.shared()._proc
     assert child is not None and child.poll() is None and child.pid != os.getpid()
     assert not any(model.compiling), "the training thread saw torch.export's compiling flag"
