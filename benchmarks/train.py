@@ -16,6 +16,9 @@ AdamW (lr 1e-4), in fp32 and under bf16 autocast:
 * ``kiln-compile``   ``torch.compile(model, backend="kiln")``
 * ``kiln-lazy``      the model on ``torch.device("kiln")`` in lazy mode, ``mark_step()`` per step
 * ``kiln-eager``     the model on ``torch.device("kiln")`` in eager mode (adaptive fusion)
+* ``eager-keep``, ``inductor-keep``  eager and Inductor with the malloc settings kiln applies when
+  it loads a compiled model (:mod:`kiln.host.memory`: freed memory kept mapped, not faulted
+  back in on every step), so that what those settings alone give is a row of its own
 * ``torch-xla``      torch_xla's lazy mode on the CPU (``PJRT_DEVICE=CPU``), ``xm.mark_step()`` per
   step: the system kiln's lazy mode imitates. torch_xla pairs with its own torch (2.9), so
   it runs in another interpreter: ``--torch-xla-python`` (or ``TORCH_XLA_PYTHON``) names
@@ -24,11 +27,15 @@ AdamW (lr 1e-4), in fp32 and under bf16 autocast:
   eager's as Inductor's do.
 
 Each runner runs in a process of its own (engine thread pools and compiled programs of
-one runner must not slow the next), trains ``--warmup`` steps (compiles happen there), then ``--steps`` timed steps,
-each ending when its loss is on the host. Reported: steps/s (of the median step), the ratio to eager and to
-Inductor, the best step and its ratio to eager's best (steadier on a loaded machine), the first step's time, compiles after warm-up, the warm-up time, and the largest difference of the timed
-losses from eager's (every runner starts from the same weights and data, and dropout draws
-from the same seeded generator, so the losses follow eager's).
+one runner must not slow the next), trains ``--warmup`` steps (compiles happen there), then
+``--steps`` timed steps, each ending when its loss is on the host. Reported: steps/s (of the
+median step), the ratio to eager and to Inductor, the best step and its ratio to eager's best
+(steadier on a loaded machine), the first step's time, compiles after warm-up, the warm-up
+time, the largest difference of the timed losses from eager's (every runner starts from the
+same weights and data, and dropout draws from the same seeded generator, so the losses
+follow eager's), and the minor page faults of a timed step (thousands where glibc hands a
+step's buffers back to the kernel: they explained steps 1.6x slower than the same program's
+in another process).
 
     python benchmarks/train.py                  # both models, fp32 and bf16
     python benchmarks/train.py --model bert --precision fp32 --steps 5
@@ -51,7 +58,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-RUNNERS = ("eager", "inductor", "kiln-compile", "kiln-lazy", "kiln-eager", "torch-xla")
+RUNNERS = ("eager", "inductor", "eager-keep", "inductor-keep", "kiln-compile", "kiln-lazy", "kiln-eager",
+           "torch-xla")
 TARGETS = {"kiln-lazy": ("eager", 1.3, "inductor", 1.0), "kiln-compile": ("eager", 1.3, "inductor", 1.0),
            "kiln-eager": ("eager", 0.9, None, None), "kiln-lazy vs torch-xla": ("torch-xla", 1.0, None, None)}
 
@@ -106,6 +114,11 @@ def _compile_count(kind):
 
 def run(kind, case, precision, warmup, steps):
     model, batches, loss_fn = case
+    if kind.endswith("-keep"):
+        from kiln.host import memory
+        if not memory.keep_freed_memory()["applied"]:
+            raise RuntimeError(f"kiln's malloc settings were not applied: {memory.state()['reason']}")
+        kind = kind.removesuffix("-keep")
     model = copy.deepcopy(model).train()
     device = torch.device("cpu")
     if kind in ("kiln-lazy", "kiln-eager"):
@@ -150,16 +163,28 @@ def _timed(step, warmup, steps, compiles, kiln_device=False) -> dict:
         modes.wait_compiles()             # programs compile in the background: timed steps run them
     warm = time.perf_counter() - started
     before = compiles()
+    faults = _minor_faults()
     times = []
     for i in range(warmup, warmup + steps):
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
+    faults = (_minor_faults() - faults) / steps
     times.sort()
     median = times[len(times) // 2]
     return {"steps_per_s": 1.0 / median, "median_step_ms": median * 1e3, "best_step_ms": times[0] * 1e3,
             "warmup_s": warm, "first_step_s": first,
-            "compiles_after_warmup": compiles() - before, "losses": losses}
+            "compiles_after_warmup": compiles() - before, "page_faults_per_step": faults, "losses": losses}
+
+
+def _minor_faults() -> int:
+    """The process's minor page faults so far: pages malloc handed back to the kernel and a
+    step touched again (kiln.host.memory); 0 where getrusage is missing."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
 
 
 def run_torch_xla(case, precision, warmup, steps):
@@ -239,6 +264,9 @@ def summarize(results):
             res["loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(res["losses"], base["losses"]))
         if "steps_per_s" in ind:
             res["vs_inductor"] = res["steps_per_s"] / ind["steps_per_s"]
+        kept = results.get(key.rsplit("/", 1)[0] + "/eager-keep", {})
+        if "steps_per_s" in kept and key.split("/")[2].startswith("kiln-"):
+            res["vs_eager_keep"] = res["steps_per_s"] / kept["steps_per_s"]
         xla = results.get(key.rsplit("/", 1)[0] + "/torch-xla", {})
         if "steps_per_s" in xla and key.split("/")[2].startswith("kiln-"):
             res["vs_torch_xla"] = res["steps_per_s"] / xla["steps_per_s"]
@@ -246,7 +274,7 @@ def summarize(results):
 
 def table(results):
     head = f"{'case':<28}{'steps/s':>9}{'ms/step':>9}{'x eager':>9}{'x induct':>9}{'best ms':>9}{'x eager':>9}" \
-           f"{'compiles':>9}{'first s':>9}{'warmup s':>10}{'loss diff':>11}"
+           f"{'compiles':>9}{'first s':>9}{'warmup s':>10}{'loss diff':>11}{'faults':>9}"
     lines = [head, "-" * len(head)]
     for key, res in results.items():
         if "error" in res or "skipped" in res:
@@ -258,7 +286,10 @@ def table(results):
                      f"{res['best_step_ms']:>9.1f}{res.get('best_vs_eager', float('nan')):>9.2f}"
                      f"{res['compiles_after_warmup']:>9}{res.get('first_step_s', float('nan')):>9.1f}"
                      f"{res['warmup_s']:>10.1f}"
-                     f"{res.get('loss_diff_vs_eager', float('nan')):>11.2e}")
+                     f"{res.get('loss_diff_vs_eager', float('nan')):>11.2e}"
+                     f"{res.get('page_faults_per_step', float('nan')):>9.0f}")
+    lines += [f"{key:<28}{res['vs_eager_keep']:>9.2f} x eager with kiln's malloc settings"
+              for key, res in results.items() if "vs_eager_keep" in res]
     lines += [f"{key:<28}{res['vs_torch_xla']:>9.2f} x torch_xla's lazy mode" for key, res in results.items()
               if "vs_torch_xla" in res]
     return "\n".join(lines)

@@ -42,6 +42,8 @@ VARIABLES = {v.name: v for v in (
     _V("KILN_NUM_CORES", None, "number of kiln cores this process may use", "run"),
     _V("KILN_CPUS_PER_CORE", None, "group CPUs N at a time into kiln cores (default: one kiln core "
        "per physical core)", "run"),
+    _V("KILN_MALLOC_KEEP", "1G", "freed memory glibc's malloc keeps for the next call once a compiled "
+       "model is loaded (kiln.host.memory: no page faults on every step); 0 leaves glibc as it is", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
     # distributed (torchrun sets the first four)

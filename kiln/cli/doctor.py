@@ -18,6 +18,8 @@ import os
 import shutil
 import sys
 
+from kiln.errors import KilnError
+
 OK, WARN, ERROR = "ok", "warning", "error"
 # optional packages: (import name, distribution, what needs it)
 OPTIONAL = (("transformers", "transformers", "kiln.llm, kiln.optimum (Hugging Face models)"),
@@ -52,7 +54,7 @@ def collect() -> list:
     out = [_python(), _torch()]
     out += _engines()
     out += [_optional(*o) for o in OPTIONAL]
-    out += [_genai(), _cpu(), _gpu(), _cache()]
+    out += [_genai(), _cpu(), _malloc(), _gpu(), _cache()]
     return [c for c in out if c is not None]
 
 
@@ -86,6 +88,14 @@ def _against(name: str, dist: str, version: str | None, what: str) -> dict:
     if req is not None and req.specifier and not req.specifier.contains(version.split("+")[0], prereleases=True):
         return _check(name, ERROR, f"{version}, kiln needs {dist}{spec}", fix)
     return _check(name, OK, version + (f" ({dist}{spec})" if spec else ""))
+
+
+def _malloc() -> dict:
+    from kiln.host import memory
+    try:
+        return _check("malloc", OK, memory.describe())
+    except KilnError as e:
+        return _check("malloc", ERROR, str(e), "set KILN_MALLOC_KEEP to a size such as 1G, or 0")
 
 
 def _python() -> dict:

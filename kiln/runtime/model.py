@@ -22,7 +22,7 @@ import torch
 
 from kiln import engines
 
-from kiln.host import cores
+from kiln.host import cores, memory
 
 from kiln.observe import profiler
 
@@ -193,6 +193,7 @@ class CompiledModel(Model):
     def __init__(self, artifact: Artifact, runtime_options: RuntimeOptions | None = None,
                  source: str = "artifact", core=DEFAULT, worker=None):
         super().__init__()
+        memory.keep_freed_memory()      # a compiled step's buffers stay mapped between calls
         artifact.check_host(source)
         schema.check_model(artifact.manifest, artifact.blobs, source)
         self._artifact = artifact
