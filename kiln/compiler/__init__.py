@@ -7,5 +7,6 @@ Around them: ``buckets``/``stages`` (shape and pipeline planning), ``padcheck``
 and its hook), ``collect`` (parallel-compile), ``options`` (Neuron-style flags).
 """
 from kiln.compiler.api import analyze, trace
+from kiln.compiler.reuse import reuse_captures
 
-__all__ = ["analyze", "trace"]
+__all__ = ["analyze", "reuse_captures", "trace"]

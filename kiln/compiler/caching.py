@@ -22,7 +22,8 @@ from kiln.artifact.container import Artifact
 from kiln.compiler import keys
 from kiln.errors import (ArtifactError, CompileError, UnsupportedOpError, UntrustedArtifactError,
                          ValidationError, cached_failure)
-from kiln.graph.capture import bind_inputs, capture
+from kiln.compiler.reuse import capture_for
+from kiln.graph.capture import bind_inputs
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
 
@@ -55,7 +56,7 @@ class CacheHook:
                 store.count("alias_hits")
                 return hit
         with progress.phase("capture"):
-            captured = capture(job.model, job.args, job.kwargs)
+            captured = capture_for(job.model, job.args, job.kwargs)
         key = keys.graph_key(captured, job.options, extra)
         hit = from_cache(key)
         if hit is None:

@@ -21,7 +21,8 @@ from kiln.compiler import phases
 from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_precision,
                                    check_supported, parse_compiler_args, tf32_ops)
 from kiln.compiler.selection import resolve_device
-from kiln.graph.capture import Captured, bind_inputs, call_bound, capture, from_graph
+from kiln.compiler.reuse import capture_for
+from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
 from kiln.progress import Progress
@@ -93,7 +94,7 @@ def compile_graph(model, example_inputs, example_kwargs, opts: CompileOptions, *
     started = time.perf_counter()
     if captured is None:
         with progress.phase("capture"):
-            captured = capture(model, example_inputs, example_kwargs)
+            captured = capture_for(model, example_inputs, example_kwargs)
     if name:
         captured.model_name = name
     return _compile_captured(captured, opts, model, threads, calibration_data, progress, started)

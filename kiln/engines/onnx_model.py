@@ -9,6 +9,7 @@ the last weight-only model of each partition is kept while the partition lives.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -47,9 +48,71 @@ def registry():
     return ort_export.registry_for(EXPORT_OPSET)
 
 
+_REUSE = threading.local()    # .memo: {partition key: (serialized model, settings)} in a reuse block
+
+
+@contextlib.contextmanager
+def reusing_exports():
+    """Within the block, a partition exported once is not exported again: the next engine
+    or build (another precision of the same model, :func:`kiln.compiler.reuse_captures`)
+    gets its own copy of the model, parsed from the kept bytes (about 1 s for SmolLM2's
+    540 MB graphs against 5-8 s of export). A partition is the same when its code, its
+    inputs' shapes and dtypes and its weights' contents are."""
+    outer = getattr(_REUSE, "memo", None)
+    if outer is None:
+        _REUSE.memo = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _REUSE.memo = None
+
+
+def _reuse_key(partition, example_inputs):
+    """The partition's code, its inputs' shapes and dtypes, and its weights by content
+    (XXH3: tens of milliseconds for 500 MB; identity or ``_version`` would miss a write
+    through ``param.data``)."""
+    import xxhash
+    weights = xxhash.xxh3_128()
+    for node in partition.graph.nodes:
+        if node.op == "get_attr":
+            value = partition
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                return None
+            value = value.detach().contiguous()
+            weights.update(f"{node.target}{value.dtype}{tuple(value.shape)}".encode())
+            if value.numel():
+                weights.update(value.view(-1).view(torch.uint8).numpy().data)
+    inputs = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                   for t in example_inputs)
+    return partition.code, inputs, weights.hexdigest()
+
+
 def exported(partition, example_inputs) -> tuple:
     """``(model proto, settings)``: the partition exported and rewritten
-    (:mod:`kiln.engines.ort_rewrites`); ``settings`` say how, for the blob's header."""
+    (:mod:`kiln.engines.ort_rewrites`); ``settings`` say how, for the blob's header.
+    Each call's model is its own (quantization rewrites it in place)."""
+    memo = getattr(_REUSE, "memo", None)
+    key = _reuse_key(partition, example_inputs) if memo is not None else None
+    if key is not None and key in memo:
+        import onnx
+        data, settings = memo[key]
+        proto = onnx.ModelProto()
+        proto.ParseFromString(data)
+        return proto, dict(settings)
+    proto, settings = _export(partition, example_inputs)
+    if key is not None:
+        from google.protobuf.message import EncodeError
+        try:
+            memo[key] = (proto.SerializeToString(), dict(settings))
+        except (EncodeError, ValueError):    # over protobuf's 2 GB: exported again next time
+            pass
+    return proto, settings
+
+
+def _export(partition, example_inputs) -> tuple:
     optimize = sum(n.op == "call_function" for n in partition.graph.nodes) <= EXPORTER_OPTIMIZE_MAX_OPS
     with torch.no_grad(), quiet():
         program = ort_export.export(partition, example_inputs, opset=EXPORT_OPSET, optimize=optimize,

@@ -1,0 +1,120 @@
+"""One capture for several compiles of the same model: ``with kiln.compiler.reuse_captures():``.
+
+Capturing is the slowest part of compiling a large model that does not depend on the
+compile's options: SmolLM2-135M's decode graph takes about 12 s of ``torch.export`` a
+graph, each time, on 2 cores. Builds of one model in several precisions (float32, int8,
+int4: what a comparison of quantizations or the LLM tests do) capture the same graphs
+each time. Inside this block a graph captured once is handed to the next compile of the
+same model at the same inputs.
+
+"The same" is decided by content, never by object identity: the model's fingerprint
+(:func:`kiln.compiler.keys.fingerprint`: every module's class and settings, every weight
+by digest, the inputs' shapes and dtypes, kiln's and torch's versions) plus a digest of
+the example inputs' values (the capture computes eager's reference outputs from them).
+A model changed between compiles, in weights or settings, is captured afresh. A capture
+is reused only while its graph is as it was stored (node by node, weights by storage and
+version). Each compile gets its own copy of the graph (partitioning rewrites the graph it
+is given), sharing the weights; a capture whose weights changed since is dropped, never
+served.
+
+The block also keeps each partition's ONNX export for the next build of the same
+partition (:func:`kiln.engines.onnx_model.reusing_exports`): the float32 export a
+quantized build starts from is the float32 build's.
+
+Outside the block nothing is kept: the entries hold the graph and references to the
+model's weights, so they live exactly as long as the block (a process that compiles one
+model and moves on keeps nothing).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import threading
+
+import torch
+
+from kiln.compiler import keys
+from kiln.compiler.options import CompileOptions
+from kiln.engines import onnx_model
+from kiln.graph.capture import Captured, bind_inputs, capture
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def reuse_captures():
+    """Within the block, compiles of a model already captured at the same inputs reuse
+    that capture (see the module's docstring). Blocks nest; the outermost one owns the
+    entries."""
+    outer = getattr(_local, "memo", None)
+    if outer is None:
+        _local.memo = {}
+    try:
+        with onnx_model.reusing_exports():
+            yield
+    finally:
+        if outer is None:
+            _local.memo = None
+
+
+def stats() -> dict:
+    """``{"captured": n, "reused": n}`` in the current block (zeros outside one)."""
+    memo = getattr(_local, "memo", None) or {}
+    return dict(memo.get("_stats", {"captured": 0, "reused": 0}))
+
+
+def capture_for(model, example_inputs, example_kwargs=None) -> Captured:
+    """``capture(model, ...)``, or the block's earlier capture of the same model and inputs."""
+    memo = getattr(_local, "memo", None)
+    if memo is None or not isinstance(model, torch.nn.Module):
+        return capture(model, example_inputs, example_kwargs)
+    counts = memo.setdefault("_stats", {"captured": 0, "reused": 0})
+    named = bind_inputs(model, example_inputs, example_kwargs)
+    key = keys.fingerprint(model, named, CompileOptions(device="cpu"), {"capture": _values_digest(named)})
+    entry = memo.get(key)
+    if entry is not None:
+        captured, shape = entry
+        if _shape(captured) == shape:
+            counts["reused"] += 1
+            return _copy(captured)
+        del memo[key]           # changed since: never serve it
+    captured = capture(model, example_inputs, example_kwargs)
+    memo[key] = (captured, _shape(captured))
+    counts["captured"] += 1
+    return _copy(captured)
+
+
+def _copy(captured: Captured) -> Captured:
+    """A compile's own copy: partitioning rewrites the graph it is given in place, so the
+    kept capture is never handed out. The weights are shared, not copied (the graph's
+    attributes point at the same tensors); that they are unchanged is checked at reuse."""
+    gm = captured.graph_module
+    graph = copy.deepcopy(gm.graph)
+    module = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    module.meta.update(getattr(gm, "meta", {}))
+    return dataclasses.replace(captured, graph_module=module, example_inputs=list(captured.example_inputs),
+                               eager_outputs=list(captured.eager_outputs), notes=list(captured.notes))
+
+
+def _values_digest(named: dict) -> str:
+    """The example inputs' values: the capture's eager outputs are computed from them."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(named) if isinstance(t, torch.Tensor)]
+    scalars = [repr(v) for v in torch.utils._pytree.tree_leaves(named) if not isinstance(v, torch.Tensor)]
+    return keys.tensors_digest([(str(i), t) for i, t in enumerate(leaves)]) + "|" + "|".join(scalars)
+
+
+def _shape(captured: Captured) -> tuple:
+    """The captured graph node by node, and its weights by storage and version: what a
+    compile step that changed it in place would have to change."""
+    gm = captured.graph_module
+    nodes = tuple((n.op, str(n.target), n.name, len(n.args)) for n in gm.graph.nodes)
+    weights = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            weights.append((node.target, id(value)) + ((value.data_ptr(), value._version, tuple(value.shape))
+                                                       if isinstance(value, torch.Tensor) else ()))
+    return nodes, tuple(weights), tuple((id(t), t._version) for t in captured.example_inputs)
