@@ -70,8 +70,13 @@ def capture_for(model, example_inputs, example_kwargs=None) -> Captured:
     if memo is None or not isinstance(model, torch.nn.Module):
         return capture(model, example_inputs, example_kwargs)
     counts = memo.setdefault("_stats", {"captured": 0, "reused": 0})
-    named = bind_inputs(model, example_inputs, example_kwargs)
-    key = keys.fingerprint(model, named, CompileOptions(device="cpu"), {"capture": _values_digest(named)})
+    try:
+        named = bind_inputs(model, example_inputs, example_kwargs)
+        key = keys.fingerprint(model, named, CompileOptions(device="cpu"), {"capture": _values_digest(named)})
+    except Exception:  # noqa: BLE001 - a model the fingerprint cannot describe is captured, not reused
+        key = None
+    if key is None:
+        return capture(model, example_inputs, example_kwargs)
     entry = memo.get(key)
     if entry is not None:
         captured, shape = entry
