@@ -13,7 +13,7 @@ page faults, every one a zeroed 4 KiB page. Measured on the 2-core machine
 settings below. The same step compiled in the same process ran at 14 ms with 860 faults:
 the compile's own large frees had raised glibc's thresholds, so how fast a model ran
 depended on whether it came from the compile cache. PyTorch eager and Inductor fault the
-same way (2,400-3,900 faults a step on this step).
+same way (1,500-4,100 faults a step on this step, in the same measurements).
 
 So the first compiled model a process loads sets (``mallopt``):
 
