@@ -1,6 +1,8 @@
 """kiln doctor: each check compares what is installed with kiln's own requirements and names the
 one command that fixes a mismatch; run as the command, and with versions swapped in."""
 import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -16,7 +18,11 @@ def test_kiln_doctor_reports_this_machine():
     assert checks["torch"]["status"] == "ok" and checks["torch"]["found"].startswith(torch.__version__)
     for engine in ("engine onnxruntime", "engine openvino"):
         assert checks[engine]["status"] == "ok", checks[engine]
-    assert {"python", "cpu", "gpu", "compile cache"} <= set(checks)
+    assert {"python", "cpu", "malloc", "gpu", "compile cache"} <= set(checks)
+    untouched = not any(k.startswith(("MALLOC_", "KILN_MALLOC")) for k in os.environ) and \
+        "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", "") and "alloc" not in os.environ.get("LD_PRELOAD", "")
+    if platform.libc_ver()[0] == "glibc" and untouched:       # what loading a compiled model will do
+        assert "keeps up to 1024 MiB of freed memory" in checks["malloc"]["found"], checks["malloc"]
     table = subprocess.run([sys.executable, "-m", "kiln.cli", "doctor"], capture_output=True, text=True, timeout=300)
     assert "kiln doctor" in table.stdout and "error(s)" in table.stdout
 
