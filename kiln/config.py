@@ -108,6 +108,15 @@ def flag(name: str) -> bool:
     return (get(name) or "").strip().lower() in _TRUE
 
 
+def parse_size(text, *, binary: bool = False) -> int:
+    """A size in bytes: a number, or one with K, M, G or T (powers of 1000, or of 1024 with
+    ``binary``); a trailing B or iB is allowed. ValueError when it is neither."""
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    base = 1024 if binary else 1000
+    power = "KMGT".find(t[-1:]) + 1 if t else 0
+    return int(float(t[:-1]) * base ** power) if power else int(t)
+
+
 def names(group: str | None = None) -> list:
     return [v.name for v in VARIABLES.values() if group is None or v.group == group]
 

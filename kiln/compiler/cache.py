@@ -89,11 +89,8 @@ def max_bytes_from_env():
 
 
 def parse_size(text) -> int:
-    text = str(text).strip().upper().removesuffix("B")
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    if text and text[-1] in mult:
-        return int(float(text[:-1]) * mult[text[-1]])
-    return int(text)
+    """``KILN_CACHE_MAX_BYTES`` and ``kiln cache evict --max-bytes``: decimal units (2G = 2e9)."""
+    return config.parse_size(text)
 
 
 

@@ -73,15 +73,6 @@ def _hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
-    """Content digest of a tensor, computed every time. It was once remembered per tensor
-    while its ``data_ptr`` and ``_version`` stayed put, but a write through ``param.data``
-    (``p.data.copy_(...)``, old-style initialisation and updates) moves neither, and the
-    next trace was served the entry compiled with the old weights. Hashing is cheap:
-    XXH3 read SmolLM2-135M's 530 MB of weights in 0.03 s on 2 cores."""
-    return _compute_digest(t)
-
-
 def _compute_digest(t: torch.Tensor) -> str:
     t = t.detach()
     if t.device.type != "cpu":
@@ -100,11 +91,14 @@ def _compute_digest(t: torch.Tensor) -> str:
 
 def tensors_digest(named_tensors) -> str:
     """One digest over (name, tensor) pairs; tensors hash in parallel (xxhash drops the GIL
-    for large inputs)."""
+    for large inputs), every time: a digest remembered per tensor while its ``data_ptr`` and
+    ``_version`` stayed put missed writes through ``param.data`` (``p.data.copy_(...)`` moves
+    neither), and the next trace was served the entry compiled with the old weights.
+    XXH3 reads SmolLM2-135M's 530 MB of weights in 0.03 s on 2 cores."""
     items = list(named_tensors)
     workers = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        digests = list(pool.map(lambda kv: _tensor_digest(kv[1]), items))
+        digests = list(pool.map(lambda kv: _compute_digest(kv[1]), items))
     return _hash_json([[name, d] for (name, _), d in zip(items, digests)])
 
 

@@ -12,9 +12,9 @@ same model at the same inputs.
 by digest, the inputs' shapes and dtypes, kiln's and torch's versions) plus a digest of
 the example inputs' values (the capture computes eager's reference outputs from them).
 A model changed between compiles, in weights or settings, is captured afresh. A capture
-is reused only while its graph is as it was stored (node by node, weights by storage and
-version). Each compile gets its own copy of the graph (partitioning rewrites the graph it
-is given), sharing the weights; a capture whose weights changed since is dropped, never
+is reused only while its weights and example inputs are as they were stored (by storage
+and version). Each compile gets its own copy of the graph (partitioning rewrites the graph
+it is given), sharing the weights; a capture whose weights changed since is dropped, never
 served.
 
 The block also keeps each partition's ONNX export for the next build of the same
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import operator
 import threading
 
 import torch
@@ -110,16 +111,14 @@ def _values_digest(named: dict) -> str:
 
 
 def _shape(captured: Captured) -> tuple:
-    """The captured graph node by node, and its weights by storage and version: what a
-    compile step that changed it in place would have to change."""
+    """The kept capture's weights by storage and version, and its example inputs: what a
+    compile step that wrote to them in place would change (the kept graph itself is never
+    handed out, :func:`_copy`)."""
     gm = captured.graph_module
-    nodes = tuple((n.op, str(n.target), n.name, len(n.args)) for n in gm.graph.nodes)
     weights = []
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part, None)
+            value = operator.attrgetter(node.target)(gm)
             weights.append((node.target, id(value)) + ((value.data_ptr(), value._version, tuple(value.shape))
                                                        if isinstance(value, torch.Tensor) else ()))
-    return nodes, tuple(weights), tuple((id(t), t._version) for t in captured.example_inputs)
+    return tuple(weights), tuple((id(t), t._version) for t in captured.example_inputs)

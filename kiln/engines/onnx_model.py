@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import os
 import threading
 import weakref
@@ -76,9 +77,7 @@ def _reuse_key(partition, example_inputs):
     weights = xxhash.xxh3_128()
     for node in partition.graph.nodes:
         if node.op == "get_attr":
-            value = partition
-            for part in str(node.target).split("."):
-                value = getattr(value, part, None)
+            value = operator.attrgetter(node.target)(partition)
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 return None
             value = value.detach().contiguous()

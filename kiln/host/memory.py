@@ -62,15 +62,11 @@ def state() -> dict:
 
 def keep_bytes() -> int:
     """``KILN_MALLOC_KEEP`` in bytes (``1G``, ``512M``, a number; 0 turns this off)."""
-    value = (config.get("KILN_MALLOC_KEEP") or "0").strip().upper().removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     try:
-        if value and value[-1] in scale:
-            return int(float(value[:-1]) * scale[value[-1]])
-        return int(value)
+        return config.parse_size(config.get("KILN_MALLOC_KEEP") or "0", binary=True)
     except ValueError:
         raise KilnError(f"KILN_MALLOC_KEEP={config.get('KILN_MALLOC_KEEP')!r}: expected a size such as "
-                         "1G or 512M, or 0 to leave glibc's malloc as it is") from None
+                        "1G or 512M, or 0 to leave glibc's malloc as it is") from None
 
 
 def describe() -> str:
@@ -79,30 +75,30 @@ def describe() -> str:
     done = state()
     if done:
         return ("kept: " if done["applied"] else "left alone: ") + done["reason"]
-    keep, reason = _decision()
+    keep, _, reason = _decision()
     if reason:
         return f"left alone: {reason}"
     return f"a compiled model's load keeps up to {keep >> 20} MiB of freed memory mapped (KILN_MALLOC_KEEP)"
 
 
 def _decision() -> tuple:
-    """(bytes to keep, why nothing will be done or '')."""
+    """(bytes to keep, glibc, why nothing will be done or '')."""
     keep = keep_bytes()
     if keep <= 0:
-        return 0, "KILN_MALLOC_KEEP=0"
+        return 0, None, "KILN_MALLOC_KEEP=0"
     reason = _user_choice()
     if reason:
-        return 0, reason
-    if _glibc() is None:
-        return 0, "the C library is not glibc"
-    return min(keep, (1 << 31) - 1), ""           # mallopt takes an int
+        return 0, None, reason
+    libc = _glibc()
+    if libc is None:
+        return 0, None, "the C library is not glibc"
+    return min(keep, (1 << 31) - 1), libc, ""     # mallopt takes an int
 
 
 def _apply() -> dict:
-    keep, reason = _decision()
+    keep, libc, reason = _decision()
     if reason:
         return {"applied": False, "keep_bytes": 0, "reason": reason}
-    libc = _glibc()
     ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and libc.mallopt(M_TRIM_THRESHOLD, keep) == 1
     if not ok:
         return {"applied": False, "keep_bytes": 0, "reason": "glibc's mallopt refused the settings"}

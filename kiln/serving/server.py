@@ -16,6 +16,7 @@ import sys
 import threading
 from dataclasses import asdict
 
+from kiln import config
 from kiln.errors import KilnError
 from kiln.serving.app import build_app
 from kiln.serving.logs import log, logging_config
@@ -141,10 +142,8 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def parse_size(text: str) -> int:
     """``--max-body-bytes`` values: bytes, or a number with K, M or G (binary units)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     try:
-        n = int(float(t[:-1] if scale > 1 else t) * scale)
+        n = config.parse_size(text, binary=True)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
     if n < 1:
