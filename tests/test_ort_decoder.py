@@ -5,6 +5,9 @@ The step equals eager PyTorch for the masks the runtime makes (each row's valid 
 prefix, rows of different lengths, an empty row riding along), and writes each row's new
 key and value into the cache it was given at the row's next slot and nowhere else (an
 empty row's at its last slot)."""
+import weakref
+
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +74,44 @@ def test_prefill_and_multi_token_steps_keep_their_attention(tiny_llm):
         assert _header(model)[0]["decoder_fusions"]["attention"] == 2, rows
     for width, model in llm.prefill.items():
         assert "attention" not in _header(model)[0].get("decoder_fusions", {}), width
+
+
+def test_steps_on_the_same_buffers_read_them_as_they_are_now():
+    """The runner keeps its binding of the cache between calls (the scheduler hands the same
+    views at every step): buffers changed in place since the last call, a buffer replaced
+    by another, and a non-contiguous input are each read as they are at this call."""
+    model = _model("llama").eval()
+    rows, slots = 2, 8
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    compiled = trace(step, _decode_example(cache_shape(model.config, rows, slots), rows), optlevel=1,
+                     engine="onnxruntime", cache=False)
+    assert _header(compiled)[0]["decoder_fusions"].get("attention") == 2
+    torch.manual_seed(2)
+    cache = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
+    tokens, lengths = torch.zeros(rows, 1, dtype=torch.int64), torch.zeros(rows, 1, dtype=torch.int64)
+    valid = torch.zeros(rows, slots, dtype=torch.bool)
+    for trial in range(5):
+        for c in cache:
+            c.copy_(torch.randn_like(c))                      # same memory, new values
+        if trial == 2:
+            cache[1] = torch.randn(rows, 2, slots, 8)         # another buffer in one place
+        tokens.copy_(torch.randint(0, 97, (rows, 1)))
+        lengths.copy_(torch.tensor([[1 + trial], [slots - 2 - trial]]))
+        valid.copy_(torch.arange(slots).unsqueeze(0) < lengths)
+        ids = tokens
+        if trial == 3:                                        # a strided view of other memory
+            ids = torch.randint(0, 97, (rows, 2))[:, ::2]
+            assert not ids.is_contiguous()
+        inputs = (ids, lengths, *cache, valid)
+        with torch.no_grad():
+            expected = step(*[t.clone() for t in inputs])
+        got = compiled(*inputs)
+        for g, e in zip(got, expected):
+            assert_close(g, e, atol=1e-4, rtol=1e-4)
+    # and the kept binding holds no reference: the memory of a cache the caller drops is freed
+    memory = np.zeros((rows, 2, slots, 8), np.float32)
+    gone = weakref.ref(memory)
+    cache[0] = torch.from_numpy(memory)
+    compiled(ids, lengths, *cache, valid)
+    del cache, memory
+    assert gone() is None
