@@ -80,3 +80,25 @@ def test_partitions_it_cannot_write_take_the_public_path():
 
     gm = torch.fx.symbolic_trace(PassThrough())
     assert ort_export.program_of(gm) is None            # an output that is an input (and no vals)
+
+
+def test_op_signatures_made_once_give_the_same_onnx(monkeypatch):
+    """The exporter's per-op signatures are made once per schema (``_signatures_once``):
+    the ONNX is byte for byte what making each afresh gives, the cache fills during an
+    export, and torch's own ``from_op_schema`` is back once the export is over."""
+    from onnx_ir import schemas
+    from kiln.engines.onnxruntime import _registry
+    sub, inputs = _partition()
+    original = schemas.OpSignature.__dict__["from_op_schema"]
+    made = []
+    counting = classmethod(lambda cls, s: made.append(s.name) or original.__func__(cls, s))
+    monkeypatch.setattr(ort_export, "_SIGNATURES", {})
+    monkeypatch.setattr(schemas.OpSignature, "from_op_schema", counting)
+    cached = ort_export.export(sub, inputs, opset=EXPORT_OPSET, optimize=True, registry=_registry())
+    assert ort_export._SIGNATURES and len(made) == len(ort_export._SIGNATURES) < 1000
+    assert schemas.OpSignature.__dict__["from_op_schema"] is counting
+    once = len(made)
+    monkeypatch.setattr(ort_export, "_signatures_once", lambda: __import__("contextlib").nullcontext())
+    fresh = ort_export.export(sub, inputs, opset=EXPORT_OPSET, optimize=True, registry=_registry())
+    assert len(made) - once > 3 * once, (once, len(made) - once)     # each emitted op asked again
+    assert cached.model_proto.SerializeToString() == fresh.model_proto.SerializeToString()
