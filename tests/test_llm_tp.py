@@ -6,6 +6,7 @@ processes on their own cores; through ``kiln serve`` with the ``openai`` client;
 killed mid-request fails the request and shuts the server down."""
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -121,18 +122,26 @@ def test_chunked_prefill_prefix_reuse_and_sampling(built):
 
 
 class _FailsWhenArmed:
-    """Rank 0's decode graph, failing when armed: a failure on one rank only."""
+    """One rank's decode graph, failing when armed: a failure on that rank only."""
 
-    def __init__(self, graph):
-        self.graph, self.armed = graph, False
+    def __init__(self, graph, rank=0):
+        self.graph, self.armed, self.rank = graph, False, rank
 
     def __call__(self, *args):
         if self.armed:
-            raise RuntimeError("engine failure on rank 0")
+            raise RuntimeError(f"engine failure on rank {self.rank}")
         return self.graph(*args)
 
 
-def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_never_hangs(built):
+@pytest.fixture
+def unhandled(monkeypatch):
+    """Exceptions that escape a thread (what Python's thread machinery would print)."""
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    return seen
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_never_hangs(built, unhandled):
     _, _, path = built["llama"]
     llm = load(path)
     failing = _FailsWhenArmed(llm.leader.decode[2])
@@ -147,6 +156,37 @@ def test_a_step_that_fails_on_rank_0_stops_the_ranks_and_never_hangs(built):
         for t in llm._threads:
             t.join(30)
             assert not t.is_alive()
+        with pytest.raises(KilnError, match="ranks have stopped"):
+            llm.generate(PROMPTS, NEW)
+        assert unhandled == []          # rank 1's aborted collective is rank 0's failure, reported once
+        assert llm.failed_traceback is None
+    finally:
+        llm.close()
+
+
+def test_a_follower_thread_that_fails_is_named_as_the_cause(built, unhandled):
+    """Rank 1 fails on its own: the model says rank 1 failed (not rank 0, whose collective
+    was aborted after it), listeners hear it once, and nothing escapes the thread."""
+    _, _, path = built["llama"]
+    llm = load(path)
+    llm.ranks[1] = llm._rank_loader(1)
+    failing = _FailsWhenArmed(llm.ranks[1].decode[2], rank=1)
+    llm.ranks[1].decode = {2: failing}
+    heard = []
+    llm.on_failure.append(lambda rank, code, text: heard.append((rank, code, text)))
+    llm.start(mode="threads")
+    try:
+        assert llm.batch_invariance["decode_rows"] == [2]
+        failing.armed = True
+        with pytest.raises(Exception):
+            llm.generate(PROMPTS, NEW)
+        for t in llm._threads:
+            t.join(30)
+            assert not t.is_alive()
+        assert llm.failed.startswith("rank 1 failed: RuntimeError: engine failure on rank 1"), llm.failed
+        assert "engine failure on rank 1" in llm.failed_traceback
+        assert heard == [(1, None, llm.failed)]
+        assert unhandled == []
         with pytest.raises(KilnError, match="ranks have stopped"):
             llm.generate(PROMPTS, NEW)
     finally:

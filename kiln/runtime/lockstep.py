@@ -272,18 +272,21 @@ def follow(rank, endpoint):
             raise RuntimeError(f"internal: unknown tensor-parallel command {command!r}")
 
 
-def thread_followers(followers: list, channel: ThreadChannel, group) -> list:
+def thread_followers(followers: list, channel: ThreadChannel, group, on_failure) -> list:
     """Start ``followers`` (ranks 1.., each what :func:`follow` drives) as threads bound to
-    ``group`` (a ThreadGroup)."""
+    ``group`` (a ThreadGroup). A rank that fails is reported to ``on_failure(rank, error)``
+    before the group is aborted (so the owner knows the first cause before rank 0's
+    collective fails too), and its thread ends there: the error is the owner's to report,
+    not an unhandled exception printed by the thread machinery."""
     from kiln.distributed import groups
 
     def run(rank):
         with groups.bound(tp=group.rank_view(rank)):
             try:
                 follow(followers[rank - 1], channel.endpoint(rank - 1))
-            except BaseException:
+            except BaseException as e:  # noqa: BLE001 - handed to the owner, which reports it
+                on_failure(rank, e)
                 group.abort()
-                raise
 
     threads = [threading.Thread(target=run, args=(r,), name=f"kiln-tp-rank-{r}", daemon=True)
                for r in range(1, len(followers) + 1)]

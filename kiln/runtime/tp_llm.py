@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import traceback
 
 import torch
 
@@ -47,6 +48,7 @@ class TensorParallelLLM:
         self._cleanup = None                     # a private copy of the artifact to remove
         self.threads = None                      # engine threads per rank (None: the rank's CPUs)
         self.failed = None                       # why a rank is gone, once one is
+        self.failed_traceback = None             # a follower thread's own failure, where that was the cause
         self.on_failure: list = []               # listener(rank, returncode, stderr_tail)
         if manifest is None:
             manifest = wrapper_manifest(KIND, self.ranks[0].manifest, llm=meta,
@@ -99,7 +101,8 @@ class TensorParallelLLM:
         self._thread_groups = [group]
         groups.register("tp", group.rank_view(0))
         channel = lockstep.ThreadChannel(self.tp_degree - 1)
-        self._threads = lockstep.thread_followers([Follower(llm) for llm in self.ranks[1:]], channel, group)
+        self._threads = lockstep.thread_followers([Follower(llm) for llm in self.ranks[1:]], channel, group,
+                                                  self._thread_failed)
         self._channel, self.mode = channel, "threads"
 
     def _start_processes(self):
@@ -116,6 +119,18 @@ class TensorParallelLLM:
         self.failed = f"rank {rank} exited with code {returncode}"
         for listener in list(self.on_failure):
             listener(rank, returncode, tail)
+
+    def _thread_failed(self, rank, error):
+        """A follower thread failed. Where nothing had failed before, this is the cause: the
+        owner hears of it as of rank 0's failed step (no exit code, the reason as the text),
+        and its traceback is kept in ``failed_traceback``. A failure that follows another's
+        (a rank whose collective was aborted after rank 0 failed its step) adds nothing."""
+        if self.failed is not None:
+            return
+        self.failed_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        self.failed = f"rank {rank} failed: {type(error).__name__}: {error}"
+        for listener in list(self.on_failure):
+            listener(rank, None, self.failed)
 
     def _join_group(self):
         import torch.distributed as dist
@@ -175,14 +190,16 @@ class TensorParallelLLM:
     def _broken(self, error):
         """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a
         follower waiting in a collective would otherwise wait for a call that never comes)."""
-        self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
+        first = self.failed is None   # else a follower failed first, was reported, and this followed
+        if first:
+            self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
         if self._launched is not None:
             self._launched.terminate()
             self._launched = None
         for group in self._thread_groups:
             group.abort()
         self._channel = None
-        for listener in list(self.on_failure):
+        for listener in list(self.on_failure) if first else ():
             listener(0, None, self.failed)
 
     def warm_graphs(self) -> int:
