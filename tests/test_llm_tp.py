@@ -7,7 +7,6 @@ killed mid-request fails the request and shuts the server down."""
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch

@@ -133,7 +133,6 @@ class TensorParallelLLM:
             listener(rank, None, self.failed)
 
     def _join_group(self):
-        import torch.distributed as dist
         from kiln.distributed import groups
         groups.register("tp", groups.get("world") if groups.is_bound("world") else groups.TorchGroup(None))
         self._channel = lockstep.ProcessChannel(lockstep.command_group())
