@@ -5,6 +5,7 @@ The step equals eager PyTorch for the masks the runtime makes (each row's valid 
 prefix, rows of different lengths, an empty row riding along), and writes each row's new
 key and value into the cache it was given at the row's next slot and nowhere else (an
 empty row's at its last slot)."""
+import threading
 import weakref
 
 import numpy as np
@@ -115,3 +116,43 @@ def test_steps_on_the_same_buffers_read_them_as_they_are_now():
     compiled(ids, lengths, *cache, valid)
     del cache, memory
     assert gone() is None
+
+
+def test_threads_calling_one_step_each_get_their_own_answers():
+    """Two schedulers may run one decode graph at once, each with its own cache: the kept
+    binding is per thread, so neither reads the other's buffers."""
+    model = _model("llama").eval()
+    rows, slots = 2, 8
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    compiled = trace(step, _decode_example(cache_shape(model.config, rows, slots), rows), optlevel=1,
+                     engine="onnxruntime", cache=False)
+    assert compiled.program.partitions[0].in_place, "the step should write its cache in place"
+    torch.manual_seed(3)
+    work = []
+    for worker in range(2):
+        cache = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
+        lengths = torch.tensor([[2 + worker], [5 - worker]])
+        valid = torch.arange(slots).unsqueeze(0) < lengths
+        calls = []
+        for _ in range(3):
+            tokens = torch.randint(0, 97, (rows, 1))
+            with torch.no_grad():
+                calls.append((tokens, step(tokens, lengths, *[c.clone() for c in cache], valid)))
+        work.append((cache, lengths, valid, calls))
+    failures, start = [], threading.Barrier(2)
+
+    def run(cache, lengths, valid, calls):
+        start.wait()
+        for _ in range(30):
+            for tokens, expected in calls:
+                got = compiled(tokens, lengths, *cache, valid)
+                if not all(torch.allclose(g, e, atol=1e-4, rtol=1e-4) for g, e in zip(got, expected)):
+                    failures.append("an answer was another thread's")
+                    return
+
+    threads = [threading.Thread(target=run, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert failures == []

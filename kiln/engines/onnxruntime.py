@@ -38,6 +38,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 
 import numpy as np
 import torch
@@ -343,6 +344,7 @@ class OrtRunner:
         self.output_names = [n for n in names if not n.startswith(ort_gqa.INPLACE)]
         self.in_place = [(n, self.input_names.index(n[len(ort_gqa.INPLACE):])) for n in names
                          if n.startswith(ort_gqa.INPLACE) and n[len(ort_gqa.INPLACE):] in self.input_names]
+        self._per_thread = threading.local()     # each calling thread's kept binding (_bound_call)
 
     def signature(self):
         """([(shape, dtype)] of the inputs, [(shape, dtype)] of the outputs) as the session
@@ -372,13 +374,14 @@ class OrtRunner:
         bound again unless it is the same contiguous memory as last time (address, shape,
         strides, dtype); a non-contiguous one is copied for the call and bound every time.
         The outputs ORT allocates are bound afresh each call, or ORT would write the next
-        call's answers into memory the caller holds."""
-        binding = getattr(self, "_binding", None)
+        call's answers into memory the caller holds. Each thread keeps a binding of its own:
+        two schedulers may call one decode graph at once, each with its own cache."""
+        mine = self._per_thread
+        binding = getattr(mine, "binding", None)
         if binding is None:
-            binding = self._binding = self.session.io_binding()
-            self._bound = [None] * len(self.input_names)
-            self._bound_in_place = [None] * len(self.in_place)
-        bound, held = self._bound, []
+            binding = mine.binding = self.session.io_binding()
+            mine.inputs, mine.in_place = [None] * len(self.input_names), [None] * len(self.in_place)
+        bound, bound_in_place, held = mine.inputs, mine.in_place, []
         for k, (name, t) in enumerate(zip(self.input_names, inputs)):
             key = (t.data_ptr(), t.shape, t.stride(), t.dtype) if t.is_contiguous() else None
             if key is None or bound[k] != key:
@@ -392,8 +395,8 @@ class OrtRunner:
         for k, (name, i) in enumerate(self.in_place):
             t = inputs[i]
             key = (t.data_ptr(), t.shape, t.dtype)
-            if self._bound_in_place[k] != key:
+            if bound_in_place[k] != key:
                 binding.bind_output(name, "cpu", 0, _NUMPY_DTYPES[t.dtype], list(t.shape), t.data_ptr())
-                self._bound_in_place[k] = key
+                bound_in_place[k] = key
         self.session.run_with_iobinding(binding)
         return [torch.from_numpy(o.numpy()) for o in binding.get_outputs()[:len(self.output_names)]]
