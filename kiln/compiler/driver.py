@@ -139,8 +139,9 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
             what = (f"quantized to {opts.quantize}" if opts.quantize else
                     f"auto-cast {opts.auto_cast} to {opts.auto_cast_type} "
                     f"({'emulated' if precision['emulated'] else 'native'})")
+            engines = sorted({p["engine"] for p in manifest["partitions"]}) or ["the host"]
             manifest["validation"] = quality_gate(pairs, opts.min_cosine, opts.min_top1,
-                                                  f"{captured.model_name} {what}")
+                                                  f"{captured.model_name} {what} (on {', '.join(engines)})")
             manifest["validation"].update(max_abs_error(pairs[0]))
     elif opts.validate:
         with progress.phase("validate"):
