@@ -303,7 +303,10 @@ def test_registered_engine_is_chosen_by_its_priority_and_loads():
     model, x = models.mlp()
     with engines.registered(Borrowed):
         assert "borrowed" in engines.names() and engines.ranked("cpu")[0].name == "borrowed"
-        compiled = kiln.trace(model, x)
+        # -O1: the first engine by priority, untimed. At -O2 the engines are timed and the
+        # borrowed one, eager's code, ties with eager itself: a coin toss (it lost once
+        # in a suite run on a loaded machine)
+        compiled = kiln.trace(model, x, optlevel=1)
         assert [p["engine"] for p in compiled.manifest["partitions"]] == ["borrowed"]
         assert_close(compiled(x), model(x).detach(), **FLOAT)
     assert "borrowed" not in engines.names()

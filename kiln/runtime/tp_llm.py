@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import traceback
 
 import torch
@@ -49,6 +50,7 @@ class TensorParallelLLM:
         self.threads = None                      # engine threads per rank (None: the rank's CPUs)
         self.failed = None                       # why a rank is gone, once one is
         self.failed_traceback = None             # a follower thread's own failure, where that was the cause
+        self._failing = threading.Lock()         # the first failure is recorded and told once
         self.on_failure: list = []               # listener(rank, returncode, stderr_tail)
         if manifest is None:
             manifest = wrapper_manifest(KIND, self.ranks[0].manifest, llm=meta,
@@ -125,10 +127,11 @@ class TensorParallelLLM:
         owner hears of it as of rank 0's failed step (no exit code, the reason as the text),
         and its traceback is kept in ``failed_traceback``. A failure that follows another's
         (a rank whose collective was aborted after rank 0 failed its step) adds nothing."""
-        if self.failed is not None:
-            return
-        self.failed_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        self.failed = f"rank {rank} failed: {type(error).__name__}: {error}"
+        with self._failing:
+            if self.failed is not None:
+                return
+            self.failed_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.failed = f"rank {rank} failed: {type(error).__name__}: {error}"
         for listener in list(self.on_failure):
             listener(rank, None, self.failed)
 
@@ -189,9 +192,10 @@ class TensorParallelLLM:
     def _broken(self, error):
         """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a
         follower waiting in a collective would otherwise wait for a call that never comes)."""
-        first = self.failed is None   # else a follower failed first, was reported, and this followed
-        if first:
-            self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
+        with self._failing:           # else a follower failed first, was reported, and this followed
+            first = self.failed is None
+            if first:
+                self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
         if self._launched is not None:
             self._launched.terminate()
             self._launched = None
