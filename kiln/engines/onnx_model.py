@@ -57,8 +57,9 @@ def reusing_exports():
     """Within the block, a partition exported once is not exported again: the next engine
     or build (another precision of the same model, :func:`kiln.compiler.reuse_captures`)
     gets its own copy of the model, parsed from the kept bytes (0.1 s for one of SmolLM2's
-    540 MB graphs, against 7-8 s of export, plus about 1 s to keep them on the first build). A partition is the same when its code, its
-    inputs' shapes and dtypes and its weights' contents are."""
+    540 MB graphs, against 7-8 s of export, plus about 1 s to keep them on the first
+    build). A partition is the same when its code, its inputs' shapes and dtypes and its
+    weights' contents are."""
     outer = getattr(_REUSE, "memo", None)
     if outer is None:
         _REUSE.memo = {}
