@@ -14,6 +14,7 @@ from kiln.compiler.caching import CacheHook
 from kiln.compiler.driver import OPTION_FIELDS, GraphJob, make_options, run_job
 from kiln.compiler.phases import plan
 from kiln.errors import CompilerArgsError
+from kiln.graph import randomness
 from kiln.graph.analysis import AnalysisReport
 from kiln.graph.capture import capture
 from kiln.progress import Progress
@@ -83,19 +84,22 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         return run_job(job, hook, progress)
 
     pipeline_cores = opts.pipeline_cores if pipeline_cores is None else pipeline_cores
-    if store is not None and collect.collecting():
-        return collect.collect_trace(model, example_inputs, example_kwargs, buckets, pad_values,
-                                     pipeline_cores, trace_one)
-    compiled = _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_dims,
-                       pipeline_cores, calibration, trace_one, opts, progress)
-    if dynamic_batch:
-        from kiln.runtime.buckets import DynamicBatch
-        compiled = DynamicBatch(compiled)
-        tol = padding_tolerance(opts, compiled)
-        if tol is not None:
-            with progress.phase("batch check"):
-                compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(
-                    model, compiled, example_inputs, example_kwargs, tol)
+    # compiling runs the model and its builds (eager's reference, checks, timing): the
+    # random numbers they draw are not the caller's (kiln.graph.randomness)
+    with randomness.unchanged():
+        if store is not None and collect.collecting():
+            return collect.collect_trace(model, example_inputs, example_kwargs, buckets, pad_values,
+                                         pipeline_cores, trace_one)
+        compiled = _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_dims,
+                           pipeline_cores, calibration, trace_one, opts, progress)
+        if dynamic_batch:
+            from kiln.runtime.buckets import DynamicBatch
+            compiled = DynamicBatch(compiled)
+            tol = padding_tolerance(opts, compiled)
+            if tol is not None:
+                with progress.phase("batch check"):
+                    compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(
+                        model, compiled, example_inputs, example_kwargs, tol)
     return compiled
 
 

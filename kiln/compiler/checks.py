@@ -9,7 +9,7 @@ import torch
 
 from kiln.compiler.options import lossy, tf32_ops
 from kiln.errors import KilnError
-from kiln.graph import validation
+from kiln.graph import randomness, validation
 
 _SATURATED = 1e30
 
@@ -19,12 +19,21 @@ class Reference:
 
     def __init__(self, sub, inputs, opts):
         self.sub, self.inputs, self._outputs = sub, inputs, None
+        # a partition that draws random numbers (dropout on Inductor): every run of it in a
+        # check, eager's and the build's, starts from this one state of the generators
+        self.draws = randomness.Draws() if randomness.draws_random(sub) else None
         # on a GPU: the precision the partition computes at there (TF32 where torch allows it)
         self.precision = (validation.comparison_precision(sub, "cuda", tf32_ops(opts))
                           if opts.device == "cuda" else None)
 
+    def same_draws(self):
+        """Set the generators to the state every run of this partition's check starts from."""
+        if self.draws is not None:
+            self.draws.restore()
+
     def outputs(self) -> list:
         if self._outputs is None:
+            self.same_draws()
             with torch.no_grad():
                 out = self.sub(*self.inputs)
             self._outputs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -44,6 +53,7 @@ def try_run(engine, blob, runtime_opts, inputs, reference, opts):
     """
     try:
         runner = engine.load(blob, runtime_opts)
+        reference.same_draws()
         actual = runner(list(inputs))
     except KilnError:
         raise
@@ -91,10 +101,12 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
                 filled.view(-1)[-1 - k] = value
             # the example's own strides: a stage may take a view that its graph permutes back
             probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype).copy_(filled)
+            reference.same_draws()
             with torch.no_grad():
                 out = reference.sub(*probe)
             expected = list(out) if isinstance(out, (list, tuple)) else [out]
             try:
+                reference.same_draws()
                 actual = runner(probe)
             except Exception:  # noqa: BLE001 - an engine that cannot run such values differs
                 actual = None

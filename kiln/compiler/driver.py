@@ -22,6 +22,7 @@ from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_preci
                                    check_supported, parse_compiler_args, tf32_ops)
 from kiln.compiler.selection import resolve_device
 from kiln.compiler.reuse import capture_for
+from kiln.graph import randomness
 from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
@@ -134,6 +135,7 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
     manifest = compiled.manifest
     if opts.quantize or (precision and precision["type"] != "tf32"):
         with progress.phase("accuracy gate"):
+            randomness.restore(captured.draws)
             pairs = [(captured.eager_outputs, compiled.run_flat(captured.example_inputs))]
             pairs += [(ref, compiled.run_flat(flat)) for flat, ref in samples]
             what = (f"quantized to {opts.quantize}" if opts.quantize else
@@ -145,6 +147,7 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
             manifest["validation"].update(max_abs_error(pairs[0]))
     elif opts.validate:
         with progress.phase("validate"):
+            randomness.restore(captured.draws)
             actual = compiled.run_flat(captured.example_inputs)
             used = comparison_precision(captured.graph_module, opts.device, tf32_ops(opts))
             manifest["validation"] = compare(captured.eager_outputs, actual,

@@ -27,7 +27,7 @@ from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
 from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
-from kiln.graph.partition import Placement, place, split
+from kiln.graph.partition import Placement, place, split, takes
 from kiln.host import target as target_mod, tf32 as tf32_host
 from kiln.runtime.model import HOST_CONSTANTS
 from kiln.runtime.options import RuntimeOptions
@@ -92,7 +92,7 @@ def _whole_graph_engine(opts, first, placement):
         # partitions (products with float accumulation) at 4.4x
         return None
     whole = engines.get("inductor", required=False)
-    if whole is None or any(whole.supports(n) is not None for n in placement.unsupported):
+    if whole is None or any(takes(whole, n) is not None for n in placement.unsupported):
         return None
     return whole
 

@@ -38,6 +38,7 @@ from kiln import engines
 from kiln.compiler import measure
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.checks import Misfit, Reference as _Reference, nonfinite_probe, try_run as _try_run
+from kiln.graph import randomness
 from kiln.errors import CompileError, CompilerArgsError, EngineUnavailableError, KilnError
 
 # Partitions holding these ops have attention: -O2 gives them to an engine that
@@ -135,10 +136,14 @@ def rule_order(opts, sub) -> list:
 def candidate_order(opts, sub) -> list:
     """The engines to try on one partition, in order: -O3 measures the plain default
     order; a quantized partition goes only to engines that quantize (it must never
-    silently become an fp32 one on another engine)."""
+    silently become an fp32 one on another engine), and one that draws random numbers
+    only to engines that draw them from PyTorch's generator (:mod:`kiln.graph.randomness`)."""
     order = rule_order(opts, sub)
     if opts.optlevel >= 3 and not opts.engine:
         order = default_order(opts)
+    if randomness.draws_random(sub):
+        # its draws must be eager's: only engines that call PyTorch's random kernels
+        order = [n for n in order if getattr(engines.describe(n), "draws_from_torch", False)]
     if opts.quantize:
         able = [n for n in order if quantizes(engines.describe(n), opts)]
         if not able:

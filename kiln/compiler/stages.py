@@ -423,7 +423,9 @@ def _validate(pipe, captured, opts) -> dict:
     Each stage was validated on its own; this catches wiring mistakes and error
     growth across stages. Lossy compiles (int8, auto-cast) passed their own
     accuracy gates per stage, so for them the error is recorded, not judged."""
+    from kiln.graph import randomness
     from kiln.graph.validation import compare
+    randomness.restore(captured.draws)
     actual = pipe.run_flat(list(captured.example_inputs))
     names = [s.name for s in captured.output_specs]
     lossy = opts.get("quantize") or opts.get("auto_cast", "none") != "none"

@@ -45,6 +45,10 @@ class Engine:
       such partitions load only from artifacts this host trusts
       (``kiln.artifact.trust``). Engines whose blobs are data they parse leave it False.
     * ``blob_suffix``: the blob's file suffix inside the artifact.
+    * ``draws_from_torch``: its builds draw random numbers (dropout) by calling PyTorch's
+      own random kernels on its default generator, in the graph's order, so a seed gives
+      eager's numbers. Operations that draw go to the host on engines without it
+      (:mod:`kiln.graph.randomness`).
     """
 
     name: str = ""
@@ -60,6 +64,7 @@ class Engine:
     load_modules: tuple | None = None
     native_code: bool = False
     blob_suffix: str = ".bin"
+    draws_from_torch: bool = False
 
     # -- description that depends on the host ---------------------------------------
 

@@ -47,6 +47,7 @@ _CONSTANT = re.compile(r"^c\d+$")
 
 class EagerEngine(Engine):
     name = "eager"
+    draws_from_torch = True  # it is PyTorch
     title = "PyTorch eager"
     devices = ("cpu",)
     priority: dict = {}          # not a default candidate: chosen only when named

@@ -93,6 +93,7 @@ class InductorEngine(Engine):
     package = "torch"
     blob_suffix = ".pt2"
     native_code = True      # the blob is a shared library that loading maps and runs
+    draws_from_torch = True  # fallback_random: dropout calls PyTorch's kernel (below)
 
     def missing(self) -> str | None:
         # Only compiling needs a C++ compiler (compile() says so when it is
@@ -168,6 +169,10 @@ def _inductor_configs(options, device: str = "cpu") -> dict:
         "cpp.dynamic_threads": True,                    # thread count chosen at run time
         "aot_inductor.package_constants_in_so": True,   # weights inside the blob
         "aot_inductor.metadata": {_TORCH_VERSION_KEY: torch.__version__, _DEVICE_KEY: device},
+        # random ops (a training graph's dropout) call PyTorch's own kernels on its default
+        # generator, in the graph's order, instead of Inductor's generator: the same seed
+        # gives eager's masks (kiln.graph.randomness); graphs without them are unchanged
+        "fallback_random": True,
     }
     if options.target == "generic":
         configs.update(_generic_isa())

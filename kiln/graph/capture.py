@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import one_trace
+from kiln.graph import one_trace, randomness
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -45,6 +45,7 @@ class Captured:
     notes: list = field(default_factory=list)
     exported: object = None              # the ExportedProgram (decomposed) the graph came from
     tensor_mask: list | None = None      # which pytree input leaves are tensors
+    draws: object = None                 # randomness.Draws before eager_outputs were computed
 
 
 def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
@@ -179,6 +180,7 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
     leaves, in_specs = [], []
     structure = {"dict": [[n, specs.encode(v, n, leaves, in_specs)] for n, v in named.items()]}
 
+    draws = randomness.Draws()
     with torch.no_grad():
         eager = call_bound(model, named)
     out_leaves, out_specs = [], []
@@ -201,13 +203,14 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
             ep = decompose_program(ep, _name(model))
     tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
     gm = graph_module(ep, tensor_mask)
+    randomness.lay_out_as_eager(gm)      # random ops draw into eager's layout, wherever they run
     graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if len(graph_outputs) != len(out_leaves):
         raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
                            "produce; return only tensors (in tuples, lists or dicts)")
     captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
                         list(leaves), [t.detach() for t in out_leaves], _name(model))
-    captured.exported, captured.tensor_mask = ep, tensor_mask
+    captured.exported, captured.tensor_mask, captured.draws = ep, tensor_mask, draws
     return captured
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from kiln.graph import randomness
 from kiln.graph.capture import user_frame
 
 
@@ -35,6 +36,17 @@ class Placement:
     reasons: dict = field(default_factory=dict)       # node -> reason it is on the host
     unsupported: set = field(default_factory=set)     # nodes the engine cannot run at all
     partitions: list = field(default_factory=list)    # list of lists of nodes, graph order
+
+
+def takes(engine, node) -> str | None:
+    """None if ``engine`` may run ``node``, else why not: what it supports, and an
+    operation that draws random numbers only where they come from PyTorch's generator."""
+    if not getattr(engine, "draws_from_torch", False):
+        if randomness.draws(node):
+            return randomness.WHY_HOST
+        if node.meta.get(randomness.RELAYOUT):
+            return randomness.WHY_RELAYOUT
+    return engine.supports(node)
 
 
 class _Support(OperatorSupportBase):
@@ -61,7 +73,7 @@ def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
             placement.reasons[node] = "placed on the host by ops_on_host"
             placement.on_device[node] = False
             continue
-        reason = engine.supports(node)
+        reason = takes(engine, node)
         placement.on_device[node] = reason is None
         if reason is not None:
             placement.reasons[node] = reason

@@ -1,0 +1,62 @@
+"""Graphs that draw random numbers (dropout, ``rand_like``) compile to eager's numbers for
+the same seed, and compiling does not use up the caller's random numbers
+(``kiln.graph.randomness``). The training paths are in ``test_device_compile.py``
+(dropout in ONNX Runtime partitions and whole on Inductor)."""
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln.graph import randomness
+
+
+class _Noisy(torch.nn.Module):
+    """Noise added to a transposed product: ``rand_like`` draws into its input's layout, a
+    transpose eager leaves as a view and ONNX Runtime hands back contiguous."""
+
+    def forward(self, x):
+        y = (x * 2).t()
+        return y + torch.rand_like(y), F.dropout(x, 0.5, training=True)
+
+
+def test_a_graph_that_draws_compiles_to_eagers_numbers_and_leaves_the_seed_alone():
+    model, x = _Noisy(), torch.randn(6, 10)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    compiled = kiln.trace(model, x, engine="onnxruntime", optlevel=1, cache=False, quiet=True)
+    # the check drew eager's numbers twice and passed; the caller's generator is untouched
+    assert torch.equal(torch.get_rng_state(), before)
+    assert compiled.manifest["validation"]["passed"]
+    host = {u["op"]: u["reason"] for u in compiled.manifest["report"]["unsupported_ops"]}
+    assert "random" in host["aten::rand_like"] and "random" in host["aten::native_dropout"]
+    assert "lays out" in host["aten::copy"]        # the transposed input, laid out as eager's
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        got = compiled(x)
+        torch.manual_seed(seed)
+        expected = model(x)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
+
+
+def test_attention_without_dropout_draws_nothing():
+    """PyTorch tags attention as random for its dropout_p: at 0 it must stay compilable."""
+    def attend(q, p: float):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    q = torch.randn(1, 2, 4, 8)
+    drawn = {}
+    for p in (0.0, 0.1):
+        graph = torch.fx.experimental.proxy_tensor.make_fx(lambda t: attend(t, p), pre_dispatch=True)(q)
+        drawn[p] = [randomness.draws(n) for n in graph.graph.nodes if "attention" in str(n.target)]
+    assert drawn[0.0] and not any(drawn[0.0])
+    assert drawn[0.1] and all(drawn[0.1])
+
+
+def test_draws_restore_sets_the_generator_back():
+    torch.manual_seed(3)
+    with randomness.unchanged():
+        snapshot = randomness.Draws()
+        a = torch.rand(5)
+        snapshot.restore()
+        assert torch.equal(torch.rand(5), a)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(5), a)       # the block's draws did not count
