@@ -389,15 +389,18 @@ def _outputs(trace, outs, op):
 
 def _dropout(x, p, train=None):
     """Dropout on a pending tensor without ending the program: the mask is drawn now,
-    on the host, exactly as CPU's ``native_dropout`` draws it (same generator, dtype and
-    order, so seeds give CPU's masks), and the program multiplies by it as an input.
+    on the host, exactly as CPU's ``native_dropout`` draws it (same generator, dtype,
+    layout and order, so seeds give CPU's masks), and the program multiplies by it as an input.
     (Computing the boolean mask autograd keeps in the program, instead of converting it
     here, made a 4-layer BERT's compiled lazy-mode step about 3x slower on a loaded
     machine, 2.3 s against 0.67 s; why was not looked into.)"""
     if not train or p == 0 or not x.dtype.is_floating_point:
         return NotImplemented
     keep = 1.0 - p
-    mask = torch.empty(x.shape, dtype=x.dtype).bernoulli_(keep)
+    # CPU draws into a tensor laid out like the input (empty_like), in memory order: a
+    # transposed input (a transformer's dropout after attention) gets its numbers on
+    # other elements than a contiguous one would
+    mask = torch.empty_like(_meta_of(x), device="cpu").bernoulli_(keep)
     scale = 0.0 if keep == 0 else 1.0 / keep
     kept = _record(aten.mul.Tensor, (x, dt.wrap(mask)), {})
     out = _record(aten.mul.Tensor, (kept, scale), {})

@@ -49,7 +49,11 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     makes the flush that compiles a program wait for it, instead of running the program
     op by op while kiln's compile process builds it (:mod:`kiln.device.compile_process`,
     :func:`wait_compiles`); ``"auto"``, the default, compiles in the background except in
-    a process group of several ranks (:func:`kiln.device.trace.in_background`)."""
+    a process group of several ranks (:func:`kiln.device.trace.in_background`).
+
+    Settings left out keep the values they had, but for ``compile_after``, which belongs
+    to the mode: left out, it is the mode's own (lazy mode compiles a program the first
+    time it is seen, eager mode's windows the second time)."""
     if mode not in ("eager", "lazy"):
         raise ValueError(f"kiln device mode must be 'eager' or 'lazy', not {mode!r}")
     dispatch.materialize()

@@ -117,8 +117,14 @@ class TensorParallelLLM:
         self._cleanup = path if cleanup else None
 
     def _rank_failed(self, rank, returncode, tail):
-        """A follower process died: its peers' collectives fail from now on; tell the owner."""
-        self.failed = f"rank {rank} exited with code {returncode}"
+        """A follower process died: its peers' collectives fail from now on; tell the owner.
+        Each rank has a watchdog thread of its own, so ranks that exit because the first one
+        did (their collectives aborted) report too: only the first is the cause, kept and
+        told once, as for threads."""
+        with self._failing:
+            if self.failed is not None:
+                return
+            self.failed = f"rank {rank} exited with code {returncode}"
         for listener in list(self.on_failure):
             listener(rank, returncode, tail)
 
