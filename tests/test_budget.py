@@ -87,6 +87,36 @@ def test_a_named_engine_is_kept_and_its_speed_against_eager_recorded():
     assert part["speed_vs_eager"] == pytest.approx(part["eager_latency_ms"] / part["latency_ms"], rel=1e-2)
 
 
+class Picky(Slowpoke):
+    """Takes every operation but ReLU, fast: whole_graph then sends the graph elsewhere."""
+    name = "picky"
+
+    def supports(self, node):
+        return "not ReLU" if "relu" in str(node.target) else None
+
+
+class SlowWhole(Slowpoke):
+    """Stands in for Inductor (whole_graph's engine): takes everything, slowly."""
+    name = "inductor"
+    priority = {"cpu": 30}
+
+
+def test_the_whole_graph_engine_is_still_held_to_eagers_speed():
+    """whole_graph names Inductor for the graph, but the user did not: at -O2 it is timed
+    against eager like any engine, and eager kept where it is faster (it used to count as
+    the user's choice, kept however slow)."""
+    model, x = models.mlp()
+    with engines.registered(Picky, SlowWhole, without=("onnxruntime", "openvino")):
+        compiled = kiln.trace(model, x, whole_graph=True, cache=False)
+    (part,) = compiled.manifest["partitions"]
+    assert any("whole_graph" in n for n in compiled.manifest["report"]["notes"])
+    assert part["engine"] == "eager" and part["note"].startswith("partition 1/1 runs eagerly: inductor ")
+    with engines.registered(Picky, SlowWhole, without=("onnxruntime", "openvino")):
+        (o1,) = kiln.trace(model, x, whole_graph=True, optlevel=1, cache=False).manifest["partitions"]
+    assert o1["engine"] == "inductor" and "whole_graph" in o1["choice"] and "user" not in o1["choice"]
+    assert_close(compiled(x), model(x).detach())
+
+
 def test_quantized_partitions_are_never_compared_with_eager():
     model, x = models.mlp()
     compiled = kiln.trace(model, x, quantize="int8", min_cosine=0.9, min_top1=0.0, cache=False)

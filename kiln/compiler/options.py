@@ -38,6 +38,8 @@ class CompileOptions:
     compile_budget: float | None = None   # seconds per graph for measuring builds; None: the level's default
     whole_graph: bool = False         # when the first engine would leave ops on the host, compile the whole
                                       # graph on an engine that takes every op (Inductor), if it is installed
+    engine_by: str = "user"           # who set ``engine``: the user, or the phase that chose it
+                                      # ("whole_graph", "auto_cast"); only the user's choice is final
 
     def to_dict(self):
         d = asdict(self)

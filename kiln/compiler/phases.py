@@ -69,7 +69,7 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
         if whole is not None:
             notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; "
                          f"the whole graph goes to {whole.name} (whole_graph)")
-            opts, engine = dataclasses.replace(opts, engine=whole.name), whole
+            opts, engine = dataclasses.replace(opts, engine=whole.name, engine_by="whole_graph"), whole
             placement = place(captured.graph_module, engine, opts)
         rep = make_report(captured.graph_module, placement, captured.model_name, engine.name)
     rep.notes.extend(notes)
@@ -200,7 +200,7 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
                       "note": f"{n} op(s) computed in {cast} on the GPU"}
     native = engines.native_engine(cast, "cpu", among=opts.engine) if target_mod.native(cast) else None
     if native is not None:
-        return dataclasses.replace(opts, engine=native), {
+        return dataclasses.replace(opts, engine=native, engine_by=opts.engine_by if opts.engine else "auto_cast"), {
             "auto_cast": kind, "type": cast, "emulated": False,
             "note": f"{cast} computed natively by {engines.get(native).title}"}
     n = precision.emulate(captured.graph_module, kind, cast)

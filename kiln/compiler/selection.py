@@ -103,6 +103,13 @@ def default_order(opts) -> list:
     return [e.name for e in ranked]
 
 
+def named_by_user(opts) -> bool:
+    """Whether the user named the engine: then a build is kept even where eager is faster.
+    An engine a phase chose (``whole_graph``'s Inductor, auto-cast's native engine) is
+    still held to eager's speed at -O2."""
+    return bool(opts.engine) and opts.engine_by == "user"
+
+
 def primary(opts):
     """The engine whose op support decides partitioning."""
     notes = []
@@ -347,7 +354,7 @@ class _Search:
         if self.eager_ms is None:
             return chosen, reason
         ms = chosen[2]["latency_ms"]
-        if self.opts.engine or not measure.eager_wins(ms, self.eager_ms):
+        if named_by_user(self.opts) or not measure.eager_wins(ms, self.eager_ms):
             self.attempts.append({"engine": REFERENCE, "status": "timed", "latency_ms": round(self.eager_ms, 4),
                                   "note": "the partition run by PyTorch, timed for comparison; not built"})
             return chosen, reason
@@ -377,8 +384,12 @@ class _Search:
         if len(self.attempts) > 1:
             return "first engine that compiled it correctly, after " + ", ".join(
                 f"{a['engine']} {a['status']}" for a in self.attempts[:-1])
-        if self.opts.engine:
+        if named_by_user(self.opts):
             return "engine chosen by the user"
+        if self.opts.engine:
+            return {"whole_graph": "the whole graph on the engine that takes every operation (whole_graph)",
+                    "auto_cast": "the engine that computes the auto-cast type natively"}.get(
+                        self.opts.engine_by, f"engine chosen by {self.opts.engine_by}")
         if order[0] != default_order(self.opts)[0]:
             return "default engine for attention partitions (-O2)"
         return "default engine (-O1/-O2)"
