@@ -26,7 +26,7 @@ def analyze(model, example_inputs=None, example_kwargs=None, *, engine=None, dev
     opts = make_options(compiler_args, engine=engine, device=device, min_partition_size=min_partition_size,
                         ops_on_host=ops_on_host)
     progress = Progress(quiet=quiet)
-    with progress.phase("capture"):
+    with progress.phase("capture"), randomness.unchanged():      # its eager run draws nothing of the caller's
         captured = capture(model, example_inputs, example_kwargs)
     return plan(captured, opts, progress).report
 

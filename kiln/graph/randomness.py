@@ -10,6 +10,9 @@ from the default generator, so a seed gives a run's masks. kiln keeps that:
   OpenVINO's ``RandomUniform`` draw from generators of their own: a compiled graph would
   give other masks than eager for the same seed, and its check against eager could never
   pass (it failed, so a BERT's training forward ran uncompiled).
+* A random op draws in memory order, so its input is laid out as eager's was before it
+  runs (:func:`lay_out_as_eager`, at capture): a partition's outputs are contiguous where
+  eager's may be views.
 * A check runs the graph twice, eagerly and compiled: both runs start from one snapshot
   of the generators (:class:`Draws`), or the compiled run would be compared against
   masks it never drew.
