@@ -38,17 +38,28 @@ def test_a_graph_that_draws_compiles_to_eagers_numbers_and_leaves_the_seed_alone
             torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
 
 
+class _Attend(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=self.p)
+
+
 def test_attention_without_dropout_draws_nothing():
-    """PyTorch tags attention as random for its dropout_p: at 0 it must stay compilable."""
-    def attend(q, p: float):
-        return F.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    """PyTorch tags attention as random for its dropout_p: at 0 it must stay on the engine
+    (every inference attention graph would otherwise move to the host)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
     q = torch.randn(1, 2, 4, 8)
     drawn = {}
     for p in (0.0, 0.1):
-        graph = torch.fx.experimental.proxy_tensor.make_fx(lambda t: attend(t, p), pre_dispatch=True)(q)
+        graph = make_fx(_Attend(p), pre_dispatch=True)(q)
         drawn[p] = [randomness.draws(n) for n in graph.graph.nodes if "attention" in str(n.target)]
     assert drawn[0.0] and not any(drawn[0.0])
     assert drawn[0.1] and all(drawn[0.1])
+    report = kiln.analyze(_Attend(0.0), q, engine="onnxruntime", quiet=True)
+    assert report.host_ops == 0 and report.support_percentage == 100.0, str(report)
 
 
 def test_draws_restore_sets_the_generator_back():
