@@ -193,17 +193,15 @@ def test_a_follower_thread_that_fails_is_named_as_the_cause(built, unhandled):
 
 
 def test_only_the_first_follower_process_to_die_is_the_cause(built):
-    """Each follower process has a watchdog thread; when one dies the others' collectives
+    """Each follower process has a watchdog; when one dies the others' collectives
     abort and they exit too, each reporting. The first death stays the cause, told once
     (the second used to overwrite it, and the server heard of every rank)."""
     _, _, path = built["llama"]
     llm = load(path)
     heard = []
     llm.on_failure.append(lambda rank, code, text: heard.append((rank, code)))
-    calls = [threading.Thread(target=llm._rank_failed, args=(r, -9, "tail")) for r in (2, 3, 1)]
-    for t in calls:
-        t.start()
-        t.join()
+    for rank in (2, 3, 1):                     # as their watchdogs report, one after another
+        llm._rank_failed(rank, -9, "tail")
     assert llm.failed == "rank 2 exited with code -9"
     assert heard == [(2, -9)]
 

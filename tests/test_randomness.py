@@ -25,6 +25,8 @@ def test_a_graph_that_draws_compiles_to_eagers_numbers_and_leaves_the_seed_alone
     compiled = kiln.trace(model, x, engine="onnxruntime", optlevel=1, cache=False, quiet=True)
     # the check drew eager's numbers twice and passed; the caller's generator is untouched
     assert torch.equal(torch.get_rng_state(), before)
+    kiln.analyze(model, x, engine="onnxruntime", quiet=True)      # its capture runs the model too
+    assert torch.equal(torch.get_rng_state(), before)
     assert compiled.manifest["validation"]["passed"]
     host = {u["op"]: u["reason"] for u in compiled.manifest["report"]["unsupported_ops"]}
     assert "random" in host["aten::rand_like"] and "random" in host["aten::native_dropout"]

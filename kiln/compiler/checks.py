@@ -28,8 +28,7 @@ class Reference:
 
     def same_draws(self):
         """Set the generators to the state every run of this partition's check starts from."""
-        if self.draws is not None:
-            self.draws.restore()
+        randomness.restore(self.draws)
 
     def outputs(self) -> list:
         if self._outputs is None:

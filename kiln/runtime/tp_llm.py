@@ -121,25 +121,29 @@ class TensorParallelLLM:
         Each rank has a watchdog thread of its own, so ranks that exit because the first one
         did (their collectives aborted) report too: only the first is the cause, kept and
         told once, as for threads."""
-        with self._failing:
-            if self.failed is not None:
-                return
-            self.failed = f"rank {rank} exited with code {returncode}"
-        for listener in list(self.on_failure):
-            listener(rank, returncode, tail)
+        if self._first_failure(f"rank {rank} exited with code {returncode}"):
+            for listener in list(self.on_failure):
+                listener(rank, returncode, tail)
 
     def _thread_failed(self, rank, error):
         """A follower thread failed. Where nothing had failed before, this is the cause: the
         owner hears of it as of rank 0's failed step (no exit code, the reason as the text),
         and its traceback is kept in ``failed_traceback``. A failure that follows another's
         (a rank whose collective was aborted after rank 0 failed its step) adds nothing."""
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        if self._first_failure(f"rank {rank} failed: {type(error).__name__}: {error}", trace):
+            for listener in list(self.on_failure):
+                listener(rank, None, self.failed)
+
+    def _first_failure(self, why: str, trace: str | None = None) -> bool:
+        """Record ``why`` (and a follower thread's ``trace``) as the cause, where nothing had
+        failed before; True when it is the cause, whose listeners are then told. Ranks'
+        watchdogs, follower threads and rank 0's step report from different threads."""
         with self._failing:
             if self.failed is not None:
-                return
-            self.failed_traceback = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self.failed = f"rank {rank} failed: {type(error).__name__}: {error}"
-        for listener in list(self.on_failure):
-            listener(rank, None, self.failed)
+                return False
+            self.failed, self.failed_traceback = why, trace
+            return True
 
     def _join_group(self):
         from kiln.distributed import groups
@@ -198,10 +202,8 @@ class TensorParallelLLM:
     def _broken(self, error):
         """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a
         follower waiting in a collective would otherwise wait for a call that never comes)."""
-        with self._failing:           # else a follower failed first, was reported, and this followed
-            first = self.failed is None
-            if first:
-                self.failed = f"rank 0 failed a step: {type(error).__name__}: {error}"
+        # else a follower failed first, was reported, and this followed
+        first = self._first_failure(f"rank 0 failed a step: {type(error).__name__}: {error}")
         if self._launched is not None:
             self._launched.terminate()
             self._launched = None
