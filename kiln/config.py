@@ -44,6 +44,8 @@ VARIABLES = {v.name: v for v in (
        "per physical core)", "run"),
     _V("KILN_MALLOC_KEEP", "1G", "freed memory glibc's malloc keeps for the next call once a compiled "
        "model is loaded (kiln.host.memory: no page faults on every step); 0 leaves glibc as it is", "run"),
+    _V("KILN_CUDA_GRAPHS", "on", "off: a model compiled for an NVIDIA GPU launches its kernels one by one "
+       "instead of replaying them as a captured CUDA graph (kiln.runtime.cuda_graphs)", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
     # distributed (torchrun sets the first four)

@@ -219,3 +219,150 @@ def test_gpu_tf32_auto_cast_is_checked_at_tf32():
     assert compiled.manifest["precision"]["type"] == "tf32"
     assert compiled.manifest["validation"]["precision"] == "tf32"
     assert_close(compiled(x), model(x).detach(), atol=1e-2, rtol=1e-2)
+
+
+# -- CUDA graphs (kiln.runtime.cuda_graphs) --------------------------------------------------
+
+def _inputs_like(args, kwargs, seed):
+    """Fresh inputs of the compiled shapes: random floats, token ids in range, masks kept."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fresh(t):
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=g, dtype=t.dtype)
+        if t.dtype == torch.long and t.max() > 1:                  # token ids
+            return torch.randint(0, int(t.max()) + 1, t.shape, generator=g)
+        return t.clone()
+    return tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["cnn", "bert"])
+def test_gpu_calls_replay_one_captured_graph_and_never_overwrite_held_outputs(on_gpu, name):
+    """Five calls in a row with other inputs, on the GPU and from the CPU, every output held:
+    each equals eager on its own inputs after all five ran (the graph's buffers are reused by
+    each replay; what the caller holds must not be)."""
+    model, args, kwargs, compiled = on_gpu[name]
+    graph = compiled.cuda_graph
+    assert graph is not None
+    compiled(*args, **kwargs)
+    assert graph.captured, graph.state
+    before = graph.replays
+    held = []
+    for seed in range(5):
+        a, kw = _inputs_like(args, kwargs, seed)
+        on_gpu_now = seed % 2 == 0
+        if on_gpu_now:
+            a, kw = tuple(t.cuda() for t in a), {k: v.cuda() for k, v in kw.items()}
+        out = _first(compiled(*a, **kw))
+        assert out.device.type == ("cuda" if on_gpu_now else "cpu")
+        held.append((a, kw, out))
+    assert graph.replays == before + 5 and graph.state == "captured"
+    for a, kw, out in held:
+        cpu_a, cpu_kw = tuple(t.cpu() for t in a), {k: v.cpu() for k, v in kw.items()}
+        assert_close(out.cpu(), _eager(model, cpu_a, cpu_kw), **TOL)
+
+
+@needs_gpu
+def test_gpu_graphs_can_be_turned_off(on_gpu, tmp_path, monkeypatch):
+    from kiln.runtime.options import RuntimeOptions
+    model, args, _, compiled = on_gpu["mlp"]
+    path = tmp_path / "mlp.kiln"
+    compiled.save(str(path))
+    plain = kiln.runtime.model.CompiledModel(compiled._artifact, RuntimeOptions(cuda_graphs=False))
+    assert plain.cuda_graph is None
+    assert_close(plain(*args), _eager(model, args, {}), **TOL)
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "off")
+    assert kiln.load(str(path), trust_native_code=True).cuda_graph is None
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "on")
+    assert kiln.load(str(path), trust_native_code=True).cuda_graph is not None
+
+
+# -- torch.compile(backend="kiln") training on CUDA tensors ----------------------------------
+
+def _bert_classifier():
+    from transformers import BertForSequenceClassification
+    torch.manual_seed(0)
+    cfg = models.tiny_bert_config(num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+@needs_gpu
+@needs_cxx
+@pytest.mark.parametrize("kind", ["bert", "cnn"])
+def test_gpu_torch_compile_training_compiles_and_equals_eager(kind):
+    """Every graph compiled (no warning: nothing ran eagerly), the losses and weights of
+    three AdamW steps equal eager's on the same GPU."""
+    import copy
+    import warnings
+    from kiln.device import metrics
+    torch._dynamo.reset()
+    metrics.clear()
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 4, (8,), generator=g).cuda()
+    if kind == "bert":
+        ref = _bert_classifier().cuda()
+        x = {"input_ids": torch.randint(0, 120, (8, 16), generator=g).cuda()}
+        loss_of = lambda m: torch.nn.functional.cross_entropy(m(**x).logits, y)    # noqa: E731
+    else:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                  torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(),
+                                  torch.nn.Linear(32, 4)).cuda()
+        xs = torch.randn(8, 3, 12, 12, generator=g).cuda()
+        loss_of = lambda m: torch.nn.functional.cross_entropy(m(xs), y)            # noqa: E731
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="kiln", options={"optlevel": 1}, dynamic=False)
+
+    def train(m, run, steps=3):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = loss_of(run)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    expected = train(ref, ref)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = train(model, compiled)
+    eager = [str(w.message) for w in seen if "runs eagerly" in str(w.message)]
+    assert not eager, "\n".join(eager)                          # every graph compiled
+    assert metrics.counter_value("EagerGraphs") == 0
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") >= 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-3, atol=1e-4)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-2, atol=1e-3, msg=lambda m: f"{name}: {m}")
+    torch._dynamo.reset()
+
+
+# last in the file: a failed capture must leave the GPU usable for what follows
+@needs_gpu
+def test_gpu_program_that_cannot_be_captured_runs_uncaptured_with_a_warning(on_gpu):
+    """A program that waits for the CPU mid-call (here: reads a value back) cannot be
+    captured: the model says why once and answers from its uncaptured program."""
+    from kiln.runtime.cuda_graphs import GraphedProgram
+    from kiln.runtime.options import RuntimeOptions
+    model, args, _, compiled = on_gpu["mlp"]
+    fresh = kiln.runtime.model.CompiledModel(compiled._artifact, RuntimeOptions())
+    real = fresh.program
+
+    def syncing():
+        def run(inputs):
+            inputs[0].sum().item()                  # a device-to-host read: not allowed while capturing
+            return real(inputs)
+        return run
+    fresh.cuda_graph = GraphedProgram(syncing, fresh.cuda_graph.device, name="the test's model")
+    assert_close(fresh(*args), _eager(model, args, {}), **TOL)       # a first call is never captured
+    with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph"):
+        out = fresh(*args)
+    assert fresh.cuda_graph.state.startswith("uncaptured: "), fresh.cuda_graph.state
+    assert_close(out, _eager(model, args, {}), **TOL)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # said once
+        assert_close(fresh(args[0].cuda()).cpu(), _eager(model, args, {}), **TOL)
+        # the failed capture left the GPU usable: the compiled model's own graph still replays
+        assert_close(compiled(args[0].cuda()).cpu(), _eager(model, args, {}), **TOL)

@@ -40,6 +40,7 @@ captures per graph: each holds a copy of the weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 import weakref
@@ -123,6 +124,9 @@ class _Wrapped:
 
     def __init__(self, graph, device):
         self.graph, self.device = graph, device
+        # the LLM's graphs capture as this module says, not as every GPU model does
+        # (kiln.runtime.cuda_graphs): a decode step's cache views are read where they are
+        graph.cuda_graph = None
 
     @classmethod
     def wrap(cls, graph, device):
@@ -220,4 +224,5 @@ def _instance(graph):
     graph this process already loaded (its native code admitted then), so they are trusted."""
     art = Artifact.from_bytes(graph.to_bytes())
     trust.admit(art, "a GPU decode graph", True)
-    return CompiledModel(art, graph.runtime_options, source="a GPU decode graph")
+    options = dataclasses.replace(graph.runtime_options, cuda_graphs=False)
+    return CompiledModel(art, options, source="a GPU decode graph")

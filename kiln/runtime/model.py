@@ -223,6 +223,14 @@ class CompiledModel(Model):
                            [([specs.TensorSpec.from_dict(d) for d in p["inputs"]],
                              [specs.TensorSpec.from_dict(d) for d in p["outputs"]])
                             for p in m["partitions"]], self.output_specs, source)
+        # A CUDA artifact's program runs on the GPU whoever calls it: host constants there,
+        # CPU inputs moved in and outputs moved back (_on_gpu). Partitions alone would send
+        # their outputs wherever their first input was, a constant's CPU for one, and the
+        # host operations after them would meet tensors on two devices.
+        self._gpu = None
+        if len(self._devices) > 1 and torch.cuda.is_available():
+            self._gpu = torch.device("cuda", torch.cuda.current_device())
+            self._constants = {k: v.to(self._gpu) for k, v in self._constants.items()}
         self.program = None
         if core is DEFAULT:
             core = resolve_placement()
@@ -235,6 +243,23 @@ class CompiledModel(Model):
         self.metrics.core = self.core.id if getattr(self, "core", None) is not None else None
         announce_model(self.metrics)   # now kiln.metrics(), kiln ls and KILN_PROFILE see it
         self._labels = self.program.labels([p["engine"] for p in m["partitions"]])
+        self.cuda_graph = self._cuda_graph()
+
+    def _cuda_graph(self):
+        """A CUDA artifact's calls replay as a captured CUDA graph (kiln.runtime.cuda_graphs),
+        unless turned off; None on CPUs."""
+        if self._gpu is None or not self.runtime_options.resolved_cuda_graphs():
+            return None
+        from kiln.runtime.cuda_graphs import GraphedProgram
+        return GraphedProgram(lambda: self._build_program(self.runtime_options), self._gpu,
+                              name=f"model '{self.name}'")
+
+    def _on_gpu(self, flat):
+        """(``flat`` on the GPU, the device the outputs go back to or None) for a CUDA artifact."""
+        if self._gpu is None or all(t.is_cuda for t in flat):
+            return flat, None
+        home = flat[0].device if flat and not flat[0].is_cuda else None
+        return [t if t.is_cuda else t.to(self._gpu) for t in flat], home
 
     # -- calling ----------------------------------------------------------------
     def flatten(self, args, kwargs) -> list:
@@ -304,7 +329,7 @@ class CompiledModel(Model):
         """Reload the engines on a worker pinned to ``core``'s CPUs (their thread
         pools inherit the pin), with one engine thread per CPU."""
         worker = worker or Worker(core.cpus, name=f"kiln-core{core.id}")
-        opts = RuntimeOptions(threads=self.runtime_options.threads, cpus=core.cpus, spin=self.runtime_options.spin)
+        opts = dataclasses.replace(self.runtime_options, cpus=core.cpus)
         program = worker.call(self._build_program, opts)
         old = self._worker
         object.__setattr__(self, "program", program)
@@ -324,6 +349,9 @@ class CompiledModel(Model):
         steps being recorded): their threads must not busy-wait between calls, or they
         take the CPUs from that work (measured: a BERT training step under
         ``torch.compile(backend="kiln")``, 328 -> 270 ms on 2 cores)."""
+        # on a GPU it is called with new activations and parameters each time: uncaptured
+        # (a captured graph would copy every parameter in on every call)
+        self.cuda_graph = None
         if not self.runtime_options.spin:
             return
         self.runtime_options = dataclasses.replace(self.runtime_options, spin=False)
@@ -349,15 +377,21 @@ class CompiledModel(Model):
         traced = rec is not None or profiler.torch_profiling()
         start = time.perf_counter()
         try:
-            if self._host_ops or traced:
-                # step by step: host fallback time is counted apart, and profiles get spans
-                span = _span_sink(rec, self.name) if rec is not None else None
-                scope = _torch_scope(self.name) if traced and profiler.torch_profiling() else None
-                with torch.no_grad():
-                    outs, device, host = self.program.run_timed(flat, self._labels, span, scope)
-            else:  # engines never record autograd; skip the grad-mode switch
-                outs = self.program([t.detach() if t.requires_grad else t for t in flat])
-                device = host = None
+            graph = self.cuda_graph if not traced else None
+            outs = graph([t.detach() for t in flat]) if graph is not None else None
+            device = host = None
+            if outs is None:
+                run, home = self._on_gpu(flat)
+                if self._host_ops or traced:
+                    # step by step: host fallback time is counted apart, and profiles get spans
+                    span = _span_sink(rec, self.name) if rec is not None else None
+                    scope = _torch_scope(self.name) if traced and profiler.torch_profiling() else None
+                    with torch.no_grad():
+                        outs, device, host = self.program.run_timed(run, self._labels, span, scope)
+                else:  # engines never record autograd; skip the grad-mode switch
+                    outs = self.program([t.detach() if t.requires_grad else t for t in run])
+                if home is not None:
+                    outs = [o.to(home) if isinstance(o, torch.Tensor) else o for o in outs]
         except BaseException:
             self.metrics.record_failure()
             raise

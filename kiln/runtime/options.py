@@ -17,6 +17,9 @@ class RuntimeOptions:
     # engine threads may busy-wait between calls: faster for one engine called back to back,
     # ruinous when several partitions and host operations take turns on the same CPUs
     spin: bool = True
+    # a model compiled for an NVIDIA GPU replays each call as a captured CUDA graph
+    # (kiln.runtime.cuda_graphs); None = KILN_CUDA_GRAPHS (default on)
+    cuda_graphs: bool | None = None
 
     def resolved_threads(self) -> int:
         from kiln.host.cores import available_cpus
@@ -26,3 +29,8 @@ class RuntimeOptions:
         if env:
             return int(env)
         return len(self.cpus) if self.cpus else available_cpus()
+
+    def resolved_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is not None:
+            return bool(self.cuda_graphs)
+        return (config.get("KILN_CUDA_GRAPHS") or "on").strip().lower() not in ("0", "off", "false", "no")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on a lent NVIDIA GPU (the device tool's `run`): the GPU tests and benchmarks/gpu.py
+# together, logs and JSON under $OUT. The tests run first on the CPU cores while the two
+# benchmark processes compile; each benchmark times only once the job before it is done, so
+# no timing shares the machine with other work.
+#
+#   bash benchmarks/gpu_session.sh            (environment: TESTS, TEST_TIMEOUT, BENCH_TIMEOUT,
+#                                              MODELS, BATCHES, PYTEST_K)
+set -u
+OUT=${OUT:-/tmp/kiln-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then     # packages the image lacks (cryptography), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the image's AOTInductor CUDA packages crash in std::regex at load without the system libstdc++
+export LD_PRELOAD="$(readlink -f "$(g++ -print-file-name=libstdc++.so.6)")"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+rm -f "$OUT"/*.done
+(
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --timeout=300 -rfEs \
+    ${TESTS:-tests/test_device_cuda.py} -k "${PYTEST_K:-not o3}" >"$OUT/tests.log" 2>&1
+  echo "pytest rc=$?" >>"$OUT/tests.log"
+  touch "$OUT/tests.done"
+) &
+prev="$OUT/tests.done"
+for model in ${MODELS:-bert-base resnet50}; do
+  (
+    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu.py --models "$model" --batches "${BATCHES:-1}" \
+      --rounds 3 --after "$prev" --json "$OUT/gpu-$model.json" >"$OUT/bench-$model.log" 2>&1
+    echo "gpu.py rc=$?" >>"$OUT/bench-$model.log"
+    touch "$OUT/$model.done"
+  ) &
+  prev="$OUT/$model.done"
+done
+wait
+echo "=== tests"; grep -E "passed|failed|error|Error|FAILED|rc=" "$OUT/tests.log" | tail -40
+for model in ${MODELS:-bert-base resnet50}; do echo "=== $model"; tail -15 "$OUT/bench-$model.log"; done
