@@ -135,9 +135,6 @@ def run_case(name, batch, rounds, per_round, skip, after=None):
             results[key] = {"status": "error", "error": short_error(e)}
             built.pop(key, None)
         print(f"  {name}: {key} ready", file=sys.stderr, flush=True)
-    if "kiln" in kiln_models and "kiln" in results:
-        graph = kiln_models["kiln"].cuda_graph
-        results["kiln"]["cuda_graph"] = graph.state if graph is not None else "off"
     if after:
         print(f"  {name}: compiled; waiting for {after} before timing", file=sys.stderr, flush=True)
         while not os.path.exists(after):
@@ -149,6 +146,9 @@ def run_case(name, batch, rounds, per_round, skip, after=None):
         for key, fn in built.items():
             fn()
             results[key]["samples"] += [timed(fn) for _ in range(per_round)]
+    if "kiln" in kiln_models and "samples" in results.get("kiln", {}):
+        graph = kiln_models["kiln"].cuda_graph
+        results["kiln"]["cuda_graph"] = graph.state if graph is not None else "off"
     ref = results["eager"]["_out"]
     base = statistics.median(results["eager"]["samples"])
     aoti = results.get("aotinductor", {}).get("samples")

@@ -5,7 +5,7 @@
 # no timing shares the machine with other work.
 #
 #   bash benchmarks/gpu_session.sh            (environment: TESTS, TEST_TIMEOUT, BENCH_TIMEOUT,
-#                                              MODELS, BATCHES, PYTEST_K)
+#                                              MODELS, BATCHES, SKIP, PYTEST_K)
 set -u
 OUT=${OUT:-/tmp/kiln-gpu}
 mkdir -p "$OUT"
@@ -29,7 +29,7 @@ prev="$OUT/tests.done"
 for model in ${MODELS:-bert-base resnet50}; do
   (
     timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu.py --models "$model" --batches "${BATCHES:-1}" \
-      --rounds 3 --after "$prev" --json "$OUT/gpu-$model.json" >"$OUT/bench-$model.log" 2>&1
+      --rounds 3 --skip "${SKIP:-kiln-bf16,torch.compile}" --after "$prev" --json "$OUT/gpu-$model.json" >"$OUT/bench-$model.log" 2>&1
     echo "gpu.py rc=$?" >>"$OUT/bench-$model.log"
     touch "$OUT/$model.done"
   ) &
