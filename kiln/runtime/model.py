@@ -256,10 +256,11 @@ class CompiledModel(Model):
 
     def _on_gpu(self, flat):
         """(``flat`` on the GPU, the device the outputs go back to or None) for a CUDA artifact."""
-        if self._gpu is None or all(t.is_cuda for t in flat):
+        if self._gpu is None or all(t.is_cuda for t in flat if isinstance(t, torch.Tensor)):
             return flat, None
-        home = flat[0].device if flat and not flat[0].is_cuda else None
-        return [t if t.is_cuda else t.to(self._gpu) for t in flat], home
+        first = flat[0] if flat and isinstance(flat[0], torch.Tensor) else None
+        home = first.device if first is not None and not first.is_cuda else None
+        return [t.to(self._gpu) if isinstance(t, torch.Tensor) and not t.is_cuda else t for t in flat], home
 
     # -- calling ----------------------------------------------------------------
     def flatten(self, args, kwargs) -> list:
