@@ -73,3 +73,43 @@ def test_draws_restore_sets_the_generator_back():
         assert torch.equal(torch.rand(5), a)
     torch.manual_seed(3)
     assert torch.equal(torch.rand(5), a)       # the block's draws did not count
+
+
+# -- the device's dropout masks (kiln.device.draws) --------------------------------------------
+
+def _masks_both_ways(like, p, seed=3):
+    from kiln.device import draws
+    torch.manual_seed(seed)
+    expected = torch.empty_like(like).bernoulli_(p).to(torch.bool)
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(seed)
+    got = draws.keep_mask(like.to("meta"), p)
+    return expected, got, after_eager, torch.get_rng_state()
+
+
+def test_device_masks_are_cpu_eagers_bits_and_leave_the_generator_where_eager_does():
+    """Contiguous and transposed (CPU draws in memory order), float32 and bf16, odd sizes,
+    p near the ends: the same kept elements, the same generator state afterwards."""
+    from kiln.device import draws
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, transpose in (((4, 33, 65), False), ((2, 3, 40, 24), True), ((1000,), False)):
+            like = torch.empty(shape, dtype=dtype)
+            like = like.transpose(-1, -2) if transpose else like
+            for p in (0.9, 0.5, 1e-6, 1 - 1e-9, 0.0):
+                expected, got, s1, s2 = _masks_both_ways(like, p)
+                assert got.dtype == torch.bool and got.stride() == expected.stride()
+                assert torch.equal(got, expected), (dtype, shape, transpose, p)
+                assert torch.equal(s1, s2), (dtype, shape, transpose, p)
+    # which way it drew: the integer draw where the probe found it exact (every CPU but Intel's,
+    # where PyTorch draws through MKL)
+    assert draws._exact[torch.float32] == draws._probe(torch.float32)
+
+
+def test_device_masks_fall_back_to_bernoulli_where_the_integer_draw_is_not_exact(monkeypatch):
+    from kiln.device import draws
+    monkeypatch.setattr(draws, "_exact", {})
+    monkeypatch.setattr(draws, "_from_bits", lambda bits, p: bits.bitwise_and(1).bool())   # a wrong rule
+    assert draws._probe(torch.float32) is False
+    expected, got, s1, s2 = _masks_both_ways(torch.empty(8, 100), 0.9)
+    assert draws._exact[torch.float32] is False
+    assert torch.equal(got, expected) and torch.equal(s1, s2)
