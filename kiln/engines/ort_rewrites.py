@@ -107,24 +107,37 @@ def _constant(attribute):
 
 
 def _weight_transposes(graph) -> int:
-    """``Transpose(initializer)`` → the transposed initializer, under the node's output name."""
+    """``Transpose(initializer)`` → the transposed initializer, under the node's output name.
+
+    A weight that feeds only its transpose (every linear layer's) is rewritten where it lies:
+    appending a transposed copy, then rebuilding the initializer list without the original,
+    copied each message twice more (protobuf copies on append and extend), 1.8 of 3 graphs'
+    5.5 s for SmolLM2's float32 build."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
     g = GraphIndex(graph)
-    dead = []
+    dead, appended = [], False
     for n in graph.node:
         if n.op_type != "Transpose" or n.input[0] not in g.initializers or n.output[0] in g.outputs:
             continue
-        value = numpy_helper.to_array(g.initializers[n.input[0]])
+        init = g.initializers[n.input[0]]
         perm = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "perm"), None)
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(np.transpose(value, perm)), n.output[0]))
+        value = np.ascontiguousarray(np.transpose(numpy_helper.to_array(init), perm))
+        if (g.only_use(n.input[0], n) and init.HasField("raw_data")
+                and init.data_location != TensorProto.EXTERNAL):
+            init.name = n.output[0]
+            del init.dims[:]
+            init.dims.extend(value.shape)
+            init.raw_data = value.tobytes()
+        else:
+            graph.initializer.append(numpy_helper.from_array(value, n.output[0]))
+            appended = True
         dead.append(n)
     g.remove(dead)
-    used = {i for n in graph.node for i in n.input} | g.outputs
-    keep = [i for i in graph.initializer if i.name in used]
-    if len(keep) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
+    if appended:        # an original another node still read stays; one nothing reads goes
+        used = {i for n in graph.node for i in n.input} | g.outputs
+        for k in reversed([k for k, i in enumerate(graph.initializer) if i.name not in used]):
+            del graph.initializer[k]
     return len(dead)
 
 
