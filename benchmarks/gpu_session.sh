@@ -6,6 +6,15 @@
 #
 #   bash benchmarks/gpu_session.sh            (environment: TESTS, TEST_TIMEOUT, BENCH_TIMEOUT,
 #                                              MODELS, BATCHES, SKIP, PYTEST_K)
+#
+# The device image lacks cryptography (kiln's artifact signing); carry it as wheels in an
+# ignored .whl/ folder (run's carry=[".whl"]), fetched beforehand on the development machine:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl cryptography cffi pycparser
+# A first call that fits a 15-minute device budget with time to rerun (~7 minutes):
+#   TEST_TIMEOUT=330 BENCH_TIMEOUT=400 PYTEST_K="not o3 and not bf16 and not tf32" bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-/tmp/kiln-gpu}
 mkdir -p "$OUT"
