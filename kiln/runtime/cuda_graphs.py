@@ -22,9 +22,11 @@ One graph per compiled model: an artifact has static shapes, and its buckets and
 sizes are compiled models of their own (``kiln.runtime.buckets``), so each gets its graph.
 
 Capture happens at the second call: the first runs uncaptured, so a model called once (the
-compile's check against eager, a one-off script) never pays for one. It uses an instance of the program of its own, loaded again from the
-artifact's blobs, with the host constants on the GPU. AOTInductor's container records an
-event after each run to know when a model instance is free and queries those events when
+compile's check against eager, a one-off script) never pays for one. It uses an instance of
+the program of its own, loaded again from the artifact's blobs (host constants on the GPU,
+as the model's own: ``CompiledModel`` runs a CUDA artifact's whole program there).
+AOTInductor's container records an event after each run to know when a model instance is
+free and queries those events when
 none is; a query is not allowed while a stream is capturing, and an event recorded during a
 capture cannot be queried afterwards, so an instance that ran directly may fail a capture
 and a captured one fails its next direct run (both seen on an H100 with the decode graphs
