@@ -26,11 +26,11 @@ compile's check against eager, a one-off script) never pays for one. It uses an 
 the program of its own, loaded again from the artifact's blobs (host constants on the GPU,
 as the model's own: ``CompiledModel`` runs a CUDA artifact's whole program there).
 AOTInductor's container records an event after each run to know when a model instance is
-free and queries those events when
-none is; a query is not allowed while a stream is capturing, and an event recorded during a
-capture cannot be queried afterwards, so an instance that ran directly may fail a capture
-and a captured one fails its next direct run (both seen on an H100 with the decode graphs
-of :mod:`kiln.runtime.cuda_llm`, which capture the same way). The captured instance
+free and queries those events when none is; a query is not allowed while a stream is
+capturing, and an event recorded during a capture cannot be queried afterwards, so an
+instance that ran directly may fail a capture and a captured one fails its next direct run
+(both seen on an H100 with the decode graphs of :mod:`kiln.runtime.cuda_llm`, which capture
+the same way). The captured instance
 belongs to its graph from then on; uncaptured calls (profiled ones, step by step) keep the
 model's own. The price is a second copy of the weights on the GPU.
 
