@@ -46,7 +46,7 @@ import torch
 from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.engines.base import Engine
-from kiln.engines import onnx_model, ort_decoder, ort_fusions, ort_gqa, ort_quantize
+from kiln.engines import onnx_model, ort_decoder, ort_fusions, ort_gqa
 from kiln import config, scratch
 
 _MAGIC = b"KILNORT2"
@@ -101,8 +101,8 @@ class OnnxRuntimeEngine(Engine):
             if options.quantize and variant is None:
                 model, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
             else:
-                proto, settings = onnx_model.exported(partition, example_inputs)
-                model = ort_quantize.save(proto, os.path.join(tmp, "model.onnx"))
+                model, settings = onnx_model.exported_file(partition, example_inputs,
+                                                           os.path.join(tmp, "model.onnx"))
             if variant == "transformers":
                 fused = os.path.join(tmp, "fused.onnx")
                 settings.update(variant=variant, **ort_fusions.optimize(model, fused))

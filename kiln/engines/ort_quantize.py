@@ -57,20 +57,25 @@ def save(model, path: str) -> str:
     """Write ``model`` to ``path`` with its weights inline, as torch's exporter does below
     protobuf's 2 GB limit (beyond it, in ``path + ".data"``); ``path`` returned."""
     import onnx
+    data = serialized(model)
+    if data is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+    onnx.save_model(model, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
+    return path
+
+
+def serialized(model) -> bytes | None:
+    """``model``'s bytes, or None where protobuf cannot hold it in one message (2 GB)."""
     from google.protobuf.message import EncodeError
     try:
         # serialized once: sizing the message first (ByteSize) costs as much again, 1.3 s
         # for SmolLM2's 660 MB graph
         data = model.SerializeToString()
     except (EncodeError, ValueError):   # protobuf refuses a message over 2 GB
-        data = None
-    if data is not None and len(data) < 2**31 - 2**24:
-        with open(path, "wb") as f:
-            f.write(data)
-        return path
-    del data
-    onnx.save_model(model, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
-    return path
+        return None
+    return data if len(data) < 2**31 - 2**24 else None
 
 
 INT4_GROUP = 32
