@@ -108,3 +108,34 @@ def test_rewritten_graph_goes_through_quantization(mode):
                               quantize_mode=mode)
     assert rewritten == {"transpose": 3, "linear": 3, "rms_norm": 1}
     assert ops["MatMulNBits" if mode == "weight_only" else "DynamicQuantizeLinear"] >= 1, ops
+
+
+def test_a_transposed_weight_is_rewritten_in_place_and_a_shared_one_kept():
+    """A weight that feeds only its Transpose becomes the transposed weight under the
+    Transpose's output name (no copy appended); one that something else also reads stays,
+    beside a transposed copy. ONNX Runtime runs the result to the same values."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from kiln.engines import ort_rewrites
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    v = np.arange(6, dtype=np.float32).reshape(3, 2) - 2
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"]),
+         helper.make_node("Transpose", ["v"], ["vt"], perm=[1, 0]), helper.make_node("Relu", ["vt"], ["r"]),
+         helper.make_node("Identity", ["v"], ["vv"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+         for name, shape in (("y", [1, 2]), ("r", [2, 3]), ("vv", [3, 2]))],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    assert ort_rewrites._weight_transposes(model.graph) == 2
+    # w rewritten where it lay (first), v kept for the Identity, its transpose appended
+    assert [i.name for i in model.graph.initializer] == ["wt", "v", "vt"]
+    assert not any(n.op_type == "Transpose" for n in model.graph.node)
+    x = np.array([[1.0, -2.0, 0.5]], np.float32)
+    y, r, vv = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, x @ w.T)
+    np.testing.assert_array_equal(r, np.maximum(v.T, 0))
+    np.testing.assert_array_equal(vv, v)

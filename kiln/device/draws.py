@@ -1,4 +1,4 @@
-"""Dropout's masks, drawn as CPU eager draws them, in about half its time.
+"""Dropout's masks, drawn as CPU eager draws them, in about two thirds of its time.
 
 Lazy and eager modes draw each dropout mask on the host when the operation is recorded
 (:func:`kiln.device.dispatch._dropout`), from PyTorch's default generator, so a seed gives
@@ -11,8 +11,9 @@ element at a time: two 32-bit outputs of the Mersenne Twister joined into 64 bit
 order and keeps the same low 53 bits, with less work per element; the comparison with ``p``
 is then one integer comparison over the whole tensor (``u * 2**-53 < p`` exactly when
 ``u < ceil(p * 2**53)``: both sides are exact in binary). Same bits, same generator state
-afterwards. Measured in a BERT-4L lazy-mode step, the 14 masks took 25-28 ms against
-28-30 ms: the Mersenne Twister itself, serial in both, is most of it.
+afterwards. Measured in a BERT-4L lazy-mode step (one process, the two ways alternating),
+the 14 masks took 19.6 ms against 27.8: the Mersenne Twister itself, serial in both, is
+most of what is left.
 
 That equivalence is PyTorch's implementation, not its contract (on Intel CPUs it draws
 through MKL instead, from another stream), so it is checked once per process and dtype

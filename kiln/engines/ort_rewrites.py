@@ -116,6 +116,10 @@ def _weight_transposes(graph) -> int:
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
     g = GraphIndex(graph)
+    inputs = {i.name for i in graph.input}
+    # types whose raw bytes are the NumPy array's (not bfloat16, not packed 4-bit)
+    plain = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.INT8,
+             TensorProto.UINT8, TensorProto.INT32, TensorProto.INT64}
     dead, appended = [], False
     for n in graph.node:
         if n.op_type != "Transpose" or n.input[0] not in g.initializers or n.output[0] in g.outputs:
@@ -123,8 +127,8 @@ def _weight_transposes(graph) -> int:
         init = g.initializers[n.input[0]]
         perm = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "perm"), None)
         value = np.ascontiguousarray(np.transpose(numpy_helper.to_array(init), perm))
-        if (g.only_use(n.input[0], n) and init.HasField("raw_data")
-                and init.data_location != TensorProto.EXTERNAL):
+        if (g.only_use(n.input[0], n) and init.name not in inputs and init.data_type in plain
+                and init.HasField("raw_data") and init.data_location != TensorProto.EXTERNAL):
             init.name = n.output[0]
             del init.dims[:]
             init.dims.extend(value.shape)
