@@ -55,6 +55,8 @@ def _cloned(out):
 
 
 def runners(case, skip):
+    """``(makers, built)``: each runner's maker by name, and the kiln models the makers
+    built (``built["kiln"]``, once made), which the table reads the CUDA-graph state of."""
     import kiln
     m, args, kwargs = case.model, case.args, case.kwargs
     out = {}
@@ -107,8 +109,7 @@ def runners(case, skip):
                            compiler_args="--auto-cast matmult --auto-cast-type bf16", min_top1=0.0)
             return lambda: c(*args, **kwargs)
         out["kiln-bf16"] = kb
-    out["_built"] = built
-    return out
+    return out, built
 
 
 def timed(fn):
@@ -122,8 +123,7 @@ def timed(fn):
 def run_case(name, batch, rounds, per_round, skip, after=None):
     case = on_gpu(build_case(name, False, 0), batch)
     built, results = {}, {}
-    makers = runners(case, skip)
-    kiln_models = makers.pop("_built")
+    makers, kiln_models = runners(case, skip)
     for key, make in makers.items():
         t0 = time.perf_counter()
         try:

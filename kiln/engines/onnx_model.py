@@ -90,25 +90,32 @@ def _reuse_key(partition, example_inputs):
     return partition.code, inputs, weights.hexdigest()
 
 
+def _kept(partition, example_inputs) -> tuple:
+    """``(key, (bytes, settings) or None)``: the partition's key in this block's memo (None
+    outside a :func:`reusing_exports` block) and what the block keeps for it."""
+    memo = getattr(_REUSE, "memo", None)
+    key = _reuse_key(partition, example_inputs) if memo is not None else None
+    return key, (memo.get(key) if key is not None else None)
+
+
+def _keep(key, data, settings):
+    if key is not None and data is not None:     # over protobuf's 2 GB: exported again next time
+        _REUSE.memo[key] = (data, dict(settings))
+
+
 def exported(partition, example_inputs) -> tuple:
     """``(model proto, settings)``: the partition exported and rewritten
     (:mod:`kiln.engines.ort_rewrites`); ``settings`` say how, for the blob's header.
     Each call's model is its own (quantization rewrites it in place)."""
-    memo = getattr(_REUSE, "memo", None)
-    key = _reuse_key(partition, example_inputs) if memo is not None else None
-    if key is not None and key in memo:
+    key, kept = _kept(partition, example_inputs)
+    if kept is not None:
         import onnx
-        data, settings = memo[key]
         proto = onnx.ModelProto()
-        proto.ParseFromString(data)
-        return proto, dict(settings)
+        proto.ParseFromString(kept[0])
+        return proto, dict(kept[1])
     proto, settings = _export(partition, example_inputs)
     if key is not None:
-        from google.protobuf.message import EncodeError
-        try:
-            memo[key] = (proto.SerializeToString(), dict(settings))
-        except (EncodeError, ValueError):    # over protobuf's 2 GB: exported again next time
-            pass
+        _keep(key, ort_quantize.serialized(proto), settings)
     return proto, settings
 
 
@@ -117,17 +124,15 @@ def exported_file(partition, example_inputs, path: str) -> tuple:
     ``path`` for an engine that reads it unchanged (ONNX Runtime's float build). The model is
     serialized once: the bytes kept for the next build of the block are the bytes written
     (each serialization of SmolLM2's 540 MB graph cost 1.2 s, two per graph before)."""
-    memo = getattr(_REUSE, "memo", None)
-    key = _reuse_key(partition, example_inputs) if memo is not None else None
-    if key is not None and key in memo:
-        data, settings = memo[key]
+    key, kept = _kept(partition, example_inputs)
+    if kept is not None:
+        data, settings = kept
     else:
         proto, settings = _export(partition, example_inputs)
         data = ort_quantize.serialized(proto)
         if data is None:                 # over protobuf's 2 GB: weights beside the file
             return ort_quantize.save(proto, path), settings
-        if key is not None:
-            memo[key] = (data, dict(settings))
+        _keep(key, data, settings)
     with open(path, "wb") as f:
         f.write(data)
     return path, dict(settings)

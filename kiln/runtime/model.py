@@ -256,7 +256,7 @@ class CompiledModel(Model):
 
     def _on_gpu(self, flat):
         """(``flat`` on the GPU, the device the outputs go back to or None) for a CUDA artifact."""
-        if self._gpu is None or all(t.is_cuda for t in flat if isinstance(t, torch.Tensor)):
+        if all(t.is_cuda for t in flat if isinstance(t, torch.Tensor)):
             return flat, None
         first = flat[0] if flat and isinstance(flat[0], torch.Tensor) else None
         home = first.device if first is not None and not first.is_cuda else None
@@ -382,7 +382,7 @@ class CompiledModel(Model):
             outs = graph([t.detach() for t in flat]) if graph is not None else None
             device = host = None
             if outs is None:
-                run, home = self._on_gpu(flat)
+                run, home = self._on_gpu(flat) if self._gpu is not None else (flat, None)
                 if self._host_ops or traced:
                     # step by step: host fallback time is counted apart, and profiles get spans
                     span = _span_sink(rec, self.name) if rec is not None else None
