@@ -17,6 +17,8 @@ each call, interleaved in rounds, median reported:
                        a captured CUDA graph (kiln.runtime.cuda_graphs)
 * ``kiln-uncaptured``  the same artifact with ``RuntimeOptions(cuda_graphs=False)``: every
                        kernel launched by AOTInductor's runtime (no second compile)
+* ``kiln-O3``          kiln.trace(..., optlevel=3): inductor's default and ``frozen``
+                       builds timed, the fastest kept; graphed
 * ``kiln-bf16``        --auto-cast matmult --auto-cast-type bf16 (skipped unless asked for
                        with ``--skip ''``)
 
@@ -100,9 +102,18 @@ def runners(case, skip):
             def ku():
                 from kiln.runtime.model import CompiledModel
                 from kiln.runtime.options import RuntimeOptions
+                if "kiln" not in built:
+                    raise RuntimeError("needs the kiln runner's artifact, which did not build")
                 c = CompiledModel(built["kiln"]._artifact, RuntimeOptions(cuda_graphs=False))
                 return lambda: c(*args, **kwargs)
             out["kiln-uncaptured"] = ku
+    if "kiln-O3" not in skip:
+        def k3():
+            c = kiln.trace(m, args or None, kwargs or None, device="cuda", cache=False, quiet=True, optlevel=3)
+            print(f"  kiln-O3 variants: {[p.get('variant') for p in c.manifest['partitions']]}",
+                  file=sys.stderr, flush=True)
+            return lambda: c(*args, **kwargs)
+        out["kiln-O3"] = k3
     if "kiln-bf16" not in skip:
         def kb():
             c = kiln.trace(m, args or None, kwargs or None, device="cuda", cache=False, quiet=True,

@@ -19,10 +19,14 @@ set -u
 OUT=${OUT:-/tmp/kiln-gpu}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then     # packages the image lacks (cryptography), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# kiln's entry points (torch.compile(backend="kiln")) as an installed kiln would have them
+mkdir -p /tmp/site/kiln_source-0.dist-info
+printf 'Metadata-Version: 2.1\nName: kiln-source\nVersion: 0\n' >/tmp/site/kiln_source-0.dist-info/METADATA
+printf '[torch_dynamo_backends]\nkiln = kiln.device.compile_backend:backend\n' \
+  >/tmp/site/kiln_source-0.dist-info/entry_points.txt
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the image's AOTInductor CUDA packages crash in std::regex at load without the system libstdc++
 export LD_PRELOAD="$(readlink -f "$(g++ -print-file-name=libstdc++.so.6)")"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
@@ -38,7 +42,7 @@ prev="$OUT/tests.done"
 for model in ${MODELS:-bert-base resnet50}; do
   (
     timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu.py --models "$model" --batches "${BATCHES:-1}" \
-      --rounds 3 --skip "${SKIP:-kiln-bf16,torch.compile}" --after "$prev" --json "$OUT/gpu-$model.json" >"$OUT/bench-$model.log" 2>&1
+      --rounds 3 --skip "${SKIP:-kiln-bf16,kiln-O3,torch.compile}" --after "$prev" --json "$OUT/gpu-$model.json" >"$OUT/bench-$model.log" 2>&1
     echo "gpu.py rc=$?" >>"$OUT/bench-$model.log"
     touch "$OUT/$model.done"
   ) &

@@ -58,7 +58,8 @@ VARIABLES = {v.name: v for v in (
        "at the group's first all-reduce measures it faster than gloo), 'on', or 'off'", "run"),
     _V("KILN_DEVICE_NAME", "kiln", "the name import torch registers kiln's device under (PyTorch's "
        "device-backend autoload): 'kiln', 'neuron' for TorchNeuron scripts (torch.device('neuron'), "
-       "torch.neuron), or 'off' to leave PrivateUse1 alone", "run"),
+       "torch.neuron), or 'off' to leave PrivateUse1 alone. A CUDA build of torch registers the device "
+       "only when this is set (a registered device breaks CUDA backward passes)", "run"),
     _V("TORCH_DEVICE_BACKEND_AUTOLOAD", "1", "PyTorch's own switch, read by torch: 0 stops import "
        "torch from calling device backends' entry points, kiln's device included (kiln reads it "
        "only to explain a late registration)", "run"),

@@ -28,10 +28,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # kiln's device (tests/test_device*.py) must be registered before the process's first
 # backward pass: PyTorch's autograd engine sizes its device queues then, once. import torch
 # registered it already (device-backend autoload); this call, a no-op then, keeps the suite
-# working under TORCH_DEVICE_BACKEND_AUTOLOAD=0
+# working under TORCH_DEVICE_BACKEND_AUTOLOAD=0. Not where a GPU is: a registered PrivateUse1
+# device breaks CUDA backward passes (kiln.device.registration.spares_cuda), and the GPU's
+# tests (tests/test_*cuda.py) train on CUDA
 from kiln.device import modes as _device_modes  # noqa: E402
 
-_device_modes.device()
+if not torch.cuda.is_available():
+    _device_modes.device()
 
 
 def worker_threads(cpus: int, workers: int) -> int | None:

@@ -117,3 +117,36 @@ def test_a_failing_hook_warns_and_torch_still_imports(tmp_path):
     proc = run_py(code, env=dict(ON, KILN_DEVICE_NAME="off"))          # leaves PrivateUse1 alone
     assert proc.returncode == 0 and proc.stdout.strip() == "[2.0, 2.0] privateuseone", proc.stderr[-2000:]
     assert "Warning" not in proc.stderr
+
+
+def test_a_cuda_torch_leaves_the_device_out_unless_asked(monkeypatch):
+    """A registered PrivateUse1 device breaks CUDA backward passes (PyTorch takes it for the
+    process's accelerator), so a CUDA build of torch registers kiln's device only when
+    KILN_DEVICE_NAME asks for it, and registering where a GPU is warns why."""
+    import torch
+
+    from kiln.device import autoload, registration
+    calls = []
+    monkeypatch.setattr(registration, "register", lambda name, probe=True: calls.append(name))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("KILN_DEVICE_NAME", raising=False)
+    assert registration.spares_cuda()
+    autoload.load()
+    assert calls == []
+    monkeypatch.setenv("KILN_DEVICE_NAME", "kiln")        # asked for: registered all the same
+    assert not registration.spares_cuda()
+    autoload.load()
+    assert calls and set(calls) == {"kiln"}
+    monkeypatch.setattr(torch.version, "cuda", None)      # the CPU wheel: registered by default
+    monkeypatch.delenv("KILN_DEVICE_NAME")
+    assert not registration.spares_cuda()
+    # the warning, on a first registration in a process that believes it sees a GPU
+    code = ("import warnings, torch\ntorch.cuda.is_available = lambda: True\n"
+            "from kiln.device import registration\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    registration.register('kiln', probe=False)\n"
+            "print([str(x.message) for x in w if 'CUDA backward' in str(x.message)])\n")
+    proc = run_py(code, env=dict(ON, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "opt_ready_stream && opt_parent_stream" in proc.stdout, proc.stdout

@@ -210,6 +210,22 @@ def test_gpu_conv_net_at_torchs_default_flags_is_held_to_tf32():
 
 @needs_gpu
 @needs_cxx
+def test_gpu_conv_net_traced_from_gpu_tensors():
+    """A model and inputs already on the GPU (benchmarks/gpu.py's way): the compile's own
+    runs, the non-finite probe's included, stay there. Its probe inputs were made on the CPU
+    and ResNet-50's first convolution refused them (11-28, H100)."""
+    model, x = models.cnn()
+    model, x = model.cuda(), x.cuda()
+    compiled = kiln.trace(model, x, device="cuda")
+    assert compiled.manifest["validation"]["passed"]
+    out = compiled(x)
+    assert out.is_cuda
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), atol=1e-2, rtol=1e-2)   # cuDNN's TF32 in both
+
+
+@needs_gpu
+@needs_cxx
 def test_gpu_tf32_auto_cast_is_checked_at_tf32():
     from kiln.host import tf32
     if not tf32.computed_here():
@@ -296,6 +312,9 @@ def test_gpu_torch_compile_training_compiles_and_equals_eager(kind, monkeypatch)
     (torch lets cuDNN use TF32 by default): AdamW turns TF32's noise on near-zero gradients
     into steps of full size."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    # a registered kiln device would make PyTorch's autograd fail every CUDA backward pass
+    # (kiln.device.registration.spares_cuda); conftest leaves it out where a GPU is
+    assert torch.accelerator.current_accelerator().type == "cuda"
     import copy
     import warnings
     from kiln.device import metrics

@@ -99,7 +99,8 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
             for k, value in enumerate(values[:filled.numel()]):
                 filled.view(-1)[-1 - k] = value
             # the example's own strides: a stage may take a view that its graph permutes back
-            probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype).copy_(filled)
+            probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
+                                           device=inputs[i].device).copy_(filled)
             reference.same_draws()
             with torch.no_grad():
                 out = reference.sub(*probe)

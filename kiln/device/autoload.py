@@ -9,7 +9,9 @@ backward pass, which is when PyTorch's autograd engine fixes the devices it serv
 
 ``KILN_DEVICE_NAME`` picks the name: ``kiln`` (default), ``neuron`` for TorchNeuron
 scripts (``torch.device("neuron")``, ``torch.neuron``), or ``off`` to leave PyTorch's
-PrivateUse1 backend to another package. A failure never breaks ``import torch``: it is
+PrivateUse1 backend to another package. On a CUDA build of torch the device is left out
+unless ``KILN_DEVICE_NAME`` names it (:func:`kiln.device.registration.spares_cuda`): a
+registered PrivateUse1 device breaks CUDA backward passes. A failure never breaks ``import torch``: it is
 a ``RuntimeWarning`` saying why, and the device is then missing (``kiln.trace`` and
 ``torch.compile(backend="kiln")`` do not need it).
 """
@@ -28,7 +30,7 @@ def load() -> None:
     try:
         from kiln.device import modes, registration
         name = registration.configured_name()
-        if name is None:
+        if name is None or registration.spares_cuda():
             return
         registration.register(name, probe=False)
         modes.device(name)          # registered: adds the eager-mode optimizer-step hook

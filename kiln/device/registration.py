@@ -207,6 +207,7 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
                     f"{name} to get '{name}'")
             return name
         setup = _helper()
+        _warn_if_cuda()
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", name):
             raise DeviceUnavailable(f"PyTorch's PrivateUse1 backend is already named '{current}' in this "
@@ -259,6 +260,29 @@ def _probe_autograd(name: str):
             f"kiln or neuron), or register the device first: call kiln.device.modes.device() (or "
             f"xm.xla_device()) at the top of the script, before any .backward()")
         raise DeviceUnavailable(_broken[0]) from None
+
+
+def spares_cuda() -> bool:
+    """Whether ``import torch`` should leave the device out: this torch is a CUDA build and
+    ``KILN_DEVICE_NAME`` does not ask for the device. Once a PrivateUse1 backend is
+    registered, PyTorch takes it for the process's accelerator (``at::getAccelerator``),
+    its autograd engine finds no stream for CUDA tensors, and every CUDA backward pass
+    fails an internal assert (``opt_ready_stream && opt_parent_stream``; PyTorch issue
+    161129). Registering by default would break GPU training in every program of the
+    environment; the torch version is read, not the GPU, so ``import torch`` starts no
+    CUDA driver."""
+    return bool(torch.version.cuda or torch.version.hip) and not config.is_set("KILN_DEVICE_NAME")
+
+
+def _warn_if_cuda():
+    if torch.cuda.is_available():
+        import warnings
+        warnings.warn("kiln's device is registered in a process that sees a CUDA GPU: PyTorch now takes "
+                      "PrivateUse1 for its accelerator, and CUDA backward passes in this process fail "
+                      "('opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED', PyTorch issue "
+                      "161129). Train on CUDA in a process that does not use kiln's device "
+                      "(torch.compile(backend='kiln') and kiln.trace do not need it)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def registered_name():

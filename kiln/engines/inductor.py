@@ -28,7 +28,10 @@ Choices, and why:
   ResNet-50 1.56x and BERT-base 1.07x faster than the default, and tiny
   BERT and CNN partitions 2-3x slower. ``max_autotune`` builds and times C++
   GEMM candidates (about 25 s of g++ per matmul shape on 2 cores) and still
-  picked ATen's kernel: not worth its compile time.
+  picked ATen's kernel: not worth its compile time. On an H100 (11-28) a
+  max-autotune variant spent over 90 s tuning ResNet-50's matmuls beside other
+  work (41.6 s for one shape's 21 Triton choices) and its speed went unmeasured
+  within the session's GPU time: not kept either.
 * ``--target generic`` builds for the architecture's baseline (x86-64-v2,
   armv8-a) with a matching vector width instead of ``-march=native``.
 * The library is tied to the torch that built it; loading under another
