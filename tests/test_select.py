@@ -193,3 +193,25 @@ def test_a_build_in_the_wrong_dtype_is_never_kept_even_when_no_engine_agrees(mon
     with engines.registered(without=("openvino", "inductor", "eager")), \
             pytest.raises(kiln.CompileError, match="dtype float64, eager float32"):
         kiln.trace(model, x, optlevel=1)
+
+
+def test_the_compiled_model_keeps_the_session_its_check_opened(monkeypatch):
+    """A compile loads the chosen build once, for its check, and the model it returns runs
+    that session; a partition's engine is not opened a second time. Loading the artifact
+    again (another process, a different option) opens it afresh."""
+    e = engines.get("onnxruntime")
+    loads = []
+    original = type(e).load
+
+    def counted(self, blob, runtime_options, origin=None):
+        loads.append(runtime_options)
+        return original(self, blob, runtime_options, origin)
+    monkeypatch.setattr(type(e), "load", counted)
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, engine="onnxruntime", cache=False, quiet=True)
+    assert len(compiled.manifest["partitions"]) == 1 and len(loads) == 1
+    with torch.no_grad():
+        assert_close(compiled(x), model(x))
+    again = kiln.load(compiled.to_bytes(), trust_native_code=True)
+    assert len(loads) == 2
+    assert_close(again(x), compiled(x))

@@ -121,7 +121,7 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
     tf32 = tf32_host.allowed() if asks_tf32(plan.options) and plan.options.device == "cuda" else None
     with tf32 or contextlib.nullcontext():
         built = phases.build(plan, runtime_opts, progress, calibration=[flat for flat, _ in samples])
-        compiled = CompiledModel(phases.package(built), runtime_opts)
+        compiled = CompiledModel(phases.package(built), runtime_opts, loaded=(runtime_opts, built.runners))
         check(compiled, plan, samples, progress)
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}

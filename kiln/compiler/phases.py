@@ -55,6 +55,7 @@ class Build:
     program: dict
     partitions: list                 # manifest records, one per partition
     blobs: dict = field(default_factory=dict)   # artifact member name -> bytes
+    runners: list = field(default_factory=list)  # each partition as its checks loaded it, or None
 
 
 def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
@@ -131,11 +132,12 @@ def build(p: Plan, runtime_opts: RuntimeOptions, progress, calibration=None) -> 
     program, constants, submodules = build_program(fused)
     part_inputs, part_outputs = partition_io(fused, p.captured.example_inputs)
     samples = [partition_io(fused, flat)[0] for flat in calibration or ()] or [part_inputs]
-    blobs, partitions = {}, []
+    blobs, partitions, runners = {}, [], []
     for i, sub in enumerate(submodules):
         label = f"partition {i + 1}/{len(submodules)}"
-        engine, blob, record = compile_partition(i, sub, part_inputs[i], p.options, runtime_opts,
-                                                 progress, label, calibration=[s[i] for s in samples])
+        engine, blob, record, runner = compile_partition(i, sub, part_inputs[i], p.options, runtime_opts,
+                                                         progress, label, calibration=[s[i] for s in samples])
+        runners.append(runner)
         blob_name = f"partitions/{i}{engine.blob_suffix}"
         blobs[blob_name] = blob
         partitions.append({
@@ -146,7 +148,7 @@ def build(p: Plan, runtime_opts: RuntimeOptions, progress, calibration=None) -> 
     if constants:
         from safetensors.torch import save as st_save
         blobs[HOST_CONSTANTS] = st_save(constants)
-    return Build(p, program, partitions, blobs)
+    return Build(p, program, partitions, blobs, runners)
 
 
 def package(b: Build) -> Artifact:

@@ -396,12 +396,13 @@ class _Search:
 
 
 def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, calibration=None):
-    """Return (engine, blob, record) for one partition. ``calibration``: partition input
-    lists for calibrated int8 (used only when ``opts.quantize``)."""
+    """Return (engine, blob, record, runner) for one partition: ``runner`` is the blob as
+    the checks loaded it with ``runtime_opts`` (None if they did not). ``calibration``:
+    partition input lists for calibrated int8 (used only when ``opts.quantize``)."""
     order = candidate_order(opts, sub)
     search = _Search(sub, inputs, opts, runtime_opts, progress, label, calibration)
     search.run(order)
-    (engine, blob, chosen, _), reason = search.choose(order)
+    (engine, blob, chosen, runner), reason = search.choose(order)
     record = {"engine": engine.name, **({"variant": chosen["variant"]} if "variant" in chosen else {}),
               **({"nonfinite": chosen["nonfinite"]} if "nonfinite" in chosen else {}),
               "engine_version": engine.version(),
@@ -412,4 +413,4 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
                       speed_vs_eager=float(f"{eager_ms / chosen['latency_ms']:.4g}"))
     if search.note:
         record["note"] = search.note
-    return engine, blob, record
+    return engine, blob, record, runner

@@ -191,7 +191,7 @@ class CompiledModel(Model):
     """One compiled graph: device partitions on engines, fallback ops on the host."""
 
     def __init__(self, artifact: Artifact, runtime_options: RuntimeOptions | None = None,
-                 source: str = "artifact", core=DEFAULT, worker=None):
+                 source: str = "artifact", core=DEFAULT, worker=None, *, loaded=None):
         super().__init__()
         memory.keep_freed_memory()      # a compiled step's buffers stay mapped between calls
         artifact.check_host(source)
@@ -237,7 +237,7 @@ class CompiledModel(Model):
         if core is not None:
             self._place(core, worker)
         else:
-            self.program = self._build_program(self.runtime_options)
+            self.program = self._build_program(self.runtime_options, loaded)
         self._host_ops = bool(self.program.host_ops() or not m["partitions"])
         self.metrics = ModelMetrics(self.name)
         self.metrics.core = self.core.id if getattr(self, "core", None) is not None else None
@@ -304,7 +304,10 @@ class CompiledModel(Model):
                 raise InputError(f"input '{name}': expected a CPU{where} tensor, got one on {t.device}")
         self._check_nonfinite(flat)
 
-    def _build_program(self, runtime_options) -> Program:
+    def _build_program(self, runtime_options, loaded=None) -> Program:
+        """``loaded``: ``(options, runners)``, the partitions as the compiler's checks loaded
+        them, used where the program would load them with the same options (a compile then
+        opens each engine session twice, not three times)."""
         parts = self.manifest["partitions"]
         used = [engines.get(part["engine"], purpose="load") for part in parts]
         steps = self.manifest["program"].get("steps", [])
@@ -313,8 +316,14 @@ class CompiledModel(Model):
         native = [part for part, engine in zip(parts, used) if engine.native_code]
         if native:   # before any engine loads anything
             trust.require(self._artifact, native, self._source)
+        if loaded is not None and (loaded[0] != runtime_options or len(loaded[1]) != len(parts)):
+            loaded = None
         runners = []
-        for part, engine in zip(parts, used):
+        for i, (part, engine) in enumerate(zip(parts, used)):
+            if loaded is not None and loaded[1][i] is not None:
+                runners.append(loaded[1][i])
+                _check_signature(runners[-1], part, self._source)
+                continue
             try:
                 runners.append(engine.load(self._artifact.blobs[part["blob"]], runtime_options,
                                            origin=self._artifact.origin(part["blob"])))
