@@ -306,8 +306,8 @@ class CompiledModel(Model):
 
     def _build_program(self, runtime_options, loaded=None) -> Program:
         """``loaded``: ``(options, runners)``, the partitions as the compiler's checks loaded
-        them, used where the program would load them with the same options (a compile then
-        opens each engine session twice, not three times)."""
+        them, used where the program would load them with the same options: a compile then
+        loads each build once, for its check, not a second time for the model it returns."""
         parts = self.manifest["partitions"]
         used = [engines.get(part["engine"], purpose="load") for part in parts]
         steps = self.manifest["program"].get("steps", [])
