@@ -15,6 +15,10 @@
 #     -d .whl cryptography cffi pycparser
 # A first call that fits a 15-minute device budget with time to rerun (~7 minutes):
 #   TEST_TIMEOUT=330 BENCH_TIMEOUT=400 PYTEST_K="not o3 and not bf16 and not tf32" bash benchmarks/gpu_session.sh
+# (on an H100 on 11-28 that call took 201 s of command time, plus about 30 s to start). MODELS=" "
+# runs the tests alone; SKIP=kiln-bf16,torch.compile adds the kiln-O3 row (one more build per
+# model). Keep autotuning out of a call that also runs the tests: a max-autotune build beside
+# them took the call past its time (41.6 s for one matmul shape's 21 Triton choices).
 set -u
 OUT=${OUT:-/tmp/kiln-gpu}
 mkdir -p "$OUT"
