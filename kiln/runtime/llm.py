@@ -219,6 +219,10 @@ class LLM:
                             windows=windows)
 
     def to_bytes(self) -> bytes:
+        return self._artifact().to_bytes()
+
+    def _artifact(self) -> Artifact:
+        """The LLM artifact: each graph's artifact a blob of it, and the tokenizer's files."""
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
         blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
         if self.verify is not None:
@@ -233,13 +237,12 @@ class LLM:
             if "chunk" in names:
                 blobs[names["chunk"]] = graphs["chunk"].to_bytes()
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
-        return Artifact(self.manifest, blobs).to_bytes()
+        return Artifact(self.manifest, blobs)
 
     def save(self, path) -> str:
-        from kiln.atomic import write_atomic
-        data = self.to_bytes()
-        write_atomic(str(path), lambda out: out.write(data))
-        return str(path)
+        """Written to the file as it is serialized (atomically), not serialized into memory
+        first: a float32 SmolLM2 is 1.9 GB, which ``to_bytes`` holds twice over."""
+        return self._artifact().save(str(path))
 
     def __repr__(self):
         return (f"kiln.LLM({self.manifest.get('model_name')}; batch {self.batch_size} (decode graphs for "
