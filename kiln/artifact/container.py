@@ -186,6 +186,11 @@ class Artifact:
         write_atomic(path, self._write)
         return path
 
+    def write_to(self, f):
+        """Serialize into the open binary file ``f`` as it goes (no copy in memory; not atomic:
+        :meth:`save` is, for a path)."""
+        self._write(f)
+
     # -- reading ------------------------------------------------------------
     @classmethod
     def from_bytes(cls, data, source: str = "<bytes>") -> "Artifact":

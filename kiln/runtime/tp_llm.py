@@ -157,7 +157,7 @@ class TensorParallelLLM:
             return self.source, False
         fd, path = tempfile.mkstemp(prefix="kiln-tp-", suffix=".kiln")      # mode 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(self.to_bytes())
+            self._artifact().write_to(f)
         return path, True
 
     def close(self):
@@ -241,12 +241,16 @@ class TensorParallelLLM:
 
     # -- the artifact ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:
+        return self._artifact().to_bytes()
+
+    def _artifact(self) -> Artifact:
+        """Each rank's LLM artifact a blob of it, and the tokenizer's files."""
         blobs = {}
         for r in range(self.tp_degree):
             llm = self.ranks[r] if self.ranks[r] is not None else self._rank_loader(r)
             blobs[f"rank/{r}.kiln"] = llm.to_bytes()
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
-        return Artifact(self.manifest, blobs).to_bytes()
+        return Artifact(self.manifest, blobs)
 
     save = LLM.save
 
