@@ -207,11 +207,11 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
                     f"{name} to get '{name}'")
             return name
         setup = _helper()
-        _warn_if_cuda()
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", name):
             raise DeviceUnavailable(f"PyTorch's PrivateUse1 backend is already named '{current}' in this "
                                     f"process (another package registered it); kiln cannot register '{name}'")
+        _warn_if_cuda()         # only for a registration that goes ahead
         setup(rename=name if current != name else None, backend_module=DeviceModule())
         dt.set_device_type(name)
         library = torch.library.Library("_", "IMPL")

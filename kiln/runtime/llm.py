@@ -219,9 +219,9 @@ class LLM:
                             windows=windows)
 
     def to_bytes(self) -> bytes:
-        return self._artifact().to_bytes()
+        return self._as_artifact().to_bytes()
 
-    def _artifact(self) -> Artifact:
+    def _as_artifact(self) -> Artifact:
         """The LLM artifact: each graph's artifact a blob of it, and the tokenizer's files."""
         blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
         blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
@@ -242,7 +242,7 @@ class LLM:
     def save(self, path) -> str:
         """Written to the file as it is serialized (atomically), not serialized into memory
         first: a float32 SmolLM2 is 1.9 GB, which ``to_bytes`` holds twice over."""
-        return self._artifact().save(str(path))
+        return self._as_artifact().save(str(path))
 
     def __repr__(self):
         return (f"kiln.LLM({self.manifest.get('model_name')}; batch {self.batch_size} (decode graphs for "

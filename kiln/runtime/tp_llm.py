@@ -157,7 +157,7 @@ class TensorParallelLLM:
             return self.source, False
         fd, path = tempfile.mkstemp(prefix="kiln-tp-", suffix=".kiln")      # mode 0600
         with os.fdopen(fd, "wb") as f:
-            self._artifact().write_to(f)
+            self._as_artifact().write_to(f)
         return path, True
 
     def close(self):
@@ -241,9 +241,9 @@ class TensorParallelLLM:
 
     # -- the artifact ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        return self._artifact().to_bytes()
+        return self._as_artifact().to_bytes()
 
-    def _artifact(self) -> Artifact:
+    def _as_artifact(self) -> Artifact:
         """Each rank's LLM artifact a blob of it, and the tokenizer's files."""
         blobs = {}
         for r in range(self.tp_degree):
