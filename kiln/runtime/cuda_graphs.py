@@ -105,8 +105,9 @@ class GraphedProgram:
             why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             self.state = f"uncaptured: {why}"
             self._graph, self._program, self._inputs, self._outputs = None, None, [], []
+            reset = end_failed_capture(self.device)
             warnings.warn(f"kiln: {self.name} could not be captured as a CUDA graph ({why}); its calls "
-                          "launch their kernels one by one instead, slower", RuntimeWarning, stacklevel=4)
+                          f"launch their kernels one by one instead, slower{reset}", RuntimeWarning, stacklevel=4)
             return False
 
     def _capture(self, flat):
@@ -132,3 +133,31 @@ class GraphedProgram:
         if elsewhere:
             raise RuntimeError(f"output(s) {elsewhere} of the captured program are not on the GPU")
         self._graph, self._program, self._inputs, self._outputs = graph, program, inputs, outputs
+
+
+def end_failed_capture(device) -> str:
+    """Leave the GPU's random-number generator usable after a capture that failed; returns
+    "" or, where that failed too, a sentence for the caller's warning.
+
+    A capture that fails at its end (CUDA reports the capture invalidated, e.g. by a read
+    back to the CPU inside it) raises from PyTorch's ``CUDAGraph.capture_end`` before it
+    ends the capture of the device's default generator, which stays "capturing" for the rest
+    of the process: every later random draw on that GPU, and every kernel that advances the
+    generator, fails with "Offset increment outside graph capture encountered unexpectedly"
+    (seen on an H200: a kiln compile after such a failure). A capture of one tiny kernel that
+    succeeds ends the generator's capture properly, on the same generator state, so graphs
+    captured earlier keep theirs."""
+    try:
+        device = torch.device(device)
+        with torch.cuda.device(device):
+            scratch = torch.zeros(1, device=device)
+            scratch.add_(1)                 # loaded before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                scratch.add_(1)
+            del graph
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported in the caller's warning
+        return (f" (and a capture to reset the GPU's random-number generator failed too: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; random draws on this GPU "
+                "may fail from here on)")

@@ -50,6 +50,7 @@ import torch
 from kiln.artifact import trust
 from kiln.artifact.container import Artifact
 from kiln.errors import ArtifactError
+from kiln.runtime.cuda_graphs import end_failed_capture
 from kiln.runtime.model import CompiledModel
 
 MAX_GRAPHS = 4      # captures (distinct cache addresses) per decode graph before calls run uncaptured
@@ -193,8 +194,9 @@ class GraphedDecode(_Wrapped):
             return self._capture(*args)
         except Exception as e:  # noqa: BLE001 - the uncaptured graph still answers; say why it is slower
             self.capture_error = f"{type(e).__name__}: {e}"
+            reset = end_failed_capture(self.device)
             warnings.warn(f"a decode step of this GPU LLM could not be captured as a CUDA graph "
-                          f"({self.capture_error.splitlines()[0]}); its steps run uncaptured, slower",
+                          f"({self.capture_error.splitlines()[0]}); its steps run uncaptured, slower{reset}",
                           RuntimeWarning, stacklevel=3)
             return None
 
