@@ -31,8 +31,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     ``cache_length``: KV-cache positions, prompt plus generated tokens. ``tokenizer``: a
     Hugging Face tokenizer stored in the artifact. ``on_graph(name, index, count, seconds)``
     is called after each graph is compiled (progress for the command line). ``workers``:
-    processes compiling graphs side by side (:mod:`kiln.llm.parallel`; default one per CPU
-    for models of 20M parameters or more, else 1, in this process).
+    processes compiling graphs side by side (:mod:`kiln.llm.parallel`; default one per graph,
+    up to two per CPU, for models of 20M parameters or more, quantized or on 4 CPUs or more;
+    else 1, in this process).
     ``speculation_length=k`` adds the graph speculative decoding verifies ``k`` draft
     tokens with (:mod:`kiln.runtime.speculative`). ``prefill_chunk=c`` adds a graph that
     prefills ``c`` prompt tokens of one row against its cache: the scheduler then prefills
@@ -100,7 +101,8 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
 
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph) -> list:
-    workers = parallel.default_workers(model, len(jobs)) if workers is None else int(workers)
+    workers = (parallel.default_workers(model, len(jobs), quantized=bool(trace_options.get("quantize")))
+               if workers is None else int(workers))
     per_job = graph_options(jobs, trace_options)
     graphs = parallel.compile_graphs(model, jobs, per_job, workers, on_graph) if workers > 1 else None
     if graphs is None:

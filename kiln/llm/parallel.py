@@ -9,7 +9,9 @@ engines' thread pools do not survive a fork), and the parent loads what each one
 
 What it gains, measured on 2 cores for SmolLM2-135M's three graphs (prefill 128, decode
 at batch 1 and 8; one after another in this process / three workers): int4 108 / 86 s,
-int8 114 / 89 s, float32 108 / 101 s (float32 builds and times two engines per graph).
+int8 114 / 89 s, float32 108 / 101 s (float32 builds and times two engines per graph);
+after OpenVINO's conversion got cheaper (11-28), int4 59.5 / 49.9 s but float32 49.0 /
+62.2 s, so float builds on fewer than 4 CPUs stay in this process (:func:`default_workers`).
 Less than the cores promise: two workers slow each other's graphs by ~15 %, and a worker
 spends ~9 s starting, loading the model and saving its graph.
 
@@ -52,17 +54,23 @@ RESULT = "KILN-LLM-RESULT "
 log = logging.getLogger("kiln")
 
 
-def default_workers(model, n_jobs: int) -> int:
-    """Worker processes for ``n_jobs`` graphs: 1 (compile in this process) for small models;
-    else one per graph, up to two per CPU and as many as the available memory holds.
+def default_workers(model, n_jobs: int, quantized: bool = True) -> int:
+    """Worker processes for ``n_jobs`` graphs: 1 (compile in this process) for small models,
+    and for float (unquantized) builds on fewer than 4 CPUs; else one per graph, up to two
+    per CPU and as many as the available memory holds.
 
     Two per CPU because a worker is not CPU-bound throughout (it waits on its files and on
     the measurement lock): SmolLM2-135M int4's three graphs on 2 cores took 108 s one after
-    another, 97-102 s in two workers and 86 s in three. Memory: a worker peaked at 3.2-4.2 GB
-    for that model's 540 MB of float32 weights, so each is budgeted :func:`worker_bytes`."""
+    another, 97-102 s in two workers and 86 s in three. A float build's graphs carry their
+    weights through files, ~650 MB a graph each way: on 2 cores SmolLM2 float32 took 49.0 s
+    in this process against 62.2 s in three workers (int4 59.5 against 49.9 s; 11-28, after
+    OpenVINO's conversion was made cheaper). Memory: a worker peaked at 3.2-4.2 GB for that
+    model's 540 MB of float32 weights, so each is budgeted :func:`worker_bytes`."""
     if n_jobs < 2 or len(process_cpus()) < 2:
         return 1
     if sum(p.numel() for p in model.parameters()) < PARALLEL_MIN_PARAMETERS:
+        return 1
+    if not quantized and len(process_cpus()) < 4:
         return 1
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     by_memory = int(0.75 * _available_bytes() // worker_bytes(weight_bytes))
