@@ -7,10 +7,10 @@ the runtime flattens call arguments in.
 """
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import math
-import os
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -20,8 +20,7 @@ import torch.utils._pytree as pytree
 from kiln.artifact import specs
 from kiln.errors import CaptureError
 from kiln.graph import one_trace, randomness
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
+from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
 # every input's shape and dtype before a call, so these are redundant.
@@ -167,10 +166,26 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Ca
     if was_training:
         model.eval()
     try:
-        return _capture(model, example_inputs, example_kwargs, decompose)
+        with _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
+            return _capture(model, example_inputs, example_kwargs, decompose)
     finally:
         if was_training:
             model.train()
+
+
+@contextlib.contextmanager
+def _stack_traces(record: bool):
+    """Whether the trace records each node's source line (``node.meta["stack_trace"]``, which
+    the op report's locations come from). A model whose lines are nobody's to fix says no
+    with ``kiln_record_stack_traces = False`` (kiln's LLM graphs): recording costs about a
+    sixth of a large model's trace."""
+    import torch.fx.config as fx_config
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = before or not record
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
 
 
 def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
@@ -276,9 +291,6 @@ def _flash_attention_for_cpu(torch_decomposition):
 
 
 # What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
-_VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible with input tensor")
-
-
 def decompose_program(ep, model_name: str = "model"):
     """``ep.run_decompositions()`` (core ATen but for :data:`KEEP_WHOLE`), retried once
     with views made reshapes when a ``view`` is refused.
@@ -313,7 +325,7 @@ def decompose_program(ep, model_name: str = "model"):
             return ep.run_decompositions(decompositions())
         except Exception as e:
             first = e
-        if any(s in str(first) for s in _VIEW_FAILURES) and _views_to_reshapes(ep.graph_module):
+        if any(s in str(first) for s in VIEW_FAILURES) and _views_to_reshapes(ep.graph_module):
             try:
                 return ep.run_decompositions(decompositions())
             except Exception:
@@ -445,55 +457,3 @@ class FunctionModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
-
-
-def user_frame(stack_trace: str | None) -> str | None:
-    """``file:line`` of the innermost frame outside torch itself, from an fx stack trace."""
-    if not stack_trace:
-        return None
-    frames = _FRAME.findall(stack_trace)
-    if not frames:
-        return None
-    outside = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
-    path, line, func, code = (outside or frames)[-1]
-    return f"{path}:{line} in {func}: {code.strip()}"
-
-
-def explain_export_failure(exc: Exception, model_name: str, stage: str | None = None) -> str:
-    """Turn a torch.export failure into a short message pointing at the user's line.
-    ``stage`` names a later step that failed (decomposition) instead of export itself."""
-    text = str(exc)
-    kind = type(exc).__name__
-    frames = [f for f in _FRAME.findall(text) if not f[0].startswith(_TORCH_DIR)]
-    where = ""
-    if frames:
-        path, line, func, code = frames[-1]
-        where = f"\n  at {path}:{line} in {func}: {code.strip()}"
-    else:
-        m = re.search(r'(/[^\s"]+\.py):(\d+)', text)
-        if m and not m.group(1).startswith(_TORCH_DIR):
-            where = f"\n  at {m.group(1)}:{m.group(2)}"
-    if "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
-        why = ("the model branches or sizes something on a tensor's *value* (data-dependent control "
-               "flow), which a compiled static graph cannot represent")
-        fix = ("make the branch independent of tensor values, or use torch.cond / torch._check "
-               "to express it")
-    elif "Unsupported" in kind or "not supported" in text.lower():
-        why = "the model uses a Python construct torch.export cannot trace"
-        fix = "simplify that code path or move it outside the model's forward()"
-    elif stage:
-        why = f"{stage} failed ({kind})"
-        fix = ("see the cause below; run torch.export.export(model, args).run_decompositions() "
-               "directly for the full report")
-        if any(s in text for s in _VIEW_FAILURES):
-            fix = ("torch's decomposition lays this tensor out differently from eager, and kiln "
-                   "cannot turn the view into a reshape because the view is modified in place; "
-                   "use an out-of-place op on it (y = y * 2, not y.mul_(2))")
-    else:
-        why = f"torch.export failed ({kind})"
-        fix = "see the cause below; run torch.export.export(model, args) directly for the full report"
-    first = text.strip().splitlines()[0] if text.strip() else kind
-    return (f"cannot capture {model_name}: {why}.{where}\n  cause: {first[:400]}\n  fix: {fix}")

@@ -15,7 +15,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from kiln.graph import randomness
-from kiln.graph.capture import user_frame
+from kiln.graph.explain import user_frame
 
 
 def op_name(target) -> str:

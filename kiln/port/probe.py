@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.graph.capture import user_frame
+from kiln.graph.explain import user_frame
 
 
 @dataclass
