@@ -11,7 +11,14 @@ Rows (each where installed):
   ``kiln-int4``    int8 in groups of 32; int4 as GGUF's Q4_1 blocks of 32, exact for this
                    file's weights), past the accuracy gate
 * ``llama.cpp``    ``llama-cpp-python`` on the same Q4_1 GGUF file (the ``llm-bench`` extra,
-                   ``pip install llama-cpp-python`` builds it from source, ~7 minutes)
+                   ``pip install llama-cpp-python`` builds it from source, ~7 minutes). On a CPU
+                   with AMX, 0.3.36 built for the host (``GGML_NATIVE``) segfaults in
+                   ``ggml_backend_amx_mul_mat`` on every prompt longer than one token (seen
+                   11-28 on a 2-core Xeon); build it, and llama-server, with
+                   ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+                   -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+                   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+                   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"``
 * ``openvino-genai`` OpenVINO GenAI's ``LLMPipeline`` on the same GGUF file (its own
                    conversion, stateful model, compressed weights and CPU defaults), greedy;
                    its own TTFT/TPOT and the wall clock
