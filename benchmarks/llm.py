@@ -36,7 +36,7 @@ time to first token (prefill + first token), single-stream decode tokens/s (toke
 the first over the time after the first), and for kiln 8 concurrent streams through
 ``kiln serve`` and the real ``openai`` client: aggregate tokens/s and p95 inter-token
 latency seen by the clients. Also kiln's cold compile time (compile cache off), its load
-time in a fresh process, the server's resident memory, and memory bandwidth: the weight
+time in a fresh process (best of three; the first, which may read the file from disk, in the JSON), the server's resident memory, and memory bandwidth: the weight
 bytes a decode step reads over its time, against this machine's copy bandwidth.
 
 Targets (issue 32): quantized single-stream decode >= 1.1x llama.cpp and >= 1.0x OpenVINO
@@ -173,15 +173,23 @@ def ort_genai_model(work: Path, model, tok) -> Path | None:
 
 
 # -- kiln --------------------------------------------------------------------------------------------
-def load_in_fresh_process(path) -> dict:
+def load_in_fresh_process(path, runs=3) -> dict:
+    """``kiln.load`` in ``runs`` fresh processes, one after another: ``load_s`` is the best
+    (the file in the page cache, as a server restarting finds it), ``first_load_s`` the
+    first, which also reads whatever of the file the cache lacked (11-28: an int4 artifact
+    loaded in 0.92-0.94 s warm and 1.40 s in a run that found it cold)."""
     code = ("import time, json; t0 = time.perf_counter(); import kiln; t1 = time.perf_counter(); "
             f"m = kiln.load({str(path)!r}); t2 = time.perf_counter(); "
             "print(json.dumps({'import_s': t1 - t0, 'load_s': t2 - t1}))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    if r.returncode:
-        raise RuntimeError(r.stderr[-2000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got = []
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if r.returncode:
+            raise RuntimeError(r.stderr[-2000:])
+        got.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    best = min(got, key=lambda g: g["load_s"])
+    return dict(best, first_load_s=got[0]["load_s"], runs=runs)
 
 
 def bench_kiln_single(llm, ids, new, repeats=2) -> dict:
