@@ -8,7 +8,6 @@ the runtime flattens call arguments in.
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import math
 import warnings
@@ -290,7 +289,6 @@ def _flash_attention_for_cpu(torch_decomposition):
     return decompose
 
 
-# What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
 def decompose_program(ep, model_name: str = "model"):
     """``ep.run_decompositions()`` (core ATen but for :data:`KEEP_WHOLE`), retried once
     with views made reshapes when a ``view`` is refused.

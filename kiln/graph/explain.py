@@ -8,6 +8,7 @@ import re
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# What torch says when a view's strides do not allow it (fake/meta tensors, then eager).
 VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible with input tensor")
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
