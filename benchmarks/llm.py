@@ -391,7 +391,10 @@ def render(res) -> str:
 
 
 def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
-    """Compile (or reuse), load in a fresh process, single stream, then 8 streams served."""
+    """Compile (or reuse), load in a fresh process, single stream, then 8 streams served.
+    ``name``: fp32, int8 or int4, with ``+bf16`` for a quantized build whose prefill computes
+    in bf16 (``prefill_auto_cast``; a CPU that computes bf16 natively)."""
+    quant, _, cast = name.partition("+")
     artifact = work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
     record = work / (artifact.name + ".json")
     if args.reuse and artifact.exists() and record.exists():
@@ -406,12 +409,13 @@ def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
                           on_graph=lambda g, i, n, sec: log(f"compiled {g} ({i}/{n}) in {sec:.1f}s"),
                           # the gate's numbers are reported against its default limits below,
                           # so a variant that misses them is measured and marked, not skipped
-                          **({} if name == "fp32" else {"quantize": name, "max_ppl_ratio": 1e9,
+                          **({"prefill_auto_cast": "bf16"} if cast else {}),
+                          **({} if quant == "fp32" else {"quantize": quant, "max_ppl_ratio": 1e9,
                                                          "min_agreement": 0.0}))
         k = {"compile_s": time.perf_counter() - t0, "accuracy_gate": llm.meta.get("accuracy_gate")}
         if k["accuracy_gate"]:
             from kiln.llm.gate import LIMITS
-            ratio, agreement = LIMITS[name]
+            ratio, agreement = LIMITS[quant]
             k["accuracy_gate"].update(max_ppl_ratio=ratio, min_agreement=agreement,
                                       passed=k["accuracy_gate"]["ppl_ratio"] <= ratio
                                       and k["accuracy_gate"]["agreement"] >= agreement)
@@ -427,7 +431,7 @@ def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
     log(f"kiln {name}: single stream")
     k["single"] = bench_kiln_single(llm, ids, args.new)
     k["greedy_tokens_equal_hf"] = same_prefix(k["single"].pop("tokens"), hf_tokens)
-    k["weights_mb"] = weights_mb(model, name)
+    k["weights_mb"] = weights_mb(model, quant)
     k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
     k["batch_invariance"] = llm.batch_invariance
     del llm
@@ -444,7 +448,8 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, default=8, help="concurrent streams; also the decode batch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reuse", action="store_true", help="reuse the compiled artifacts from a previous run")
-    p.add_argument("--variants", default="fp32,int8,int4", help="kiln builds: fp32, int8, int4 (weight-only)")
+    p.add_argument("--variants", default="fp32,int8,int4",
+                   help="kiln builds: fp32, int8, int4 (weight-only); int8+bf16 / int4+bf16: prefill in bf16")
     p.add_argument("--quick", action="store_true",
                    help="a check that every row runs: int4 only (unless --variants says otherwise), 32 "
                         "generated tokens; numbers not for the record")

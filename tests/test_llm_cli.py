@@ -93,3 +93,15 @@ def test_compile_quantized_reports_a_failed_gate_with_its_numbers(tiny_llm, tmp_
              "--min-agreement", "1")
     assert r.returncode != 0 and not (tmp_path / "q.kiln").exists()
     assert re.search(r"int4 model fails the accuracy gate: perplexity \S+ vs \S+", r.stderr), r.stderr
+
+
+def test_compile_refuses_a_bf16_prefill_for_a_float_build(tiny_llm, tmp_path):
+    """``--prefill-auto-cast bf16`` reaches compile_llm: a float build (no gate to judge it)
+    is refused with the reason, exit code 2, and no file written."""
+    model, _, _ = tiny_llm
+    checkpoint = tmp_path / "ckpt"
+    model.save_pretrained(checkpoint)
+    r = kiln("llm", "compile", checkpoint, "-o", tmp_path / "f.kiln", "--batch-size", "1", "--context-buckets",
+             "8", "--cache-length", "32", "--prefill-auto-cast", "bf16")
+    assert r.returncode == 2 and "prefill_auto_cast applies to quantized builds" in r.stderr, r.stderr
+    assert not (tmp_path / "f.kiln").exists()

@@ -65,3 +65,40 @@ def test_int4_of_a_decoder_exported_as_a_large_one(monkeypatch):
     blob = llm.decode[1]._artifact.blobs[llm.decode[1].manifest["partitions"][0]["blob"]]
     rewritten = ort_engine.header_of(blob)["rewritten"]
     assert rewritten["rms_norm"] >= 2 and rewritten["transpose"] >= 7, rewritten
+
+
+def test_prefill_auto_cast_bf16_computes_the_prefill_in_bf16_where_the_cpu_does(monkeypatch):
+    """``prefill_auto_cast="bf16"``: the prefill graph goes to OpenVINO with bf16 as its
+    inference precision (as OpenVINO GenAI runs on such CPUs), the decode graphs stay as they
+    were, and the build passes its gate. Checked with the CPU's bf16 support faked either way:
+    the OpenVINO build is asked for bf16 whether or not this CPU has it (OpenVINO then computes
+    in f32), so the test runs on every machine."""
+    from kiln.engines import openvino as ov_engine
+    from kiln.host import target
+    seen = []
+    real = ov_engine._header_config
+
+    def recording(header, **extra):
+        seen.append(header["precision"])
+        return real(header, **extra)
+    monkeypatch.setattr(ov_engine, "_header_config", recording)
+    monkeypatch.setattr(target, "native", lambda cast: cast == "bf16")
+    llm = compile_llm(_model("llama"), quantize="int8", prefill_auto_cast="bf16", **OPTIONS)
+    assert llm.meta["accuracy_gate"]["passed"]
+    prefill = next(iter(llm.prefill.values()))
+    assert [e for e, _ in prefill.manifest["engines"]] == ["openvino"]
+    assert "bf16" in seen
+    assert all(e == "onnxruntime" for m in llm.decode.values() for e, _ in m.manifest["engines"])
+    assert len(llm.generate([[5, 17, 3]], 6, stop_at_eos=False)[0]) == 6
+
+
+def test_prefill_auto_cast_is_refused_where_it_cannot_help(monkeypatch):
+    from kiln.errors import CompilerArgsError
+    from kiln.host import target
+    with pytest.raises(CompilerArgsError, match="applies to quantized builds"):
+        compile_llm(_model("llama"), prefill_auto_cast="bf16", **OPTIONS)
+    with pytest.raises(CompilerArgsError, match="only 'bf16'"):
+        compile_llm(_model("llama"), quantize="int8", prefill_auto_cast="fp16", **OPTIONS)
+    monkeypatch.setattr(target, "native", lambda cast: False)
+    with pytest.raises(CompilerArgsError, match="does not compute bf16 natively"):
+        compile_llm(_model("llama"), quantize="int8", prefill_auto_cast="bf16", **OPTIONS)

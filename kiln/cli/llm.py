@@ -41,6 +41,10 @@ def add_parser(sub):
                         "takes them, float where it holds float; the default for a quantized .gguf file), "
                         "int8 / int4 = kiln's weight-only quantization, none = float32 (the default "
                         "otherwise); all but none are held to the LLM accuracy gate")
+    c.add_argument("--prefill-auto-cast", choices=("bf16",), default=None,
+                   help="quantized builds on a CPU that computes bf16 natively (AVX512-BF16, AMX): prefill "
+                        "graphs compute in bf16, as OpenVINO GenAI does there (faster first tokens; the "
+                        "accuracy gate judges the build)")
     c.add_argument("--max-ppl-ratio", type=float, default=None,
                    help="the gate's most perplexity relative to float32 (default: int8 and gguf 1.05, int4 1.25)")
     c.add_argument("--min-agreement", type=float, default=None,
@@ -108,7 +112,8 @@ def cmd_compile(args, console) -> int:
                                  ("quantize", quantize), ("workers", args.workers),
                                  ("prefill_chunk", args.prefill_chunk),
                                  ("speculation_length", args.speculation_length),
-                                 ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement))
+                                 ("max_ppl_ratio", args.max_ppl_ratio), ("min_agreement", args.min_agreement),
+                                 ("prefill_auto_cast", args.prefill_auto_cast))
                if v is not None}
     llm = compile_llm(model, batch_size=args.batch_size, context_buckets=buckets, cache_length=args.cache_length,
                       tokenizer=tokenizer, on_graph=progress, tp_degree=args.tp_degree, **options)

@@ -161,7 +161,7 @@ class OpenVinoEngine(Engine):
                 model = _core().read_model(path)
             _check_io(model, partition, example_inputs)
             header = {"kind": "ir" if options.target == "generic" else "compiled",
-                      "openvino": self.version(), "precision": "f32", "inputs": len(model.inputs),
+                      "openvino": self.version(), "precision": _precision(options), "inputs": len(model.inputs),
                       "outputs": len(model.outputs), "quantized": options.quantize,
                       "dynamic_quantization_group_size": QUANTIZED_GROUP, "onnx": settings}
             return self._blob(model, header)

@@ -7,6 +7,7 @@ LLM accuracy gate (:mod:`kiln.llm.gate`).
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
 import time
 
@@ -23,7 +24,7 @@ from kiln.runtime.llm import FORMAT, LLM
 def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_length: int = 128,
                 decode_batches=None, speculation_length=None, tokenizer=None, on_graph=None,
                 max_ppl_ratio=None, min_agreement=None, workers=None, prefill_chunk=None,
-                sequence_buckets=None, tp_degree: int = 1, **trace_options) -> LLM:
+                sequence_buckets=None, tp_degree: int = 1, prefill_auto_cast=None, **trace_options) -> LLM:
     """``model``: a ``*ForCausalLM`` of the Llama family, or GPT-2. ``batch_size``: requests generating
     at once (KV-cache rows). ``decode_batches``: the decode graphs' batch sizes (default 1
     and ``batch_size``: a lone stream runs the 1-row graph). ``context_buckets``: the prompt
@@ -50,7 +51,12 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     blocks of the GGUF file the model was loaded from (:mod:`kiln.llm.gguf_keep`; the
     artifact's manifest says per tensor how, under ``llm.gguf``). ``tp_degree=N`` shards the
     model over N ranks (:mod:`kiln.llm.tp`) and returns a
-    :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. Other keywords go to ``kiln.trace``."""
+    :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. ``prefill_auto_cast="bf16"`` (quantized
+    builds, on a CPU that computes bf16 natively) compiles the prefill graphs to compute in
+    bf16, as OpenVINO GenAI does by default on such CPUs: on a 2-core Xeon with AMX the
+    SmolLM2 int4 prefill ran ~3x faster (docs/llm.md); the accuracy gate judges the whole
+    build, and prefill runs one request at a time, so batching still never changes an answer.
+    Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
     cuda.check_options(trace_options, tp_degree)
     if tp_degree != 1:
@@ -75,11 +81,12 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
         trace_options.setdefault("quantize_mode", "weight_only")
         # the LLM-level gate below judges accuracy; the per-graph cosine on one example is a floor
         trace_options.setdefault("min_cosine", 0.9)
+    _check_prefill_cast(prefill_auto_cast, quantize, trace_options)
     jobs, keys, windows = _jobs(shape, buckets, rows, speculation_length, prefill_chunk,
                                 sequence_buckets)
     kept = _gguf_plan(model, trace_options)
     with gguf_keep.keeping(model, kept):
-        graphs = _compile_graphs(model, jobs, trace_options, workers, on_graph)
+        graphs = _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast)
     built: dict = {}
     for (kind, key), graph in zip(keys, graphs):
         built.setdefault(kind, {})[key] = graph
@@ -100,10 +107,13 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     return llm
 
 
-def _compile_graphs(model, jobs, trace_options, workers, on_graph) -> list:
+def _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast=None) -> list:
     workers = (parallel.default_workers(model, len(jobs), quantized=bool(trace_options.get("quantize")))
                if workers is None else int(workers))
     per_job = graph_options(jobs, trace_options)
+    if prefill_auto_cast:
+        per_job = [_auto_cast(o, prefill_auto_cast) if name.startswith("prefill") else o
+                   for (name, _, _), o in zip(jobs, per_job)]
     graphs = parallel.compile_graphs(model, jobs, per_job, workers, on_graph) if workers > 1 else None
     if graphs is None:
         graphs = []
@@ -113,6 +123,31 @@ def _compile_graphs(model, jobs, trace_options, workers, on_graph) -> list:
             if on_graph is not None:
                 on_graph(name, k + 1, len(jobs), time.perf_counter() - started)
     return graphs
+
+
+def _auto_cast(options: dict, cast: str) -> dict:
+    """``options`` with ``--auto-cast all --auto-cast-type cast`` added to its compiler flags."""
+    flags = ["--auto-cast", "all", "--auto-cast-type", cast]
+    given = options.get("compiler_args") or []
+    return dict(options, compiler_args=(shlex.split(given) if isinstance(given, str) else list(given)) + flags)
+
+
+def _check_prefill_cast(cast, quantize, trace_options) -> None:
+    """``prefill_auto_cast``: bf16, for a quantized CPU build (whose accuracy gate then judges
+    it), on a CPU that computes bf16 natively (elsewhere kiln would only emulate it: slower)."""
+    if cast is None:
+        return
+    from kiln.host import target
+    if cast != "bf16":
+        raise CompilerArgsError(f"prefill_auto_cast={cast!r}: only 'bf16' is supported")
+    if not quantize:
+        raise CompilerArgsError("prefill_auto_cast applies to quantized builds (quantize='int8', 'int4' or "
+                                "'gguf'), whose accuracy gate judges it; a float build has no gate to")
+    if trace_options.get("device", "cpu") != "cpu":
+        raise CompilerArgsError("prefill_auto_cast is for CPU builds")
+    if not target.native("bf16"):
+        raise CompilerArgsError("prefill_auto_cast='bf16': this CPU does not compute bf16 natively (it needs "
+                                "AVX512-BF16 or AMX), so kiln could only emulate it, more slowly: drop it")
 
 
 def graph_options(jobs, trace_options) -> list:
@@ -150,7 +185,7 @@ def _compile_tp(model, tp_degree, args):
     if not isinstance(tp_degree, int) or tp_degree < 1:
         raise CompilerArgsError(f"tp_degree must be a positive integer; got {tp_degree!r}")
     options = {k: args[k] for k in ("batch_size", "context_buckets", "cache_length", "decode_batches",
-                                    "speculation_length", "prefill_chunk", "sequence_buckets")}
+                                    "speculation_length", "prefill_chunk", "sequence_buckets", "prefill_auto_cast")}
     options.update(args["trace_options"])
     tokenizer = args["tokenizer"]
     return compile_tp(model, tp_degree, compile_llm, tokenizer_files=_tokenizer_files(tokenizer),
