@@ -61,19 +61,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     cuda.check_options(trace_options, tp_degree)
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
-    limit = max_positions(model.config)
-    if limit is not None and cache_length > limit:
-        raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
-                                f"has learned position embeddings for; use cache_length <= {limit}")
-    buckets = sorted({int(w) for w in context_buckets})
-    if batch_size < 1 or not buckets or buckets[0] < 1:
-        raise CompilerArgsError("batch_size and every context bucket must be positive")
-    rows = sorted({1, batch_size} if decode_batches is None else {int(b) for b in decode_batches} | {batch_size})
-    if rows[0] < 1 or rows[-1] > batch_size:
-        raise CompilerArgsError(f"decode_batches must lie in [1, batch_size={batch_size}]; got {decode_batches}")
-    if buckets[-1] > cache_length:
-        raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
-                                "the prompt's keys must fit in the cache")
+    buckets, rows = _shapes(model, batch_size, context_buckets, cache_length, decode_batches)
     model = model.eval()
     shape = cache_shape(model.config, batch_size, cache_length)
     quantize = trace_options.get("quantize")
@@ -105,6 +93,24 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     if quantize:
         meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
     return llm
+
+
+def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) -> tuple:
+    """``(context buckets, decode batch sizes)``, sorted, or a clear error."""
+    limit = max_positions(model.config)
+    if limit is not None and cache_length > limit:
+        raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
+                                f"has learned position embeddings for; use cache_length <= {limit}")
+    buckets = sorted({int(w) for w in context_buckets})
+    if batch_size < 1 or not buckets or buckets[0] < 1:
+        raise CompilerArgsError("batch_size and every context bucket must be positive")
+    rows = sorted({1, batch_size} if decode_batches is None else {int(b) for b in decode_batches} | {batch_size})
+    if rows[0] < 1 or rows[-1] > batch_size:
+        raise CompilerArgsError(f"decode_batches must lie in [1, batch_size={batch_size}]; got {decode_batches}")
+    if buckets[-1] > cache_length:
+        raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
+                                "the prompt's keys must fit in the cache")
+    return buckets, rows
 
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast=None) -> list:
