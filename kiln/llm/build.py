@@ -53,8 +53,8 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     model over N ranks (:mod:`kiln.llm.tp`) and returns a
     :class:`~kiln.runtime.tp_llm.TensorParallelLLM`. ``prefill_auto_cast="bf16"`` (quantized
     builds, on a CPU that computes bf16 natively) compiles the prefill graphs to compute in
-    bf16, as OpenVINO GenAI does by default on such CPUs: on a 2-core Xeon with AMX the
-    SmolLM2 int4 prefill ran ~3x faster (docs/llm.md); the accuracy gate judges the whole
+    bf16, as OpenVINO GenAI does by default on such CPUs: on a 2-core Xeon with AMX SmolLM2
+    int4's first token came in 0.053 s instead of 0.079 (docs/llm.md); the accuracy gate judges the whole
     build, and prefill runs one request at a time, so batching still never changes an answer.
     Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
