@@ -139,8 +139,9 @@ def _auto_cast(options: dict, cast: str) -> dict:
 
 
 def _check_prefill_cast(cast, quantize, trace_options) -> None:
-    """``prefill_auto_cast``: bf16, for a quantized CPU build (whose accuracy gate then judges
-    it), on a CPU that computes bf16 natively (elsewhere kiln would only emulate it: slower)."""
+    """``prefill_auto_cast``: bf16, for a quantized build (whose accuracy gate then judges it;
+    quantized LLMs are CPU builds, :func:`kiln.llm.cuda.check_options`), on a CPU that computes
+    bf16 natively (elsewhere kiln would only emulate it: slower)."""
     if cast is None:
         return
     from kiln.host import target
@@ -149,8 +150,6 @@ def _check_prefill_cast(cast, quantize, trace_options) -> None:
     if not quantize:
         raise CompilerArgsError("prefill_auto_cast applies to quantized builds (quantize='int8', 'int4' or "
                                 "'gguf'), whose accuracy gate judges it; a float build has no gate to")
-    if trace_options.get("device", "cpu") != "cpu":
-        raise CompilerArgsError("prefill_auto_cast is for CPU builds")
     if not target.native("bf16"):
         raise CompilerArgsError("prefill_auto_cast='bf16': this CPU does not compute bf16 natively (it needs "
                                 "AVX512-BF16 or AMX), so kiln could only emulate it, more slowly: drop it")
