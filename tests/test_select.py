@@ -177,6 +177,40 @@ def test_an_engine_that_answers_wrongly_loses_the_partition_to_the_next(monkeypa
     assert_close(compiled(x), model(x).detach())
 
 
+@pytest.mark.parametrize("answer", ["garbage", "lossy"])
+def test_a_lossy_build_far_from_eager_loses_the_partition_but_a_merely_lossy_one_does_not(monkeypatch, answer):
+    """Lossy compiles (int8 weights here) are held to the model's accuracy gate, not to eager's
+    tolerances, partition by partition; but an output with a cosine similarity to eager's
+    under checks.LOSSY_FLOOR is a broken build (an OpenVINO int4 prefill once answered at
+    0.045), so the partition goes to the next engine instead of failing the gate."""
+    pytest.importorskip("openvino")
+    ort = engines.get("onnxruntime")
+    real_load = ort.load
+    noise = torch.Generator().manual_seed(0)
+
+    def load(blob, runtime_options, origin=None):
+        run = real_load(blob, runtime_options, origin)
+        if answer == "garbage":         # the right scale, the wrong sign: cosine -1
+            return lambda inputs: [-t for t in run(inputs)]
+        return lambda inputs: [t + 0.01 * t.std() * torch.randn(t.shape, generator=noise) for t in run(inputs)]
+
+    monkeypatch.setattr(ort, "load", load)
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, optlevel=1, quantize="int8", quantize_mode="weight_only",   # both engines quantize
+                           min_cosine=0.99, min_top1=0.0, cache=False)
+    (part,) = compiled.manifest["partitions"]
+    first = part["candidates"][0]
+    assert first["engine"] == "onnxruntime"
+    if answer == "garbage":
+        assert first["status"] == "inaccurate" and "cosine similarity" in first["note"]
+        assert part["engine"] == "openvino" and "onnxruntime inaccurate" in part["choice"]
+    else:
+        assert first["status"] == "ok" and part["engine"] == "onnxruntime"
+    with torch.no_grad():
+        expected, actual = model(x), compiled(x)
+    assert torch.nn.functional.cosine_similarity(expected.flatten(), actual.flatten(), dim=0) > 0.99
+
+
 def test_a_build_in_the_wrong_dtype_is_never_kept_even_when_no_engine_agrees(monkeypatch):
     """An inaccurate build is kept when no engine matches eager (the validation gate then
     reports its numbers); one whose outputs have another dtype is not: whatever reads them

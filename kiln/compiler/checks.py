@@ -1,5 +1,6 @@
 """A build checked against eager on its partition's example inputs: the same answers
-within tolerance (or, for lossy compiles, no invented NaN), and how it treats NaN and
+within tolerance (or, for lossy compiles, no invented NaN and a cosine similarity above
+:data:`LOSSY_FLOOR`), and how it treats NaN and
 infinities (:func:`nonfinite_probe`). Selection (:mod:`kiln.compiler.selection`) keeps
 only builds that pass.
 """
@@ -47,7 +48,8 @@ def try_run(engine, blob, runtime_opts, inputs, reference, opts):
     one gets wrong: OpenVINO 2026.4 answered 18 of the 144 two-stage cuts of a
     tiny BERT pipeline wrongly (errors up to 3.7, or NaN), where ONNX Runtime ran
     all of them right. Lossy compiles (int8, auto-cast) are held to the model's
-    accuracy gate instead; here they must only not invent NaN. When no engine
+    accuracy gate instead; here they must only not invent NaN nor fall below
+    :data:`LOSSY_FLOOR`. When no engine
     agrees, the first that ran is kept and the model's validation reports it.
     """
     try:
@@ -164,7 +166,32 @@ def disagreement(expected, actual, opts, precision=None) -> str | None:
         e, a = (t.nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) for t in (e, a))
         rtol, atol = (validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol, opts.rtol,
                                             validation.rtol_floor(precision)) if precision else (opts.rtol, opts.atol))
-        if not lossy(opts) and not torch.allclose(a, e, atol=atol, rtol=rtol):
+        if lossy(opts):
+            cos = _cosine(e, a)
+            if cos is not None and cos < LOSSY_FLOOR:
+                return f"output {i} is not eager's, even allowing for lossy compute: cosine similarity {cos:.3g}"
+        elif not torch.allclose(a, e, atol=atol, rtol=rtol):
             err = (a.double() - e.double()).abs().max().item()
             return f"output {i} differs from eager: max abs error {err:.3g} (atol {atol:.3g}, rtol {rtol:g})"
     return None
+
+
+# A lossy build (int8/int4 weights, auto-cast) is held to the model's accuracy gate, not to
+# eager's tolerances, partition by partition. But an output this far from eager's is a broken
+# build, not a lossy one: once in five suite runs an OpenVINO int4 prefill of a tiny Llama
+# answered with cosine 0.045, was kept as the faster engine, and failed the whole compile at
+# the gate, where ONNX Runtime's build of the same partition would have passed. Below this
+# floor the build counts as disagreeing, so selection tries the next engine; the gate (0.99 by
+# default, on the model's outputs) stays the accuracy check.
+LOSSY_FLOOR = 0.5
+
+
+def _cosine(e, a) -> float | None:
+    """Cosine similarity of two outputs, None where eager's is (nearly) zero."""
+    e, a = e.double().flatten(), a.double().flatten()
+    ne, na = e.norm().item(), a.norm().item()
+    if ne <= 1e-12:
+        return None
+    if na <= 1e-12:
+        return 0.0
+    return (e @ a).item() / (ne * na)
