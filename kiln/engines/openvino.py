@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
 import json
 import os
 import struct
@@ -50,7 +49,7 @@ import torch
 from kiln import scratch
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
-from kiln.engines import ov_attention, ov_dtypes
+from kiln.engines import ov_attention, ov_dtypes, ov_export
 from kiln.engines.base import Engine
 from kiln.host import target as host_target
 
@@ -142,7 +141,8 @@ class OpenVinoEngine(Engine):
         header = {"kind": "ir" if options.target == "generic" else "compiled",
                   "openvino": self.version(), "precision": _precision(options),
                   "inputs": len(model.inputs), "outputs": len(model.outputs)}
-        return self._blob(model, header)
+        # auto-cast to a type computed natively is lossy: held loosely against eager (above)
+        return self._blob(model, header, example_inputs if header["precision"] != "f32" else None)
 
     def _compile_quantized(self, partition, example_inputs, options, calibration) -> bytes:
         from kiln.engines import onnx_model
@@ -157,6 +157,8 @@ class OpenVinoEngine(Engine):
                     raise RuntimeError(f"{node.target} cannot run on OpenVINO: {reason}")
         with scratch.directory("kiln-ov-", 2 * scratch.tensor_bytes(partition)) as tmp:
             path, settings = onnx_model.quantized(partition, example_inputs, options, calibration, tmp)
+            if settings.get("exporter_optimized"):      # a small graph: the exporter's fused ops
+                settings["rotary_decomposed"] = _decompose_rotary(path)
             with quiet(_LOGGERS):
                 model = _core().read_model(path)
             _check_io(model, partition, example_inputs)
@@ -164,18 +166,22 @@ class OpenVinoEngine(Engine):
                       "openvino": self.version(), "precision": _precision(options), "inputs": len(model.inputs),
                       "outputs": len(model.outputs), "quantized": options.quantize,
                       "dynamic_quantization_group_size": QUANTIZED_GROUP, "onnx": settings}
-            return self._blob(model, header)
+            return self._blob(model, header, example_inputs)
 
-    def _blob(self, model, header) -> bytes:
+    def _blob(self, model, header, round_trip_inputs=None) -> bytes:
+        """The blob; with ``round_trip_inputs`` (lossy builds), the compiled model's export is
+        checked to answer as the compiled model does (:mod:`kiln.engines.ov_export`)."""
         if header["kind"] == "ir":
             xml, weights = _serialize(model)
             header["xml"] = len(xml)
             return _pack(header) + xml + weights
-        out = io.BytesIO()
-        out.write(_pack(header))
+        core, config = _core(), _header_config(header)
         with quiet(_LOGGERS):
-            _core().compile_model(model, "CPU", _header_config(header)).export_model(out)
-        return out.getvalue()
+            compiled = core.compile_model(model, "CPU", config)
+            exported = ov_export.export(compiled)
+            if round_trip_inputs is not None:
+                ov_export.check_round_trip(core, compiled, exported, config, round_trip_inputs, OvRunner)
+        return _pack(header) + exported
 
     def load(self, blob, runtime_options, origin=None):
         import openvino as ov
@@ -230,6 +236,17 @@ def _precision(options) -> str:
 
 
 # -- compile --------------------------------------------------------------------
+
+def _decompose_rotary(path: str) -> int:
+    """:func:`kiln.engines.ov_export.decompose_rotary` on the ONNX file at ``path`` (a small
+    graph's: only the exporter's optimiser writes the op), saved back when it changed."""
+    import onnx
+    model = onnx.load(path)
+    count = ov_export.decompose_rotary(model)
+    if count:
+        onnx.save(model, path)
+    return count
+
 
 def _convert(partition, example_inputs):
     """GraphModule → OpenVINO model with static input shapes and types, in positional order.
