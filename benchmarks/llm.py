@@ -42,7 +42,9 @@ bytes a decode step reads over its time, against this machine's copy bandwidth.
 Targets (issue 32): quantized single-stream decode >= 1.1x llama.cpp and >= 1.0x OpenVINO
 GenAI; time to first token <= 0.20 s and <= OpenVINO GenAI's; 8-stream aggregate >= 1.5x
 llama-server; decode bandwidth >= 70 % of the copy bandwidth; cold compile <= 60 s, load <= 1 s.
-Only ratios from one run count: these machines vary by tens of percent from day to day.
+Only ratios from one run count: these machines vary by tens of percent from day to day, and
+from minute to minute, so the single-stream rows run ``--rounds`` times, interleaved, each
+keeping its best (``llm_parts/rounds.py``).
 
 Usage::
 
@@ -75,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import latency  # noqa: E402  (machine info, JSON writing)
+from llm_parts import rounds  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ("The history of computing is a story of people finding ways to make machines do more of the "
@@ -390,6 +393,15 @@ def render(res) -> str:
     return "\n".join(lines)
 
 
+def kiln_round(name, ids, args, work) -> dict:
+    """One more single-stream run of a compiled variant, loaded afresh (``--rounds``)."""
+    import kiln
+    llm = kiln.load(work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln", threads=args.threads)
+    run = bench_kiln_single(llm, ids, args.new)
+    run.pop("tokens", None)
+    return run
+
+
 def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
     """Compile (or reuse), load in a fresh process, single stream, then 8 streams served.
     ``name``: fp32, int8 or int4, with ``+bf16`` for a quantized build whose prefill computes
@@ -447,6 +459,8 @@ def parse_args(argv=None):
     p.add_argument("--new", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams; also the decode batch")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="single-stream rounds, interleaved; each row keeps its best (llm_parts/rounds.py)")
     p.add_argument("--reuse", action="store_true", help="reuse the compiled artifacts from a previous run")
     p.add_argument("--variants", default="fp32,int8,int4",
                    help="kiln builds: fp32, int8, int4 (weight-only); int8+bf16 / int4+bf16: prefill in bf16")
@@ -467,8 +481,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.quick:
         args.new = min(args.new, 32)
-        if "--variants" not in " ".join(argv if argv is not None else sys.argv):
+        given = " ".join(argv if argv is not None else sys.argv)
+        if "--variants" not in given:
             args.variants = "int4"
+        if "--rounds" not in given:
+            args.rounds = 1
     torch.set_num_threads(args.threads)
     from kiln.llm.source import load_pretrained
     path = gguf_path()
@@ -498,6 +515,8 @@ def main(argv=None):
                                                       args.threads, work)
     for name in args.variants.split(","):
         res["kiln"][name] = run_variant(name, model, tok, ids, args, work, hf_tokens)
+    rounds.interleave(res, args.rounds, lambda p: bench_peer(p, path if p != "ort-genai" else ort_genai_model(
+        work, model, tok), ids, args.new, args.threads), lambda v: kiln_round(v, ids, args, work), log)
     print(render(res))
     latency.write_json(res, args.json)
     print(f"\nJSON: {latency.display_path(args.json)}")
