@@ -7,9 +7,10 @@ plugin turns the op into a ``RoPE`` node whose settings do not survive export, a
 imported node computes garbage (errors of 0.5 up to 1e35 on a rotary table of any shape),
 while the model it was exported from is exact. torch's exporter writes that op for small
 graphs it optimises (a 2-layer Llama's prefill), so a tiny int4 Llama's prefill on
-OpenVINO answered at cosine 0.05-0.95 against eager after import, on about half of the
-builds; transformers' own rotate-half arithmetic, which OpenVINO keeps as plain ops, round
-trips exactly.
+OpenVINO answered wrongly after import on every build: its keys at the last position 0.5
+off on some builds (cosine 0.95 against eager, within a lossy build's slack) and up to 1e35
+on others (cosine 0.05). transformers' own rotate-half arithmetic, which OpenVINO keeps as
+plain ops, round trips exactly.
 
 * :func:`decompose_rotary` writes each such op of the ONNX model OpenVINO reads (the
   quantized road) as that arithmetic: ``x1*cos - x2*sin`` and ``x2*cos + x1*sin`` on the
