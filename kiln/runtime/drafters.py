@@ -22,6 +22,7 @@ import torch
 
 from kiln.errors import InputError
 from kiln.runtime.kv import KVCache
+from kiln.runtime.sampling import greedy
 
 
 class NgramDrafter:
@@ -161,7 +162,7 @@ class ModelDrafter:
             del queue[0]
             if queue:
                 continue
-            out[slot].append(int(logits[slot, -1].argmax()))
+            out[slot].append(int(greedy(logits[slot, -1])))
             if len(out[slot]) >= budget:
                 del feed[slot]
             else:

@@ -22,6 +22,7 @@ import torch
 
 from kiln.errors import InputError
 from kiln.runtime.kv import KVCache
+from kiln.runtime.sampling import greedy
 
 
 @dataclass
@@ -105,12 +106,12 @@ class SpeculativeDecoder:
         n = len(prompt)
         logits, k, v = llm.prefill_for(n)(torch.tensor([prompt]), torch.arange(n).unsqueeze(0), torch.tensor([n - 1]))
         cache.write_slot(0, k[:, 0, :, :n], v[:, 0, :, :n])
-        return int(logits[0, -1].argmax())
+        return int(greedy(logits[0, -1]))
 
     def _step(self, cache, token: int, position: int) -> int:
         logits, k, v = self.draft.decode[1](torch.tensor([[token]]), torch.tensor([[position]]), *cache.inputs(1))
         cache.write_slot(0, k[:, 0], v[:, 0])
-        return int(logits[0, -1].argmax())
+        return int(greedy(logits[0, -1]))
 
     def _catch_up(self, cache, context):
         """Feed the draft the accepted tokens it has not seen (all but the last)."""
@@ -133,7 +134,7 @@ class SpeculativeDecoder:
         base = len(context) - 1
         logits, k, v = self.target.verify(torch.tensor([tokens]), torch.arange(base, base + width).unsqueeze(0),
                                           *cache.inputs(1))
-        choice = logits[0].argmax(-1).tolist()
+        choice = greedy(logits[0]).tolist()
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
             accepted += 1
