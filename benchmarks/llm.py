@@ -393,10 +393,14 @@ def render(res) -> str:
     return "\n".join(lines)
 
 
+def artifact_path(name, args, work) -> Path:
+    return work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
+
+
 def kiln_round(name, ids, args, work) -> dict:
     """One more single-stream run of a compiled variant, loaded afresh (``--rounds``)."""
     import kiln
-    llm = kiln.load(work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln", threads=args.threads)
+    llm = kiln.load(artifact_path(name, args, work), threads=args.threads)
     run = bench_kiln_single(llm, ids, args.new)
     run.pop("tokens", None)
     return run
@@ -407,7 +411,7 @@ def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
     ``name``: fp32, int8 or int4, with ``+bf16`` for a quantized build whose prefill computes
     in bf16 (``prefill_auto_cast``; a CPU that computes bf16 natively)."""
     quant, _, cast = name.partition("+")
-    artifact = work / f"smollm2-{name}-b{args.streams}-p{args.prompt}-n{args.new}.kiln"
+    artifact = artifact_path(name, args, work)
     record = work / (artifact.name + ".json")
     if args.reuse and artifact.exists() and record.exists():
         k = json.loads(record.read_text())
@@ -501,8 +505,10 @@ def main(argv=None):
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     wanted = [p for p in args.peers.split(",") if p]
+    def peer_model(peer):         # the GGUF file, or ONNX Runtime GenAI's own int4 build of it
+        return path if peer != "ort-genai" else ort_genai_model(work, model, tok)
     for peer in wanted:
-        where = path if peer != "ort-genai" else ort_genai_model(work, model, tok)
+        where = peer_model(peer)
         log(peer)
         r = bench_peer(peer, where, ids, args.new, args.threads) if where else None
         if r and "tokens" in r:
@@ -515,8 +521,8 @@ def main(argv=None):
                                                       args.threads, work)
     for name in args.variants.split(","):
         res["kiln"][name] = run_variant(name, model, tok, ids, args, work, hf_tokens)
-    rounds.interleave(res, args.rounds, lambda p: bench_peer(p, path if p != "ort-genai" else ort_genai_model(
-        work, model, tok), ids, args.new, args.threads), lambda v: kiln_round(v, ids, args, work), log)
+    rounds.interleave(res, args.rounds, lambda p: bench_peer(p, peer_model(p), ids, args.new, args.threads),
+                      lambda v: kiln_round(v, ids, args, work), log)
     print(render(res))
     latency.write_json(res, args.json)
     print(f"\nJSON: {latency.display_path(args.json)}")
