@@ -91,6 +91,7 @@ def reader(store, retry_failed, threads):
             art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
             trust.admit(art, where, trust_native_code=False)
             compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
+            art.release_pages()
         except UntrustedArtifactError as e:
             if key not in untrusted:
                 untrusted.add(key)

@@ -51,4 +51,6 @@ def load(path_or_bytes, threads: int | None = None, trust_native_code: bool | No
         return from_artifact(Artifact.from_bytes(bytes(path_or_bytes)), opts, "<bytes>",
                              trust_native_code=trust_native_code)
     art = Artifact.load(path_or_bytes)
-    return from_artifact(art, opts, source=str(path_or_bytes), trust_native_code=trust_native_code)
+    model = from_artifact(art, opts, source=str(path_or_bytes), trust_native_code=trust_native_code)
+    art.release_pages()       # the engines hold what they need; the digest check's pages go
+    return model

@@ -22,8 +22,10 @@ def load_rank(path: str, rank: int, threads: int | None = None):
     if not 0 <= rank < len(names):
         raise ArtifactError(f"{path}: holds {len(names)} ranks; rank {rank} has no share in it")
     name = names[rank]
-    return loader.from_artifact(art.nested(name, f"{path}:{name}"), RuntimeOptions(threads=threads),
-                                f"{path}:{name}")
+    llm = loader.from_artifact(art.nested(name, f"{path}:{name}"), RuntimeOptions(threads=threads),
+                               f"{path}:{name}")
+    art.release_pages()
+    return llm
 
 
 def follow_rank(path: str, rank: int, threads: int | None = None):
