@@ -77,3 +77,22 @@ def test_hugging_face_generate_signature_with_left_padding_and_eos(compiled):
     assert llm.hf_generate(ids[:1, 2:], max_new_tokens=3).shape == (1, 6)
     with pytest.raises(InputError, match="settings kiln does not know"):
         llm.hf_generate(ids, attention_mask=mask, num_beams=4)
+
+
+def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):
+    """Each ``generate`` call's cache takes the LLM's kept buffers (kiln.runtime.kv.CacheMemory)
+    instead of allocating them, zeroed first: stale values from an earlier call, even NaN,
+    never reach a later one, whose tokens stay Hugging Face's."""
+    model, llm, _ = compiled
+    expected = [_hf_greedy(model, p, 12) for p in PROMPTS]
+    assert llm.generate(PROMPTS, 12, stop_at_eos=False) == expected
+    keys, values = llm.cache_memory._buffers
+    address = keys.data_ptr()
+    keys.fill_(float("nan"))            # what a call that overflowed might leave behind
+    values.fill_(float("nan"))
+    assert llm.generate(PROMPTS, 12, stop_at_eos=False) == expected
+    assert llm.cache_memory._buffers[0].data_ptr() == address          # the same memory, not a new one
+    held = llm.scheduler()              # a live cache: the next call gets buffers of its own
+    assert held.cache.keys.data_ptr() == address and not held.cache.keys.isnan().any()
+    assert llm.generate(PROMPTS[:1], 12, stop_at_eos=False) == expected[:1]
+    del held

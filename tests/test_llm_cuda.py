@@ -33,7 +33,7 @@ NEW = 12
 def test_cache_memory_is_handed_to_one_live_cache_at_a_time():
     """What keeps captured CUDA graphs valid: a later cache gets the same buffers, zeroed,
     once the earlier one is gone; a cache made while another lives gets its own."""
-    memory = cuda_llm.CacheMemory("cpu")
+    memory = kv.CacheMemory("cpu")
     shape = (2, 3, 2, 8, 4)
     with kv.placed(memory):
         first = kv.KVCache(shape, windows=(4,))

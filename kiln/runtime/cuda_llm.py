@@ -6,7 +6,7 @@ decode per batch size, chunk, verify) with TorchInductor through AOTInductor, as
 package per graph, stored in the artifact, loaded without recompiling. What this module
 adds is how those graphs run inside :mod:`kiln.runtime.scheduler`, which is unchanged:
 
-* **The KV cache lives on the GPU.** :class:`CacheMemory` hands each scheduler's
+* **The KV cache lives on the GPU.** :class:`kiln.runtime.kv.CacheMemory` hands each scheduler's
   :class:`~kiln.runtime.kv.KVCache` its two buffers on the GPU (``kv.placed``), and the
   same buffers to every later scheduler once the previous one is gone, so the cache's
   addresses stay put for the life of the model. The lengths and the valid-position mask
@@ -41,15 +41,14 @@ captures per graph: each holds a copy of the weights.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
-import weakref
 
 import torch
 
 from kiln.artifact import trust
 from kiln.artifact.container import Artifact
 from kiln.errors import ArtifactError
+from kiln.runtime import kv
 from kiln.runtime.cuda_graphs import end_failed_capture
 from kiln.runtime.model import CompiledModel
 
@@ -80,38 +79,10 @@ def place(llm):
     if isinstance(steps, dict):
         llm.verify_steps = {b: GpuStep.wrap(g, device) for b, g in steps.items()}
     llm.verify = GpuStep.wrap(llm.verify, device)
-    if getattr(llm, "cache_memory", None) is None:
-        llm.cache_memory = CacheMemory(device)
+    memory = getattr(llm, "cache_memory", None)
+    if memory is None or memory.device != device:
+        llm.cache_memory = kv.CacheMemory(device)
     return llm
-
-
-class CacheMemory:
-    """The GPU memory of an LLM's KV cache: ``memory(shape, dtype) -> (keys, values)``
-    for :func:`kiln.runtime.kv.placed`. The first buffers are kept and handed to the next
-    cache once no live cache holds them (a server's one scheduler, ``generate``'s one per
-    call), zeroed, so the decode steps' captured graphs stay valid; a cache made while
-    another still holds them gets buffers of its own (two schedulers at once)."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self._buffers = None
-        self._holder = None         # weakref to the flat view the live cache holds
-
-    def __call__(self, shape, dtype):
-        n = math.prod(shape)
-        free = self._holder is None or self._holder() is None
-        kept = self._buffers
-        if kept is not None and free and kept[0].numel() == n and kept[0].dtype == dtype:
-            for b in kept:
-                b.zero_()
-        else:
-            fresh = tuple(torch.zeros(n, dtype=dtype, device=self.device) for _ in range(2))
-            if kept is not None and not free:
-                return fresh         # the kept buffers are in use: these are this cache's alone
-            kept = self._buffers = fresh
-        views = tuple(b.view(-1) for b in kept)
-        self._holder = weakref.ref(views[0])
-        return views
 
 
 def _logits_to_cpu(outputs):

@@ -18,15 +18,22 @@ held positions out once (a copy), when the longest running sequence crosses a wi
 edge or the long ones end; steps between pay nothing.
 
 **Where the memory lives.** A cache made inside :func:`placed` takes its two buffers from
-the memory given there instead of allocating them on the CPU: an LLM compiled for an
-NVIDIA GPU (:mod:`kiln.runtime.cuda_llm`) keeps them on the GPU, at addresses its
-decode steps' CUDA graphs were captured against. The lengths and the valid-position mask
-stay on the CPU, where the scheduler reads them.
+the memory given there instead of allocating them: an LLM keeps one :class:`CacheMemory`
+and every cache of its schedulers (the server's one, each ``generate`` call's) takes its
+buffers from it. On an NVIDIA GPU (:mod:`kiln.runtime.cuda_llm`) that keeps the buffers
+at the addresses its decode steps' CUDA graphs were captured against. On a CPU it saves
+each ``generate`` call a fresh allocation: zeroing SmolLM2's two kept 47 MB buffers took
+5.8 ms, allocating them afresh 38 ms (page faults; 9.6 ms once kiln's malloc settings
+keep freed memory mapped). The lengths and the valid-position mask stay on the CPU, where
+the scheduler reads them.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
+import threading
+import weakref
 
 import torch
 
@@ -43,6 +50,39 @@ def placed(memory):
         yield
     finally:
         _MEMORY.reset(token)
+
+
+class CacheMemory:
+    """An LLM's KV-cache memory: ``memory(shape, dtype) -> (keys, values)`` for
+    :func:`placed`, on ``device``. The first buffers are kept and handed to the next cache
+    once no live cache holds them (a server's one scheduler, ``generate``'s one per call),
+    zeroed as fresh ones are, so a GPU's captured graphs stay valid and a CPU's next call
+    skips the allocation; a cache made while another still holds them gets buffers of its
+    own (two schedulers at once)."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self._buffers = None
+        self._holder = None         # weakref to the flat view the live cache holds
+        self._lock = threading.Lock()   # generate() may be called from several threads at once
+
+    def __call__(self, shape, dtype):
+        n = math.prod(shape)
+        with self._lock:
+            free = self._holder is None or self._holder() is None
+            kept = self._buffers
+            if kept is None or not free or kept[0].numel() != n or kept[0].dtype != dtype:
+                fresh = tuple(torch.zeros(n, dtype=dtype, device=self.device) for _ in range(2))
+                if kept is not None and not free:
+                    return fresh     # the kept buffers are in use: these are this cache's alone
+                kept = self._buffers = fresh
+                free = False         # fresh zeros: nothing to clear
+            views = tuple(b.view(-1) for b in kept)
+            self._holder = weakref.ref(views[0])
+        if free:
+            for b in kept:
+                b.zero_()           # this caller's alone now
+        return views
 
 
 class KVCache:

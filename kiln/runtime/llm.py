@@ -68,7 +68,9 @@ class LLM:
                                  for w, g in self.windows.items()}
         self.manifest = manifest or wrapper_manifest("llm", self.decode[max(self.decode)].manifest, llm=meta,
                                                      graphs=graphs)
-        self.cache_memory = None    # the KV cache's GPU buffers when compiled for a GPU (kiln.runtime.cuda_llm)
+        # the KV cache's buffers, kept between schedulers (kiln.runtime.kv.CacheMemory); on the
+        # GPU when compiled for one (kiln.runtime.cuda_llm)
+        self.cache_memory = kv.CacheMemory("cpu")
         if cuda_llm.is_cuda(self.decode[max(self.decode)]):
             cuda_llm.place(self)
 
