@@ -37,7 +37,7 @@ EXPORT_OPSET = 23
 # and fuses the graph anyway. Larger partitions skip it; BERT-base (~540 ops) keeps it.
 EXPORTER_OPTIMIZE_MAX_OPS = 1500
 
-_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # partition -> (key, bytes, settings)
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # partition -> {key: (bytes, settings)}
 _LOCK = threading.Lock()
 
 
@@ -153,23 +153,25 @@ def _export(partition, example_inputs) -> tuple:
     return proto, settings
 
 
-def quantized(partition, example_inputs, options, calibration, tmp: str) -> tuple:
+def quantized(partition, example_inputs, options, calibration, tmp: str, merge: bool = True) -> tuple:
     """``(path, settings)``: the partition's model quantized as ``options`` ask, written in
-    ``tmp``. A weight-only model is kept for the partition's next engine (above)."""
-    key = (options.quantize, options.quantize_mode)
+    ``tmp``; ``merge``: products sharing an input joined (:mod:`kiln.engines.ort_merge`,
+    ONNX Runtime's engine) or not (OpenVINO's). A weight-only model is kept for the
+    partition's next engine that asks for the same (above)."""
+    key = (options.quantize, options.quantize_mode, merge)
     shared = options.quantize_mode == "weight_only"
     with _LOCK:
-        kept = _KEPT.get(partition) if shared else None
+        kept = _KEPT.get(partition, {}).get(key) if shared else None
     path = os.path.join(tmp, "quantized.onnx")
-    if kept is not None and kept[0] == key:
+    if kept is not None:
         with open(path, "wb") as f:
-            f.write(kept[1])
-        return path, dict(kept[2])
+            f.write(kept[0])
+        return path, dict(kept[1])
     proto, settings = exported(partition, example_inputs)
-    path = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)])
+    path = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)], merge=merge)
     if shared and not os.path.exists(path + ".data"):     # under protobuf's 2 GB: one file
         with open(path, "rb") as f:
             data = f.read()
         with _LOCK:
-            _KEPT[partition] = (key, data, dict(settings))
+            _KEPT.setdefault(partition, {})[key] = (data, dict(settings))
     return path, settings

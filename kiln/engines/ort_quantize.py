@@ -11,9 +11,10 @@ import os
 from kiln.quiet import EXPORTER_LOGGERS, import_quietly, quiet
 
 
-def quantize(model, tmp: str, options, calibration) -> str:
+def quantize(model, tmp: str, options, calibration, merge: bool = True) -> str:
     """int8 / int4 through ONNX Runtime's own quantization tools; ``model`` an
-    ``onnx.ModelProto``, the quantized model's path returned.
+    ``onnx.ModelProto``, the quantized model's path returned. ``merge``: weight-only
+    products sharing an input joined into one (:mod:`kiln.engines.ort_merge`).
 
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
@@ -33,7 +34,7 @@ def quantize(model, tmp: str, options, calibration) -> str:
     with quiet(EXPORTER_LOGGERS + ("root",)):
         if options.quantize_mode == "weight_only":
             nodes = _gemm_to_matmul(model, _weight_nodes(model))
-            save(_weight_only(model, nodes, 4 if options.quantize == "int4" else 8), out)
+            save(_weight_only(model, nodes, 4 if options.quantize == "int4" else 8, merge), out)
             return out
         prepared = os.path.join(tmp, "prepared.onnx")
         # ORT's pre-processing copies the model file alone: weights inline (save())
@@ -95,7 +96,7 @@ HEAD_GROUP = 32
 ACCURACY_LEVEL = 4
 
 
-def _weight_only(model, nodes: list, bits: int):
+def _weight_only(model, nodes: list, bits: int, merge: bool = True):
     """MatMul nodes in ``nodes`` of ``model`` to MatMulNBits (see :func:`quantize`); the new model.
 
     int4 is :mod:`kiln.engines.ort_int4`'s blocks with a float minimum (GGUF's Q4_1,
@@ -109,7 +110,9 @@ def _weight_only(model, nodes: list, bits: int):
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
     head = _widest(model, nodes) if bits == 4 else None
     # products sharing an activation (query/key/value, gate/up) become one (kiln.engines.ort_merge)
-    rest = ort_merge.merge(model, [n for n in nodes if n != head])
+    rest = [n for n in nodes if n != head]
+    if merge:
+        rest = ort_merge.merge(model, rest)
     if bits == 4:
         rest = ort_int4.apply(model, rest, ACCURACY_LEVEL)
     for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, rest),
