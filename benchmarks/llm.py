@@ -28,8 +28,10 @@ Rows (each where installed):
                    the concurrent peer (``--llama-server PATH``, default the one on PATH;
                    built from llama-cpp-python's vendored source with the web UI off)
 
-Each single-stream peer runs in a process of its own (``llm_parts/peer.py``) on the same
-prompt ids; one not installed is a row saying so.
+Each single-stream contender runs in a process of its own on the same prompt ids: each peer
+(``llm_parts/peer.py``; one not installed is a row saying so) and each kiln build
+(``llm_parts/kiln_single.py``, the artifact loaded afresh; in the benchmark's own process,
+beside Hugging Face's model, kiln decoded about 10 % slower).
 
 Measures, for a 128-token prompt and 128 generated tokens (``--prompt``, ``--new``):
 time to first token (prefill + first token), single-stream decode tokens/s (tokens after
@@ -195,20 +197,17 @@ def load_in_fresh_process(path, runs=3) -> dict:
     return dict(best, first_load_s=got[0]["load_s"], runs=runs)
 
 
-def bench_kiln_single(llm, ids, new, repeats=2) -> dict:
-    from kiln.runtime.scheduler import Request
-    best = None
-    for _ in range(repeats + 1):                                       # the first is a warm-up
-        sched = llm.scheduler()
-        r = sched.add(Request(ids, new))
-        sched.run()
-        t = r.token_times
-        run = {"ttft_s": t[0] - r.arrived, "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
-               "step_ms": (t[-1] - t[0]) / (len(t) - 1) * 1e3}
-        best = run if best is None else best
-        best = {k: (min if k != "decode_tok_s" else max)(best[k], run[k]) for k in run} if _ else run
-    best["tokens"] = r.tokens
-    return best
+def bench_kiln_single(artifact, ids, new, threads) -> dict:
+    """kiln's single stream on ``artifact`` in a process of its own, as each peer runs
+    (``llm_parts/kiln_single.py``): best TTFT and decode rate, the tokens, the graphs'
+    engines and the batch invariance report."""
+    r = subprocess.run([sys.executable, str(HERE / "llm_parts" / "kiln_single.py"), str(artifact),
+                        "--ids", ",".join(map(str, ids)), "--new", str(new), "--threads", str(threads)],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads)))
+    if r.returncode:
+        raise RuntimeError(f"kiln's single-stream run of {artifact} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def same_prefix(a: list, b: list) -> int:
@@ -398,11 +397,10 @@ def artifact_path(name, args, work) -> Path:
 
 
 def kiln_round(name, ids, args, work) -> dict:
-    """One more single-stream run of a compiled variant, loaded afresh (``--rounds``)."""
-    import kiln
-    llm = kiln.load(artifact_path(name, args, work), threads=args.threads)
-    run = bench_kiln_single(llm, ids, args.new)
-    run.pop("tokens", None)
+    """One more single-stream run of a compiled variant, in a fresh process (``--rounds``)."""
+    run = bench_kiln_single(artifact_path(name, args, work), ids, args.new, args.threads)
+    for key in ("tokens", "engines", "batch_invariance"):
+        run.pop(key, None)
     return run
 
 
@@ -440,17 +438,14 @@ def run_variant(name, model, tok, ids, args, work, hf_tokens) -> dict:
         record.write_text(json.dumps(k))
     k["load"] = load_in_fresh_process(artifact)
     k["artifact_mb"] = artifact.stat().st_size / 1e6
-    import kiln
-    llm = kiln.load(artifact, threads=args.threads)
-    k["engines"] = {"prefill": llm.prefill[args.prompt].manifest.get("engines"),
-                    "decode": {b: m.manifest.get("engines") for b, m in llm.decode.items()}}
     log(f"kiln {name}: single stream")
-    k["single"] = bench_kiln_single(llm, ids, args.new)
+    k["single"] = bench_kiln_single(artifact, ids, args.new, args.threads)
     k["greedy_tokens_equal_hf"] = same_prefix(k["single"].pop("tokens"), hf_tokens)
+    engines = k["single"].pop("engines")
+    k["engines"] = {"prefill": engines["prefill"].get(str(args.prompt)), "decode": engines["decode"]}
+    k["batch_invariance"] = k["single"].pop("batch_invariance")
     k["weights_mb"] = weights_mb(model, quant)
     k["achieved_gbs"] = k["weights_mb"] / 1e3 / (k["single"]["step_ms"] / 1e3)
-    k["batch_invariance"] = llm.batch_invariance
-    del llm
     if args.streams > 1:
         log(f"kiln {name}: serve, {args.streams} streams")
         k["server"] = bench_server(artifact, ids, args.new, args.streams, work)
