@@ -83,7 +83,14 @@ def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):
     """Each ``generate`` call's cache takes the LLM's kept buffers (kiln.runtime.kv.CacheMemory)
     instead of allocating them, zeroed first: stale values from an earlier call, even NaN,
     never reach a later one, whose tokens stay Hugging Face's."""
-    model, llm, _ = compiled
+    import copy
+
+    from kiln.runtime import kv
+    model, shared, _ = compiled
+    # the session's LLM with memory of its own: a scheduler another test left alive would hold
+    # the shared one's buffers
+    llm = copy.copy(shared)
+    llm.cache_memory = kv.CacheMemory("cpu")
     expected = [_hf_greedy(model, p, 12) for p in PROMPTS]
     assert llm.generate(PROMPTS, 12, stop_at_eos=False) == expected
     keys, values = llm.cache_memory._buffers
