@@ -25,18 +25,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def bench(llm, ids, new, repeats=2) -> dict:
     """Best time to first token and decode rate over ``repeats`` runs after a warm-up."""
     from kiln.runtime.scheduler import Request
-    best = None
-    for i in range(repeats + 1):                                       # the first is a warm-up
+    runs = []
+    for _ in range(repeats + 1):                                       # the first is a warm-up
         sched = llm.scheduler()
         r = sched.add(Request(ids, new))
         sched.run()
         t = r.token_times
-        run = {"ttft_s": t[0] - r.arrived, "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]),
-               "step_ms": (t[-1] - t[0]) / (len(t) - 1) * 1e3}
-        if i == 1 or best is None:
-            best = run
-        elif i > 1:
-            best = {k: (min if k != "decode_tok_s" else max)(best[k], run[k]) for k in run}
+        runs.append({"ttft_s": t[0] - r.arrived, "decode_tok_s": (len(t) - 1) / (t[-1] - t[0])})
+    timed = runs[1:] or runs
+    best = {"ttft_s": min(x["ttft_s"] for x in timed), "decode_tok_s": max(x["decode_tok_s"] for x in timed)}
+    best["step_ms"] = 1e3 / best["decode_tok_s"]
     best["tokens"] = r.tokens
     return best
 
