@@ -280,3 +280,32 @@ def test_one_trace_gives_the_graph_of_export_then_decomposition():
     assert one_trace.export_decomposed(wrapper, (x, 3), capture_mod.decompositions) is None
     graph = capture_mod.capture(Scaled().eval(), (x, 3)).graph_module.graph
     assert [n.name for n in graph.nodes if n.op == "placeholder"] == ["values_0"]
+
+
+def test_one_trace_sees_an_operator_registered_after_earlier_captures():
+    """The one trace's split of the decomposition table is kept between captures
+    (kiln.graph.one_trace._split); a composite custom operator defined after a capture makes
+    a new split that holds it, as torch's own split does, and its graph equals torch.export's
+    then run_decompositions'. torch's own ``py_impl`` is back in place after each trace."""
+    from kiln.graph import capture as capture_mod, one_trace
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return torch.ops.kiln_capture_test.twice(x) + 1
+
+    x = torch.randn(2, 3)
+    plain = capture_mod._Positional(nn.Linear(3, 3).eval(), ["x"], 1)
+    assert one_trace.export_decomposed(plain, (x,), capture_mod.decompositions) is not None
+    py_impl = torch._ops.OperatorBase.py_impl
+    lib = torch.library.Library("kiln_capture_test", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda t: t * 2, "CompositeImplicitAutograd")
+    assert torch.ops.kiln_capture_test.twice.default in one_trace._split(capture_mod.decompositions)[0]
+    wrapper = capture_mod._Positional(Twice().eval(), ["x"], 1)
+    once = one_trace.export_decomposed(wrapper, (x,), capture_mod.decompositions)
+    assert once is not None
+    with torch.no_grad():
+        twice = capture_mod.decompose_program(torch.export.export(wrapper, (x,), strict=False))
+    assert _ops(once) == _ops(twice)
+    assert torch._ops.OperatorBase.py_impl is py_impl
+    torch.testing.assert_close(once.module()(x), x * 2 + 1)

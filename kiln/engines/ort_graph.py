@@ -83,11 +83,8 @@ class Graph(ort_rewrites.GraphIndex):
         nodes = live(nodes, self.outputs)
         del self.graph.node[:]
         self.graph.node.extend(topological(nodes, set(self.inputs) | set(self.inits)))
-        used = {i for n in self.graph.node for i in n.input}
-        keep = [i for i in self.graph.initializer if i.name in used or i.name in self.outputs]
-        if len(keep) != len(self.graph.initializer):
-            del self.graph.initializer[:]
-            self.graph.initializer.extend(keep)
+        read = {i for n in self.graph.node for i in n.input} | self.outputs
+        ort_rewrites.drop_unread_initializers(self.graph, read)
 
 
 def live(nodes, outputs) -> list:

@@ -126,7 +126,7 @@ def _weight_transposes(graph) -> int:
             continue
         init = g.initializers[n.input[0]]
         perm = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "perm"), None)
-        value = np.ascontiguousarray(np.transpose(numpy_helper.to_array(init), perm))
+        value = np.transpose(numpy_helper.to_array(init), perm)     # a view; tobytes is C order
         if (g.only_use(n.input[0], n) and init.name not in inputs and init.data_type in plain
                 and init.HasField("raw_data") and init.data_location != TensorProto.EXTERNAL):
             init.name = n.output[0]
@@ -134,7 +134,7 @@ def _weight_transposes(graph) -> int:
             init.dims.extend(value.shape)
             init.raw_data = value.tobytes()
         else:
-            graph.initializer.append(numpy_helper.from_array(value, n.output[0]))
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), n.output[0]))
             appended = True
         dead.append(n)
     g.remove(dead)
@@ -272,10 +272,17 @@ def replace_nodes(model, nodes: list, microsoft: bool = False):
     graph = model.graph
     del graph.node[:]
     graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-    keep = [i for i in graph.initializer if i.name in used]
-    if len(keep) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    drop_unread_initializers(graph, read)
     if microsoft and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+
+def drop_unread_initializers(graph, read: set):
+    """Delete the initializers whose names are not in ``read``, in place. Clearing the list
+    and adding back those kept copied every kept weight: 0.42 s for 265 MB here, against
+    0.4 ms in place, and SmolLM2's weight-only rewrites did it three times per graph."""
+    inits = graph.initializer
+    for k in range(len(inits) - 1, -1, -1):
+        if inits[k].name not in read:
+            del inits[k]

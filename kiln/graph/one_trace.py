@@ -8,6 +8,7 @@ the one trace instead, which is what ``run_decompositions`` itself does on its r
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -17,6 +18,8 @@ from torch.export.graph_signature import InputKind
 
 
 _ONE_PASS = threading.local()
+_SPLITS: dict = {}          # (table function, registered operators) -> (CIA table, Python table)
+_SPLITS_LOCK = threading.Lock()
 
 
 def export_decomposed(wrapper, args, table):
@@ -32,9 +35,8 @@ def export_decomposed(wrapper, args, table):
     only."""
     try:
         import torch.export._trace as trace_mod
-        from torch.export.exported_program import (_override_composite_implicit_decomp,
-                                                   _split_decomp_table_to_cia_and_python_decomp)
-        cia, python_table = _split_decomp_table_to_cia_and_python_decomp(table())
+        from torch.export.exported_program import _override_composite_implicit_decomp
+        cia, python_table = _split(table)
     except (ImportError, AttributeError, TypeError):
         return None
     if not callable(getattr(trace_mod, "_export_to_aten_ir", None)) or not hasattr(trace_mod, "_export"):
@@ -78,8 +80,70 @@ def _install_one_pass(trace_mod):
         if tables is None or kwargs.get("pre_dispatch") or kwargs.get("decomp_table") is not None:
             return original(*args, **kwargs)
         cia, python_table, override = tables
-        with override(cia):
+        with _plain_py_impl(), override(cia):
             return original(*args, **dict(kwargs, decomp_table=python_table))
 
     to_aten_ir._kiln_one_pass = True
     trace_mod._export_to_aten_ir = to_aten_ir
+
+
+def _split(table) -> tuple:
+    """``(CIA decompositions, Python table)``: ``table()`` split as torch's
+    ``_split_decomp_table_to_cia_and_python_decomp`` does, once per set of registered
+    operators rather than once per capture. Building the table and splitting it walks every
+    operator torch has (0.13-0.35 s a capture here; about 125 s of the test suite's CPU
+    time, in its ~800 captures). The split depends only on the table and on which operators
+    have composite kernels, so a new custom operator (``torch.library``) makes a new key."""
+    from torch.export.exported_program import _split_decomp_table_to_cia_and_python_decomp
+    key = (table, tuple(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
+           tuple(torch.ops._dir))
+    with _SPLITS_LOCK:
+        found = _SPLITS.get(key)
+        if found is None:
+            found = _split_decomp_table_to_cia_and_python_decomp(table())
+            _SPLITS.clear()         # the operators changed: the old split is stale for good
+            _SPLITS[key] = found
+    cia, python_table = found
+    return cia, dict(python_table)       # the tracer's own copy of the Python table
+
+
+@contextlib.contextmanager
+def _plain_py_impl():
+    """While torch applies the CIA table, ``OperatorBase.py_impl`` for a dispatch key does
+    what torch's does (register the kernel, clear the dispatch cache) without its inner
+    function's annotations, which Python 3.11 evaluates on each call: torch's override makes
+    11,210 such calls a trace, and building those typing aliases was ~70 % of its 0.1-0.5 s
+    (about 120 s of the suite's CPU time). Other keys (modes, transforms) go to torch's."""
+    base = torch._ops.OperatorBase
+    with _SPLITS_LOCK:           # threads tracing at once: torch's is restored by the last out
+        if _PLAIN[0] == 0:
+            _PLAIN[1] = base.py_impl
+            base.py_impl = _plain_for(_PLAIN[1])
+        _PLAIN[0] += 1
+    try:
+        yield
+    finally:
+        with _SPLITS_LOCK:
+            _PLAIN[0] -= 1
+            if _PLAIN[0] == 0:
+                base.py_impl = _PLAIN[1]
+
+
+_PLAIN = [0, None]          # [traces inside _plain_py_impl, torch's py_impl]
+
+
+def _plain_for(original):
+    python_key = torch._C.DispatchKey.Python
+
+    def py_impl(self, k):
+        if type(k) is not torch._C.DispatchKey or k == python_key:
+            return original(self, k)
+
+        def inner(fn):
+            if k in self.py_kernels:
+                raise RuntimeError(f"Trying to override a python impl for {k} on operator {self.name()}")
+            self.py_kernels[k] = fn
+            self._dispatch_cache.clear()
+            return fn
+        return inner
+    return py_impl
