@@ -15,6 +15,7 @@ import torch
 
 from kiln.compiler import selection
 from kiln.compiler.api import trace
+from kiln.engines import onnx_model
 from kiln.errors import CompilerArgsError, ValidationError
 from kiln.llm import cuda, gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
@@ -114,6 +115,11 @@ def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) ->
 
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast=None) -> list:
+    with onnx_model.decoder_graphs():
+        return _compile_jobs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast)
+
+
+def _compile_jobs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast) -> list:
     workers = (parallel.default_workers(model, len(jobs), quantized=bool(trace_options.get("quantize")))
                if workers is None else int(workers))
     per_job = graph_options(jobs, trace_options)
@@ -232,7 +238,8 @@ def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM
     verify = {}
     for rows in _verify_rows(llm.decode):
         _, step_kwargs, example = _verify_job(tuple(llm.meta["cache_shape"]), speculation_length, rows)
-        verify[rows] = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
+        with onnx_model.decoder_graphs():
+            verify[rows] = trace(DecoderStep(model.eval(), **step_kwargs).eval(), example, **trace_options)
     meta = {**llm.meta, "speculation_length": speculation_length}
     return LLM(llm.prefill, llm.decode, meta, llm.tokenizer_files, verify=verify, chunk=llm.chunk,
                windows=llm.windows)

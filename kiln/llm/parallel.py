@@ -211,6 +211,7 @@ def worker_main():
     """``python -c '...worker_main()' DIR K``: compile job K of DIR/jobs.pt into DIR/K.kiln
     and print one result line."""
     from kiln.compiler.api import trace
+    from kiln.engines import onnx_model
     from kiln.llm.decoder import DecoderStep
     tmp, k = sys.argv[1], int(sys.argv[2])
     marks = [time.perf_counter()]
@@ -220,7 +221,8 @@ def worker_main():
         step = DecoderStep(payload["model"], **step_kwargs).eval()
         marks.append(time.perf_counter())
         options = payload["options"]
-        compiled = trace(step, example, **(options[k] if isinstance(options, list) else options))
+        with onnx_model.decoder_graphs():
+            compiled = trace(step, example, **(options[k] if isinstance(options, list) else options))
         marks.append(time.perf_counter())
         compiled.save(os.path.join(tmp, f"{k}.kiln"))
         marks.append(time.perf_counter())
