@@ -77,6 +77,18 @@ def test_prefill_and_multi_token_steps_keep_their_attention(tiny_llm):
         assert "attention" not in _header(model)[0].get("decoder_fusions", {}), width
 
 
+def test_an_llms_graphs_skip_the_exporters_optimizer_as_a_real_ones_do(tiny_llm):
+    """compile_llm exports every step graph without torch's exporter optimizer
+    (onnx_model.decoder_graphs), as a real LLM's graphs, over EXPORTER_OPTIMIZE_MAX_OPS, always
+    were: this tiny model's are under the limit, and took the optimizer's path before."""
+    _, llm, _ = tiny_llm
+    for graphs in (llm.prefill, llm.decode):
+        for key, model in graphs.items():
+            assert _header(model)[0]["exporter_optimized"] is False, key
+    for rows, model in llm.decode.items():     # kiln's rotary fusion, which the optimizer's output skips
+        assert _header(model)[0]["decoder_fusions"].get("rotary") == 4, rows
+
+
 def test_steps_on_the_same_buffers_read_them_as_they_are_now():
     """The runner keeps its binding of the cache between calls (the scheduler hands the same
     views at every step): buffers changed in place since the last call, a buffer replaced
