@@ -319,6 +319,24 @@ def test_wrong_input_shape_and_dtype(mlp_artifact):
         m()
 
 
+def test_refused_non_finite_values_are_found_and_huge_finite_ones_pass(mlp_artifact):
+    """A model that refuses NaN and infinities (an engine found at compile time to answer
+    them differently) first sums each input: finite values whose sum overflows still pass,
+    and a NaN or an infinity anywhere is refused, naming it."""
+    path, model, x = mlp_artifact
+    m = kiln.load(path)
+    object.__setattr__(m, "nonfinite", frozenset({"nan", "+inf", "-inf"}))
+    huge = torch.full_like(x, 3e38)                  # every value finite, the sum +inf
+    assert not torch.isfinite(huge.sum())
+    assert m(huge).shape == model(x).shape          # answered: no InputError
+    for value, named in ((float("nan"), "nan"), (float("inf"), r"\+inf"), (-float("inf"), "-inf")):
+        bad = x.clone()
+        bad[1, 7] = value
+        with pytest.raises(kiln.InputError, match=f"input 'x' holds {named}"):
+            m(bad)
+    assert_close(m(x), model(x).detach())
+
+
 def test_artifact_api_bytes_round_trip(mlp_artifact):
     path, _, _ = mlp_artifact
     art = Artifact.load(path)
