@@ -40,8 +40,8 @@ EXPORTER_OPTIMIZE_MAX_OPS = 1500
 # An LLM's step graphs (decoder_graphs) skip that optimizer at any size: kiln's own rewrites
 # and decoder fusions (ort_rewrites, ort_decoder) are written for the graph without it, which
 # is what a real LLM's graphs get above the limit. A small one's (the tests' 2-layer Llama)
-# went through the optimizer, another path than users' models take; without it the Llama's
-# 5 graphs compiled in 13.8-15.0 s against 17.3-17.4 s, decoding the same tokens no slower
+# went through the optimizer, another path than users' models take; without it the tests'
+# windowed Llama build (7 graphs) took 12.0-15.0 s against 17.3-17.4 s, the same tokens, no slower
 # (2 cores, alternating builds). Other models keep it: BERT-base ran 149 -> 164 ms without.
 _DECODER = threading.local()
 
