@@ -220,7 +220,7 @@ def test_view_written_in_place_is_not_copied(keep_whole, monkeypatch):
     runs torch's decomposition on the model's own code, whose ``.contiguous()`` then copies
     for real, so it compiles too; the two-trace path (export, then decomposition) cannot
     see that, and its error names the line and says what to change."""
-    from kiln.graph import capture as capture_mod, one_trace
+    from kiln.graph import one_trace
     model, x = ViewWrittenInPlace().eval(), torch.randn(2, 8, 32)
     if keep_whole == "attention decomposed":
         with torch.no_grad():
