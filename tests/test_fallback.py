@@ -120,3 +120,30 @@ def test_whole_graph_goes_to_inductor_when_the_first_engine_would_leave_ops_on_t
         assert not any("whole_graph" in n for n in narrow.report["notes"]), narrow.report["notes"]
         assert [s["op"] for s in narrow.manifest["program"]["steps"] if "op" in s] == ["aten::lgamma.default"]
         assert_close(narrow(xb).float(), Model()(xb).float(), atol=0.05, rtol=0.05)
+
+
+def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
+    """``aten.squeeze.dims`` has no translation in torch's ONNX registry, but the exporter
+    decomposes it into operators that have one: ONNX Runtime takes it, so the graph is one
+    ONNX Runtime partition (with ``whole_graph``, not a C++ build on Inductor), equal to
+    eager. An operator whose decomposition does not translate (``lgamma``: none at all)
+    stays on the host."""
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x.squeeze((0, 2))) * 2.0 + x.sum()
+    x = torch.randn(1, 3, 1, 4)
+    c = kiln.trace(Model(), x, optlevel=1, whole_graph=True, cache=False)
+    assert c.report["unsupported_ops"] == [], c.report["unsupported_ops"]
+    assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
+    assert not [s for s in c.manifest["program"]["steps"] if "op" in s]
+    torch.testing.assert_close(c(x), Model()(x), rtol=1e-6, atol=1e-6)
+    y = torch.randn(1, 3, 1, 4)             # not the example: the squeezed dims are not baked in
+    torch.testing.assert_close(c(y), Model()(y), rtol=1e-6, atol=1e-6)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from kiln import engines
+    ort = engines.get("onnxruntime")
+    gm = make_fx(lambda t: torch.ops.aten.squeeze.dims(torch.lgamma(t), [0, 2]), tracing_mode="fake")(x)
+    verdict = {str(n.target): ort.supports(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert verdict["aten.squeeze.dims"] is None
+    assert "no ONNX translation" in verdict["aten.lgamma.default"]

@@ -46,7 +46,7 @@ import torch
 from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.engines.base import Engine
-from kiln.engines import onnx_model, ort_decoder, ort_fusions, ort_gqa
+from kiln.engines import onnx_model, ort_decoder, ort_export, ort_fusions, ort_gqa
 from kiln import config, scratch
 
 _MAGIC = b"KILNORT2"
@@ -79,7 +79,7 @@ class OnnxRuntimeEngine(Engine):
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return self.not_an_op(node)
-        if not _registry().is_registered(target):
+        if not _registry().is_registered(target) and not ort_export.translates_by_decomposition(node, _registry()):
             return "no ONNX translation in torch's exporter registry"
         val = node.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]

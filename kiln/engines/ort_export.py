@@ -45,7 +45,9 @@ _LOCK = threading.Lock()
 
 def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
-    program = program_of(partition)
+    # a written program has no module call graph, which the exporter's decomposition pass
+    # (run for an operator only a decomposition translates) needs: then the public path
+    program = program_of(partition) if _translates_directly(partition, registry) else None
     with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once():
         return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
                                  opset_version=opset, optimize=optimize, verbose=False, report=False)
@@ -233,3 +235,73 @@ def _no_redecomposition(partition, registry):
 
 def _as_is(exported_program, registry):
     return exported_program
+
+
+_FRIENDLY: dict = {}      # id(registry) -> the exporter's decomposition table for it
+_DECOMPOSES: dict = {}    # (op, argument signature) -> whether its decomposition translates
+
+
+def translates_by_decomposition(node, registry) -> bool:
+    """Whether the exporter translates ``node``'s operator through a decomposition although
+    its registry has no translation for it: before translating, ``torch.onnx.export``
+    decomposes every operator it lacks with torch's own decompositions
+    (``decompose_with_registry``), so an operator whose decomposition is made of operators
+    it translates exports fine. ``aten.squeeze.dims`` is one (a training step's loss
+    gradient has it): the registry has ``squeeze.dim`` only, and a tiny MLP's training step
+    went whole to Inductor (16-45 s of g++) for want of it, where ONNX Runtime builds it in
+    under a second. Found by tracing the decomposition on ``meta`` tensors of the node's
+    recorded shapes; any doubt (no recorded value, symbolic shapes, a trace that fails)
+    answers no."""
+    table = _FRIENDLY.get(id(registry))
+    if table is None:
+        from torch.onnx._internal.exporter import _decomp
+        table = _FRIENDLY[id(registry)] = _decomp.create_onnx_friendly_decomposition_table(
+            set(_decomp.get_onnx_implemented_overloads(registry)))
+    if node.target not in table:
+        return False
+    try:
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _as_meta)
+    except _NoValue:
+        return False
+    key = (node.target, repr((args, kwargs)))
+    if key not in _DECOMPOSES:
+        if len(_DECOMPOSES) > 1024:
+            _DECOMPOSES.clear()
+        _DECOMPOSES[key] = _decomposition_translates(node.target, args, kwargs, table, registry)
+    return _DECOMPOSES[key]
+
+
+class _NoValue(Exception):
+    pass
+
+
+def _as_meta(a):
+    if not isinstance(a, torch.fx.Node):
+        return a
+    val = a.meta.get("val")
+    if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    if isinstance(val, (int, float, bool)):
+        return val
+    raise _NoValue
+
+
+def _decomposition_translates(target, args, kwargs, table, registry) -> bool:
+    import operator
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+
+    def call(*flat):
+        it = iter(flat)
+        a, k = torch.utils._pytree.tree_map(lambda x: next(it) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        return target(*a, **k)
+    try:
+        gm = make_fx(call, decomposition_table=table)(*tensors)
+    except Exception:      # noqa: BLE001 - a decomposition that cannot be traced here: no
+        return False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            if not isinstance(n.target, torch._ops.OpOverload) or not registry.is_registered(n.target):
+                return False
+    return True
