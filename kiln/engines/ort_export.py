@@ -263,7 +263,7 @@ def translates_by_decomposition(node, registry) -> bool:
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _as_meta)
     except _NoValue:
         return False
-    key = (node.target, repr((args, kwargs)))
+    key = (node.target, repr(torch.utils._pytree.tree_map(_signature, (args, kwargs))))
     if key not in _DECOMPOSES:
         if len(_DECOMPOSES) > 1024:
             _DECOMPOSES.clear()
@@ -284,6 +284,12 @@ def _as_meta(a):
     if isinstance(val, (int, float, bool)):
         return val
     raise _NoValue
+
+
+def _signature(a):
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.stride(), a.dtype)
+    return a
 
 
 def _decomposition_translates(target, args, kwargs, table, registry) -> bool:
