@@ -25,8 +25,10 @@ SmolLM2's 30-layer graphs most of the exporter's time. A kiln partition is alrea
 that trace would give (core ATen, every node's ``val`` recorded, weights as attributes),
 so :func:`program_of` writes it as the ``ExportedProgram`` the exporter accepts in place
 of a module, node for node (weights become lifted constants); the exporter then
-translates it as it would its own trace. A partition it cannot write so (a node without
-its ``val``, a submodule, an output that is an input) takes the public path.
+translates it as it would its own trace, or first decomposes the operators only a
+decomposition translates (:func:`translates_by_decomposition`), for which the program
+carries its one module call. A partition it cannot write so (a node without its ``val``,
+a submodule, an output that is an input) takes the public path.
 
 And it works out each ONNX op's signature once (:func:`_signatures_once`): the exporter made
 it from the op's schema for every node it emitted, a quarter of exporting a 30-layer decode
@@ -45,9 +47,7 @@ _LOCK = threading.Lock()
 
 def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
-    # a written program has no module call graph, which the exporter's decomposition pass
-    # (run for an operator only a decomposition translates) needs: then the public path
-    program = program_of(partition) if _translates_directly(partition, registry) else None
+    program = program_of(partition)
     with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once():
         return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
                                  opset_version=opset, optimize=optimize, verbose=False, report=False)
@@ -88,10 +88,23 @@ def program_of(partition):
         output_specs=[OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[n].name), target=None) for n in outputs])
     try:
         return torch.export.ExportedProgram(root=torch.nn.Module(), graph=graph, graph_signature=signature,
-                                            state_dict={}, range_constraints={}, module_call_graph=[],
-                                            constants=constants)
+                                            state_dict={}, range_constraints={},
+                                            module_call_graph=_call_graph(signature), constants=constants)
     except Exception:  # noqa: BLE001 - torch's verifier refused it: the exporter traces it instead
         return None
+
+
+def _call_graph(signature) -> list:
+    """The program's one module call (its inputs and outputs as flat tuples), which the
+    exporter's decomposition pass needs to rebuild the module (``ep.module()``)."""
+    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+    from torch.export.graph_signature import InputKind
+    users = [s.arg for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+    outputs = [s.arg for s in signature.output_specs]
+    in_spec = torch.utils._pytree.tree_flatten((tuple(range(len(users))), {}))[1]
+    out_spec = torch.utils._pytree.tree_flatten(tuple(range(len(outputs))))[1]
+    return [ModuleCallEntry("", ModuleCallSignature(inputs=users, outputs=outputs, in_spec=in_spec,
+                                                    out_spec=out_spec))]
 
 
 def _outputs(nodes):
