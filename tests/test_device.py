@@ -139,8 +139,9 @@ def test_training_equals_cpu_eager(kind, mode):
     ref = MODELS[kind]()
     model = copy.deepcopy(ref).to(DEV)
     x, y = _data(kind)
-    # the CNN with the defaults (-O2: timed against eager; whole_graph: on Inductor), the
-    # others at -O1 with ONNX Runtime's partitions, which compile sooner
+    # the CNN with the defaults (-O2: timed against eager; whole_graph: whole on ONNX
+    # Runtime, its gradients and batch norm decomposed), the others at -O1 with ONNX
+    # Runtime's partitions, which compile sooner
     # compiles in the background (each step waits for them: no capture overlaps training)
     modes.set_mode(mode, background=True, **({} if kind == "cnn" else {"optlevel": 1, "whole_graph": False}))
     torch.manual_seed(7)            # the models' dropout: the device draws CPU's masks

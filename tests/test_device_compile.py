@@ -102,8 +102,9 @@ def test_training_equals_eager_and_stops_compiling(kind):
     ref = MODELS[kind]()
     model = copy.deepcopy(ref)
     x, y = _data(kind)
-    # the CNN's backward graph whole on Inductor (whole_graph, the default); the others
-    # in ONNX Runtime partitions, which compile sooner
+    # the CNN with whole_graph (the default): its forward whole on Inductor (dropout draws
+    # eager's masks), its backward whole on ONNX Runtime; the others in ONNX Runtime
+    # partitions, which compile sooner
     options = OPTIONS if kind == "cnn" else {**OPTIONS, "whole_graph": False}
     compiled = torch.compile(model, backend="kiln", options=options, dynamic=False)
     with warnings.catch_warnings():

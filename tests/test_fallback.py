@@ -147,3 +147,66 @@ def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
     verdict = {str(n.target): ort.supports(n) for n in gm.graph.nodes if n.op == "call_function"}
     assert verdict["aten.squeeze.dims"] is None
     assert "no ONNX translation" in verdict["aten.lgamma.default"]
+
+
+@pytest.mark.parametrize("case", ["strided", "grouped-dilated-1d", "masked"])
+def test_a_convolutions_gradient_runs_on_onnx_runtime_as_convolutions(case):
+    """torch has no decomposition of ``aten.convolution_backward`` (a CNN's gradient), so
+    it had no ONNX form: kiln's (``kiln.engines.ort_decomps``) writes it as convolutions,
+    and the graph is one ONNX Runtime partition equal to eager's gradients, for strides
+    that drop rows, groups, dilation and outputs left out; a transposed convolution's
+    gradient is still refused with its reason."""
+    aten = torch.ops.aten
+    dims, stride, padding, dilation, groups, mask = {
+        "strided": (2, 2, 1, 1, 1, [True, True, True]),
+        "grouped-dilated-1d": (1, 3, 2, 2, 2, [True, True, True]),
+        "masked": (2, 1, 0, 1, 1, [False, True, False])}[case]
+
+    class Gradient(torch.nn.Module):
+        def forward(self, gy, x, w):
+            got = aten.convolution_backward(gy, x, w, [6], [stride] * dims, [padding] * dims, [dilation] * dims,
+                                            False, [0] * dims, groups, mask)
+            return tuple(g for g in got if g is not None)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, *[11] * dims, generator=g)
+    w = torch.randn(6, 4 // groups, *[3] * dims, generator=g)
+    y = aten.convolution(x, w, None, [stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, groups)
+    gy = torch.randn(y.shape, generator=g)
+    c = kiln.trace(Gradient(), (gy, x, w), optlevel=1, whole_graph=True, cache=False)
+    assert c.report["unsupported_ops"] == [], c.report["unsupported_ops"]
+    assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
+    for args in ((gy, x, w), (torch.randn(gy.shape), torch.randn(x.shape), torch.randn(w.shape))):
+        torch.testing.assert_close(c(*args), Gradient()(*args), rtol=1e-5, atol=1e-5)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from kiln import engines
+    wt = torch.randn(4, 6, 3, 3)         # a transposed convolution's weight: [C_in, C_out, k, k]
+    yt = aten.convolution(torch.randn(2, 4, 5, 5), wt, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1)
+    gm = make_fx(lambda a, b, c: aten.convolution_backward(a, b, c, [6], [1, 1], [0, 0], [1, 1], True, [0, 0], 1,
+                                                           [True, True, True]), tracing_mode="fake")(
+        torch.randn(yt.shape), torch.randn(2, 4, 5, 5), wt)
+    node = next(n for n in gm.graph.nodes if n.target is aten.convolution_backward.default)
+    assert "no ONNX translation" in engines.get("onnxruntime").supports(node)
+
+
+def test_training_mode_batch_norm_on_onnx_runtime_uses_the_batchs_statistics():
+    """torch's exporter translates training-mode batch norm to ONNX's
+    ``BatchNormalization(training_mode=1)``, which ONNX Runtime's CPU build computes with the
+    running statistics, as in evaluation (20 off eager on this batch). kiln decomposes it
+    first (``kiln.engines.ort_decomps.decompose_first``): the normalized batch and the new
+    running statistics equal eager's, with the check against eager off, so that nothing but
+    the translation is under test."""
+    aten = torch.ops.aten
+
+    class Norm(torch.nn.Module):
+        def forward(self, x, w, b, mean, var):
+            return tuple(aten._native_batch_norm_legit_functional.default(x, w, b, mean, var, True, 0.1, 1e-5))
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(8, 4, 6, 6, generator=g) * 3 + 1, torch.randn(4, generator=g), torch.randn(4, generator=g),
+            torch.zeros(4), torch.ones(4))
+    c = kiln.trace(Norm(), args, engine="onnxruntime", optlevel=1, validate=False, cache=False)
+    assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
+    torch.testing.assert_close(c(*args), Norm()(*args), rtol=1e-5, atol=1e-5)
+    evaluation = aten._native_batch_norm_legit_no_training.default(*args, 0.1, 1e-5)[0]
+    assert (c(*args)[0] - evaluation).abs().max() > 1.0      # not evaluation mode's answer
+

@@ -83,8 +83,10 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
 def _whole_graph_engine(opts, first, placement):
     """With ``whole_graph``: the engine that takes every operation (Inductor) when the
     first engine would leave some on the host, else None. Training graphs are where it
-    matters: a host ``convolution_backward`` splits a CNN's step into partitions that
-    take turns with it, 37 ms a step on ONNX Runtime against 30 ms on Inductor whole."""
+    matters: a host op splits a step into partitions that take turns with it (a CNN's
+    ``convolution_backward``, before kiln decomposed it for ONNX Runtime: 37 ms a step
+    split, 30 ms whole on Inductor); dropout's ``native_dropout`` in a ``torch.compile``
+    forward graph is one still."""
     if not opts.whole_graph or opts.engine or not placement.unsupported or first.name == "inductor":
         return None
     if _emulated_narrow_floats(placement):

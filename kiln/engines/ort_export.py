@@ -95,16 +95,16 @@ def program_of(partition):
 
 
 def _call_graph(signature) -> list:
-    """The program's one module call (its inputs and outputs as flat tuples), which the
-    exporter's decomposition pass needs to rebuild the module (``ep.module()``)."""
+    """The program's one module call, which the exporter's decomposition pass needs to
+    rebuild the module (``ep.module()``): its inputs and outputs as flat tuples, and, as
+    ``torch.export`` writes the root's entry, no argument names (a decomposition renames
+    the nodes: an output named there that a decomposition replaced fails the verifier)."""
     from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
     from torch.export.graph_signature import InputKind
-    users = [s.arg for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
-    outputs = [s.arg for s in signature.output_specs]
+    users = [s for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
     in_spec = torch.utils._pytree.tree_flatten((tuple(range(len(users))), {}))[1]
-    out_spec = torch.utils._pytree.tree_flatten(tuple(range(len(outputs))))[1]
-    return [ModuleCallEntry("", ModuleCallSignature(inputs=users, outputs=outputs, in_spec=in_spec,
-                                                    out_spec=out_spec))]
+    out_spec = torch.utils._pytree.tree_flatten(tuple(range(len(signature.output_specs))))[1]
+    return [ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec))]
 
 
 def _outputs(nodes):
@@ -222,24 +222,28 @@ def _signatures_once():
 
 
 def _translates_directly(partition, registry) -> bool:
+    from kiln.engines.ort_decomps import decompose_first
     for node in partition.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if not registry.is_registered(node.target):
+            if not registry.is_registered(node.target) or decompose_first(node):
                 return False
     return True
 
 
 @contextlib.contextmanager
 def _no_redecomposition(partition, registry):
+    """For the length of an export: no decomposition pass where every operator translates
+    as it is; else the exporter's own pass with kiln's few decompositions added
+    (:data:`kiln.engines.ort_decomps.TABLE`)."""
     try:
         from torch.onnx._internal.exporter import _fx_passes
     except ImportError:
         _fx_passes = None
     original = getattr(_fx_passes, "decompose_with_registry", None)
-    if original is None or not _translates_directly(partition, registry):
+    if original is None:
         yield
         return
-    _fx_passes.decompose_with_registry = _as_is
+    _fx_passes.decompose_with_registry = _as_is if _translates_directly(partition, registry) else _with_kilns
     try:
         yield
     finally:
@@ -250,8 +254,29 @@ def _as_is(exported_program, registry):
     return exported_program
 
 
-_FRIENDLY: dict = {}      # id(registry) -> the exporter's decomposition table for it
+def _with_kilns(exported_program, registry):
+    return exported_program.run_decompositions(_friendly_table(registry))
+
+
+_FRIENDLY: dict = {}      # id(registry) -> the exporter's decomposition table for it, and kiln's
 _DECOMPOSES: dict = {}    # (op, argument signature) -> whether its decomposition translates
+
+
+def _friendly_table(registry) -> dict:
+    """The exporter's decomposition table for ``registry`` (torch's decompositions of the
+    operators it lacks) with kiln's (:mod:`kiln.engines.ort_decomps`): for operators it lacks
+    too, and for batch norm, which it translates to what ONNX Runtime computes otherwise in
+    training mode."""
+    table = _FRIENDLY.get(id(registry))
+    if table is None:
+        from torch.onnx._internal.exporter import _decomp
+
+        from kiln.engines import ort_decomps
+        table = _decomp.create_onnx_friendly_decomposition_table(set(_decomp.get_onnx_implemented_overloads(registry)))
+        for op, fn in ort_decomps.TABLE.items():
+            table.setdefault(op, fn)
+        _FRIENDLY[id(registry)] = table
+    return table
 
 
 def translates_by_decomposition(node, registry) -> bool:
@@ -265,11 +290,7 @@ def translates_by_decomposition(node, registry) -> bool:
     builds it in 1.3-1.9 s. Found by tracing the decomposition on ``meta`` tensors of the node's
     recorded shapes; any doubt (no recorded value, symbolic shapes, a trace that fails)
     answers no."""
-    table = _FRIENDLY.get(id(registry))
-    if table is None:
-        from torch.onnx._internal.exporter import _decomp
-        table = _FRIENDLY[id(registry)] = _decomp.create_onnx_friendly_decomposition_table(
-            set(_decomp.get_onnx_implemented_overloads(registry)))
+    table = _friendly_table(registry)
     if node.target not in table:
         return False
     try:

@@ -1,0 +1,89 @@
+"""Decompositions kiln adds to the ONNX exporter's, for operators torch leaves whole.
+
+The exporter decomposes an operator its registry lacks with torch's own decompositions
+(:func:`kiln.engines.ort_export.translates_by_decomposition`). Torch has none for
+``aten.convolution_backward``, the gradient of every convolution in a CNN's training step,
+so such a step could not stay on ONNX Runtime: it went whole to Inductor, whose C++ build
+took 36 s of the tests' CNN's first step. A convolution's gradients are themselves
+convolutions, which ONNX has:
+
+- the input's: the transposed convolution of the output's gradient with the same weight,
+  its ``output_padding`` the rows the forward stride dropped;
+- the weight's: the convolution of the input with the output's gradient as the kernel,
+  batch and channels swapped (stride and dilation trade places), cut to the kernel's size;
+- the bias's: the output's gradient summed over all but its channels.
+
+Transposed convolutions' gradients (rare in training steps) are left whole: the
+decomposition declines and the operator stays unsupported, as before.
+
+And one the registry translates, but to what ONNX Runtime computes otherwise: batch norm in
+training mode becomes ``BatchNormalization(training_mode=1)``, which ONNX Runtime's CPU
+build runs with the running statistics, as in evaluation (measured on 11-28: a batch of
+mean 1 and deviation 3 came out 20 off eager, within 2e-6 of evaluation-mode batch norm;
+its new running statistics 0.1-0.8 off). The check against eager refused every such
+build, so every CNN training step with batch norm left ONNX Runtime for Inductor's C++
+build. Training-mode batch norm is decomposed instead (torch's own decomposition: a mean,
+a variance, the normalization), see :func:`decompose_first`.
+
+Whatever goes to ONNX Runtime is checked against eager PyTorch like every compiled
+partition.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    sizes = [*input.shape, *weight.shape, *grad_output.shape, *stride, *padding, *dilation, groups]
+    if transposed or not all(isinstance(s, int) for s in sizes):
+        return NotImplemented
+    spatial = range(2, input.dim())
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        dropped = [input.shape[d] - ((grad_output.shape[d] - 1) * stride[d - 2] - 2 * padding[d - 2]
+                                     + dilation[d - 2] * (weight.shape[d] - 1) + 1) for d in spatial]
+        grad_input = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, True,
+                                              dropped, groups)
+    if output_mask[1]:
+        grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = aten.sum.dim_IntList(grad_output, [0, *spatial])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups):
+    """``dW[o, i, k] = sum_n,h dY[n, o, h] * X[n, i, h*stride + k*dilation - padding]``: a
+    convolution over the input whose batch is the input's channels (per group), whose
+    channels are the batch, with the output's gradient as the kernel."""
+    n, c_in = input.shape[:2]
+    c_out = grad_output.shape[1]
+    rest, out_rest = list(input.shape[2:]), list(grad_output.shape[2:])
+    # X [N, C_in, *] -> [C_in/g, g*N, *]; dY [N, C_out, *] -> [C_out, N, *] (grouped by g)
+    x = aten.view.default(input, [n, groups, c_in // groups, *rest])
+    x = aten.permute.default(x, [2, 1, 0, *range(3, 3 + len(rest))])
+    x = aten.reshape.default(x, [c_in // groups, groups * n, *rest])
+    dy = aten.permute.default(grad_output, [1, 0, *range(2, 2 + len(out_rest))])
+    full = aten.convolution.default(x, dy, None, dilation, padding, stride, False, [0] * len(rest), groups)
+    for d, k in enumerate(weight.shape[2:]):
+        if full.shape[2 + d] != k:
+            full = aten.slice.Tensor(full, 2 + d, 0, k)
+    return aten.permute.default(full, [1, 0, *range(2, 2 + len(rest))])
+
+
+# batch norm's training flag, by position: ONNX Runtime computes these wrongly with it set
+_TRAINING_ARG = {aten._native_batch_norm_legit_functional.default: 5, aten._native_batch_norm_legit.default: 5,
+                 aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.no_stats: 3}
+
+
+def decompose_first(node) -> bool:
+    """Whether ``node``'s operator must be decomposed before export although torch's
+    registry translates it: batch norm in training mode (see the module's docstring)."""
+    i = _TRAINING_ARG.get(getattr(node, "target", None))
+    return i is not None and len(node.args) > i and node.args[i] is not False
+
+
+TABLE = {aten.convolution_backward.default: convolution_backward,
+         **{op: torch._decomp.decomposition_table[op] for op in _TRAINING_ARG}}
