@@ -59,7 +59,6 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     convolution over the input whose batch is the input's channels (per group), whose
     channels are the batch, with the output's gradient as the kernel."""
     n, c_in = input.shape[:2]
-    c_out = grad_output.shape[1]
     rest, out_rest = list(input.shape[2:]), list(grad_output.shape[2:])
     # X [N, C_in, *] -> [C_in/g, g*N, *]; dY [N, C_out, *] -> [C_out, N, *] (grouped by g)
     x = aten.view.default(input, [n, groups, c_in // groups, *rest])
