@@ -168,3 +168,29 @@ def test_threads_calling_one_step_each_get_their_own_answers():
     for t in threads:
         t.join(120)
     assert failures == []
+
+
+def test_a_head_size_onnx_runtimes_attention_refuses_keeps_the_step_unfused():
+    """ONNX Runtime's ``GroupQueryAttention`` runs only head sizes that are multiples of 8
+    (it fails when called, after the build: a tensor-parallel rank's 12-wide heads went to
+    another engine for it); such a step keeps its attention as written and stays on ONNX
+    Runtime, equal to eager."""
+    from tests.test_llm_decoder import COMMON
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 24, "num_attention_heads": 2, "num_key_value_heads": 1})).eval()
+    rows, slots = 2, 16
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    example = _decode_example(cache_shape(model.config, rows, slots), rows)
+    compiled = trace(step, example, optlevel=1, engine="onnxruntime", cache=False)
+    assert [p["engine"] for p in compiled.manifest["partitions"]] == ["onnxruntime"]
+    header, graph = _header(compiled)
+    assert header.get("decoder_fusions", {}).get("attention", 0) == 0
+    assert "GroupQueryAttention" not in {n.op_type for n in graph.graph.node}
+    lengths = torch.tensor([[5], [9]])
+    valid = torch.arange(slots).unsqueeze(0) < lengths
+    cache = [torch.randn(rows, 1, slots, 12) for _ in range(2 * model.config.num_hidden_layers)]
+    inputs = (torch.randint(0, 97, (rows, 1)), lengths.clone(), *cache, valid)
+    with torch.no_grad():
+        expected = step(*inputs)
+    assert_close(compiled(*inputs), expected, atol=1e-4, rtol=1e-4)

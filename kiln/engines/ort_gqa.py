@@ -110,6 +110,10 @@ def _match_attention(g, softmax):
     if cache_shape is None or len(cache_shape) != 4:
         return None
     b, kv_heads, window, dim = cache_shape
+    if dim % 8:
+        # ORT's CPU kernel refuses other head sizes when it runs ("head_size must be a
+        # multiple of 8"), after the build: such a graph keeps the unfused attention
+        return None
     q_rows, kn_rows = (target(g, v) for v in (views[0], views[2]))
     if q_rows is None or kn_rows is None or list(kn_rows) != [b * kv_heads, 1, dim] \
             or len(q_rows) != 3 or q_rows[0] != b * kv_heads or q_rows[2] != dim:
