@@ -31,6 +31,9 @@ VARIABLES = {v.name: v for v in (
     _V("KILN_COLLECT_DIR", None, "set by kiln parallel-compile: trace() records jobs here "
        "instead of compiling", "compile"),
     _V("KILN_QUIET", "", "1: no live progress line on a terminal", "compile"),
+    _V("KILN_BUILD_LOG", None, "append one JSON line per compiled partition to this file, from every "
+       "process: each engine tried (build seconds, refused by the check against eager or failed, and "
+       "why), the one kept and why, the operators left on the host (kiln.observe.build_log)", "compile"),
     _V("NEURON_CC_FLAGS", "", "Neuron compiler flags, read by kiln.neuronx / kiln.neuron traces",
        "compile"),
     _V("NEURON_COMPILE_CACHE_URL", None, "Neuron's cache location; used when KILN_CACHE_URL is "

@@ -1,6 +1,8 @@
 """Runtime metrics and profiler timelines."""
 import json
+import os
 
+import pytest
 import torch
 
 import kiln
@@ -111,3 +113,56 @@ print("kiln-heartbeat" in [t.name for t in threading.enumerate()], profiler.acti
     assert first == "['MainThread'] [] True"
     assert second == "True True"
     assert (tmp_path / "trace.json").exists()
+
+
+def test_build_log_has_a_line_per_partition_from_every_process(tmp_path, monkeypatch):
+    """``KILN_BUILD_LOG``: each compiled partition appends one JSON line (engines tried and
+    how each ended, the one kept and why, the host's operators), in this process and in the
+    device's compile process alike; a build refused by the check against eager is there with
+    its difference; a cache hit logs nothing; a log that cannot be written only warns."""
+    import warnings
+
+    from kiln.device import modes
+    log = tmp_path / "builds.jsonl"
+    monkeypatch.setenv("KILN_BUILD_LOG", str(log))
+    monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "cache"))
+    model = models.WithCustomOp().eval()
+    x = torch.randn(2, 8)
+    kiln.trace(model, x, optlevel=1)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["partition"] for e in lines] == ["partition 1/2", "partition 2/2"]
+    assert all(e["model"] == "WithCustomOp" and e["engine"] == "onnxruntime" for e in lines)
+    assert lines[0]["candidates"][0]["status"] == "ok" and lines[0]["candidates"][0]["compile_seconds"] > 0
+    assert [h["op"] for h in lines[0]["host_ops"]] == ["kilntest::odd_scale"]
+    kiln.trace(model, x, optlevel=1)                                # a cache hit: nothing new
+    assert len(log.read_text().splitlines()) == 2
+
+    # a layer norm after GELU at zero tolerance: no engine's rounding is eager's to the bit
+    # (Inductor, the fallback engine, as on a machine without its C++ compiler: a 20 s build)
+    from kiln.engines.inductor import InductorEngine
+    norm = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64)).eval()
+    with monkeypatch.context() as m, pytest.raises(kiln.errors.ValidationError):
+        m.setattr(InductorEngine, "missing", lambda self, *a: "no C++ compiler (this test)")
+        kiln.trace(norm, torch.randn(16, 64), optlevel=1, atol=0.0, rtol=0.0, cache=False, engine="onnxruntime")
+    refused = json.loads(log.read_text().splitlines()[-1])["candidates"]
+    assert refused[0]["status"] == "inaccurate" and "differs from eager" in refused[0]["note"]
+    assert refused[1] == {"engine": "inductor", "status": "unavailable", "note": refused[1]["note"]}
+
+    before = len(log.read_text().splitlines())
+    dev = modes.device()
+    modes.set_mode("lazy", background=True, optlevel=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).to(dev)
+        net(torch.randn(5, 4).to(dev)).sum().backward()
+        modes.mark_step()
+        modes.wait_compiles()
+    finally:
+        modes.set_mode("eager")
+    pids = {json.loads(line)["pid"] for line in log.read_text().splitlines()[before:]}
+    assert pids and os.getpid() not in pids                         # written by the compile process
+
+    monkeypatch.setenv("KILN_BUILD_LOG", str(tmp_path / "missing" / "builds.jsonl"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kiln.trace(models.MLP().eval(), torch.randn(2, 16), optlevel=1, cache=False)
+    assert any("KILN_BUILD_LOG" in str(w.message) for w in caught)

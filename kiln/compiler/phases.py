@@ -29,6 +29,7 @@ from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
 from kiln.graph.partition import Placement, place, split, takes
 from kiln.host import target as target_mod, tf32 as tf32_host
+from kiln.observe import build_log
 from kiln.runtime.model import HOST_CONSTANTS
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import build as build_program
@@ -140,6 +141,8 @@ def build(p: Plan, runtime_opts: RuntimeOptions, progress, calibration=None) -> 
         engine, blob, record, runner = compile_partition(i, sub, part_inputs[i], p.options, runtime_opts,
                                                          progress, label, calibration=[s[i] for s in samples])
         runners.append(runner)
+        if build_log.enabled():
+            build_log.record(_log_entry(p, label, i, record))
         blob_name = f"partitions/{i}{engine.blob_suffix}"
         blobs[blob_name] = blob
         partitions.append({
@@ -151,6 +154,14 @@ def build(p: Plan, runtime_opts: RuntimeOptions, progress, calibration=None) -> 
         from safetensors.torch import save as st_save
         blobs[HOST_CONSTANTS] = st_save(constants)
     return Build(p, program, partitions, blobs, runners)
+
+
+def _log_entry(p: Plan, label: str, i: int, record: dict) -> dict:
+    report = p.report.to_dict()
+    return {"model": p.captured.model_name, "partition": label, "ops": report["partitions"][i]["ops"],
+            "optlevel": p.options.optlevel, "engine": record["engine"], "choice": record["choice"],
+            "compile_seconds": record["compile_seconds"], "candidates": record["candidates"],
+            "host_ops": report["unsupported_ops"], "notes": report["notes"]}
 
 
 def package(b: Build) -> Artifact:
