@@ -1,7 +1,7 @@
 """Graphs that draw random numbers (dropout, ``rand_like``) compile to eager's numbers for
 the same seed, and compiling does not use up the caller's random numbers
-(``kiln.graph.randomness``). The training paths are in ``test_device_compile.py``
-(dropout in ONNX Runtime partitions and whole on Inductor)."""
+(``kiln.graph.randomness``), and dropout's masks drawn apart from the graph keep it whole
+(``kiln.graph.dropout``). The training paths are in ``test_device_compile.py``."""
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +29,9 @@ def test_a_graph_that_draws_compiles_to_eagers_numbers_and_leaves_the_seed_alone
     assert torch.equal(torch.get_rng_state(), before)
     assert compiled.manifest["validation"]["passed"]
     host = {u["op"]: u["reason"] for u in compiled.manifest["report"]["unsupported_ops"]}
-    assert "random" in host["aten::rand_like"] and "random" in host["aten::native_dropout"]
+    # dropout's mask drawn apart from its product (kiln.graph.dropout), on the host
+    assert "random" in host["aten::rand_like"] and "random" in host["kiln::dropout_keep_mask"]
+    assert "aten::native_dropout" not in host
     assert "lays out" in host["aten::copy"]        # the transposed input, laid out as eager's
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -113,3 +115,65 @@ def test_device_masks_fall_back_to_bernoulli_where_the_integer_draw_is_not_exact
     expected, got, s1, s2 = _masks_both_ways(torch.empty(8, 100), 0.9)
     assert draws._exact[torch.float32] is False
     assert torch.equal(got, expected) and torch.equal(s1, s2)
+
+
+def _dropout_graph(transposed):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        y = (x * 2).transpose(0, 1) if transposed else x * 2
+        out, mask = torch.ops.aten.native_dropout.default(y, 0.3, True)
+        return out + 1, mask
+    x = torch.randn(6, 10)
+    return make_fx(f)(x), f, x
+
+
+def test_a_mask_drawn_apart_is_native_dropouts_to_the_bit():
+    """``draw_masks_apart``: the mask from x's shape, strides and dtype alone (no input from
+    the graph), then the products; for a seed, the same output and mask, bit for bit, as
+    ``native_dropout`` on a contiguous and a transposed input; a bf16 one is left as it is."""
+    from kiln.graph import dropout
+    for transposed in (False, True):
+        gm, f, x = _dropout_graph(transposed)
+        randomness.lay_out_as_eager(gm)
+        assert dropout.draw_masks_apart(gm) == 1
+        draws = [n for n in gm.graph.nodes if dropout.is_mask_draw(n)]
+        assert len(draws) == 1 and not draws[0].all_input_nodes
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+        for seed in (3, 4):
+            torch.manual_seed(seed)
+            got = gm(x)
+            torch.manual_seed(seed)
+            expected = f(x)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            assert got[1].dtype == torch.bool
+    gm, _, _ = _dropout_graph(False)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    half = make_fx(lambda t: torch.ops.aten.native_dropout.default(t, 0.3, True))(torch.randn(4, 4, dtype=torch.bfloat16))
+    assert dropout.draw_masks_apart(half) == 0
+
+
+def test_a_program_with_a_drawn_mask_loads_in_a_fresh_process(tmp_path):
+    """The host program names ``kiln::dropout_keep_mask``: a process that loads the artifact
+    resolves it without importing anything itself, and draws eager's mask for the seed."""
+    import subprocess
+    import sys
+
+    class Drop(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(F.dropout(x * 3, 0.4, training=True))
+    x = torch.randn(5, 7)
+    compiled = kiln.trace(Drop(), x, engine="onnxruntime", optlevel=1, whole_graph=True, cache=False, quiet=True)
+    assert [p["engine"] for p in compiled.manifest["partitions"]] == ["onnxruntime"]
+    path = tmp_path / "drop.kiln"
+    compiled.save(path)
+    torch.manual_seed(9)
+    expected = Drop()(x)
+    torch.save(x, tmp_path / "x.pt")
+    code = (f"import torch, kiln; m = kiln.load({str(path)!r}); x = torch.load({str(tmp_path / 'x.pt')!r}); "
+            f"torch.manual_seed(9); torch.save(m(x), {str(tmp_path / 'y.pt')!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = torch.load(tmp_path / "y.pt")
+    assert torch.equal(got == 0, expected == 0)                      # the same elements dropped
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # ONNX Runtime's tanh

@@ -25,6 +25,7 @@ from kiln._version import __version__
 from kiln.artifact import specs
 from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
 from kiln.errors import CompilerArgsError, UnsupportedOpError
+from kiln.graph import dropout, randomness
 from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
 from kiln.graph.partition import Placement, place, split, takes
@@ -67,6 +68,10 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
     notes += engine_notes
     with progress.phase("analyze"):
         placement = place(captured.graph_module, engine, opts)
+        if _dropout_splits(opts, engine, placement) and dropout.draw_masks_apart(captured.graph_module):
+            notes.append("dropout's masks are drawn on the host before the graph runs, the rest stays whole "
+                         f"on {engine.name} (kiln.graph.dropout)")
+            placement = place(captured.graph_module, engine, opts)
         whole = _whole_graph_engine(opts, engine, placement)
         if whole is not None:
             notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; "
@@ -81,14 +86,29 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
     return Plan(captured, opts, engine, placement, rep, precision)
 
 
+def _dropout_splits(opts, engine, placement) -> bool:
+    """Whether dropout is what keeps ``engine`` from the graph: it cannot draw eager's masks,
+    and the graph has a training ``native_dropout`` on the host (with ``whole_graph``: and
+    nothing else there but the layout copies capture made for it, else Inductor takes the
+    graph as it is)."""
+    if getattr(engine, "draws_from_torch", False):
+        return False
+    drops = [n for n in placement.unsupported if n.target is torch.ops.aten.native_dropout.default]
+    if not drops:
+        return False
+    return not opts.whole_graph or all(n.target is torch.ops.aten.native_dropout.default
+                                       or n.meta.get(randomness.RELAYOUT) for n in placement.unsupported)
+
+
 def _whole_graph_engine(opts, first, placement):
     """With ``whole_graph``: the engine that takes every operation (Inductor) when the
     first engine would leave some on the host, else None. Training graphs are where it
     matters: a host op splits a step into partitions that take turns with it (a CNN's
     ``convolution_backward``, before kiln decomposed it for ONNX Runtime: 37 ms a step
-    split, 30 ms whole on Inductor); dropout's ``native_dropout`` in a ``torch.compile``
-    forward graph is one still."""
-    if not opts.whole_graph or opts.engine or not placement.unsupported or first.name == "inductor":
+    split, 30 ms whole on Inductor). A dropout mask drawn apart (:mod:`kiln.graph.dropout`)
+    reads nothing the graph computes, splits nothing and does not count."""
+    unsupported = [n for n in placement.unsupported if not dropout.is_mask_draw(n)]
+    if not opts.whole_graph or opts.engine or not unsupported or first.name == "inductor":
         return None
     if _emulated_narrow_floats(placement):
         # Inductor computes bf16/fp16 op by op where the CPU lacks them, as eager does: a
@@ -96,7 +116,7 @@ def _whole_graph_engine(opts, first, placement):
         # partitions (products with float accumulation) at 4.4x
         return None
     whole = engines.get("inductor", required=False)
-    if whole is None or any(takes(whole, n) is not None for n in placement.unsupported):
+    if whole is None or any(takes(whole, n) is not None for n in unsupported):
         return None
     return whole
 

@@ -18,8 +18,9 @@ Parameters and buffers are graph *inputs* in these graphs, never constants, so a
 training step's new weights flow in on every call.
 
 Graphs are compiled ``whole_graph``: when the first engine would leave operations on
-the host (a ``torch.compile`` forward graph's ``native_dropout`` on ONNX Runtime), an
-engine that takes every operation (Inductor) compiles the whole graph instead.
+the host that split the graph (a bf16 ``native_dropout`` on ONNX Runtime; a float32 one's
+mask is drawn apart, :mod:`kiln.graph.dropout`), an engine that takes every operation
+(Inductor) compiles the whole graph instead.
 
 A graph kiln cannot compile (an operation no engine and no host kernel takes, a check
 against eager that fails, symbolic shapes) runs eagerly as PyTorch traced it, with a

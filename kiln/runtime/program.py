@@ -169,6 +169,8 @@ def resolve_op(qualified: str):
         raise ArtifactError(f"the artifact's host program names {qualified!r}, which is not an "
                             "operator name (namespace::op.overload); the artifact is corrupt or "
                             "was edited")
+    if ns == "kiln":
+        import kiln.graph.dropout  # noqa: F401 - registers kiln's own host operators
     try:
         packet = getattr(getattr(torch.ops, ns), op)
         fn = getattr(packet, overload)
