@@ -210,3 +210,37 @@ def test_training_mode_batch_norm_on_onnx_runtime_uses_the_batchs_statistics():
     evaluation = aten._native_batch_norm_legit_no_training.default(*args, 0.1, 1e-5)[0]
     assert (c(*args)[0] - evaluation).abs().max() > 1.0      # not evaluation mode's answer
 
+
+
+def test_accumulating_index_writes_run_on_the_host_where_onnx_runtime_races():
+    """ONNX Runtime's ScatterND with ``reduction="add"`` (torch's export of an accumulating
+    ``index_put``, ``index_add`` and the embedding gradient) races between threads on repeated
+    indices: with two threads, 39 to 121 of 200 calls summed wrongly here. Those operators run
+    on the host with eager's kernels: 200 calls at two engine threads all equal eager's to 1e-5; and an
+    exported graph that still holds such a ScatterND is refused at build."""
+    from kiln.engines import onnxruntime as ort_engine
+
+    class Accumulate(torch.nn.Module):
+        def forward(self, src, idx, rows):
+            return torch.zeros(4, 512).index_add(0, idx, src * 2) + rows.index_put((idx,), src, accumulate=True)
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2048, 512, generator=g) * 0.01, torch.randint(0, 4, (2048,), generator=g), torch.zeros(4, 512))
+    c = kiln.trace(Accumulate(), args, engine="onnxruntime", optlevel=1, cache=False, threads=2)
+    host = {u["op"]: u for u in c.report["unsupported_ops"]}           # index_add is an index_put in core ATen
+    assert host["aten::index_put"]["count"] == 2 and "race" in host["aten::index_put"]["reason"], host
+    expected = Accumulate()(*args)
+    # index_add is summed as index_put's accumulation: eager's rounding, not its bits; a race
+    # loses whole terms (about 0.01 each)
+    worst = max((c(*args) - expected).abs().max().item() for _ in range(200))
+    assert worst < 1e-5, worst
+
+    import onnx
+    from onnx import TensorProto, helper
+    node = helper.make_node("ScatterND", ["data", "indices", "updates"], ["out"], reduction="add")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("data", TensorProto.FLOAT, [4]),
+                                            helper.make_tensor_value_info("indices", TensorProto.INT64, [3, 1]),
+                                            helper.make_tensor_value_info("updates", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])])
+    with pytest.raises(RuntimeError, match="race"):
+        ort_engine._fuse_decoder(helper.make_model(graph).SerializeToString())
+    assert onnx  # the graph above is a valid model

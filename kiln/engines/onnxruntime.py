@@ -60,6 +60,25 @@ EXPORT_OPSET = onnx_model.EXPORT_OPSET
 
 _UNSUPPORTED_DTYPES = {torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2}
 
+# ONNX Runtime's ScatterND with reduction="add" (what torch's exporter writes for an
+# accumulating index_put) races between threads where indices repeat: measured on 11-28 with
+# ONNX Runtime 1.32 and two threads, index_put 39 and index_add 121 wrong sums in 200 calls,
+# a BERT step's token-type embedding gradient (every index 0) 1 in 300; exact with one thread
+# (onnxruntime#18048). A check against eager passes such a build most of the time, so these
+# run on the host (eager's kernels), and a build that still holds one is refused.
+_ACCUMULATING = {torch.ops.aten.index_put.default: 3, torch.ops.aten.index_put_.default: 3,
+                 torch.ops.aten._unsafe_index_put.default: 3, torch.ops.aten.index_add.default: None,
+                 torch.ops.aten.embedding_dense_backward.default: None}
+WHY_RACES = ("accumulates into repeated indices, which ONNX Runtime's ScatterND computes with a race between "
+             "threads (wrong sums now and then)")
+
+
+def _accumulates(node) -> bool:
+    if node.target not in _ACCUMULATING:
+        return False
+    i = _ACCUMULATING[node.target]
+    return i is None or bool(node.args[i] if len(node.args) > i else node.kwargs.get("accumulate", False))
+
 
 class OnnxRuntimeEngine(Engine):
     # Measured on our CPUs (docs/performance.md): neither ONNX Runtime nor OpenVINO wins
@@ -79,6 +98,8 @@ class OnnxRuntimeEngine(Engine):
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return self.not_an_op(node)
+        if _accumulates(node):
+            return WHY_RACES
         if not _registry().is_registered(target) and not ort_export.translates_by_decomposition(node, _registry()):
             return "no ONNX translation in torch's exporter registry"
         val = node.meta.get("val")
@@ -172,10 +193,15 @@ class OnnxRuntimeEngine(Engine):
 
 def _fuse_decoder(graph: bytes):
     """The optimised graph with a decoder step's attention block on ORT's fused operators
-    (:mod:`kiln.engines.ort_decoder`), and what was fused."""
+    (:mod:`kiln.engines.ort_decoder`), and what was fused. A graph with a reducing ScatterND
+    (see ``_ACCUMULATING``) is refused here, whatever operator it came from."""
     import onnx
     model = onnx.ModelProto()
     model.ParseFromString(graph)
+    for node in model.graph.node:
+        if node.op_type == "ScatterND" and any(a.name == "reduction" and a.s not in (b"", b"none")
+                                               for a in node.attribute):
+            raise RuntimeError(f"the partition exports to ScatterND with reduction: it {WHY_RACES}")
     fused = ort_decoder.fuse(model)
     return (model.SerializeToString(), fused) if fused else (graph, fused)
 
