@@ -46,7 +46,7 @@ import torch
 from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.engines.base import Engine
-from kiln.engines import onnx_model, ort_decoder, ort_export, ort_fusions, ort_gqa
+from kiln.engines import onnx_model, ort_decomps, ort_decoder, ort_export, ort_fusions, ort_gqa
 from kiln import config, scratch
 
 _MAGIC = b"KILNORT2"
@@ -65,7 +65,8 @@ _UNSUPPORTED_DTYPES = {torch.complex64, torch.complex128, torch.float8_e4m3fn, t
 # ONNX Runtime 1.32 and two threads, index_put 39 and index_add 121 wrong sums in 200 calls,
 # a BERT step's token-type embedding gradient (every index 0) 1 in 300; exact with one thread
 # (onnxruntime#18048). A check against eager passes such a build most of the time, so these
-# run on the host (eager's kernels), and a build that still holds one is refused.
+# run on the host (eager's kernels), unless small enough to be summed as a one-hot product
+# (kiln.engines.ort_decomps.sums_by_product), and a build that still holds one is refused.
 _ACCUMULATING = {torch.ops.aten.index_put.default: 3, torch.ops.aten.index_put_.default: 3,
                  torch.ops.aten._unsafe_index_put.default: 3, torch.ops.aten.index_add.default: None,
                  torch.ops.aten.embedding_dense_backward.default: None}
@@ -98,7 +99,7 @@ class OnnxRuntimeEngine(Engine):
         target = node.target
         if not isinstance(target, torch._ops.OpOverload):
             return self.not_an_op(node)
-        if _accumulates(node):
+        if _accumulates(node) and not ort_decomps.sums_by_product(node):
             return WHY_RACES
         if not _registry().is_registered(target) and not ort_export.translates_by_decomposition(node, _registry()):
             return "no ONNX translation in torch's exporter registry"

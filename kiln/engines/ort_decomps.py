@@ -25,6 +25,13 @@ build, so every CNN training step with batch norm left ONNX Runtime for Inductor
 build. Training-mode batch norm is decomposed instead (torch's own decomposition: a mean,
 a variance, the normalization), see :func:`decompose_first`.
 
+And the accumulating index writes (an accumulating ``index_put``, which ``index_add`` and the
+embedding gradient become): the exporter writes them as ``ScatterND(reduction="add")``,
+which ONNX Runtime sums with a race between threads where indices repeat
+(:data:`kiln.engines.onnxruntime.WHY_RACES`). Where the product is small
+(:func:`sums_by_product`: a tiny model's embedding gradient), kiln writes the sum as a
+product instead, ``one_hot(index)ᵀ @ values``, which has no race; the rest run on the host.
+
 Whatever goes to ONNX Runtime is checked against eager PyTorch like every compiled
 partition.
 """
@@ -72,6 +79,49 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     return aten.permute.default(full, [1, 0, *range(2, 2 + len(rest))])
 
 
+PRODUCT_LIMIT = 1 << 24     # multiply-adds of a one-hot sum (16M: under a millisecond or so)
+
+
+def index_put(self, indices, values, accumulate=False):
+    """An accumulating ``index_put`` on the first dimension as ``self + one_hot(i)ᵀ @ values``
+    (module docstring); anything else declines (``NotImplemented``: the operator stays)."""
+    if not accumulate or not _one_index(self, indices, values):
+        return NotImplemented
+    rows, idx = self.shape[0], indices[0].reshape(-1)
+    idx = aten.where.self(aten.lt.Scalar(idx, 0), aten.add.Tensor(idx, rows), idx)      # negative: from the end
+    hot = aten.eq.Tensor(aten.unsqueeze.default(idx, 1), aten.arange.default(rows, dtype=idx.dtype))
+    hot = aten._to_copy.default(hot, dtype=values.dtype)
+    summed = aten.mm.default(aten.permute.default(hot, [1, 0]), aten.reshape.default(values, [idx.shape[0], -1]))
+    return aten.add.Tensor(self, aten.reshape.default(summed, list(self.shape)))
+
+
+def _one_index(self, indices, values) -> bool:
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32):
+        return False
+    if not self.dtype.is_floating_point or values.dtype != self.dtype:
+        return False
+    shape = [*indices[0].shape, *self.shape[1:]]
+    return list(values.shape) == shape and all(isinstance(d, int) for d in (*shape, self.shape[0]))
+
+
+def sums_by_product(node) -> bool:
+    """Whether an accumulating write (``index_put`` or the embedding gradient) is small enough
+    to be summed as a one-hot product on ONNX Runtime (:data:`PRODUCT_LIMIT`)."""
+    vals = torch.fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
+    if node.target is aten.embedding_dense_backward.default:
+        grad, idx, rows = vals[0], vals[1], vals[2]
+        if not isinstance(grad, torch.Tensor) or not isinstance(idx, torch.Tensor) or not isinstance(rows, int):
+            return False
+        return idx.numel() * rows * grad.shape[-1] <= PRODUCT_LIMIT and grad.dtype.is_floating_point
+    if node.target is aten.index_put.default and len(vals) >= 3:
+        self, indices, values = vals[0], vals[1], vals[2]
+        if not isinstance(self, torch.Tensor) or not isinstance(values, torch.Tensor) \
+                or not all(isinstance(i, torch.Tensor) for i in indices):
+            return False
+        return _one_index(self, indices, values) and values.numel() * self.shape[0] <= PRODUCT_LIMIT
+    return False
+
+
 # batch norm's training flag, by position: ONNX Runtime computes these wrongly with it set
 _TRAINING_ARG = {aten._native_batch_norm_legit_functional.default: 5, aten._native_batch_norm_legit.default: 5,
                  aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.no_stats: 3}
@@ -79,10 +129,14 @@ _TRAINING_ARG = {aten._native_batch_norm_legit_functional.default: 5, aten._nati
 
 def decompose_first(node) -> bool:
     """Whether ``node``'s operator must be decomposed before export although torch's
-    registry translates it: batch norm in training mode (see the module's docstring)."""
-    i = _TRAINING_ARG.get(getattr(node, "target", None))
+    registry translates it: batch norm in training mode, and an accumulating write summed
+    as a product (see the module's docstring)."""
+    target = getattr(node, "target", None)
+    if target is aten.index_put.default:
+        return sums_by_product(node)
+    i = _TRAINING_ARG.get(target)
     return i is not None and len(node.args) > i and node.args[i] is not False
 
 
-TABLE = {aten.convolution_backward.default: convolution_backward,
+TABLE = {aten.convolution_backward.default: convolution_backward, aten.index_put.default: index_put,
          **{op: torch._decomp.decomposition_table[op] for op in _TRAINING_ARG}}
