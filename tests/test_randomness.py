@@ -77,10 +77,10 @@ def test_draws_restore_sets_the_generator_back():
     assert torch.equal(torch.rand(5), a)       # the block's draws did not count
 
 
-# -- the device's dropout masks (kiln.device.draws) --------------------------------------------
+# -- the device's dropout masks (kiln.graph.draws) --------------------------------------------
 
 def _masks_both_ways(like, p, seed=3):
-    from kiln.device import draws
+    from kiln.graph import draws
     torch.manual_seed(seed)
     expected = torch.empty_like(like).bernoulli_(p).to(torch.bool)
     after_eager = torch.get_rng_state()
@@ -92,7 +92,7 @@ def _masks_both_ways(like, p, seed=3):
 def test_device_masks_are_cpu_eagers_bits_and_leave_the_generator_where_eager_does():
     """Contiguous and transposed (CPU draws in memory order), float32 and bf16, odd sizes,
     p near the ends: the same kept elements, the same generator state afterwards."""
-    from kiln.device import draws
+    from kiln.graph import draws
     for dtype in (torch.float32, torch.bfloat16):
         for shape, transpose in (((4, 33, 65), False), ((2, 3, 40, 24), True), ((1000,), False)):
             like = torch.empty(shape, dtype=dtype)
@@ -108,7 +108,7 @@ def test_device_masks_are_cpu_eagers_bits_and_leave_the_generator_where_eager_do
 
 
 def test_device_masks_fall_back_to_bernoulli_where_the_integer_draw_is_not_exact(monkeypatch):
-    from kiln.device import draws
+    from kiln.graph import draws
     monkeypatch.setattr(draws, "_exact", {})
     monkeypatch.setattr(draws, "_from_bits", lambda bits, p: bits.bitwise_and(1).bool())   # a wrong rule
     assert draws._probe(torch.float32) is False

@@ -91,13 +91,11 @@ def _dropout_splits(opts, engine, placement) -> bool:
     and the graph has a training ``native_dropout`` on the host (with ``whole_graph``: and
     nothing else there but the layout copies capture made for it, else Inductor takes the
     graph as it is)."""
-    if getattr(engine, "draws_from_torch", False):
+    dropout_op = torch.ops.aten.native_dropout.default
+    if getattr(engine, "draws_from_torch", False) or not any(n.target is dropout_op for n in placement.unsupported):
         return False
-    drops = [n for n in placement.unsupported if n.target is torch.ops.aten.native_dropout.default]
-    if not drops:
-        return False
-    return not opts.whole_graph or all(n.target is torch.ops.aten.native_dropout.default
-                                       or n.meta.get(randomness.RELAYOUT) for n in placement.unsupported)
+    return not opts.whole_graph or all(n.target is dropout_op or n.meta.get(randomness.RELAYOUT)
+                                       for n in placement.unsupported)
 
 
 def _whole_graph_engine(opts, first, placement):

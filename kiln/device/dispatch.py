@@ -27,7 +27,8 @@ import weakref
 
 import torch
 
-from kiln.device import binding, draws, foreach, replay, rewrites, walk
+from kiln.device import binding, foreach, replay, rewrites, walk
+from kiln.graph import draws
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
 

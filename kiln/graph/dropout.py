@@ -9,9 +9,10 @@ Inductor's C++ build (17 s for the tests' CNN, which has one dropout).
 But the mask depends on nothing the graph computes: CPU's ``native_dropout(x, p)`` draws
 ``empty_like(x).bernoulli_(1 - p)`` (x's shape, strides and dtype; never its values), then
 returns ``x * mask * (1 / (1 - p))`` and the mask as booleans. :func:`draw_masks_apart`
-writes it so: a ``kiln::dropout_keep_mask`` node draws the mask from x's metadata alone (on
-the host, from PyTorch's generator, as eager does), and the products and the boolean are
-ordinary operators any engine runs. The draws take no input from the graph, so they run
+writes it so: a ``kiln::dropout_keep_mask`` node draws the boolean mask from x's metadata
+alone (on the host, from PyTorch's generator, with the device's faster exact draw,
+:mod:`kiln.graph.draws`), and the cast and the products are ordinary operators any
+engine runs. The draws take no input from the graph, so they run
 first, in the graph's order, and the rest is one partition. Checked on this machine for
 contiguous and transposed inputs: the same masks and the same float32 outputs, bit for bit,
 as ``native_dropout``. Only float32 inputs are rewritten (a bf16 ``native_dropout`` rounds
@@ -23,18 +24,21 @@ import operator
 
 import torch
 
+from kiln.graph import draws
+
 aten = torch.ops.aten
 
 
 @torch.library.custom_op("kiln::dropout_keep_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def dropout_keep_mask(size: list[int], stride: list[int], dtype: torch.dtype, keep: float) -> torch.Tensor:
-    """CPU ``native_dropout``'s mask, alone: 1 where an element is kept, in x's layout and dtype."""
-    return torch.empty_strided(size, stride, dtype=dtype).bernoulli_(keep)
+    """CPU ``native_dropout``'s mask, alone: True where an element is kept, drawn as into a
+    tensor of x's layout and dtype (:func:`kiln.graph.draws.keep_mask`, the device's draw)."""
+    return draws.keep_mask(torch.empty_strided(size, stride, dtype=dtype, device="meta"), keep)
 
 
 @dropout_keep_mask.register_fake
 def _(size, stride, dtype, keep):
-    return torch.empty_strided(size, stride, dtype=dtype)
+    return torch.empty_strided(size, stride, dtype=torch.bool)
 
 
 def draw_masks_apart(gm: torch.fx.GraphModule) -> int:
@@ -69,11 +73,11 @@ def _rewrite(graph, node) -> bool:
     source = _before_relayout(x)
     keep = 1.0 - p
     with graph.inserting_before(node):
-        mask = graph.call_function(dropout_keep_mask_op(), (list(val.shape), list(val.stride()), val.dtype, keep))
+        flags = graph.call_function(dropout_keep_mask_op(), (list(val.shape), list(val.stride()), val.dtype, keep))
+        mask = graph.call_function(aten._to_copy.default, (flags,), {"dtype": val.dtype})
         kept = graph.call_function(aten.mul.Tensor, (source, mask))
         out = graph.call_function(aten.mul.Tensor, (kept, 1.0 / keep))
-        flags = graph.call_function(aten.ne.Scalar, (mask, 0))
-    for new, meta in ((mask, val), (kept, val), (out, outs[0]), (flags, outs[1])):
+    for new, meta in ((flags, outs[1]), (mask, val), (kept, val), (out, outs[0])):
         new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}, val=meta)
     for user in users:
         user.replace_all_uses_with(out if user.args[1] == 0 else flags)
