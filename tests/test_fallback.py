@@ -1,5 +1,7 @@
 """Partitioning with host fallback, and its options."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -122,6 +124,24 @@ def test_whole_graph_goes_to_inductor_when_the_first_engine_would_leave_ops_on_t
         assert_close(narrow(xb).float(), Model()(xb).float(), atol=0.05, rtol=0.05)
 
 
+@contextlib.contextmanager
+def _whole_program_decompositions():
+    """The partitions the ONNX export re-traced whole to decompose a few nodes
+    (``kiln.engines.ort_export._with_kilns``); kiln decomposes such nodes in place
+    (``decomposed_locally``), so the list stays empty where that works."""
+    from kiln.engines import ort_export
+    calls, original = [], ort_export._with_kilns
+
+    def spy(program, registry):
+        calls.append(program)
+        return original(program, registry)
+    ort_export._with_kilns = spy
+    try:
+        yield calls
+    finally:
+        ort_export._with_kilns = original
+
+
 def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
     """``aten.squeeze.dims`` has no translation in torch's ONNX registry, but the exporter
     decomposes it into operators that have one: ONNX Runtime takes it, so the graph is one
@@ -132,7 +152,9 @@ def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
         def forward(self, x):
             return torch.tanh(x.squeeze((0, 2))) * 2.0 + x.sum()
     x = torch.randn(1, 3, 1, 4)
-    c = kiln.trace(Model(), x, optlevel=1, whole_graph=True, cache=False)
+    with _whole_program_decompositions() as passes:
+        c = kiln.trace(Model(), x, optlevel=1, whole_graph=True, cache=False)
+    assert passes == [], "squeeze.dims is decomposed where it stands, not by re-tracing the partition"
     assert c.report["unsupported_ops"] == [], c.report["unsupported_ops"]
     assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
     assert not [s for s in c.manifest["program"]["steps"] if "op" in s]
@@ -172,7 +194,9 @@ def test_a_convolutions_gradient_runs_on_onnx_runtime_as_convolutions(case):
     w = torch.randn(6, 4 // groups, *[3] * dims, generator=g)
     y = aten.convolution(x, w, None, [stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, groups)
     gy = torch.randn(y.shape, generator=g)
-    c = kiln.trace(Gradient(), (gy, x, w), optlevel=1, whole_graph=True, cache=False)
+    with _whole_program_decompositions() as passes:
+        c = kiln.trace(Gradient(), (gy, x, w), optlevel=1, whole_graph=True, cache=False)
+    assert passes == []          # its tuple of gradients (some None) written in place of the node
     assert c.report["unsupported_ops"] == [], c.report["unsupported_ops"]
     assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
     for args in ((gy, x, w), (torch.randn(gy.shape), torch.randn(x.shape), torch.randn(w.shape))):
@@ -228,9 +252,11 @@ def test_accumulating_index_writes_never_race_on_onnx_runtime(rows):
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(2048, 512, generator=g) * 0.01, torch.randint(0, rows, (2048,), generator=g),
             torch.zeros(rows, 512))
-    c = kiln.trace(Accumulate(), args, engine="onnxruntime", optlevel=1, cache=False, threads=2)
+    with _whole_program_decompositions() as passes:
+        c = kiln.trace(Accumulate(), args, engine="onnxruntime", optlevel=1, cache=False, threads=2)
     host = {u["op"]: u for u in c.report["unsupported_ops"]}           # index_add is an index_put in core ATen
     if rows == 4:
+        assert passes == []          # the one-hot products written where the writes stood
         assert not host and [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"], host
         graph = ort_engine.graph_of(c._artifact.blobs[c.manifest["partitions"][0]["blob"]])
         assert "ScatterND" not in {n.op_type for n in graph.graph.node}

@@ -38,6 +38,7 @@ same ONNX bytes).
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 
 import torch
@@ -47,6 +48,7 @@ _LOCK = threading.Lock()
 
 def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
+    partition = decomposed_locally(partition, registry) or partition
     program = program_of(partition)
     with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once():
         return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
@@ -92,6 +94,86 @@ def program_of(partition):
                                             module_call_graph=_call_graph(signature), constants=constants)
     except Exception:  # noqa: BLE001 - torch's verifier refused it: the exporter traces it instead
         return None
+
+
+def decomposed_locally(partition, registry):
+    """``partition`` with each operator the exporter would decompose first (one its registry
+    lacks, or one of :func:`kiln.engines.ort_decomps.decompose_first`'s) replaced by its
+    decomposition, traced at that node's recorded values and written in its place, in a
+    copy of the graph; None where no node needs it or one cannot be written so.
+
+    The exporter's own pass (``run_decompositions``) re-traces the whole program to
+    decompose a few nodes: a BERT-4L training step's two partitions, one ``squeeze.dims``
+    and two accumulating ``index_put`` among 2,400 nodes, spent 21 of their 39 s of export
+    in it (profiled, 2 cores). With those nodes decomposed here, every node translates as
+    it is and that pass is skipped (:func:`_no_redecomposition`)."""
+    from kiln.engines.ort_decomps import decompose_first
+    nodes = list(partition.graph.nodes)
+    todo = {n for n in nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and (not registry.is_registered(n.target) or decompose_first(n))}
+    if not todo:
+        return None
+    table, graph, env = _friendly_table(registry), torch.fx.Graph(), {}
+    try:
+        for node in nodes:
+            if node in todo:
+                env[node] = _inline(graph, node, env, table)
+            elif node.op == "call_function" and node.target is operator.getitem and isinstance(env[node.args[0]],
+                                                                                                  tuple):
+                env[node] = env[node.args[0]][node.args[1]]
+            else:
+                env[node] = graph.node_copy(node, lambda n: _single(env[n]))
+    except _NotInlined:
+        return None
+    local = torch.fx.GraphModule(partition, graph)
+    return local if _translates_directly(local, registry) else None
+
+
+class _NotInlined(Exception):
+    pass
+
+
+def _single(value):
+    if not isinstance(value, torch.fx.Node):      # a decomposed node's tuple used whole
+        raise _NotInlined
+    return value
+
+
+def _inline(graph, node, env, table):
+    """``node``'s decomposition written into ``graph``: a Node, or a tuple for an operator
+    returning several tensors (None where the decomposition returns None)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    flat, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    given = [a for a in flat if isinstance(a, torch.fx.Node)]
+    vals = [a.meta.get("val") for a in given]
+    if not all(isinstance(v, torch.Tensor) for v in vals) or \
+            not all(isinstance(d, int) for v in vals for d in v.shape):
+        raise _NotInlined
+    fake = detect_fake_mode(vals)
+    if fake is None:
+        raise _NotInlined
+
+    def call(*tensors):
+        it = iter(tensors)
+        args, kwargs = torch.utils._pytree.tree_unflatten(
+            [next(it) if isinstance(a, torch.fx.Node) else a for a in flat], spec)
+        return node.target(*args, **kwargs)
+    try:
+        with fake:
+            sub = make_fx(call, decomposition_table=table)(*vals)
+    except Exception as e:  # noqa: BLE001 - a decomposition that cannot be traced here: the exporter's pass
+        raise _NotInlined from e
+    inner = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], [_single(env[a]) for a in given]))
+    for n in sub.graph.nodes:
+        if n.op == "call_function":
+            inner[n] = graph.node_copy(n, lambda x: inner[x])
+            inner[n].meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+        elif n.op == "output":
+            result = torch.fx.node.map_arg(n.args[0], lambda x: inner[x])
+        elif n.op != "placeholder":          # a constant the trace lifted: not written here
+            raise _NotInlined
+    return tuple(result) if isinstance(result, (list, tuple)) else result
 
 
 def _call_graph(signature) -> list:
@@ -327,8 +409,6 @@ def _signature(a):
 
 
 def _decomposition_translates(target, args, kwargs, table, registry) -> bool:
-    import operator
-
     from torch.fx.experimental.proxy_tensor import make_fx
     tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
 
