@@ -185,9 +185,11 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
                 recorded.append(len(dispatch.current()) - before)
         modes.mark_step()
     modes.wait_compiles()
-    # 8 _foreach_ calls and a multiply (the first step also makes 2 state tensors per parameter)
-    assert recorded[0] <= 20 + 12 and all(n <= 12 for n in recorded[1:]), recorded
-    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 2
+    # 8 _foreach_ calls and a multiply, the first step's included
+    assert all(n <= 12 for n in recorded), recorded
+    # one program for all three steps: the first step's zeros_like (AdamW's state) is made on
+    # the host, an input like the later steps' state, not operations of a first-step program
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 1
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-5, atol=1e-6)
     a = torch.ones(3, device=DEV)

@@ -34,7 +34,7 @@ def _step(x, w, counts, *, branch="a", power=3, slope=0.1, shift=0.0, scale=2):
     else:
         z = torch.sigmoid(h) - h
     z = F.leaky_relu(z, slope).pow(power)
-    off = torch.full_like(h, shift)             # -0.0: the sign is the answer
+    off = torch.zeros_like(h).fill_(shift)      # -0.0: the sign is the answer (a fill's argument)
     loss = (z + off).sum()
     loss.backward()
     ints = counts.pow(scale).sum(0)             # int64 ** 2 stays int64; ** 2.0 is float32
