@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kiln.device import compile_process, metrics, modes
+from kiln.device import trace as device_trace
 from tests.conftest import run_py
 
 DEV = modes.device()
@@ -155,3 +156,31 @@ def test_a_process_that_ends_mid_compile_kills_its_child(tmp_path):
     alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     assert not alive, "the compile process outlived the process that started it"
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_program_runs_in_partitions_first_and_whole_once_it_repeats():
+    """A program ONNX Runtime would split around a host operation (``lgamma``) is built in
+    partitions first (seconds), runs so, and, once it runs again, is built whole on Inductor
+    (``whole_graph``'s engine, a C++ build) and swapped in (``UpgradedIn``); every step's
+    answer equals CPU eager's, before, during and after both swaps. A program run once is
+    never built whole."""
+    modes.set_mode("lazy", optlevel=1, background="auto")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 16, generator=g)
+    wd = w.to(DEV)
+    z = torch.rand(3, 16, generator=g) + 0.5
+    once = z.to(DEV).lgamma().exp()                   # a one-off program
+    modes.mark_step()
+    for i in range(8):
+        x = torch.rand(8, 16, generator=g) + 0.5
+        out = (torch.lgamma(x.to(DEV) @ wd.abs()) * 2).sum(1)
+        modes.mark_step()
+        torch.testing.assert_close(out.cpu(), (torch.lgamma(x @ w.abs()) * 2).sum(1), rtol=1e-5, atol=1e-5)
+        if i in (1, 4):
+            modes.wait_compiles()    # 1: the partitions are in; 4: the whole graph is, asked for at step 2
+    assert metrics.counter_value("SwappedIn") >= 1 and metrics.counter_value("UpgradedIn") == 1, metrics.report()
+    (run,) = [e.run for e in device_trace._programs.values() if e.seen > 2]
+    assert [p["engine"] for p in run.compiled.manifest["partitions"]] == ["inductor"]
+    # the one-off and the step: each built once in partitions, the step once whole
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 3
+    torch.testing.assert_close(once.cpu(), z.lgamma().exp(), rtol=1e-5, atol=1e-6)

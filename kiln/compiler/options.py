@@ -36,8 +36,10 @@ class CompileOptions:
     min_top1: float = 0.99            # top-1 agreement gate, for classifier-shaped outputs
     pipeline_cores: int = 1           # split the graph into this many stages, one per kiln core
     compile_budget: float | None = None   # seconds per graph for measuring builds; None: the level's default
-    whole_graph: bool = False         # when the first engine would leave ops on the host, compile the whole
-                                      # graph on an engine that takes every op (Inductor), if it is installed
+    whole_graph: bool | str = False   # when the first engine would leave ops on the host, compile the whole
+                                      # graph on an engine that takes every op (Inductor), if it is installed;
+                                      # "later": build the partitions now and name that engine in the manifest
+                                      # (``whole_graph_later``), for a caller that builds it whole afterwards
     engine_by: str = "user"           # who set ``engine``: the user, or the phase that chose it
                                       # ("whole_graph", "auto_cast"); only the user's choice is final
 
@@ -164,6 +166,8 @@ def check_supported(opts: CompileOptions):
                                 "activations in float): use quantize_mode='weight_only'")
     if opts.device not in DEVICES:
         raise CompilerArgsError(f"device={opts.device!r}: expected one of {', '.join(DEVICES)}")
+    if opts.whole_graph not in (True, False, "later"):
+        raise CompilerArgsError(f"whole_graph={opts.whole_graph!r}: expected True, False or 'later'")
     if opts.min_partition_size < 1:
         raise CompilerArgsError("min_partition_size must be at least 1")
     if opts.compile_budget is not None:

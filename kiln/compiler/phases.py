@@ -48,6 +48,7 @@ class Plan:
     placement: Placement
     report: AnalysisReport
     precision: dict | None = None    # the auto-cast record for the manifest
+    whole_graph_later: str | None = None   # whole_graph="later": the engine to build the whole graph on
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,11 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
             notes.append("dropout's masks are drawn on the host before the graph runs, the rest stays whole "
                          f"on {engine.name} (kiln.graph.dropout)")
             placement = place(captured.graph_module, engine, opts)
-        whole = _whole_graph_engine(opts, engine, placement)
+        whole, later = _whole_graph_engine(opts, engine, placement), None
+        if whole is not None and opts.whole_graph == "later":
+            notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
+                         f"graph on {whole.name} is due later (whole_graph='later')")
+            later, whole = whole.name, None
         if whole is not None:
             notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; "
                          f"the whole graph goes to {whole.name} (whole_graph)")
@@ -83,7 +88,7 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
     if not placement.partitions:
         rep.notes.append(f"No operator is placed on the {engine.name} engine; the whole model "
                          "runs on the host with PyTorch")
-    return Plan(captured, opts, engine, placement, rep, precision)
+    return Plan(captured, opts, engine, placement, rep, precision, later)
 
 
 def _dropout_splits(opts, engine, placement) -> bool:
@@ -204,6 +209,8 @@ def package(b: Build) -> Artifact:
     }
     if p.precision:
         manifest["precision"] = p.precision
+    if p.whole_graph_later:
+        manifest["whole_graph_later"] = p.whole_graph_later
     speed = measure.summarize(b.partitions)
     if speed:
         manifest["speed_vs_eager"] = speed

@@ -136,10 +136,12 @@ def _build(gm, examples, name, options):
     return _runner(gm, compiled, started, bool(compiled.manifest.get("cache", {}).get("hit")))
 
 
-def build_in_child(gm, examples, name, options):
+def build_in_child(gm, examples, name, options, refused=None):
     """:func:`_build`, the compile done by the compile process
     (:mod:`kiln.device.compile_process`): the training process only loads the result.
-    Its warnings are raised here; its refusals run ``gm`` eagerly with the reason."""
+    Its warnings are raised here; its refusals run ``gm`` eagerly with the reason, or
+    return ``refused(reason)`` where one is given (an upgrade, :func:`upgrade`)."""
+    refused = refused or (lambda why: _eager(gm, name, why))
     from kiln.device import compile_process
     from kiln.runtime.loader import load
     started = time.perf_counter()
@@ -155,14 +157,34 @@ def build_in_child(gm, examples, name, options):
     except compile_process.Unpicklable:         # a graph holding something pickle cannot take
         return _build(gm, examples, name, options)
     except (compile_process.ChildError, KilnError) as e:
-        return _eager(gm, name, str(e))
+        return refused(str(e))
     for category, message in answer["warnings"]:
         category = getattr(builtins, category, None)
         warnings.warn(message, category if isinstance(category, type) and issubclass(category, Warning)
                       else UserWarning, stacklevel=2)
     if compiled is None:
-        return _eager(gm, name, answer["error"])
+        return refused(answer["error"])
     return _runner(gm, compiled, started, answer["hit"])
+
+
+def whole_graph_later(run) -> bool:
+    """Whether ``run`` (a compiled program, :func:`compile_graph`'s) was built in partitions
+    with ``whole_graph="later"`` where the whole graph would go to one engine: the build
+    :func:`upgrade` makes."""
+    compiled = getattr(run, "compiled", None)
+    return compiled is not None and bool(compiled.manifest.get("whole_graph_later"))
+
+
+def upgrade(gm, examples, name, options):
+    """The whole-graph build of a program already running in partitions (``options`` with
+    ``whole_graph=True``), compiled in the compile process; None where it is refused: the
+    partitions keep running, with a warning naming why (and ``UpgradeRefused`` counted)."""
+    def refused(why):
+        metrics.count("UpgradeRefused")
+        warnings.warn(f"kiln: graph '{name}': its whole-graph build was refused ({why}); "
+                      "its partitions keep running", RuntimeWarning, stacklevel=3)
+        return None
+    return build_in_child(gm, examples, name, {**options, "whole_graph": True}, refused)
 
 
 def _warn_misfit(name, misfit):

@@ -269,7 +269,7 @@ def _resolve(a, env):
 
 
 class _Entry:
-    __slots__ = ("seen", "run", "name", "compiling", "failed", "interpreted")
+    __slots__ = ("seen", "run", "name", "compiling", "failed", "interpreted", "later", "upgraded")
 
     def __init__(self, name):
         self.seen = 0
@@ -278,6 +278,8 @@ class _Entry:
         self.compiling = None      # the background compile's thread while it runs
         self.failed = None         # why the background compile failed, until warned about
         self.interpreted = False   # run op by op at least once (a later compiled run is a swap)
+        self.later = None          # (graph, inputs, options) of a whole-graph build still due
+        self.upgraded = False      # that build is in, not yet run
 
 
 _programs: dict = {}           # key -> _Entry
@@ -351,6 +353,11 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
         if entry.interpreted:
             entry.interpreted = False
             metrics.count("SwappedIn")            # compiled in the background, now in use
+        if entry.upgraded:
+            entry.upgraded = False
+            metrics.count("UpgradedIn")           # the whole-graph build, now in use
+        if entry.later is not None and entry.compiling is None:
+            _upgrade_in_background(entry)         # it runs again: worth its whole-graph build
         return [(cell, data) for (_, cell), data in zip(live, run(*inputs))]
     started = time.perf_counter()
     results = trace.interpret(outputs)
@@ -385,17 +392,45 @@ def _compile_in_background(entry, trace, outputs, inputs, policy):
     the tensors these are. Its warnings go through the process's filters as they would
     from the caller; a compile that raises leaves the program running op by op, with a
     warning at its next flush."""
-    from kiln.device.graphs import compile_graph
+    from kiln.device.graphs import compile_graph, whole_graph_later
     gm = trace.graph(outputs)
     examples = [x.clone() for x in inputs]
+    options = dict(policy.options)
+    if options.get("whole_graph", True) is True:
+        options["whole_graph"] = "later"          # partitions first, the whole graph when it repeats
 
     def work():
         try:
             entry.run = compile_graph(gm, examples, name=entry.name, real_inputs=True, in_child=True,
-                                      **policy.options)
+                                      **options)
+            if whole_graph_later(entry.run):
+                entry.later = (gm, examples, {**options, "whole_graph": True})
         except Exception as e:      # noqa: BLE001 - never a crash: the program still runs op by op
             entry.failed = f"{type(e).__name__}: {e}"
             entry.run = _OP_BY_OP
+        finally:
+            entry.compiling = None
+    metrics.count("BackgroundCompile")
+    entry.compiling = _compiler().submit(work)
+    with _programs_lock:
+        _COMPILING.append(entry.compiling)
+
+
+def _upgrade_in_background(entry):
+    """Build a program that runs in partitions (ONNX Runtime's, built in seconds, around
+    operations it leaves on the host) whole on the engine ``whole_graph`` names (Inductor,
+    whose C++ build takes tens of seconds to minutes), and swap it in when it is ready
+    (``UpgradedIn``). Asked for only when the program runs again, so one-off programs
+    are never built twice. A refused build leaves the partitions running, with a warning."""
+    from kiln.device.graphs import upgrade
+    gm, examples, options = entry.later
+    entry.later = None
+
+    def work():
+        try:
+            better = upgrade(gm, examples, entry.name, options)
+            if better is not None:
+                entry.run, entry.upgraded = better, True
         finally:
             entry.compiling = None
     metrics.count("BackgroundCompile")
