@@ -142,6 +142,35 @@ def _whole_program_decompositions():
         ort_export._with_kilns = original
 
 
+def test_whole_graph_later_defers_the_whole_graph_only_where_the_partitions_are_few():
+    """``whole_graph="later"`` (the device's background compiles): a graph split around one
+    host op is planned in its partitions, with the whole-graph engine named for later; one
+    split into more than ``LATER_PARTITIONS`` pieces goes whole at once, as with ``True``
+    (a bf16 BERT step's 33 pieces were built one by one on Inductor otherwise)."""
+    from kiln.compiler import phases
+    from kiln.compiler.driver import make_options
+    from kiln.graph.capture import capture
+    from kiln.progress import Progress
+
+    class Model(torch.nn.Module):
+        def __init__(self, pieces):
+            super().__init__()
+            self.pieces = pieces
+
+        def forward(self, x):
+            for _ in range(self.pieces):
+                x = torch.lgamma(x.relu() + 1.0).tanh() * 2.0 + 1.0
+            return x
+    x = torch.rand(4, 8)
+    for pieces, later in ((1, "inductor"), (phases.LATER_PARTITIONS + 1, None)):
+        p = phases.plan(capture(Model(pieces), x), make_options(whole_graph="later"), Progress(quiet=True))
+        assert p.whole_graph_later == later, (pieces, p.report.notes)
+        assert p.engine.name == ("onnxruntime" if later else "inductor"), (pieces, p.report.notes)
+        assert len(p.placement.partitions) == (pieces + 1 if later else 1), pieces
+    with pytest.raises(kiln.errors.CompilerArgsError, match="whole_graph"):
+        make_options(whole_graph="soon")
+
+
 def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
     """``aten.squeeze.dims`` has no translation in torch's ONNX registry, but the exporter
     decomposes it into operators that have one: ONNX Runtime takes it, so the graph is one

@@ -38,8 +38,9 @@ class CompileOptions:
     compile_budget: float | None = None   # seconds per graph for measuring builds; None: the level's default
     whole_graph: bool | str = False   # when the first engine would leave ops on the host, compile the whole
                                       # graph on an engine that takes every op (Inductor), if it is installed;
-                                      # "later": build the partitions now and name that engine in the manifest
-                                      # (``whole_graph_later``), for a caller that builds it whole afterwards
+                                      # "later": where the partitions are few, build them now and name that
+                                      # engine in the manifest (``whole_graph_later``), for a caller that
+                                      # builds the whole graph afterwards; else as True
     engine_by: str = "user"           # who set ``engine``: the user, or the phase that chose it
                                       # ("whole_graph", "auto_cast"); only the user's choice is final
 

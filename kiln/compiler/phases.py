@@ -74,7 +74,7 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
                          f"on {engine.name} (kiln.graph.dropout)")
             placement = place(captured.graph_module, engine, opts)
         whole, later = _whole_graph_engine(opts, engine, placement), None
-        if whole is not None and opts.whole_graph == "later":
+        if whole is not None and opts.whole_graph == "later" and len(placement.partitions) <= LATER_PARTITIONS:
             notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
                          f"graph on {whole.name} is due later (whole_graph='later')")
             later, whole = whole.name, None
@@ -89,6 +89,13 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
         rep.notes.append(f"No operator is placed on the {engine.name} engine; the whole model "
                          "runs on the host with PyTorch")
     return Plan(captured, opts, engine, placement, rep, precision, later)
+
+
+# whole_graph="later" builds the partitions first only where they are few: each is a build,
+# a check and probes, and the engines after the first may take one (Inductor among them). A
+# bf16 BERT-4L step, which ONNX Runtime splits into 33 pieces around 595 host operations,
+# built them one by one on Inductor (7-10 s each); its whole graph is one build.
+LATER_PARTITIONS = 4
 
 
 def _dropout_splits(opts, engine, placement) -> bool:
