@@ -429,7 +429,7 @@ def _upgrade_in_background(entry):
     def work():
         try:
             better = upgrade(gm, examples, entry.name, options)
-            if better is not None:
+            if getattr(better, "compiled", None) is not None:      # never back to running eagerly
                 entry.run, entry.upgraded = better, True
         finally:
             entry.compiling = None
