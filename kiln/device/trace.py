@@ -410,6 +410,10 @@ def _compile_in_background(entry, trace, outputs, inputs, policy):
             entry.run = _OP_BY_OP
         finally:
             entry.compiling = None
+    _submit(entry, work)
+
+
+def _submit(entry, work):
     metrics.count("BackgroundCompile")
     entry.compiling = _compiler().submit(work)
     with _programs_lock:
@@ -431,12 +435,13 @@ def _upgrade_in_background(entry):
             better = upgrade(gm, examples, entry.name, options)
             if getattr(better, "compiled", None) is not None:      # never back to running eagerly
                 entry.run, entry.upgraded = better, True
+        except Exception as e:      # noqa: BLE001 - the partitions keep running
+            import warnings
+            warnings.warn(f"kiln: {entry.name}: its whole-graph build failed ({type(e).__name__}: {e}); "
+                          "its partitions keep running", RuntimeWarning, stacklevel=2)
         finally:
             entry.compiling = None
-    metrics.count("BackgroundCompile")
-    entry.compiling = _compiler().submit(work)
-    with _programs_lock:
-        _COMPILING.append(entry.compiling)
+    _submit(entry, work)
 
 
 def _compiler():
