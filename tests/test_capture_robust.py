@@ -309,3 +309,38 @@ def test_one_trace_sees_an_operator_registered_after_earlier_captures():
     assert _ops(once) == _ops(twice)
     assert torch._ops.OperatorBase.py_impl is py_impl
     torch.testing.assert_close(once.module()(x), x * 2 + 1)
+
+
+def test_an_aten_graph_is_captured_in_one_make_fx_pass():
+    """A graph that is already ATen (a device step, a torch.compile graph: here a layer
+    norm MLP's forward and backward, traced to ATen) is captured with one ``make_fx`` pass
+    (kiln.graph.aten_graph), not torch.export: the same operations as export's capture,
+    equal answers, and a compile of it equal to eager. A graph with an in-place operation
+    goes through torch.export."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from kiln.graph import aten_graph, capture as capture_mod
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    params = [p.detach() for p in net.parameters()]
+
+    def step(x, *ps):
+        ps = [p.requires_grad_() for p in ps]
+        out = torch.func.functional_call(net, dict(zip([n for n, _ in net.named_parameters()], ps)), (x,))
+        loss = F.log_softmax(out, -1).sum()
+        return (loss, *torch.autograd.grad(loss, ps))
+    x = torch.randn(5, 8)
+    graph = make_fx(step)(x, *params)
+    assert any("backward" in str(n.target) for n in graph.graph.nodes)
+    fast = capture_mod.capture(graph, (x, *params))
+    slow = capture_mod.capture(graph, (x, *params), fast=False)
+    assert fast.exported is None and slow.exported is not None
+    assert _ops(fast.graph_module) == _ops(slow.graph_module)
+    y = torch.randn(5, 8)
+    for a, b in zip(fast.graph_module(y, *params), slow.graph_module(y, *params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    compiled = kiln.trace(graph, (x, *params), optlevel=1, cache=False)
+    for a, b in zip(compiled(y, *params), graph(y, *params)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    def in_place(t):
+        return t.clone().add_(1.0)
+    assert aten_graph.traced(make_fx(in_place)(x), [x], capture_mod.decompositions()) is None

@@ -90,8 +90,11 @@ def record(directory, job, captured, key, fp, url):
     if not os.path.exists(path):
         # The graph travels as a saved ExportedProgram (GraphModules do not pickle with
         # their node metadata); the rest as a torch pickle.
-        write_atomic(os.path.join(directory, f"{key}.pt2"),
-                     lambda f: torch.export.save(captured.exported, f))
+        exported = captured.exported
+        if exported is None:        # an ATen graph traced without torch.export (kiln.graph.aten_graph)
+            from kiln.graph.capture import capture
+            exported = capture(job.model, job.args, job.kwargs, fast=False).exported
+        write_atomic(os.path.join(directory, f"{key}.pt2"), lambda f: torch.export.save(exported, f))
         payload = {"key": key, "fingerprint": fp, "url": url, "compiler_args": job.compiler_args,
                    "options": job.options.to_dict(), "name": job.name, "threads": job.threads,
                    "captured": {k: getattr(captured, k) for k in CAPTURED_FIELDS},

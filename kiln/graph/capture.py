@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import one_trace, randomness
+from kiln.graph import aten_graph, one_trace, randomness
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -159,14 +159,16 @@ class _Positional(torch.nn.Module):
         return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
 
 
-def capture(model, example_inputs, example_kwargs=None, *, decompose=True) -> Captured:
-    """Capture in eval mode (inference graphs), leaving the user's module as it was."""
+def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True) -> Captured:
+    """Capture in eval mode (inference graphs), leaving the user's module as it was.
+    ``fast``: a graph that is already ATen is traced once with ``make_fx``
+    (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None)."""
     was_training = isinstance(model, torch.nn.Module) and model.training
     if was_training:
         model.eval()
     try:
         with _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
-            return _capture(model, example_inputs, example_kwargs, decompose)
+            return _capture(model, example_inputs, example_kwargs, decompose, fast)
     finally:
         if was_training:
             model.train()
@@ -187,7 +189,7 @@ def _stack_traces(record: bool):
         fx_config.do_not_emit_stack_traces = before
 
 
-def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
+def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Captured:
     named = bind_inputs(model, example_inputs, example_kwargs)
     names = list(named)
     n_positional = positional_count(model, names)
@@ -203,6 +205,12 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
         if not s.name:
             out_specs[i] = specs.TensorSpec(f"output{i}", s.shape, s.dtype)
 
+    tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
+    gm = aten_graph.traced(model, list(named.values()), decompositions()) if decompose and fast else None
+    if gm is not None:
+        _reshape_views_of_whole_ops(gm)
+        return _captured(gm, None, model, names, structure, in_specs, out_structure, out_specs, leaves,
+                         out_leaves, tensor_mask, draws)
     module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
     wrapper = _Positional(module, names, n_positional)
     ep = one_trace.export_decomposed(wrapper, tuple(named.values()), decompositions) if decompose else None
@@ -215,8 +223,12 @@ def _capture(model, example_inputs, example_kwargs, decompose) -> Captured:
             raise CaptureError(explain_export_failure(e, _name(model))) from e
         if decompose:
             ep = decompose_program(ep, _name(model))
-    tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
-    gm = graph_module(ep, tensor_mask)
+    return _captured(graph_module(ep, tensor_mask), ep, model, names, structure, in_specs, out_structure,
+                     out_specs, leaves, out_leaves, tensor_mask, draws)
+
+
+def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_specs, leaves, out_leaves,
+              tensor_mask, draws) -> Captured:
     randomness.lay_out_as_eager(gm)      # random ops draw into eager's layout, wherever they run
     graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if len(graph_outputs) != len(out_leaves):
