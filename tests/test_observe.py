@@ -129,13 +129,16 @@ def test_build_log_has_a_line_per_partition_from_every_process(tmp_path, monkeyp
     model = models.WithCustomOp().eval()
     x = torch.randn(2, 8)
     kiln.trace(model, x, optlevel=1)
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    everything = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = [e for e in everything if "partition" in e]
     assert [e["partition"] for e in lines] == ["partition 1/2", "partition 2/2"]
+    (whole,) = [e for e in everything if "graph" in e]           # and one line for the compile's phases
+    assert whole["compile_seconds"] > 0 and {"analyze", "validate"} <= set(whole["phases"]), whole
     assert all(e["model"] == "WithCustomOp" and e["engine"] == "onnxruntime" for e in lines)
     assert lines[0]["candidates"][0]["status"] == "ok" and lines[0]["candidates"][0]["compile_seconds"] > 0
     assert [h["op"] for h in lines[0]["host_ops"]] == ["kilntest::odd_scale"]
     kiln.trace(model, x, optlevel=1)                                # a cache hit: nothing new
-    assert len(log.read_text().splitlines()) == 2
+    assert len(log.read_text().splitlines()) == 3
 
     # a layer norm after GELU at zero tolerance: no engine's rounding is eager's to the bit
     # (Inductor, the fallback engine, as on a machine without its C++ compiler: a 20 s build)

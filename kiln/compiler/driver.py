@@ -26,6 +26,7 @@ from kiln.graph import randomness
 from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
+from kiln.observe import build_log
 from kiln.progress import Progress
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
@@ -125,6 +126,8 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
         check(compiled, plan, samples, progress)
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
+    build_log.record({"model": captured.model_name, "graph": "whole compile",
+                      "compile_seconds": compiled.manifest["compile_seconds"], "phases": compiled.manifest["phases"]})
     return compiled
 
 
