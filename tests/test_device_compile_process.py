@@ -184,3 +184,21 @@ def test_a_program_runs_in_partitions_first_and_whole_once_it_repeats():
     # the one-off and the step: each built once in partitions, the step once whole
     assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 3
     torch.testing.assert_close(once.cpu(), z.lgamma().exp(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_whole_graph_build_takes_over_only_when_it_measured_faster():
+    """At -O2 both builds are timed: the whole graph replaces the partitions only when its
+    time is under theirs (theirs leave out the host operations, so a tie keeps them); an
+    upgrade that came back uncompiled never replaces them; untimed builds (-O1) do."""
+    from types import SimpleNamespace
+
+    from kiln.device import graphs
+
+    def run(ms):
+        manifest = {} if ms is None else {"speed_vs_eager": {"latency_ms": ms}}
+        return SimpleNamespace(compiled=SimpleNamespace(manifest=manifest))
+    assert graphs.faster(run(100.0), run(150.0))
+    assert not graphs.faster(run(150.0), run(150.0)) and not graphs.faster(run(200.0), run(150.0))
+    assert metrics.counter_value("UpgradeSlower") == 2
+    assert not graphs.faster(SimpleNamespace(compiled=None), run(150.0))
+    assert graphs.faster(run(None), run(150.0)) and graphs.faster(run(100.0), run(None))

@@ -187,6 +187,25 @@ def upgrade(gm, examples, name, options):
     return build_in_child(gm, examples, name, {**options, "whole_graph": True}, refused)
 
 
+def faster(new, old) -> bool:
+    """Whether the whole-graph build ``new`` should take over from the partitions ``old``:
+    it was compiled (never back to running eagerly) and, where both were timed (-O2), its
+    measured time is under the partitions' (theirs without the host operations between
+    them, so a tie keeps the partitions). -O2 keeps eager's kernels for a graph Inductor does
+    not run faster, which can be slower than the partitions were: that build is not taken
+    (``UpgradeSlower``)."""
+    compiled = getattr(new, "compiled", None)
+    if compiled is None:
+        return False
+    new_ms = (compiled.manifest.get("speed_vs_eager") or {}).get("latency_ms")
+    old_ms = (getattr(old, "compiled", None).manifest.get("speed_vs_eager") or {}).get("latency_ms") \
+        if getattr(old, "compiled", None) is not None else None
+    if new_ms is None or old_ms is None or new_ms < old_ms:
+        return True
+    metrics.count("UpgradeSlower")
+    return False
+
+
 def _warn_misfit(name, misfit):
     warnings.warn(f"kiln: graph '{name}': the compile cache's entry does not fit it "
                   f"({misfit}); compiling it again", RuntimeWarning, stacklevel=4)

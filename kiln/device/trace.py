@@ -426,14 +426,14 @@ def _upgrade_in_background(entry):
     whose C++ build takes tens of seconds to minutes), and swap it in when it is ready
     (``UpgradedIn``). Asked for only when the program runs again, so one-off programs
     are never built twice. A refused build leaves the partitions running, with a warning."""
-    from kiln.device.graphs import upgrade
+    from kiln.device.graphs import faster, upgrade
     gm, examples, options = entry.later
     entry.later = None
 
     def work():
         try:
             better = upgrade(gm, examples, entry.name, options)
-            if getattr(better, "compiled", None) is not None:      # never back to running eagerly
+            if faster(better, entry.run):
                 entry.run, entry.upgraded = better, True
         except Exception as e:      # noqa: BLE001 - the partitions keep running
             import warnings
