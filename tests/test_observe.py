@@ -133,7 +133,7 @@ def test_build_log_has_a_line_per_partition_from_every_process(tmp_path, monkeyp
     lines = [e for e in everything if "partition" in e]
     assert [e["partition"] for e in lines] == ["partition 1/2", "partition 2/2"]
     (whole,) = [e for e in everything if "graph" in e]           # and one line for the compile's phases
-    assert whole["compile_seconds"] > 0 and {"analyze", "validate"} <= set(whole["phases"]), whole
+    assert whole["compile_seconds"] > 0 and {"capture", "analyze", "validate"} <= set(whole["phases"]), whole
     assert all(e["model"] == "WithCustomOp" and e["engine"] == "onnxruntime" for e in lines)
     assert lines[0]["candidates"][0]["status"] == "ok" and lines[0]["candidates"][0]["compile_seconds"] > 0
     assert [h["op"] for h in lines[0]["host_ops"]] == ["kilntest::odd_scale"]

@@ -15,6 +15,7 @@ from the cache, as its original class (``except CompileError`` still catches it)
 from __future__ import annotations
 
 import logging
+import time
 
 from kiln._version import __version__
 from kiln.artifact import trust
@@ -55,8 +56,10 @@ class CacheHook:
             if hit is not None:
                 store.count("alias_hits")
                 return hit
+        started = time.perf_counter()
         with progress.phase("capture"):
             captured = capture_for(job.model, job.args, job.kwargs)
+        captured.capture_seconds = time.perf_counter() - started     # this compile's phases include it
         key = keys.graph_key(captured, job.options, extra)
         hit = from_cache(key)
         if hit is None:

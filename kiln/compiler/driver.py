@@ -91,7 +91,9 @@ def compile_graph(model, example_inputs, example_kwargs, opts: CompileOptions, *
                   captured: Captured | None = None) -> CompiledModel:
     """Compile one graph at one set of shapes (``kiln.trace`` without shape adapters)."""
     progress = progress or Progress()
-    progress.timings = {}
+    # a capture made for this compile by the caller's hook (the cache keys by it) is its phase too
+    progress.timings = {} if getattr(captured, "capture_seconds", None) is None else \
+        {"capture": captured.capture_seconds}
     progress.label = f"kiln {label}" if label else "kiln"
     started = time.perf_counter()
     if captured is None:

@@ -44,6 +44,7 @@ class Captured:
     exported: object = None              # the ExportedProgram (decomposed) the graph came from
     tensor_mask: list | None = None      # which pytree input leaves are tensors
     draws: object = None                 # randomness.Draws before eager_outputs were computed
+    capture_seconds: float | None = None  # set by a caller that captured it for a compile (the cache's hook)
 
 
 def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
