@@ -107,10 +107,8 @@ def decomposed_locally(partition, registry):
     and two accumulating ``index_put`` among 2,400 nodes, spent 21 of their 39 s of export
     in it (profiled, 2 cores). With those nodes decomposed here, every node translates as
     it is and that pass is skipped (:func:`_no_redecomposition`)."""
-    from kiln.engines.ort_decomps import decompose_first
     nodes = list(partition.graph.nodes)
-    todo = {n for n in nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and (not registry.is_registered(n.target) or decompose_first(n))}
+    todo = {n for n in nodes if _needs_decomposition(n, registry)}
     if not todo:
         return None
     table, graph, env = _friendly_table(registry), torch.fx.Graph(), {}
@@ -303,13 +301,16 @@ def _signatures_once():
         schemas.OpSignature.from_op_schema = original
 
 
-def _translates_directly(partition, registry) -> bool:
+def _needs_decomposition(node, registry) -> bool:
+    """Whether the exporter must decompose ``node`` before translating it: its registry lacks
+    the operator, or kiln decomposes it first (:func:`kiln.engines.ort_decomps.decompose_first`)."""
     from kiln.engines.ort_decomps import decompose_first
-    for node in partition.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if not registry.is_registered(node.target) or decompose_first(node):
-                return False
-    return True
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+        (not registry.is_registered(node.target) or decompose_first(node))
+
+
+def _translates_directly(partition, registry) -> bool:
+    return not any(_needs_decomposition(node, registry) for node in partition.graph.nodes)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ the same graph (the same operations, counted one by one on that step) in about a
 of the time (22 s against 86 s, measured side by side on a loaded machine).
 
 :func:`traced` takes only what that holds for: a ``GraphModule`` of ATen operator overloads
-with no mutating schema, called with tensors; anything else (a user's module, an in-place
+with no mutating schema, called with tensors, and none that capture keeps whole although
+``make_fx`` would decompose it (a composite operator left out of the table:
+``scaled_dot_product_attention``, ``KEEP_WHOLE``); anything else (a user's module, an in-place
 operation, a Python callable in the graph) returns None and goes through ``torch.export``.
 What comes out is checked against eager PyTorch like every capture's compile.
 """
@@ -34,6 +36,9 @@ def traced(model, values: list, table):
                 continue
             if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
                 return None
+            if node.target not in table and torch._C._dispatch_has_kernel_for_dispatch_key(
+                    node.target.name(), "CompositeImplicitAutograd"):
+                return None     # make_fx would decompose it; capture keeps it (scaled_dot_product_attention)
         elif node.op not in ("placeholder", "get_attr", "output"):
             return None
     from torch._subclasses.fake_tensor import FakeTensorMode
