@@ -177,17 +177,22 @@ def _timed(step, warmup, steps, compiles, kiln_device=False) -> dict:
             "compiles_after_warmup": compiles() - before, "page_faults_per_step": faults, "losses": losses}
 
 
+KEEP_STEPPING = False       # --keep-stepping: set in the runner's process
+
+
 def _until_compiled(step, i, started, marks, limit=1800.0) -> list:
     """Wait for the device's background compiles, step, and again, until a step runs compiled
     and asks for nothing more: ``compiled_after_s`` is the end of the first step run compiled
     (its partitions), ``whole_after_s`` of the first run whole, where a program was split
     and then built whole (seconds from the first step's start). The compiles have the machine
     to themselves, as they had before 11-28 (``warmup_s``); a user who goes on stepping meanwhile
-    shares the cores with them (2 cores: each compile took 3-4x as long)."""
+    shares the cores with them (2 cores: each compile took 3-4x as long); ``--keep-stepping``
+    measures that: the steps go on, op by op, while the programs compile."""
     from kiln.device import metrics, modes
-    losses = []
+    losses, idle = [], 0
     while time.perf_counter() - started < limit:
-        modes.wait_compiles()
+        if not KEEP_STEPPING:
+            modes.wait_compiles()
         losses.append(step(i))
         i += 1
         now = time.perf_counter() - started
@@ -195,7 +200,11 @@ def _until_compiled(step, i, started, marks, limit=1800.0) -> list:
             marks.setdefault("compiled_after_s", now)
         if metrics.counter_value("UpgradedIn"):
             marks.setdefault("whole_after_s", now)
-        if modes.wait_compiles(timeout=0):      # the step asked for no compile (or one failed)
+        # done when a step finds nothing compiling (or a compile failed) twice in a row: a
+        # compile that ended during the last step is taken up by the next, which may ask for
+        # another (the whole graph)
+        idle = idle + 1 if modes.wait_compiles(timeout=0) else 0
+        if idle == 2:
             break
     marks["steps_to_compiled"] = i
     return losses
@@ -347,6 +356,8 @@ def _in_child(key, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, os.path.abspath(__file__), "--one", key, "--json", out.name,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(args.threads)]
+        if args.keep_stepping:
+            cmd.append("--keep-stepping")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["exit code %d" % proc.returncode]
@@ -356,6 +367,8 @@ def _in_child(key, args) -> dict:
 
 
 def _child(args) -> int:
+    global KEEP_STEPPING
+    KEEP_STEPPING = args.keep_stepping
     warnings.simplefilter("ignore")
     if not args.one.endswith("/torch-xla"):       # torch_xla's interpreter has no kiln
         from kiln.device import modes
@@ -388,6 +401,9 @@ def main(argv=None):
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "train.json"))
     p.add_argument("--torch-xla-python", help="an interpreter whose environment has torch-xla and transformers "
                                               "(default: TORCH_XLA_PYTHON, or this one if it has torch_xla)")
+    p.add_argument("--keep-stepping", action="store_true",
+                   help="kiln's device runners step on while their programs compile, as a training "
+                        "loop does, instead of waiting for each compile (the compiles then share the cores)")
     p.add_argument("--one", help=argparse.SUPPRESS)     # model/precision/runner, in a child process
     args = p.parse_args(argv)
     if args.one:

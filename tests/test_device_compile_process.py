@@ -202,3 +202,21 @@ def test_a_whole_graph_build_takes_over_only_when_it_measured_faster():
     assert metrics.counter_value("UpgradeSlower") == 2
     assert not graphs.faster(SimpleNamespace(compiled=None), run(150.0))
     assert graphs.faster(run(None), run(150.0)) and graphs.faster(run(100.0), run(None))
+
+
+def test_the_compile_process_threads_yield_instead_of_spinning(monkeypatch):
+    from kiln.engines import onnxruntime as ort_engine
+    from kiln.runtime import options
+    monkeypatch.setattr(options, "_SPIN", [True])
+    assert options.RuntimeOptions().spin
+    options.yield_threads()
+    assert not options.RuntimeOptions().spin
+    assert options.RuntimeOptions(spin=True).spin          # a caller's own choice stands
+    so = ort_engine._session_options(options.RuntimeOptions())
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # and the child itself: OpenMP's threads sleep when idle unless the user said otherwise
+    torch.manual_seed(0)
+    _train(Probe().to(DEV), 2, DEV)
+    child = compile_process.shared()._proc
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert psutil.Process(child.pid).environ().get("OMP_WAIT_POLICY") == expected

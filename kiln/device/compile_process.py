@@ -23,6 +23,13 @@ travels, all in a private temporary directory (mode 0700) removed at exit:
   trusted as far as one compiled in-process is), and a JSON line on the child's stdout
   saying how it went (a cache hit, the warnings it raised, or the error).
 
+The child shares the cores with the training loop, which may step on while it compiles:
+its threads yield when idle instead of busy-waiting (OpenMP's ``OMP_WAIT_POLICY=PASSIVE``,
+unless the user set it, and the engines' own pools: :func:`kiln.runtime.options.yield_threads`).
+With them spinning, two threads on the one core the loop left free made a BERT-4L step's
+NaN probes and timings 5-10x as long: its partitions took 183 s to compile against 37-39 s
+(11-29, 2 cores, ``benchmarks/train.py --keep-stepping``).
+
 The child compiles one program at a time, as the compile thread did. At exit the child is
 killed, not waited for: the compile cache's writes are atomic, so a compile cut short
 leaves no entry, and the next run compiles that program again. A child that dies (killed,
@@ -107,6 +114,9 @@ class CompileProcess:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # kiln's parent
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        # it shares the cores with a training loop that may step on: its OpenMP threads
+        # sleep when idle instead of spinning (read once, at start; a user's setting stands)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with open(self._log(), "wb") as log:
             self._proc = subprocess.Popen([sys.executable, "-m", "kiln.device.compile_process", self._dir],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
@@ -169,6 +179,8 @@ def _serve(directory: str) -> int:
     sys.stdout = sys.stderr
     from kiln.compiler.api import trace
     from kiln.errors import KilnError
+    from kiln.runtime.options import yield_threads
+    yield_threads()          # the engines' threads too (see _start)
     for line in sys.stdin.buffer:
         n = int(line)
         with open(os.path.join(directory, f"request-{n}.pkl"), "rb") as f:
