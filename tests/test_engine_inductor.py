@@ -187,3 +187,26 @@ def test_op_without_c_shim_runs_through_torch_loader():
     with ThreadPoolExecutor(4) as pool:
         for x2, y in zip(xs, pool.map(loaded, xs)):
             assert_close(y, model(x2), **TOL)
+
+
+def test_the_wrapper_is_built_without_aotinductors_per_input_checks(mlp):
+    """kiln checks inputs itself, so AOTInductor's check_input_N functions (run only under
+    AOTI_RUNTIME_CHECK_INPUTS) are left out of the wrapper it compiles; torch's code
+    generator is unchanged outside kiln's compile."""
+    import io
+    import zipfile
+
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    from kiln.engines.inductor_lean import _without_checks
+    model, x, compiled = mlp
+    blob = compiled._artifact.blobs[compiled.manifest["partitions"][0]["blob"]]
+    with zipfile.ZipFile(io.BytesIO(bytes(blob))) as z:
+        wrapper = next(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    assert "check_input_0" not in wrapper
+    assert "__check_inputs_outputs(input_handles, output_handles)" in wrapper     # called, empty
+    assert "_check_aoti_runtime_check_inputs_env()" in wrapper
+    assert CppWrapperCpu.generate_input_output_runtime_checks is not _without_checks
+    with pytest.raises(kiln.InputError):                 # kiln's own check still refuses
+        compiled(torch.randn(3, 3))
+    assert_close(compiled(x), model(x).detach(), **TOL)

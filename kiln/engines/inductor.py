@@ -53,7 +53,9 @@ Choices, and why:
 
 Most of a compile is g++ building the C++ wrapper (8-10 s of CPU per
 partition, whatever its size), so models that split into many partitions
-compile slowly.
+compile slowly. The wrapper is built without AOTInductor's per-input check
+functions, which only run under ``AOTI_RUNTIME_CHECK_INPUTS`` and which kiln's
+own input checks make dead code (:mod:`kiln.engines.inductor_lean`).
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ import torch
 from kiln.errors import ArtifactError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 from kiln.engines.base import Engine
+from kiln.engines.inductor_lean import without_input_checks
 from kiln.engines.openmp import openmp_runtime
 from kiln.host.cores import available_cpus
 
@@ -195,7 +198,8 @@ def _generic_isa() -> dict:
 def _compile(partition, example_inputs, configs, device) -> bytes:
     inputs = tuple(_contiguous(t).to(device) for t in example_inputs)
     module = partition if device.type == "cpu" else _moved(partition, device)
-    with torch.no_grad(), quiet(_LOGGERS), tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp:
+    with torch.no_grad(), quiet(_LOGGERS), tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp, \
+            without_input_checks():
         program = torch.export.export(module, inputs, strict=False)
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=os.path.join(tmp, "partition.pt2"), inductor_configs=configs)
