@@ -27,7 +27,7 @@ The child shares the cores with the training loop, which may step on while it co
 its threads yield when idle instead of busy-waiting (OpenMP's ``OMP_WAIT_POLICY=PASSIVE``,
 unless the user set it, and the engines' own pools: :func:`kiln.runtime.options.yield_threads`).
 With them spinning, two threads on the one core the loop left free made a BERT-4L step's
-NaN probes and timings 5-10x as long: its partitions took 183 s to compile against 37-39 s
+NaN probes and timings 5-10x as long: its partitions took 183 s to compile against 39 s
 (11-29, 2 cores, ``benchmarks/train.py --keep-stepping``).
 
 The child compiles one program at a time, as the compile thread did. At exit the child is

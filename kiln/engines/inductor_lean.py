@@ -14,6 +14,8 @@ While kiln compiles, the wrapper is generated without them: ``__check_inputs_out
 code tests, ``_check_aoti_runtime_check_inputs_env``, is kept as torch writes it. This
 swaps a method of torch 2.13's code generator (``CppWrapperCpu``, whose GPU wrapper
 inherits it) for the length of the compile; a torch without that method compiles as is.
+The swap is process-wide: an AOTInductor build another thread makes meanwhile (a user's
+own) is generated without the checks too.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def without_input_checks():
     except ImportError:
         yield
         return
-    if not hasattr(CppWrapperCpu, "generate_input_output_runtime_checks"):
+    if "generate_input_output_runtime_checks" not in CppWrapperCpu.__dict__:
         yield
         return
     with _lock:

@@ -12,7 +12,7 @@ from kiln import config
 # Whether engine threads may busy-wait by default. A process that shares the cores with
 # another that keeps them busy (the device's compile process beside a training loop that
 # steps on: kiln.device.compile_process) turns it off: there, two threads spinning on one
-# free core made its NaN probes and timings 5-10x as long (BERT-4L: 183 s against 37-39 s).
+# free core made its NaN probes and timings 5-10x as long (BERT-4L: 183 s against 39 s).
 _SPIN = [True]
 
 
