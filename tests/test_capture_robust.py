@@ -343,7 +343,7 @@ def test_an_aten_graph_is_captured_in_one_make_fx_pass():
 
     def in_place(t):
         return t.clone().add_(1.0)
-    assert aten_graph.traced(make_fx(in_place)(x), [x], capture_mod.decompositions()) is None
+    assert aten_graph.traced(make_fx(in_place)(x), [x], capture_mod.decompositions) is None
     # an operator capture keeps whole (KEEP_WHOLE), which make_fx would decompose: export's path
     q = torch.randn(1, 2, 4, 8)
     attention = make_fx(lambda t: torch.ops.aten.scaled_dot_product_attention.default(t, t, t),

@@ -197,9 +197,9 @@ def faster(new, old) -> bool:
     compiled = getattr(new, "compiled", None)
     if compiled is None:
         return False
-    new_ms = (compiled.manifest.get("speed_vs_eager") or {}).get("latency_ms")
-    old_ms = (getattr(old, "compiled", None).manifest.get("speed_vs_eager") or {}).get("latency_ms") \
-        if getattr(old, "compiled", None) is not None else None
+    def timed_ms(c):
+        return (c.manifest.get("speed_vs_eager") or {}).get("latency_ms") if c is not None else None
+    new_ms, old_ms = timed_ms(compiled), timed_ms(getattr(old, "compiled", None))
     if new_ms is None or old_ms is None or new_ms < old_ms:
         return True
     metrics.count("UpgradeSlower")

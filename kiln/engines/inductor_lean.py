@@ -21,7 +21,8 @@ own) is generated without the checks too.
 from __future__ import annotations
 
 import contextlib
-import threading
+
+from kiln.swap import Swap
 
 _CHECKS_OFF = """
     static bool _check_aoti_runtime_check_inputs_env() {
@@ -37,34 +38,20 @@ _CHECKS_OFF = """
     }
 """
 
-_lock = threading.Lock()         # one swap at a time: compiles on two threads nest safely
-_depth = [0, None]               # open contexts, and the method they replaced
-
 
 def _without_checks(self):
     self.prefix.splice_aot(_CHECKS_OFF)
 
 
-@contextlib.contextmanager
+_SWAP = Swap(lambda original: _without_checks)
+
+
 def without_input_checks():
     """Generate AOTInductor wrappers without per-input check functions inside."""
     try:
         from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     except ImportError:
-        yield
-        return
+        return contextlib.nullcontext()
     if "generate_input_output_runtime_checks" not in CppWrapperCpu.__dict__:
-        yield
-        return
-    with _lock:
-        if _depth[0] == 0:
-            _depth[1] = CppWrapperCpu.__dict__["generate_input_output_runtime_checks"]
-            CppWrapperCpu.generate_input_output_runtime_checks = _without_checks
-        _depth[0] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth[0] -= 1
-            if _depth[0] == 0:
-                CppWrapperCpu.generate_input_output_runtime_checks = _depth[1]
+        return contextlib.nullcontext()
+    return _SWAP.held(CppWrapperCpu, "generate_input_output_runtime_checks")

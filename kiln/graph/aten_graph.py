@@ -24,23 +24,27 @@ import torch
 import torch.utils._pytree as pytree
 
 
-def traced(model, values: list, table):
-    """``model`` (an ATen ``GraphModule``) decomposed with ``table`` on fake copies of
-    ``values``, in kiln's plain convention (flat tensors in and out); None where it does not
-    qualify or the trace fails."""
+def traced(model, values: list, decompositions):
+    """``model`` (an ATen ``GraphModule``) decomposed with the table ``decompositions()``
+    makes, on fake copies of ``values``, in kiln's plain convention (flat tensors in and
+    out); None where it does not qualify or the trace fails. The table is made only for a
+    graph that qualifies: most captures are of a user's module."""
     if not isinstance(model, torch.fx.GraphModule) or not all(isinstance(v, torch.Tensor) for v in values):
         return None
+    ops = set()
     for node in model.graph.nodes:
         if node.op == "call_function":
             if node.target is operator.getitem:
                 continue
             if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
                 return None
-            if node.target not in table and torch._C._dispatch_has_kernel_for_dispatch_key(
-                    node.target.name(), "CompositeImplicitAutograd"):
-                return None     # make_fx would decompose it; capture keeps it (scaled_dot_product_attention)
+            ops.add(node.target)
         elif node.op not in ("placeholder", "get_attr", "output"):
             return None
+    table = decompositions()
+    if any(op not in table and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+           for op in ops):
+        return None     # make_fx would decompose it; capture keeps it (scaled_dot_product_attention)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     mode = FakeTensorMode(allow_non_fake_inputs=True)

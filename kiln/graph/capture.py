@@ -207,7 +207,7 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
             out_specs[i] = specs.TensorSpec(f"output{i}", s.shape, s.dtype)
 
     tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
-    gm = aten_graph.traced(model, list(named.values()), decompositions()) if decompose and fast else None
+    gm = aten_graph.traced(model, list(named.values()), decompositions) if decompose and fast else None
     if gm is not None:
         _reshape_views_of_whole_ops(gm)
         return _captured(gm, None, model, names, structure, in_specs, out_structure, out_specs, leaves,

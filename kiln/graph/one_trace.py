@@ -8,7 +8,6 @@ the one trace instead, which is what ``run_decompositions`` itself does on its r
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 
@@ -16,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from kiln.swap import Swap
 
 _ONE_PASS = threading.local()
 _SPLITS: dict = {}          # (table function, registered operators) -> (CIA table, Python table)
@@ -107,29 +107,14 @@ def _split(table) -> tuple:
     return cia, dict(python_table)       # the tracer's own copy of the Python table
 
 
-@contextlib.contextmanager
 def _plain_py_impl():
     """While torch applies the CIA table, ``OperatorBase.py_impl`` for a dispatch key does
     what torch's does (register the kernel, clear the dispatch cache) without its inner
     function's annotations, which Python 3.11 evaluates on each call: torch's override makes
     11,210 such calls a trace, and building those typing aliases was ~70 % of its 0.1-0.5 s
-    a capture under cProfile. Other keys (modes, transforms) go to torch's."""
-    base = torch._ops.OperatorBase
-    with _SPLITS_LOCK:           # threads tracing at once: torch's is restored by the last out
-        if _PLAIN[0] == 0:
-            _PLAIN[1] = base.py_impl
-            base.py_impl = _plain_for(_PLAIN[1])
-        _PLAIN[0] += 1
-    try:
-        yield
-    finally:
-        with _SPLITS_LOCK:
-            _PLAIN[0] -= 1
-            if _PLAIN[0] == 0:
-                base.py_impl = _PLAIN[1]
-
-
-_PLAIN = [0, None]          # [traces inside _plain_py_impl, torch's py_impl]
+    a capture under cProfile. Other keys (modes, transforms) go to torch's. Threads tracing
+    at once: torch's is put back by the last one out."""
+    return _PLAIN.held(torch._ops.OperatorBase, "py_impl")
 
 
 def _plain_for(original):
@@ -147,3 +132,6 @@ def _plain_for(original):
             return fn
         return inner
     return py_impl
+
+
+_PLAIN = Swap(_plain_for)        # torch's py_impl while a capture traces
