@@ -319,6 +319,25 @@ def test_wrong_input_shape_and_dtype(mlp_artifact):
         m()
 
 
+def test_bare_tensors_skip_the_structure_walk_and_are_checked_the_same(mlp_artifact):
+    """Bare tensors given in order are the flat inputs themselves (an LLM decode step's 63);
+    arrays, tensor subclasses and keywords take the structure walk; every call is checked
+    alike, a tensor on another device included."""
+    path, model, x = mlp_artifact
+    m = kiln.load(path)
+    assert m._plain == 1
+    flat = m.flatten((x,), {})
+    assert len(flat) == 1 and flat[0] is x
+    want = model(x).detach()
+    for given in ((x,), (x.numpy(),), (torch.nn.Parameter(x.clone(), requires_grad=False),)):
+        assert_close(m(*given), want)
+    assert_close(m(x=x), want)
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected a CPU tensor, got one on meta"):
+        m(torch.empty(2, 16, device="meta"))
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(2, 16\) float32, got \(2, 16\) float64"):
+        m(x.double())
+
+
 def test_refused_non_finite_values_are_found_and_huge_finite_ones_pass(mlp_artifact):
     """A model that refuses NaN and infinities (an engine found at compile time to answer
     them differently) first sums each input: finite values whose sum overflows still pass,

@@ -192,6 +192,17 @@ def _from_numpy(array, path, expected):
                          f"dtype {array.dtype}, which has no torch equivalent") from None
 
 
+def positional_tensors(structure, names) -> int | None:
+    """The number of inputs when every one is a bare tensor that a call may give positionally,
+    in order (flattening such a call is the identity: the runtime skips the walk), else None.
+    With a ``*args`` in the model, names after its last entry are keyword-only."""
+    entries, names = structure.get("dict", []), list(names)
+    star = [i for i, n in enumerate(names) if n.endswith("]") and "[" in n]
+    if [n for n, _ in entries] != names or (star and star[-1] != len(names) - 1):
+        return None
+    return len(names) if all(set(st) == {"t"} for _, st in entries) else None
+
+
 def flatten_inputs(structure, values, path, out, specs=None):
     """Flatten call-time ``values`` following the traced ``structure``, checking it matches.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -21,16 +22,9 @@ from concurrent.futures import Future
 import torch
 
 from kiln import engines
-
+from kiln.artifact import schema, specs, trust
 from kiln.host import cores, memory
-
 from kiln.observe import profiler
-
-from kiln.artifact import schema
-
-from kiln.artifact import specs
-
-from kiln.artifact import trust
 from kiln.runtime import program as program_mod
 from kiln.observe import announce_model
 from kiln.observe.metrics import ModelMetrics
@@ -54,6 +48,7 @@ class Model(torch.nn.Module):
 
     _async_worker = None
     core = None
+    _plain = None       # CompiledModel.flatten's fast path: the input count, when it applies
     # Non-finite values ("nan", "+inf", "-inf") an engine of this model was found at compile
     # time to answer differently from PyTorch (select.nonfinite_probe): refused in inputs.
     nonfinite: frozenset = frozenset()
@@ -212,6 +207,9 @@ class CompiledModel(Model):
         self.output_structure = m["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in m["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
+        # what a call that passed the checks hands over, for the metrics (shapes are static)
+        self._in_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self._checks)
+        self._plain = specs.positional_tensors(self.input_structure, self.arg_names)
         self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
         # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
         self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
@@ -269,6 +267,9 @@ class CompiledModel(Model):
 
     # -- calling ----------------------------------------------------------------
     def flatten(self, args, kwargs) -> list:
+        if self._plain is not None and not kwargs and len(args) == self._plain \
+                and all(type(a) is torch.Tensor for a in args):
+            return list(args)       # every input a bare tensor, given in order (an LLM step's 63)
         names = self.arg_names
         # ``*args`` entries are named ``args[0]``, ``args[1]``...; names after the last one
         # are keyword-only (or **kwargs) in the model and are not taken positionally.
@@ -299,6 +300,10 @@ class CompiledModel(Model):
     def check(self, flat):
         if len(flat) != len(self._checks):
             raise InputError(f"expected {len(self._checks)} input tensors, got {len(flat)}")
+        if all(t.shape == shape and t.dtype == dtype and t.is_cpu
+               for t, (_, shape, dtype) in zip(flat, self._checks)):
+            self._check_nonfinite(flat)     # the common case, without a device object per input
+            return
         for t, (name, shape, dtype) in zip(flat, self._checks):
             if t.shape != shape or t.dtype != dtype:
                 raise InputError(
@@ -411,7 +416,7 @@ class CompiledModel(Model):
             self.metrics.record_failure()
             raise
         end = time.perf_counter()
-        self.metrics.record_call(end - start, flat, outs, device, host)
+        self.metrics.record_call(end - start, self._in_bytes, outs, device, host)
         if rec is not None:
             core = self.core.id if self.core is not None else None
             rec.span(f"{self.name}", "call", start, end, {"core": core, "model": self.name})

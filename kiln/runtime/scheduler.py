@@ -138,6 +138,7 @@ class Scheduler:
                                  f"cache has {sorted(self.decode)}")
             self.graphs[int(window)] = (dict(sorted(steps.items())), chunk_step)
         self.cache = KVCache(tuple(cache_shape), windows=self.graphs)
+        self._step_inputs: dict = {}    # rows -> a decode step's (tokens, positions) buffers
         self.window_steps: dict = {}  # window -> decode steps run in it
         self.slots: list = [None] * cache_shape[1]
         self.waiting: collections.deque = collections.deque()
@@ -338,10 +339,14 @@ class Scheduler:
         rows = next(b for b in self.decode if b >= used)
         # a row still prefilling rides along: its token and new keys are ignored
         running = [(slot, r) for slot, r in enumerate(self.slots[:rows]) if r is not None and not r.prefilling]
-        tokens = torch.zeros(rows, 1, dtype=torch.int64)
+        # the step's tokens and positions go in buffers kept per row count: the same memory at
+        # every step, which an engine keeps bound (kiln.engines.onnxruntime.OrtRunner)
+        tokens, positions = self._step_inputs.get(rows) or self._step_inputs.setdefault(
+            rows, (torch.zeros(rows, 1, dtype=torch.int64), torch.zeros(rows, 1, dtype=torch.int64)))
+        tokens.zero_()
         for slot, r in running:
             tokens[slot, 0] = r.tokens[-1]
-        positions = self.cache.lengths[:rows].unsqueeze(1).clone()
+        positions.copy_(self.cache.lengths[:rows].unsqueeze(1))
         window = self.cache.window
         try:
             with torch.no_grad():
