@@ -158,14 +158,18 @@ def _timed(step, warmup, steps, compiles, kiln_device=False) -> dict:
     losses = [step(0)]
     first = time.perf_counter() - started
     losses += [step(i) for i in range(1, warmup)]
-    marks = {}
+    marks, start = {}, warmup
     if kiln_device:                       # programs compile in the background: timed steps run them
-        losses += _until_compiled(step, warmup, started, marks)
+        more = _until_compiled(step, warmup, started, marks)
+        losses += more
+        start += len(more)
     warm = time.perf_counter() - started
     before = compiles()
     faults = _minor_faults()
     times = []
-    for i in range(warmup, warmup + steps):
+    # the steps go on from where the warm-up stopped: step i is the same batch, the same model
+    # state and the same dropout draws in every runner, so the losses compare step by step
+    for i in range(start, start + steps):
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
