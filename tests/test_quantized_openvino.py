@@ -11,6 +11,7 @@ import kiln
 from kiln import engines
 from kiln.compiler import selection
 from kiln.compiler.options import CompileOptions
+from kiln.host import target as host_target
 
 pytest.importorskip("openvino")
 
@@ -186,3 +187,81 @@ def test_int64_arithmetic_stays_off_openvino_on_the_onnx_road_too():
     assert p["engine"] == "onnxruntime"
     (refused,) = [c for c in p["candidates"] if c["engine"] == "openvino"]
     assert refused["status"] == "failed" and "int64 arithmetic" in refused["note"]
+
+
+def _int4_onnx(weight):
+    """A one-product ONNX model with kiln's int4 blocks (ort_int4: MatMulNBits plus the
+    offset product), as ONNX Runtime's engine writes them."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from kiln.engines import ort_int4
+    k, n = weight.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, k])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, n])],
+        [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert ort_int4.apply(model, ["mm"], 4) == []
+    return model
+
+
+def test_offset_products_fold_into_float_zero_points_for_openvino():
+    """OpenVINO gets each block-with-a-minimum product as one MatMulNBits with float zero
+    points (kiln.engines.ov_zero_points): the weights it stands for are the blocks' own to
+    float32 rounding, the block sums and offset products are gone, and a block whose scale
+    is 0 (no zero point can stand for it) is left as two products."""
+    import numpy as np
+    from onnx import numpy_helper
+    from kiln.engines import ort_int4, ov_zero_points
+    weight = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+    model = _int4_onnx(weight)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    want = ort_int4.dequantized(inits["mm/kiln_int4/q"], inits["mm/kiln_int4/scales"], inits["mm/kiln_int4/offsets"])
+    assert ov_zero_points.fold(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == ["MatMulNBits"] and list(model.graph.node[0].output) == ["y"], ops
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    packed, scales = inits["mm/kiln_int4/q"], inits["mm/kiln_int4/scales"]
+    zero = inits["mm/kiln_int4/kiln_zero_points"].reshape(scales.shape)
+    u = np.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:2], 32).astype(np.float32)
+    got = (scales[..., None] * (u - zero[..., None])).reshape(48, 64).T
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert "mm/kiln_int4/offsets" not in inits
+    # a zero scale: left as it was
+    model = _int4_onnx(weight)
+    scales = next(i for i in model.graph.initializer if i.name == "mm/kiln_int4/scales")
+    values = numpy_helper.to_array(scales).copy()
+    values.flat[3] = 0.0
+    scales.CopyFrom(numpy_helper.from_array(values, scales.name))
+    assert ov_zero_points.fold(model) == 0
+    assert [n.op_type for n in model.graph.node].count("MatMulNBits") == 1 and len(model.graph.node) == 5
+
+
+def _fully_connected(compiled):
+    import collections
+    runner = compiled.program.partitions[0]
+    ops = collections.Counter(op.get_rt_info()["layerType"].astype(str)
+                              for op in runner.compiled.get_runtime_model().get_ops())
+    return sum(n for op, n in ops.items() if op.startswith("FullyConnected")), ops
+
+
+@pytest.mark.skipif(not host_target.native("bf16"),
+                    reason="OpenVINO computes bf16 natively only on CPUs with bf16 instructions")
+def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds):
+    """In bf16 the Wide model's two products reach OpenVINO's CPU plugin as two compressed
+    FullyConnected operations, not three: its widest stays int8 in symmetric groups (as an
+    LLM's output projection does), the other is int4 with a minimum per block, folded into
+    float zero points (no block sums, no offset product), and the answer stays the f32
+    build's within bf16's rounding. The f32 build keeps the offset product."""
+    from kiln.engines import openvino as ov_engine
+    model, want, out = builds
+    compiled = kiln.trace(model, X, quantize="int4", engine="openvino", optlevel=1,
+                          compiler_args=["--auto-cast", "all", "--auto-cast-type", "bf16"], **WEIGHT_ONLY)
+    count, ops = _fully_connected(compiled)
+    assert count == 2 and not any(op.startswith("Reduce") for op in ops), ops
+    blob = compiled._artifact.blobs[_partition(compiled)["blob"]]
+    assert ov_engine._unpack(blob)[0]["onnx"]["zero_points_folded"] == 1
+    cos = torch.nn.functional.cosine_similarity(compiled(X).flatten(), want.flatten(), dim=0).item()
+    assert cos > 0.99
+    assert _fully_connected(out["openvino", "int4"])[0] == 3

@@ -49,7 +49,7 @@ import torch
 from kiln import scratch
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
-from kiln.engines import ov_attention, ov_dtypes, ov_export
+from kiln.engines import ov_attention, ov_dtypes, ov_export, ov_zero_points
 from kiln.engines.base import Engine
 from kiln.host import target as host_target
 
@@ -164,6 +164,10 @@ class OpenVinoEngine(Engine):
                                                   merge=False)
             if settings.get("exporter_optimized"):      # a small graph: the exporter's fused ops
                 settings["rotary_decomposed"] = _decompose_rotary(path)
+            # blocks with a float minimum: one product with float zero points where OpenVINO
+            # computes in bf16/f16 (in f32 it then skips its int8 activations: slower)
+            if _precision(options) != "f32":
+                settings["zero_points_folded"] = ov_zero_points.fold_file(path)
             with quiet(_LOGGERS):
                 model = _core().read_model(path)
             _check_io(model, partition, example_inputs)
