@@ -55,6 +55,41 @@ def test_non_contiguous_input(mlp):
     assert_close(compiled(xt), model(xt).detach(), **TOL)
 
 
+class _TransposedWeight(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.relu(x @ w) + 1
+
+
+def test_a_transposed_input_is_compiled_as_it_is_and_every_layout_answers(tmp_path):
+    """A dense non-contiguous example input (a linear layer's weight, transposed, as a
+    device program takes it) is compiled in its own layout, recorded in the package: calls
+    in that layout pass it without a copy, calls in any other are copied into it, and the
+    answers are eager's either way, after a save and a load in a fresh process too."""
+    model = _TransposedWeight()
+    x, w = torch.randn(4, 64), torch.randn(32, 64).t()
+    compiled = kiln.trace(model, (x, w), engine="inductor", optlevel=1, cache=False)
+    runner = _runner(compiled)
+    assert runner._strides == [(64, 1), (1, 64)]
+    assert inductor._as_compiled(w, runner._strides[1]) is w           # no copy
+    again = inductor._as_compiled(w.contiguous(), runner._strides[1])
+    assert again.stride() == (1, 64) and torch.equal(again, w)
+    for given in (w, w.contiguous(), torch.randn(64, 64)[:, :32]):
+        assert_close(compiled(x, given), model(x, given), **TOL)
+    path = tmp_path / "t.kiln"
+    compiled.save(path)
+    torch.save((x, w.contiguous(), model(x, w)), tmp_path / "io.pt")
+    code = f"""
+import torch, kiln
+m = kiln.load({str(path)!r})
+x, w, y = torch.load({str(tmp_path / 'io.pt')!r})
+torch.testing.assert_close(m(x, w), y, atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(m(x, w.t().contiguous().t()), y, atol=1e-4, rtol=1e-4)
+print('OK')
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
 def test_load_in_fresh_process_without_model_code_or_compiler(mlp, tmp_path):
     model, x, compiled = mlp
     path = tmp_path / "mlp.kiln"

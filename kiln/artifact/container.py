@@ -44,7 +44,10 @@ from kiln.host import target as target_mod
 from kiln.errors import ArtifactError, TargetMismatchError
 
 FORMAT = "kiln-artifact"
-FORMAT_VERSION = 1
+# 2 (11-29): an Inductor partition may expect its inputs in a layout it records (a transposed
+# weight as it is, kiln.engines.inductor); a format-1 reader would hand it contiguous copies
+# and get wrong answers, so it refuses these artifacts instead. Format 1 still loads.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"   # kiln.artifact.trust: who signed the manifest (absent: unsigned)
 MAX_SIGNATURE = 64 << 10
