@@ -248,6 +248,33 @@ def _fully_connected(compiled):
 
 @pytest.mark.skipif(not host_target.native("bf16"),
                     reason="OpenVINO computes bf16 natively only on CPUs with bf16 instructions")
+def test_eight_bit_blocks_with_a_minimum_fold_too():
+    """A file's 5- and 6-bit blocks with a minimum (Q5_1, Q5_K, Q6_K) are kept as 8-bit
+    MatMulNBits plus the offset product (kiln.engines.ort_blocks); they fold the same way,
+    about 128 instead of 8."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    import onnx
+    from kiln.engines import ort_blocks, ov_zero_points
+    rng = np.random.default_rng(1)
+    u = rng.integers(0, 64, (48, 2, 32)).astype(np.uint8) + 100
+    kept = ort_blocks.Kept(8, 32, u, (rng.random((48, 2)) * 0.01 + 1e-3).astype(np.float32),
+                           (rng.standard_normal((2, 48)) * 0.1).astype(np.float32), "Q6_K")
+    weight = kept.dequantized().astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [8, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, 48])],
+                              [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    with ort_blocks.keeping({ort_blocks.fingerprint(weight): kept}):
+        assert ort_blocks.apply(model, ["mm"], 4) == []
+    assert ov_zero_points.fold(model) == 1
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    zero = inits["mm/kiln_kept/kiln_zero_points"].reshape(48, 2)
+    got = (kept.scales[..., None] * (u.astype(np.float32) - zero[..., None])).reshape(48, 64).T
+    assert np.allclose(got, weight, rtol=1e-5, atol=1e-6 * np.abs(weight).max())
+
+
 def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds):
     """In bf16 the Wide model's two products reach OpenVINO's CPU plugin as two compressed
     FullyConnected operations, not three: its widest stays int8 in symmetric groups (as an
