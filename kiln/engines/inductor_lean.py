@@ -4,8 +4,8 @@ AOTInductor writes one C++ function per graph input that checks its dtype, sizes
 and device (``check_input_N``, about 55 lines each), and calls them only in a process that
 sets ``AOTI_RUNTIME_CHECK_INPUTS``. kiln checks every call's inputs itself before an engine
 sees them (:meth:`kiln.runtime.model.Model.check`: shapes and dtypes; a device program is
-found by the shapes and dtypes it was recorded with; the Inductor runner makes inputs
-contiguous, as they were compiled), so for kiln they are dead code, and yet the
+found by the shapes and dtypes it was recorded with; the Inductor runner hands inputs over
+in the layout they were compiled in, kiln.engines.inductor), so for kiln they are dead code, and yet the
 wrapper is compiled with them: a BERT-4L training step's 260 inputs made 14,000 of its
 wrapper's 19,700 lines, and the wrapper's g++ build (at -O1) took 27 s of that step's 67 s
 Inductor build (11-29, 2 cores).

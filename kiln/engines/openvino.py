@@ -21,8 +21,9 @@ frontend, so the analysis report tracks the installed OpenVINO.
 
 Weight-only quantized partitions (int8, int4, a GGUF file's blocks) take another road: the
 ONNX model ONNX Runtime's engine quantizes (:mod:`kiln.engines.onnx_model`: the same
-``MatMulNBits`` blocks, bit for bit) is read by OpenVINO's ONNX frontend, which keeps the
-blocks as compressed weights, and the CPU plugin multiplies them with each group of 32
+``MatMulNBits`` blocks, bit for bit; in a bf16/f16 build a block's float minimum becomes
+a float zero point, :mod:`kiln.engines.ov_zero_points`) is read by OpenVINO's ONNX
+frontend, which keeps the blocks as compressed weights, and the CPU plugin multiplies them with each group of 32
 activations quantized to int8 on the fly, as ONNX Runtime's kernels do
 (``DYNAMIC_QUANTIZATION_GROUP_SIZE``). On SmolLM2-135M's 128-token int4 prefill graph that
 took about half ONNX Runtime's time, with logits closer to float32's (docs/performance.md);

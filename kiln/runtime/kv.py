@@ -201,7 +201,7 @@ class KVCache:
 
     def valid(self) -> torch.Tensor:
         """``[B, W]`` bool: the positions each sequence may attend to (W: the window)."""
-        return torch.arange(self.window).unsqueeze(0) < self.lengths.unsqueeze(1)
+        return self._slots < self.lengths.unsqueeze(1)
 
     def row_inputs(self, slot: int) -> list:
         """One row's cache inputs (views): a chunk of a prompt prefilled against its cache."""
