@@ -70,3 +70,17 @@ def test_cli_errors_are_clear(kiln_cli, tmp_path):
     np.save(tmp_path / "wrong.npy", np.zeros((3, 16), dtype=np.float32))
     r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "wrong.npy")
     assert r.returncode == 2 and "expected (2, 16) float32, got (3, 16) float32" in r.stderr
+
+
+def test_a_gated_compile_reports_its_gate_and_inspects(kiln_cli, tmp_path):
+    """An auto-cast (or quantized) compile passes an accuracy gate instead of the
+    comparison at a tolerance, and its manifest's validation has other fields: both
+    commands used to end in a KeyError traceback on it."""
+    art = tmp_path / "bf16.kiln"
+    r = kiln_run(kiln_cli, "compile", "tests.models:mlp", "-o", art, "--auto-cast", "all",
+                 "--auto-cast-type", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert "accuracy gate passed: cosine" in r.stdout and "Traceback" not in r.stderr
+    r = kiln_run(kiln_cli, "inspect", art)
+    assert r.returncode == 0, r.stderr
+    assert "accuracy gate passed" in r.stdout

@@ -11,7 +11,7 @@ import time
 
 from rich.table import Table
 
-from kiln.cli.common import TRUST_HELP
+from kiln.cli.common import TRUST_HELP, validation_line
 from kiln.factory import load_factory
 
 # Commands whose unrecognised arguments are compiler flags: ``kiln compile m:f -O3 --target generic``.
@@ -112,8 +112,7 @@ def cmd_compile(a, console):
         c = compiled.manifest["cache"]
         console.print(f"cache: {'hit' if c['hit'] else 'miss, stored'} {c['key'][:16]} in {c['url']}")
     if v:
-        console.print(f"validation: max abs error {v['max_abs_error']:.3g}, "
-                      f"cosine {v['min_cosine_similarity']:.6f} (atol {v['atol']}, rtol {v['rtol']})")
+        console.print(f"validation: {validation_line(v)}")
     return 0
 
 

@@ -10,6 +10,8 @@ import sys
 
 from rich.table import Table
 
+from kiln.cli.common import validation_line
+
 # Container kinds whose manifest holds a table of nested artifacts: (record key, rows key).
 _NESTED = {"bucketed": ("buckets", "variants"), "pipeline": ("pipeline", "stages")}
 
@@ -103,9 +105,7 @@ def _inspect_model(art, title, console):
     t.add_row("support", f"{rep.get('support_percentage')}% of {rep.get('total_ops')} ops on device")
     val = m.get("validation")
     if val:
-        t.add_row("validation", f"max abs {val['max_abs_error']:.3g}, max rel {val['max_rel_error']:.3g}, "
-                                f"cosine {val['min_cosine_similarity']:.6f}"
-                                + (f", at {val['precision']} precision" if val.get("precision") else ""))
+        t.add_row("validation", validation_line(val))
     speed = _speed_vs_eager(m)
     if speed:
         t.add_row("speed vs eager", speed)
