@@ -105,3 +105,14 @@ def test_compile_refuses_a_bf16_prefill_for_a_float_build(tiny_llm, tmp_path):
              "8", "--cache-length", "32", "--prefill-auto-cast", "bf16")
     assert r.returncode == 2 and "prefill_auto_cast applies to quantized builds" in r.stderr, r.stderr
     assert not (tmp_path / "f.kiln").exists()
+
+
+def test_run_and_bench_refuse_an_llm_artifact_with_what_to_use(tiny_llm):
+    """``kiln run`` and ``kiln bench`` call one model of tensors; given an LLM artifact they
+    used to fail with an AttributeError traceback (``kiln bench`` as a skipped row)."""
+    path = tiny_llm[2]
+    for command in ("run", "bench"):
+        r = kiln(command, path)
+        assert r.returncode == 2, (command, r.stdout, r.stderr)
+        assert "is an LLM artifact" in r.stderr and "kiln llm generate" in r.stderr
+        assert "Traceback" not in r.stderr and "AttributeError" not in r.stdout + r.stderr

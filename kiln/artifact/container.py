@@ -403,6 +403,35 @@ class _ViewFile(io.RawIOBase):
         return n
 
 
+def manifest_of(path: str) -> dict:
+    """An artifact's manifest (and a quick check that it is one), without loading it."""
+    if not os.path.exists(path):
+        raise ArtifactError(f"{path}: no such file")
+    try:
+        with zipfile.ZipFile(path) as z:
+            manifest = json.loads(z.read(MANIFEST))
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
+        raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: not a kiln artifact (its manifest is not an object)")
+    return manifest
+
+
+# Artifacts of a language model (kiln.runtime.llm, kiln.runtime.tp_llm): graphs with a KV
+# cache behind a scheduler, not one model of tensors in and tensors out.
+LLM_KINDS = ("llm", "llm_tp")
+
+
+def refuse_llm(path, what: str):
+    """Raise a clear error when ``path`` is an LLM artifact, which ``what`` (a command that
+    calls a model on tensors) cannot run; nothing is loaded to find out."""
+    if isinstance(path, (str, os.PathLike)) and manifest_of(os.fspath(path)).get("kind") in LLM_KINDS:
+        raise ArtifactError(
+            f"{path} is an LLM artifact (prefill and decode graphs with a KV cache), which {what} "
+            f"cannot call as one model: generate with `kiln llm generate {path} PROMPT`, serve it "
+            f"with `kiln serve {path}` (OpenAI API), or measure it with benchmarks/llm.py")
+
+
 def wrapper_manifest(kind, inner_manifest, **fields):
     """The manifest of an artifact that wraps others (buckets, dynamic batch, pipeline
     stages): the inner model's I/O and target, under the wrapper's ``kind``."""

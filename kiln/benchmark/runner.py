@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 
+from kiln.artifact.container import refuse_llm
 from kiln.benchmark import peers
 from kiln.benchmark.inputs import factory_inputs, is_factory
 from kiln.benchmark.report import add_ratios, aggregate, plot, write_json
@@ -39,6 +40,8 @@ def bench(target, *, path: str | None = None, batch_sizes=(1,), copies=None, wor
     if duration <= 0 or warmup < 0:
         raise KilnError("bench: duration must be positive and warmup not negative")
     log = (lambda msg: None) if quiet else (lambda msg: print(f"kiln bench: {msg}", file=sys.stderr, flush=True))
+    if isinstance(target, str) and not is_factory(target):
+        refuse_llm(target, "kiln bench")
     runners, skipped = _runners(target, compare, log)
     report = {"kiln_version": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "target": target if isinstance(target, str) else repr(target),

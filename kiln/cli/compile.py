@@ -120,6 +120,8 @@ def cmd_run(a, console):
     import numpy as np
     import torch
     import kiln
+    from kiln.artifact.container import refuse_llm
+    refuse_llm(a.artifact, "kiln run")
     model = kiln.load(a.artifact, threads=a.threads, trust_native_code=a.trust_native_code or None)
     inputs = []
     for path in a.input:

@@ -8,12 +8,10 @@ once the app starts, and drains them on shutdown.
 """
 from __future__ import annotations
 
-import json
 import os
-import zipfile
 
-from kiln.artifact.container import MANIFEST
-from kiln.errors import ArtifactError, KilnError
+from kiln.artifact.container import manifest_of
+from kiln.errors import KilnError
 from kiln.runtime.llm import LLM
 from kiln.runtime.tp_llm import KIND as TP_KIND, TensorParallelLLM
 from kiln.runtime.model import Model
@@ -25,20 +23,6 @@ from kiln.serving.settings import ServeConfig
 
 
 # -- names -----------------------------------------------------------------------------------------
-def manifest_of(path: str) -> dict:
-    """An artifact's manifest (and a quick check that it is one), without loading it."""
-    if not os.path.exists(path):
-        raise ArtifactError(f"{path}: no such file")
-    try:
-        with zipfile.ZipFile(path) as z:
-            manifest = json.loads(z.read(MANIFEST))
-    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
-        raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path}: not a kiln artifact (its manifest is not an object)")
-    return manifest
-
-
 def model_name_of(path: str) -> str:
     """The model name in an artifact's manifest (and a quick check that it is one)."""
     return manifest_of(path).get("model_name", "model")
