@@ -98,8 +98,8 @@ def test_to_core_pins_the_worker_and_sizes_engine_threads(one_cpu_per_core, mlp)
     assert m.core.cpus == (CPUS[1],)
     assert m.worker.affinity() == {CPUS[1]}
     seen = []
-    runner, order = m.program.direct                       # one partition fed directly
-    m.program.direct = (_spy(runner, seen), order)
+    runner, ins, order = m.program.direct                  # one partition fed directly
+    m.program.direct = (_spy(runner, seen), ins, order)
     x = torch.randn(2, 16)
     assert_close(m(x), model(x).detach(), atol=1e-5, rtol=1e-5)
     assert seen == [m.worker.native_id]                    # the engine ran on the pinned worker

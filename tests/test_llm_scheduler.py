@@ -148,3 +148,35 @@ def test_kv_cache_is_written_in_place(tiny_llm):
     sched.run()
     assert all(a is b for a, b in zip(sched.cache.k + sched.cache.v, k + v)) and k[0].abs().sum() > 0
     assert torch.equal(sched.cache.lengths, torch.zeros(3, dtype=torch.int64))
+
+
+def test_a_step_that_writes_the_cache_itself_is_not_written_again(tiny_llm, monkeypatch):
+    """ONNX Runtime's decode graphs write the step's keys and values into the cache they are
+    given (kiln.engines.ort_gqa); the scheduler then only counts them. The cache then holds
+    what a step whose new keys the scheduler writes holds (an OpenVINO-style graph, played
+    here by hiding the runner's in-place writes), and the tokens are the same."""
+    from kiln.runtime.kv import KVCache
+    _, llm, _ = tiny_llm
+    writes = []
+    real = KVCache.write_slot
+    monkeypatch.setattr(KVCache, "write_slot", lambda self, slot, k, v, tokens=None: (
+        writes.append(k.shape[2]), real(self, slot, k, v, tokens))[1])
+    graph = llm.decode[max(llm.decode)]
+    assert graph.program.written_inputs(), "the tiny model's decode graph should write its cache"
+
+    def run():
+        sched = llm.scheduler()
+        reqs = [sched.add(Request(p, n, GREEDY)) for p, n, _ in CASES[:3]]
+        sched.run()
+        n = max(int(x) for x in sched.cache.lengths) or sched.cache.window
+        return [r.tokens for r in reqs], sched.cache.keys.clone(), sched.cache.values.clone(), n
+
+    tokens, keys, values, _ = run()
+    assert len(writes) == 3                                   # the three prefills only
+    writes.clear()
+    for program in {id(g.program): g.program for g in llm.decode.values()}.values():
+        monkeypatch.setattr(program, "written_inputs", lambda: frozenset())
+    tokens2, keys2, values2, _ = run()
+    assert len(writes) > 3                                    # now every decode step writes too
+    assert tokens2 == tokens
+    assert torch.equal(keys2, keys) and torch.equal(values2, values)

@@ -91,23 +91,27 @@ def test_an_llms_graphs_skip_the_exporters_optimizer_as_a_real_ones_do(tiny_llm)
 
 def test_steps_on_the_same_buffers_read_them_as_they_are_now():
     """The runner keeps its binding of the cache between calls (the scheduler hands the same
-    views at every step): buffers changed in place since the last call, a buffer replaced
-    by another, and a non-contiguous input are each read as they are at this call."""
+    views at every step, and then skips even checking the binding): buffers changed in place
+    since the last call, a buffer replaced by another, the same tensor given new memory, and
+    a non-contiguous input are each read as they are at this call."""
     model = _model("llama").eval()
     rows, slots = 2, 8
     step = DecoderStep(model, with_cache=True, last_only=False).eval()
     compiled = trace(step, _decode_example(cache_shape(model.config, rows, slots), rows), optlevel=1,
                      engine="onnxruntime", cache=False)
     assert _header(compiled)[0]["decoder_fusions"].get("attention") == 2
+    assert compiled.program.direct is not None          # the inputs go straight to the graph
     torch.manual_seed(2)
     cache = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
     tokens, lengths = torch.zeros(rows, 1, dtype=torch.int64), torch.zeros(rows, 1, dtype=torch.int64)
     valid = torch.zeros(rows, slots, dtype=torch.bool)
-    for trial in range(5):
+    for trial in range(6):
         for c in cache:
             c.copy_(torch.randn_like(c))                      # same memory, new values
         if trial == 2:
             cache[1] = torch.randn(rows, 2, slots, 8)         # another buffer in one place
+        if trial == 5:                                        # the same tensor, other memory
+            cache[2].set_(torch.randn(rows, 2, slots, 8))
         tokens.copy_(torch.randint(0, 97, (rows, 1)))
         lengths.copy_(torch.tensor([[1 + trial], [slots - 2 - trial]]))
         valid.copy_(torch.arange(slots).unsqueeze(0) < lengths)
@@ -194,3 +198,29 @@ def test_a_head_size_onnx_runtimes_attention_refuses_keeps_the_step_unfused():
     with torch.no_grad():
         expected = step(*inputs)
     assert_close(compiled(*inputs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_input_in_pieces_is_updated_as_one_in_one_buffer_is():
+    """The runner writes a step's keys into its cache inputs in place (ORT's own output bound
+    to the input's memory). An input that is not one buffer gets ORT's output copied back,
+    so the scheduler can rely on the update whatever the layout it hands over."""
+    model = _model("llama").eval()
+    rows, slots = 2, 8
+    step = DecoderStep(model, with_cache=True, last_only=False).eval()
+    compiled = trace(step, _decode_example(cache_shape(model.config, rows, slots), rows), optlevel=1,
+                     engine="onnxruntime", cache=False)
+    assert compiled.program.written_inputs() == frozenset(range(2, 6))
+    torch.manual_seed(4)
+    base = [torch.randn(rows, 2, slots, 8) for _ in range(4)]
+    tokens, lengths = torch.randint(0, 97, (rows, 1)), torch.tensor([[3], [5]])
+    valid = torch.arange(slots).unsqueeze(0) < lengths
+    whole = [c.clone() for c in base]
+    compiled(tokens, lengths, *whole, valid)
+    pieces = [torch.zeros(rows, 2, slots, 16)[..., ::2] for _ in base]
+    for p, c in zip(pieces, base):
+        p.copy_(c)
+    assert not pieces[0].is_contiguous()
+    compiled(tokens, lengths, *pieces, valid)
+    assert any(not torch.equal(w, c) for w, c in zip(whole, base))      # the step wrote its keys
+    for w, p in zip(whole, pieces):
+        assert torch.equal(w, p)

@@ -151,6 +151,19 @@ class KVCache:
                              f"{self.capacity}, laid out for {self.window}")
         self.keys[:, slot, :, start:start + n] = new_k
         self.values[:, slot, :, start:start + n] = new_v
+        self._grow(slot, start, n, tokens)
+
+    def wrote_slot(self, slot: int, token):
+        """A decode step wrote row ``slot``'s key and value for ``token`` into the cache itself
+        (a graph that updates its cache inputs in place, :meth:`kiln.runtime.program.Program.written_inputs`):
+        count them, without writing them again (~80 us a row and step for SmolLM2)."""
+        start = int(self.lengths[slot])
+        if start + 1 > self.window:
+            raise ValueError(f"sequence {slot} needs {start + 1} cache positions; the cache holds "
+                             f"{self.capacity}, laid out for {self.window}")
+        self._grow(slot, start, 1, [token])
+
+    def _grow(self, slot, start, n, tokens):
         self.lengths[slot] += n
         held = self.held[slot]           # appended in place: a decode step writes one token per row
         del held[start:]
@@ -214,12 +227,15 @@ class KVCache:
         of it), and being the same tensors at every step they let an engine keep its binding
         of them (:class:`kiln.engines.onnxruntime.OrtRunner`). The valid-position mask is
         written into one buffer kept with the layout, for the same reason: it is the cache's
-        own, rewritten by the next call, so a caller uses it for the step it asked for."""
+        own, rewritten by the next call, so a caller uses it for the step it asked for. Every
+        tensor returned is the same object at every step of a layout, which lets the runner
+        skip even checking the binding (:meth:`kiln.engines.onnxruntime.OrtRunner._bound_call`)."""
         views = self._row_views.get(rows)
         if views is None:
-            views = self._row_views[rows] = [k[:rows] for k in self.k] + [v[:rows] for v in self.v]
+            views = self._row_views[rows] = ([k[:rows] for k in self.k] + [v[:rows] for v in self.v]
+                                             + [self._step_valid[:rows]])
         torch.lt(self._slots, self.lengths.unsqueeze(1), out=self._step_valid)
-        return views + [self._step_valid[:rows]]
+        return list(views)
 
 
 def padded(prefill, width: int):

@@ -387,16 +387,27 @@ class Program:
                 kwargs = {k: _decode_arg(v) for k, v in step["kwargs"].items()}
                 self.steps.append(("op", fn, (args, kwargs), outs))
         self.outputs = [_decode_arg(o) for o in spec["outputs"]]
-        # A single partition fed by the inputs in order is the common, fast case.
+        # A single partition fed by the inputs, in any order, is the common, fast case: no
+        # slots to fill and resolve (an LLM decode step's graph takes its 63 inputs in
+        # another order than the model's, and walking them cost ~40 us a step)
         self.direct = None
         if (len(self.steps) == 1 and self.steps[0][0] == "partition"
                 and all(isinstance(a, _Slot) for a in self.steps[0][2])
-                and [a.i for a in self.steps[0][2]] == list(range(self.num_inputs))
+                and sorted(a.i for a in self.steps[0][2]) == list(range(self.num_inputs))
                 and all(isinstance(o, _Slot) and o.i in self.steps[0][3] for o in self.outputs)):
-            outs = self.steps[0][3]
+            ins, outs = [a.i for a in self.steps[0][2]], self.steps[0][3]
             order = [outs.index(o.i) for o in self.outputs]
             self.direct = (partitions[self.steps[0][1]],
+                           None if ins == list(range(len(ins))) else ins,
                            None if order == list(range(len(outs))) else order)
+
+    def written_inputs(self) -> frozenset:
+        """Indices of the inputs every call updates in place: those the single partition's
+        runner writes (an ONNX Runtime decode step's cache, :class:`kiln.engines.onnxruntime.OrtRunner`)."""
+        if self.direct is None:
+            return frozenset()
+        runner, ins, _ = self.direct
+        return frozenset(i if ins is None else ins[i] for _, i in getattr(runner, "in_place", ()))
 
     def host_ops(self):
         return [s for s in self.steps if s[0] == "op"]
@@ -460,8 +471,8 @@ class Program:
 
     def __call__(self, inputs):
         if self.direct is not None:
-            fn, order = self.direct
-            res = fn(inputs)
+            fn, ins, order = self.direct
+            res = fn(inputs if ins is None else [inputs[i] for i in ins])
             return res if order is None else [res[i] for i in order]
         env = list(inputs) + [None] * (self.num_slots - len(inputs))
         for kind, what, ins, outs in self.steps:
