@@ -102,3 +102,47 @@ def test_prefill_auto_cast_is_refused_where_it_cannot_help(monkeypatch):
     monkeypatch.setattr(target, "native", lambda cast: False)
     with pytest.raises(CompilerArgsError, match="does not compute bf16 natively"):
         compile_llm(_model("llama"), quantize="int8", prefill_auto_cast="bf16", **OPTIONS)
+
+
+def test_int4_keeps_a_q8_0_head_exactly_and_reads_the_tied_embedding_from_it(monkeypatch):
+    """An int4 build's output projection is int8 on GGUF's Q8_0 grid (scale max|w|/127), so
+    a head that came from a Q8_0 file keeps the file's values; the tied token embedding is
+    then read from those blocks (kiln.engines.ort_tied) instead of a float copy of the
+    matrix in every graph, and nothing the model computes changes."""
+    import numpy as np
+    import transformers
+
+    from kiln.engines import onnxruntime as ort_engine, ort_tied
+    from tests.test_llm_decoder import COMMON
+    torch_ = pytest.importorskip("torch")
+    torch_.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=True))
+    for p in model.parameters():
+        torch_.nn.init.normal_(p, std=0.3)
+    rng = np.random.default_rng(0)       # the embedding as a Q8_0 file holds it
+    k = rng.integers(-127, 128, (97, 1, 32))
+    k[:, :, 0] = 127
+    d = rng.uniform(0.002, 0.02, (97, 1, 1)).astype(np.float16).astype(np.float32)
+    with torch_.no_grad():
+        model.model.embed_tokens.weight.copy_(torch_.from_numpy((k * d).reshape(97, 32).astype(np.float32)))
+    model.generation_config.eos_token_id = None
+
+    def build():
+        return compile_llm(model, quantize="int4", cache=False, **OPTIONS, **LIMITS["int4"])
+
+    def ops(llm):
+        blob = llm.decode[1]._artifact.blobs[llm.decode[1].manifest["partitions"][0]["blob"]]
+        graph = ort_engine.graph_of(blob).graph
+        floats = [i for i in graph.initializer if list(i.dims) == [97, 32] and i.data_type == 1]
+        return {n.op_type for n in graph.node}, floats
+
+    shared = build()
+    kinds, floats = ops(shared)
+    assert "GatherBlockQuantized" in kinds and "Gather" not in kinds and not floats
+    monkeypatch.setattr(ort_tied, "share_embedding", lambda m: 0)
+    apart = build()
+    kinds, floats = ops(apart)
+    assert "Gather" in kinds and floats
+    assert shared.meta["accuracy_gate"] == apart.meta["accuracy_gate"]
+    prompts = [[5, 17, 3], [60, 2, 2, 9, 41]]
+    assert shared.generate(prompts, 12, stop_at_eos=False) == apart.generate(prompts, 12, stop_at_eos=False)

@@ -87,7 +87,7 @@ INT4_GROUP = 32
 # parted from their solo runs, kiln.runtime.invariance), and its 32-wide kernel did not;
 # SmolLM2's 1-row decode step took 15.4 ms against 15.2 with 128 (same machine, under load).
 INT8_GROUP = 32
-# An int4 model's output projection: int8 in GGUF's Q8_0 groups.
+# An int4 model's output projection: int8 in GGUF's Q8_0 blocks, on its grid (_q8_0_head).
 HEAD_GROUP = 32
 # accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
 # integers. Measured on SmolLM2-135M's decode step (2 cores, AVX2): int4 16.2 ms against
@@ -103,8 +103,9 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
     exact for weights that came from it); a product it cannot take (input dim not a
     multiple of 32) gets ORT's symmetric int4. The widest product (an LLM's output
     projection, whose errors every token's choice sees) stays int8 in groups of 32, as
-    GGUF's Q4 files keep it (Q8_0: exact for weights that came from one)."""
-    from kiln.engines import ort_blocks, ort_int4, ort_merge
+    GGUF's Q4 files keep it, on Q8_0's own grid (:func:`_q8_0_head`: exact for weights
+    that came from one); a tied embedding then reads those blocks (:mod:`~kiln.engines.ort_tied`)."""
+    from kiln.engines import ort_blocks, ort_int4, ort_merge, ort_tied
     quantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
     # weights a file's own blocks are kept for (kiln.engines.ort_blocks) first; the rest as asked
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
@@ -115,6 +116,8 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
         rest = ort_merge.merge(model, rest)
     if bits == 4:
         rest = ort_int4.apply(model, rest, ACCURACY_LEVEL)
+    if head and _q8_0_head(model, head):
+        head = None
     for group, width, chosen in ((bits, INT4_GROUP if bits == 4 else INT8_GROUP, rest),
                                  (8, HEAD_GROUP, [head] if head else [])):
         if not chosen:
@@ -127,7 +130,24 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
                                  nodes_to_exclude=others)
         q.process()
         model = q.model.model
+    # a tied token embedding read from the output projection's blocks (kiln.engines.ort_tied)
+    ort_tied.share_embedding(model)
     return model
+
+
+def _q8_0_head(model, head: str) -> bool:
+    """The output projection ``head`` as int8 blocks on GGUF's Q8_0 grid, through the kept
+    blocks' rewrite (:func:`kiln.engines.ort_blocks.q8_0`): exact for a head that came from
+    a Q8_0 file, as SmolLM2's Q4 files store it. False (nothing done) without whole blocks."""
+    from onnx import numpy_helper
+    from kiln.engines import ort_blocks
+    node = next(n for n in model.graph.node if n.name == head)
+    weight = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == node.input[1]))
+    if weight.shape[0] % HEAD_GROUP:
+        return False        # no whole blocks along K: ONNX Runtime's quantizer takes it
+    with ort_blocks.keeping({ort_blocks.fingerprint(weight): ort_blocks.q8_0(weight, HEAD_GROUP)}):
+        ort_blocks.apply(model, [head], ACCURACY_LEVEL)
+    return True
 
 
 def _widest(model, nodes: list):
