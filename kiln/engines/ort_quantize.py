@@ -87,7 +87,8 @@ INT4_GROUP = 32
 # parted from their solo runs, kiln.runtime.invariance), and its 32-wide kernel did not;
 # SmolLM2's 1-row decode step took 15.4 ms against 15.2 with 128 (same machine, under load).
 INT8_GROUP = 32
-# An int4 model's output projection: int8 in GGUF's Q8_0 blocks, on its grid (_q8_0_head).
+# An LLM's output projection (int4 and int8 builds): int8 in GGUF's Q8_0 blocks, on its grid
+# (_q8_0_head).
 HEAD_GROUP = 32
 # accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
 # integers. Measured on SmolLM2-135M's decode step (2 cores, AVX2): int4 16.2 ms against
@@ -109,7 +110,7 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
     quantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
     # weights a file's own blocks are kept for (kiln.engines.ort_blocks) first; the rest as asked
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
-    head = _widest(model, nodes) if bits == 4 else None
+    head = _widest(model, nodes)
     # products sharing an activation (query/key/value, gate/up) become one (kiln.engines.ort_merge)
     rest = [n for n in nodes if n != head]
     if merge:
