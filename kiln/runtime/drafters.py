@@ -156,9 +156,13 @@ class ModelDrafter:
             logits, new_k, new_v = self.decode[rows](tokens, positions, *self.cache.inputs(rows))
         self.cache.parked(rows)
         self.calls += 1
+        written = self.cache.written_by(self.decode[rows])
         for slot in list(feed):
             queue, budget = feed[slot]
-            self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1], queue[:1])
+            if written:
+                self.cache.wrote_slot(slot, queue[0])
+            else:
+                self.cache.write_slot(slot, new_k[:, slot, :, :1], new_v[:, slot, :, :1], queue[:1])
             del queue[0]
             if queue:
                 continue

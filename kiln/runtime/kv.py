@@ -102,6 +102,7 @@ class KVCache:
         self.window = 0
         self._lay_out(self.windows[0])
         self.lengths = torch.zeros(shape[1], dtype=torch.int64)
+        self._written: dict = {}    # id(decode graph) -> (graph, whether it writes the cache itself)
         # the token at each position of each row, where known: what a freed row still
         # holds (its values stay until overwritten), for prefix reuse
         self.held: list = [[] for _ in range(shape[1])]
@@ -152,6 +153,18 @@ class KVCache:
         self.keys[:, slot, :, start:start + n] = new_k
         self.values[:, slot, :, start:start + n] = new_v
         self._grow(slot, start, n, tokens)
+
+    def written_by(self, graph) -> bool:
+        """Whether decode step ``graph`` writes the step's keys and values into the cache
+        inputs it is given, every one of them at every call (ONNX Runtime's, through
+        :meth:`kiln.runtime.program.Program.written_inputs`): then they are counted
+        (:meth:`wrote_slot`), not written again."""
+        known = self._written.get(id(graph))
+        if known is None or known[0] is not graph:
+            program = getattr(graph, "program", None)
+            written = program.written_inputs() if hasattr(program, "written_inputs") else frozenset()
+            known = self._written[id(graph)] = (graph, set(range(2, 2 + 2 * len(self.k))) <= written)
+        return known[1]
 
     def wrote_slot(self, slot: int, token):
         """A decode step wrote row ``slot``'s key and value for ``token`` into the cache itself

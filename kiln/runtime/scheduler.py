@@ -139,7 +139,6 @@ class Scheduler:
             self.graphs[int(window)] = (dict(sorted(steps.items())), chunk_step)
         self.cache = KVCache(tuple(cache_shape), windows=self.graphs)
         self._step_inputs: dict = {}    # rows -> a decode step's (tokens, positions) buffers
-        self._written: dict = {}        # id(decode graph) -> (graph, writes the cache itself)
         self.window_steps: dict = {}  # window -> decode steps run in it
         self.slots: list = [None] * cache_shape[1]
         self.waiting: collections.deque = collections.deque()
@@ -358,7 +357,7 @@ class Scheduler:
                 self._free(slot, "error")
             return
         self.cache.parked(rows)
-        written = self._writes_cache(self.graphs[window][0][rows])
+        written = self.cache.written_by(self.graphs[window][0][rows])
         for slot, r in running:
             if written:
                 self.cache.wrote_slot(slot, r.tokens[-1])
@@ -367,16 +366,6 @@ class Scheduler:
             self._append(slot, r, logits[slot, -1:])
         self.rows_run[rows] = self.rows_run.get(rows, 0) + 1
         self.window_steps[window] = self.window_steps.get(window, 0) + 1
-
-    def _writes_cache(self, graph) -> bool:
-        """Whether ``graph`` (a decode step) writes the step's keys and values into the cache
-        inputs it is given (every one of them, at every call): then they are not written again."""
-        known = self._written.get(id(graph))
-        if known is None or known[0] is not graph:
-            program = getattr(graph, "program", None)
-            written = program.written_inputs() if hasattr(program, "written_inputs") else frozenset()
-            known = self._written[id(graph)] = (graph, set(range(2, 2 + 2 * len(self.cache.k))) <= written)
-        return known[1]
 
     def _append(self, slot: int, request: Request, logits, proposed=None):
         token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
