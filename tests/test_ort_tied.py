@@ -44,15 +44,18 @@ def _run(model, ids, x):
     return session.run(None, {"ids": ids, "x": x})
 
 
-def test_the_gather_reads_the_blocks_and_answers_the_same_to_the_bit():
+@pytest.mark.parametrize("flat", [False, True], ids=["scales-2d", "scales-flat"])
+def test_the_gather_reads_the_blocks_and_answers_the_same_to_the_bit(flat):
     table, q, scales = _blocks(0)
-    model = _model(table, q, scales)
+    model = _model(table, q, scales.reshape(-1) if flat else scales)
     ids = np.array([[0, 95, 7, 7, 40]], np.int64)
     x = np.random.default_rng(1).standard_normal((1, WIDTH)).astype(np.float32)
     before = _run(model, ids, x)
     assert ort_tied.share_embedding(model) == 1
     assert [n.op_type for n in model.graph.node] == ["GatherBlockQuantized", "MatMulNBits"]
-    assert "table" not in {i.name for i in model.graph.initializer}       # the float matrix is gone
+    names = {i.name for i in model.graph.initializer}
+    assert "table" not in names                                           # the float matrix is gone
+    assert (model.graph.node[0].input[2] == "scales") is not flat         # 2-D scales are shared
     after = _run(model, ids, x)
     for b, a in zip(before, after):
         assert np.array_equal(b.view(np.uint32), a.view(np.uint32))

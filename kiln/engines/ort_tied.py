@@ -9,7 +9,9 @@ decode graph against 28 MB of blocks, in every graph of the artifact.
 Where the blocks dequantize to that float32 matrix bit for bit (checked here, on the
 values), the ``Gather`` becomes ONNX Runtime's ``GatherBlockQuantized`` over the same
 blocks and scales: ``(q - 128) * scale`` per element, the very product the float32 matrix
-holds, so the step's answers do not change by a bit. Anywhere else (kiln's own int8 of a
+holds, so the step's answers do not change by a bit. The gather reads the blocks as
+``[rows, width]`` and an initializer has one shape, so the graph holds them twice (28 MB
+for SmolLM2, against the 113 MB matrix they replace); the scales are shared. Anywhere else (kiln's own int8 of a
 float model, whose blocks only approximate the matrix) the ``Gather`` is left alone.
 """
 from __future__ import annotations
@@ -39,13 +41,17 @@ def share_embedding(model) -> int:
         rows, width = table.dims
         block = _attr(match, "block_size")
         name = match.input[1] + "/kiln_gather"
+        scales = match.input[2]
+        if list(inits[scales].dims) != [rows, width // block]:
+            scales = name + "/scales"       # the product's scales in another shape: a copy
         if name not in inits:       # the same bytes as [rows, width], the layout the gather reads
             q = numpy_helper.to_array(inits[match.input[1]]).reshape(rows, width)
-            scales = numpy_helper.to_array(inits[match.input[2]]).reshape(rows, width // block)
-            graph.initializer.extend([numpy_helper.from_array(q, name),
-                                      numpy_helper.from_array(scales, name + "/scales")])
+            graph.initializer.append(numpy_helper.from_array(q, name))
+            if scales != match.input[2]:
+                graph.initializer.append(numpy_helper.from_array(
+                    numpy_helper.to_array(inits[match.input[2]]).reshape(rows, width // block), scales))
             inits[name] = True
-        out.append(helper.make_node("GatherBlockQuantized", [name, n.input[1], name + "/scales"],
+        out.append(helper.make_node("GatherBlockQuantized", [name, n.input[1], scales],
                                     list(n.output), name=n.name + "/kiln_blocks", domain="com.microsoft",
                                     bits=8, block_size=block, gather_axis=0, quantize_axis=1))
         count += 1
