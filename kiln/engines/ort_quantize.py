@@ -88,7 +88,8 @@ INT4_GROUP = 32
 # SmolLM2's 1-row decode step took 15.4 ms against 15.2 with 128 (same machine, under load).
 INT8_GROUP = 32
 # An LLM's output projection (int4 and int8 builds): int8 in GGUF's Q8_0 blocks, on its grid
-# (_q8_0_head).
+# (_q8_0_head). In an int8 build the widest product is taken so only when it reads an
+# activation of its own: one that shares it (a query/key/value) joins the others instead.
 HEAD_GROUP = 32
 # accuracy_level 4: the kernel quantizes each activation block to int8 and multiplies in
 # integers. Measured on SmolLM2-135M's decode step (2 cores, AVX2): int4 16.2 ms against
@@ -111,6 +112,8 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
     # weights a file's own blocks are kept for (kiln.engines.ort_blocks) first; the rest as asked
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
     head = _widest(model, nodes)
+    if bits == 8 and head and _shares_input(model, head, nodes):
+        head = None         # int8 alike either way: left to join the products it shares an input with
     # products sharing an activation (query/key/value, gate/up) become one (kiln.engines.ort_merge)
     rest = [n for n in nodes if n != head]
     if merge:
@@ -149,6 +152,13 @@ def _q8_0_head(model, head: str) -> bool:
     with ort_blocks.keeping({ort_blocks.fingerprint(weight): ort_blocks.q8_0(weight, HEAD_GROUP)}):
         ort_blocks.apply(model, [head], ACCURACY_LEVEL)
     return True
+
+
+def _shares_input(model, name: str, nodes: list) -> bool:
+    """Whether MatMul ``name`` reads an activation another MatMul in ``nodes`` reads too."""
+    by_name = {n.name: n for n in model.graph.node}
+    x = by_name[name].input[0]
+    return any(by_name[m].input[0] == x for m in nodes if m != name and m in by_name)
 
 
 def _widest(model, nodes: list):
