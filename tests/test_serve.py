@@ -412,6 +412,12 @@ def test_bad_requests_do_not_disturb_good_ones_in_flight(server, artifacts):
 
 # -- operations -----------------------------------------------------------------------------------------
 def test_metrics_and_structured_logs(server):
+    # its own traffic, so the counts below do not depend on which tests ran before it
+    x = np.ones((2, 16), np.float32)
+    for _ in range(10):
+        assert server.post_json("/v2/models/mlp/infer", _mlp_request(x))[0] == 200
+    assert server.post_json("/v2/models/mlp/infer", {"inputs": [
+        {"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 15}]})[0] == 400
     status, body = server.get("/metrics")
     text = body.decode()
     assert status == 200
