@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.engines import ort_rewrites
+from kiln.engines.ort_graph import attr
 
 
 def share_embedding(model) -> int:
@@ -27,11 +28,11 @@ def share_embedding(model) -> int:
     from onnx import TensorProto, helper, numpy_helper
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    products = [n for n in graph.node if n.op_type == "MatMulNBits" and _attr(n, "bits") == 8
+    products = [n for n in graph.node if n.op_type == "MatMulNBits" and attr(n, "bits") == 8
                 and (len(n.input) < 4 or not n.input[3]) and n.input[1] in inits and n.input[2] in inits]
     out, count = [], 0
     for n in graph.node:
-        table = inits.get(n.input[0]) if n.op_type == "Gather" and _attr(n, "axis", 0) == 0 else None
+        table = inits.get(n.input[0]) if n.op_type == "Gather" and attr(n, "axis", 0) == 0 else None
         match = None
         if table is not None and table.data_type == TensorProto.FLOAT and len(table.dims) == 2:
             match = next((p for p in products if _holds(p, table, inits)), None)
@@ -39,7 +40,7 @@ def share_embedding(model) -> int:
             out.append(n)
             continue
         rows, width = table.dims
-        block = _attr(match, "block_size")
+        block = attr(match, "block_size")
         name = match.input[1] + "/kiln_gather"
         scales = match.input[2]
         if list(inits[scales].dims) != [rows, width // block]:
@@ -64,9 +65,9 @@ def _holds(product, table, inits) -> bool:
     """Whether ``product``'s blocks dequantize to ``table`` (``[N, K]``) bit for bit."""
     from onnx import numpy_helper
     rows, width = table.dims
-    if _attr(product, "N") != rows or _attr(product, "K") != width:
+    if attr(product, "N") != rows or attr(product, "K") != width:
         return False
-    block = _attr(product, "block_size")
+    block = attr(product, "block_size")
     q = numpy_helper.to_array(inits[product.input[1]])
     scales = numpy_helper.to_array(inits[product.input[2]])
     if q.dtype != np.uint8 or q.size != rows * width or scales.size != rows * (width // block) \
@@ -77,10 +78,3 @@ def _holds(product, table, inits) -> bool:
     return np.array_equal(values.reshape(rows, width).view(np.uint32),
                           numpy_helper.to_array(table).view(np.uint32))
 
-
-def _attr(node, name, default=None):
-    from onnx import helper
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.engines.ort_graph import attr
+
 _MS = "com.microsoft"
 
 
@@ -56,9 +58,9 @@ def fold(model) -> int:
         if match is None:
             continue
         product, offset_mm, offsets = match
-        bits = _attr(product, "bits")
+        bits = attr(product, "bits")
         scales = numpy_helper.to_array(inits[product.input[2]]).astype(np.float32)
-        n, nb = _attr(product, "N"), _attr(product, "K") // _attr(product, "block_size")
+        n, nb = attr(product, "N"), attr(product, "K") // attr(product, "block_size")
         per_block = scales.reshape(n, nb)
         if not np.all(np.isfinite(per_block)) or np.any(per_block == 0):
             continue
@@ -93,7 +95,7 @@ def _match(add, made, inits):
                 or product.domain != _MS or len(product.input) != 3 or offset_mm.op_type != "MatMul"):
             continue
         offsets = inits.get(offset_mm.input[1])
-        block, k, n = _attr(product, "block_size"), _attr(product, "K"), _attr(product, "N")
+        block, k, n = attr(product, "block_size"), attr(product, "K"), attr(product, "N")
         if offsets is None or list(offsets.dims) != [k // block, n] or k % block:
             continue
         if _sums_of(made, inits, offset_mm.input[0], block) == product.input[0]:
@@ -106,7 +108,7 @@ def _sums_of(made, inits, value, block):
     (``ReduceSum(Reshape(x, [..., K / block, block]), -1)``), else None."""
     from onnx import numpy_helper
     reduce = made.get(value)
-    if reduce is None or reduce.op_type != "ReduceSum" or len(reduce.input) != 2 or _attr(reduce, "keepdims", 1):
+    if reduce is None or reduce.op_type != "ReduceSum" or len(reduce.input) != 2 or attr(reduce, "keepdims", 1):
         return None
     axes, reshape = inits.get(reduce.input[1]), made.get(reduce.input[0])
     if axes is None or reshape is None or reshape.op_type != "Reshape":
@@ -128,10 +130,3 @@ def _without_dead_sums(nodes, outputs):
             return nodes
         nodes = [n for n in nodes if id(n) not in dead]
 
-
-def _attr(node, name, default=None):
-    from onnx import helper
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default

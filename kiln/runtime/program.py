@@ -389,7 +389,7 @@ class Program:
         self.outputs = [_decode_arg(o) for o in spec["outputs"]]
         # A single partition fed by the inputs, in any order, is the common, fast case: no
         # slots to fill and resolve (an LLM decode step's graph takes its 63 inputs in
-        # another order than the model's, and walking them cost ~40 us a step)
+        # another order than the model's: 15 us a call through the slots, 3.4 directly)
         self.direct = None
         if (len(self.steps) == 1 and self.steps[0][0] == "partition"
                 and all(isinstance(a, _Slot) for a in self.steps[0][2])
