@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.artifact.container import Artifact, FORMAT_VERSION
+from kiln.artifact.container import Artifact, FORMAT_VERSION, READS_FORMAT
 from kiln.atomic import write_atomic
 from tests import models
 from tests.conftest import assert_close, run_py
@@ -240,8 +240,8 @@ def test_foreign_files(tmp_path):
 def test_newer_format_version(mlp_artifact, tmp_path):
     path, _, _ = mlp_artifact
     bad = tmp_path / "future.kiln"
-    _rewrite(path, bad, edit_manifest=lambda m: m.update(format_version=FORMAT_VERSION + 1))
-    with pytest.raises(kiln.ArtifactError, match=r"format 2 .*Upgrade kiln"):
+    _rewrite(path, bad, edit_manifest=lambda m: m.update(format_version=READS_FORMAT + 1))
+    with pytest.raises(kiln.ArtifactError, match=rf"reads format {READS_FORMAT} and older. Upgrade kiln"):
         kiln.load(bad)
 
 

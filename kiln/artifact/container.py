@@ -48,6 +48,11 @@ FORMAT = "kiln-artifact"
 # weight as it is, kiln.engines.inductor); a format-1 reader would hand it contiguous copies
 # and get wrong answers, so it refuses these artifacts instead. Format 1 still loads.
 FORMAT_VERSION = 2
+# 3 (11-29): graphs that read members of the artifact enclosing them (``shared_blobs``: the
+# weights their ONNX Runtime partitions have in common, kiln.runtime.ort_pool). Written only
+# where that is so; a format-2 reader refuses these instead of failing on the missing weights.
+POOLED_FORMAT = 3
+READS_FORMAT = POOLED_FORMAT    # the newest format this kiln reads
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"   # kiln.artifact.trust: who signed the manifest (absent: unsigned)
 MAX_SIGNATURE = 64 << 10
@@ -136,6 +141,33 @@ class Artifact:
             return None
         path, dev, ino, base = self._file
         return Origin(path, base + self._offsets[name], dev, ino)
+
+    def shared(self, name):
+        """``(data, origin)`` of member ``name`` of this artifact or of the nearest enclosing
+        one that has it: what a graph's ``shared_blobs`` name (weights stored once for all
+        the graphs of an LLM, :mod:`kiln.runtime.ort_pool`); None where none has it."""
+        art = self
+        while art is not None:
+            if name in art.blobs:
+                return art.blobs[name], art.origin(name)
+            art = art.parent[0] if art.parent else None
+        return None
+
+    def self_contained(self) -> "Artifact":
+        """This artifact with the members its manifest's ``shared_blobs`` names copied in
+        from the artifact that enclosed it, so that it loads on its own (a graph saved or
+        sent apart from its LLM); itself when it holds them already."""
+        missing = [n for n in self.manifest.get("shared_blobs", []) if n not in self.blobs]
+        if not missing:
+            return self
+        blobs = dict(self.blobs)
+        for name in missing:
+            found = self.shared(name)
+            if found is None:
+                raise ArtifactError(f"the artifact reads {name} from the artifact that held it, "
+                                    "which is not at hand: save the whole LLM instead")
+            blobs[name] = found[0]
+        return Artifact(dict(self.manifest), blobs)
 
     def nested(self, name, source) -> "Artifact":
         """The artifact stored as blob ``name`` (buckets, pipeline stages), still mapped."""
@@ -265,10 +297,10 @@ class Artifact:
                 raise ArtifactError(f"{source}: manifest is not a kiln manifest (format "
                                     f"{manifest.get('format') if isinstance(manifest, dict) else '?'!r})")
             version = manifest.get("format_version")
-            if not isinstance(version, int) or version > FORMAT_VERSION:
+            if not isinstance(version, int) or version > READS_FORMAT:
                 raise ArtifactError(
                     f"{source}: artifact format {version} was written by kiln "
-                    f"{manifest.get('kiln_version', '?')}; this kiln reads format {FORMAT_VERSION} "
+                    f"{manifest.get('kiln_version', '?')}; this kiln reads format {READS_FORMAT} "
                     "and older. Upgrade kiln or recompile the model with this version")
             schema.check_container(manifest, source)
             signature = None

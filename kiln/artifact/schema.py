@@ -115,6 +115,8 @@ def check_container(manifest: dict, source: str):
             field(fail, meta, k, path, "integer" if k == "crc32" else "string")
     field(fail, manifest, "kind", "", "string", None)
     field(fail, manifest, "model_name", "", "string", None)
+    for i, name in enumerate(field(fail, manifest, "shared_blobs", "", "list", [])):
+        need(fail, f"shared_blobs[{i}]", name, "string")
     if manifest.get("cache") is not None:
         field(fail, manifest, "cache", "", "object")
     check_target(manifest.get("target", {}), source)

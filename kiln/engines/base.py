@@ -142,11 +142,14 @@ class Engine:
         """
         raise NotImplementedError
 
-    def load(self, blob, runtime_options, origin=None):
+    def load(self, blob, runtime_options, origin=None, shared=None):
         """A callable from a list of input tensors to a list of output tensors, safe to
         call from several threads at once. ``blob`` may be a read-only view into a mapped
         artifact; ``origin`` (``kiln.artifact.container.Origin``), when given, says where
         those bytes lie in a file, for engines that map weights instead of copying them.
+        ``shared`` (``Artifact.shared``): name -> ``(data, origin)`` of a member of the
+        artifact or one enclosing it, for blobs that read weights stored once for several
+        graphs (:mod:`kiln.runtime.ort_pool`); other engines ignore it.
         The callable may offer ``signature()``: ([(shape, dtype)] of inputs, of outputs)."""
         raise NotImplementedError
 

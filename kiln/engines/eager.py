@@ -88,7 +88,7 @@ class EagerEngine(Engine):
                   "inputs": [[list(t.shape), _dtype_name(t.dtype)] for t in example_inputs]}
         return _pack(header, encoder.weights())
 
-    def load(self, blob, runtime_options, origin=None):
+    def load(self, blob, runtime_options, origin=None, shared=None):
         header, weights = _unpack(blob)
         try:
             module = _rebuild(header["nodes"], weights)

@@ -145,7 +145,7 @@ class InductorEngine(Engine):
             raise ValueError(f"unknown inductor variant {variant!r}")
         return _compile(partition, example_inputs, configs, device)
 
-    def load(self, blob, runtime_options, origin=None):
+    def load(self, blob, runtime_options, origin=None, shared=None):
         return AotiRunner(blob, runtime_options.resolved_threads())
 
 

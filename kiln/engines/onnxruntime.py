@@ -22,21 +22,12 @@ into its heap, which in turn makes a load ~0.15 s slower.
 ``KILN_ORT_PREPACKED=heap`` chooses the faster inference for long-running
 servers; the default, ``map``, the faster load.
 
-Blob layout: ``b"KILNORT2"``, a little-endian uint32 header length, a JSON
-header (``graph``: size of the ONNX graph; ``data_offset``, ``data``: where
-the external data starts, page-aligned, and its size; ``prepacked``;
-``isa``; ``onnxruntime``: the version that wrote it), the graph, zero padding,
-the data; ``opset``, the ONNX opset the partition was exported at (absent before issue 16); a
-``transformers`` build adds ``variant`` and ``fused`` (fused op counts; older ones also
-``rewrites``); ``rewritten``, what :mod:`kiln.engines.ort_rewrites` rewrote (absent before
-issue 17, and where nothing matched). Blobs of older kilns are a plain ONNX model and still load.
+The blob's layout is :mod:`kiln.engines.ort_blob`'s.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import weakref
@@ -45,13 +36,13 @@ import numpy as np
 import torch
 
 from kiln.host import target as target_mod
-from kiln.errors import ArtifactError, CompilerArgsError
+from kiln.errors import CompilerArgsError
 from kiln.engines.base import Engine
 from kiln.engines import onnx_model, ort_decomps, ort_decoder, ort_export, ort_fusions, ort_gqa
+from kiln.engines.ort_blob import is_packed, pack as _pack, pooled_data, \
+    relocate as _relocate, unpack as _unpack
 from kiln import config, scratch
 
-_MAGIC = b"KILNORT2"
-_ALIGN = 4096
 _DATA = "weights.bin"
 
 
@@ -159,15 +150,18 @@ class OnnxRuntimeEngine(Engine):
                       "onnxruntime": ort.__version__, **settings}
             return _pack(header, graph, data)
 
-    def load(self, blob, runtime_options, origin=None):
+    def load(self, blob, runtime_options, origin=None, shared=None):
         import onnxruntime as ort
         so = _session_options(runtime_options)
-        if bytes(blob[:len(_MAGIC)]) != _MAGIC:   # an older kiln's plain ONNX blob
+        if not is_packed(blob):   # an older kiln's plain ONNX blob
             return OrtRunner(ort.InferenceSession(bytes(blob), so, providers=["CPUExecutionProvider"]))
         header, graph, data_offset = _unpack(blob)
         keep_prepacked = (header["prepacked"] and header["isa"] == _isa()
                           and header["onnxruntime"] == ort.__version__ and _map_prepacked())
-        if origin is not None and header["data"] and origin.unchanged():
+        data = memoryview(blob)[data_offset:data_offset + header["data"]]
+        if header.get("pool"):      # the weights lie in a member shared with other graphs (ort_pool)
+            data, origin, data_offset = pooled_data(header, shared)
+        if origin is not None and len(data) and origin.unchanged():
             # ORT maps the data where it lies in the artifact. Should the file be replaced
             # while ORT opens it, ORT may have read the new one: then use a private copy.
             folder, name = os.path.split(origin.path)
@@ -186,7 +180,7 @@ class OnnxRuntimeEngine(Engine):
             so = _session_options(runtime_options)
         # No file to map (a fresh compile, bytes, an object store): write the data to a
         # private file for ORT to map, removed as soon as the session has it.
-        tmp = _private_copy(blob[data_offset:data_offset + header["data"]])
+        tmp = _private_copy(data)
         try:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", tmp)
             session = ort.InferenceSession(_relocate(graph, _DATA, 0, keep_prepacked), so,
@@ -233,14 +227,14 @@ def _private_copy(data) -> str:
 def graph_of(blob):
     """The partition's ONNX graph (weights left external), for inspection and tests."""
     import onnx
-    if bytes(blob[:len(_MAGIC)]) != _MAGIC:
+    if not is_packed(blob):
         return onnx.load_from_string(bytes(blob))
     return onnx.load_from_string(_unpack(blob)[1])
 
 
 def header_of(blob) -> dict:
     """The blob's JSON header (what built it: a variant's settings, fused op counts)."""
-    if bytes(blob[:len(_MAGIC)]) != _MAGIC:
+    if not is_packed(blob):
         return {}
     return _unpack(blob)[0]
 
@@ -271,60 +265,6 @@ def _map_prepacked() -> bool:
 
 def _isa() -> list:
     return target_mod.describe("native")["isa"]
-
-
-def _pack(header: dict, graph: bytes, data: bytes) -> bytes:
-    """The blob; ``data_offset`` has a fixed width so the header's size does not depend on it."""
-    head = len(_MAGIC) + 4
-    size = len(json.dumps(dict(header, data_offset="0" * 12), sort_keys=True).encode())
-    offset = -(-(head + size + len(graph)) // _ALIGN) * _ALIGN
-    raw = json.dumps(dict(header, data_offset=f"{offset:012d}"), sort_keys=True).encode()
-    padding = offset - (head + len(raw) + len(graph))
-    return b"".join([_MAGIC, struct.pack("<I", len(raw)), raw, graph, bytes(padding), data])
-
-
-def _unpack(blob):
-    view = memoryview(blob)
-    head = len(_MAGIC) + 4
-    try:
-        (size,) = struct.unpack("<I", view[len(_MAGIC):head])
-        header = json.loads(bytes(view[head:head + size]))
-        offset = int(header["data_offset"])
-        graph = bytes(view[head + size:head + size + header["graph"]])
-    except (ValueError, KeyError, TypeError, struct.error) as e:
-        raise ArtifactError(f"kiln ONNX Runtime blob has a corrupt header: {e}") from None
-    if len(graph) != header["graph"] or offset + header["data"] > len(view):
-        raise ArtifactError("kiln ONNX Runtime blob is shorter than its header says")
-    return header, graph, offset
-
-
-def _relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> bytes:
-    """Point the graph's external data at ``location`` + ``base``; drop the prepacked
-    entries unless they were made for this host's kernels."""
-    import onnx
-    model = onnx.ModelProto()
-    model.ParseFromString(graph)
-    for init in model.graph.initializer:
-        if not init.external_data:
-            continue
-        entries = []
-        for e in init.external_data:
-            key, value = e.key, e.value
-            if key == "location":
-                value = location
-            elif key == "offset":
-                value = str(int(value) + base)
-            elif key.startswith("prepacked_"):
-                if not keep_prepacked:
-                    continue
-                kernel, _, span = value.partition("|")
-                offset, _, rest = span.partition(";")
-                value = f"{kernel}|{int(offset) + base};{rest}"
-            entries.append((key, value))
-        del init.external_data[:]
-        for key, value in entries:
-            init.external_data.add(key=key, value=value)
-    return model.SerializeToString()
 
 
 def _level(options) -> str:

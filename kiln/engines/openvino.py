@@ -193,7 +193,7 @@ class OpenVinoEngine(Engine):
                 ov_export.check_round_trip(core, compiled, exported, config, round_trip_inputs, OvRunner)
         return _pack(header) + exported
 
-    def load(self, blob, runtime_options, origin=None):
+    def load(self, blob, runtime_options, origin=None, shared=None):
         import openvino as ov
         header, payload = _unpack(blob)
         config = _header_config(header, INFERENCE_NUM_THREADS=str(runtime_options.resolved_threads()))

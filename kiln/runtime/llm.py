@@ -21,9 +21,9 @@ import collections
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from kiln.artifact.container import Artifact, wrapper_manifest
+from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import cuda_llm, invariance, kv, sampling
+from kiln.runtime import cuda_llm, invariance, kv, ort_pool, sampling
 from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
@@ -224,22 +224,33 @@ class LLM:
         return self._as_artifact().to_bytes()
 
     def _as_artifact(self) -> Artifact:
-        """The LLM artifact: each graph's artifact a blob of it, and the tokenizer's files."""
-        blobs = {f"prefill/{w}.kiln": m.to_bytes() for w, m in self.prefill.items()}
-        blobs.update({f"decode/{b}.kiln": m.to_bytes() for b, m in self.decode.items()})
+        """The LLM artifact: each graph's artifact a blob of it, and the tokenizer's files.
+        The weights the graphs' ONNX Runtime partitions have in common are stored once
+        (:mod:`kiln.runtime.ort_pool`): SmolLM2 int4's two decode graphs held the same 272 MB."""
+        graphs = {f"prefill/{w}.kiln": m for w, m in self.prefill.items()}
+        graphs.update({f"decode/{b}.kiln": m for b, m in self.decode.items()})
         if self.verify is not None:
-            blobs[self.manifest["graphs"]["verify"]] = self.verify.to_bytes()
+            graphs[self.manifest["graphs"]["verify"]] = self.verify
         for b, name in self.manifest["graphs"].get("verify_rows", {}).items():
-            blobs[name] = self.verify_steps[int(b)].to_bytes()
+            graphs[name] = self.verify_steps[int(b)]
         if self.chunk is not None:
-            blobs[self.manifest["graphs"]["chunk"]] = self.chunk.to_bytes()
+            graphs[self.manifest["graphs"]["chunk"]] = self.chunk
         for w, names in self.manifest["graphs"].get("windows", {}).items():
-            graphs = self.windows[int(w)]
-            blobs.update({name: graphs["decode"][int(b)].to_bytes() for b, name in names["decode"].items()})
+            window = self.windows[int(w)]
+            graphs.update({name: window["decode"][int(b)] for b, name in names["decode"].items()})
             if "chunk" in names:
-                blobs[names["chunk"]] = graphs["chunk"].to_bytes()
+                graphs[names["chunk"]] = window["chunk"]
+        arts = {name: getattr(m, "_artifact", None) for name, m in graphs.items()}
+        if None in arts.values():       # not all compiled graphs (a GPU's wrappers): each whole
+            blobs, extra = {name: m.to_bytes() for name, m in graphs.items()}, {}
+        else:
+            blobs, extra = ort_pool.share(arts)
+        blobs.update(extra)
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
-        return Artifact(self.manifest, blobs)
+        manifest = dict(self.manifest)
+        if extra:
+            manifest["format_version"] = POOLED_FORMAT
+        return Artifact(manifest, blobs)
 
     def save(self, path) -> str:
         """Written to the file as it is serialized (atomically), not serialized into memory

@@ -336,7 +336,8 @@ class CompiledModel(Model):
                 continue
             try:
                 runners.append(engine.load(self._artifact.blobs[part["blob"]], runtime_options,
-                                           origin=self._artifact.origin(part["blob"])))
+                                           origin=self._artifact.origin(part["blob"]),
+                                           shared=self._artifact.shared))
             except KilnError:
                 raise
             except Exception as e:
@@ -430,11 +431,12 @@ class CompiledModel(Model):
     # -- persistence -------------------------------------------------------------
     def save(self, f, _extra_files=None):
         if _extra_files is None and not hasattr(f, "write"):
-            return self._artifact.save(f)
+            return self._artifact.self_contained().save(f)
         return super().save(f, _extra_files)
 
     def to_bytes(self) -> bytes:
-        return self._artifact.to_bytes()
+        # self-contained: a graph of an LLM whose weights lie in the LLM's file takes them along
+        return self._artifact.self_contained().to_bytes()
 
     def __repr__(self):
         parts = self.manifest["partitions"]
