@@ -149,7 +149,8 @@ class Engine:
         those bytes lie in a file, for engines that map weights instead of copying them.
         ``shared`` (``Artifact.shared``): name -> ``(data, origin)`` of a member of the
         artifact or one enclosing it, for blobs that read weights stored once for several
-        graphs (:mod:`kiln.runtime.ort_pool`); other engines ignore it.
+        graphs (:mod:`kiln.runtime.ort_pool`); given only for graphs whose manifest lists
+        ``shared_blobs``, so engines written before it load everything else unchanged.
         The callable may offer ``signature()``: ([(shape, dtype)] of inputs, of outputs)."""
         raise NotImplementedError
 

@@ -329,6 +329,9 @@ class CompiledModel(Model):
         if loaded is not None and (loaded[0] != runtime_options or len(loaded[1]) != len(parts)):
             loaded = None
         runners = []
+        # only graphs that read an enclosing artifact's members (an LLM's shared weights) pass
+        # the lookup, so engines written to the contract before it still load everything else
+        shared = {"shared": self._artifact.shared} if self.manifest.get("shared_blobs") else {}
         for i, (part, engine) in enumerate(zip(parts, used)):
             if loaded is not None and loaded[1][i] is not None:
                 runners.append(loaded[1][i])
@@ -336,8 +339,7 @@ class CompiledModel(Model):
                 continue
             try:
                 runners.append(engine.load(self._artifact.blobs[part["blob"]], runtime_options,
-                                           origin=self._artifact.origin(part["blob"]),
-                                           shared=self._artifact.shared))
+                                           origin=self._artifact.origin(part["blob"]), **shared))
             except KilnError:
                 raise
             except Exception as e:
