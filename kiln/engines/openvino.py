@@ -166,9 +166,9 @@ class OpenVinoEngine(Engine):
             if settings.get("exporter_optimized"):      # a small graph: the exporter's fused ops
                 settings["rotary_decomposed"] = _decompose_rotary(path)
             # blocks with a float minimum: one product with float zero points where OpenVINO
-            # computes in bf16/f16 (in f32 it then skips its int8 activations: slower); 4-bit
-            # weights one a byte, which the plugin imports 3-4x as fast (kiln.engines.ov_widen)
-            settings.update(ov_zero_points.rewrite_file(path, fold_offsets=_precision(options) != "f32"))
+            # computes in bf16/f16 (in f32 it then skips its int8 activations: slower)
+            if _precision(options) != "f32":
+                settings["zero_points_folded"] = ov_zero_points.fold_file(path)
             with quiet(_LOGGERS):
                 model = _core().read_model(path)
             _check_io(model, partition, example_inputs)

@@ -28,25 +28,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.engines import ov_widen
 from kiln.engines.ort_graph import attr
 
 _MS = "com.microsoft"
 
 
-def rewrite_file(path: str, fold_offsets: bool) -> dict:
-    """The ONNX model at ``path`` as OpenVINO should read it, saved back when it changed
-    (weights inline below protobuf's 2 GB, beside it in ``path + ".data"`` above): offset
-    products folded (:func:`fold`, where ``fold_offsets``) and 4-bit weights one a byte
-    (:func:`kiln.engines.ov_widen.widen`); what was done, for the blob's header."""
+def fold_file(path: str) -> int:
+    """:func:`fold` on the ONNX model at ``path``, saved back when it changed (weights
+    inline below protobuf's 2 GB, beside it in ``path + ".data"`` above)."""
     import onnx
     from kiln.engines import ort_quantize
     model = onnx.load(path)
-    done = {"zero_points_folded": fold(model)} if fold_offsets else {}
-    done["widened_4bit"] = ov_widen.widen(model)
-    if any(done.values()):
+    count = fold(model)
+    if count:
         ort_quantize.save(model, path)
-    return done
+    return count
 
 
 def fold(model) -> int:
