@@ -25,6 +25,7 @@ import xxhash
 
 from kiln.artifact.container import POOLED_FORMAT, Artifact
 from kiln.engines import ort_blob
+from kiln.errors import ArtifactError
 
 PREFIX = "shared/ort-"
 _ALIGN = 4096
@@ -33,30 +34,35 @@ _ALIGN = 4096
 def share(arts: dict) -> tuple[dict, dict]:
     """``{name: graph artifact}`` -> ``({name: artifact bytes}, {member: bytes})``: every
     graph's artifact serialized, its ONNX Runtime partitions reading their external data
-    from the returned member, where two or more partitions have a range in common; the
-    artifacts as they are (self-contained) where nothing is in common."""
+    from the returned member, where any range is read twice or more (by two partitions, or
+    twice by one); the artifacts as they are (self-contained) where none is."""
     parts = []                                         # (graph name, blob name, header, model, data)
     for name, art in arts.items():
         for part in art.manifest.get("partitions", []):
             blob = art.blobs.get(part.get("blob"))
             if part.get("engine") == "onnxruntime" and blob is not None and ort_blob.is_packed(blob):
                 parts.append((name, part["blob"], *_external(art, blob)))
-    seen, pool, places = {}, bytearray(), []
+    found = []                                         # per partition: [(start, key, chunk)]
+    uses, align = {}, {}
     for _, _, header, model, data in parts:
-        ranges = {}
+        found.append([])
         for start, length in _ranges(model):
             chunk = data[start:start + length]
             key = (xxhash.xxh3_128_digest(chunk), length)
-            if key not in seen:
-                align = _alignment(start)
-                pool.extend(bytes(-len(pool) % align))
-                seen[key] = [len(pool), 0]
-                pool.extend(chunk)
-            seen[key][1] += 1
-            ranges[start] = seen[key][0]
-        places.append(ranges)
-    if not parts or all(uses == 1 for _, uses in seen.values()):
+            found[-1].append((start, key, chunk))
+            uses[key] = uses.get(key, 0) + 1
+            align[key] = max(align.get(key, 1), _alignment(start))   # the strictest any reader had
+    if not parts or all(n == 1 for n in uses.values()):
         return {name: art.self_contained().to_bytes() for name, art in arts.items()}, {}
+    pool, placed, places = bytearray(), {}, []
+    for ranges in found:
+        places.append({})
+        for start, key, chunk in ranges:
+            if key not in placed:
+                pool.extend(bytes(-len(pool) % align[key]))
+                placed[key] = len(pool)
+                pool.extend(chunk)
+            places[-1][start] = placed[key]
     member = f"{PREFIX}{xxhash.xxh3_128_hexdigest(pool)}.bin"
     rebuilt = {name: dict(art.blobs) for name, art in arts.items()}
     for (name, blob_name, header, model, _), ranges in zip(parts, places):
@@ -81,7 +87,11 @@ def _external(art, blob) -> tuple:
     import onnx
     header, graph, offset = ort_blob.unpack(blob)
     if header.get("pool"):
-        data = memoryview(art.shared(header["pool"])[0]).cast("B")
+        found = art.shared(header["pool"])
+        if found is None:
+            raise ArtifactError(f"a graph reads its weights from {header['pool']}, which is not at hand: "
+                                "save it from the LLM it was loaded with")
+        data = memoryview(found[0]).cast("B")
     else:
         data = memoryview(blob).cast("B")[offset:offset + header["data"]]
     model = onnx.ModelProto()
