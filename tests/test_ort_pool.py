@@ -116,6 +116,19 @@ def test_a_pooled_graph_without_its_llm_or_an_older_reader_is_a_clear_error(pool
         kiln.load(path)
 
 
+def test_a_small_saving_is_not_worth_a_pool(tmp_path):
+    """Pooling a few kilobytes would cost more padding than it saves and make the artifact
+    unreadable by older kilns: the tests' small MLP's buckets stay whole, format 2."""
+    from tests import models
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, buckets=[torch.randn(1, 16), torch.randn(4, 16)], engine="onnxruntime",
+                          cache=False, quiet=True)
+    compiled.save(str(tmp_path / "small.kiln"))
+    outer = Artifact.load(tmp_path / "small.kiln")
+    assert not any(n.startswith(ort_pool.PREFIX) for n in outer.blobs)
+    assert outer.manifest["format_version"] == container.FORMAT_VERSION
+
+
 def test_graphs_with_nothing_in_common_stay_whole(pooled):
     llm, _, _ = pooled
     art = Artifact.from_bytes(llm.decode[1].to_bytes())
@@ -133,3 +146,32 @@ def _decode_inputs(llm):
     valid = torch.zeros(1, window, dtype=torch.bool)
     valid[0, :1] = True
     return [torch.tensor([[5]]), torch.tensor([[0]]), *cache, valid]
+
+
+def test_bucket_variants_share_their_weights_and_load_in_a_fresh_process(tmp_path):
+    """A bucketed model's variants (one graph per shape, the same weights) are pooled too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(), torch.nn.Linear(512, 16)).eval()
+    x = torch.randn(2, 16)
+    compiled = kiln.trace(model, x, buckets=[torch.randn(1, 16), torch.randn(4, 16)], engine="onnxruntime",
+                          optlevel=2, cache=False, quiet=True)
+    path = tmp_path / "bucketed.kiln"
+    compiled.save(str(path))
+    outer = Artifact.load(path)
+    members = [n for n in outer.blobs if n.startswith(ort_pool.PREFIX)]
+    assert len(members) == 1 and outer.manifest["format_version"] == container.POOLED_FORMAT
+    whole = sum(len(v.to_bytes()) for v in compiled.variants)
+    assert path.stat().st_size < 0.75 * whole
+    code = f"""
+import torch, kiln
+m = kiln.load({str(path)!r})
+torch.manual_seed(1)
+for n in (1, 3, 4):
+    x = torch.randn(n, 16)
+    torch.save((x, m(x)), {str(tmp_path)!r} + f"/out{{n}}.pt")
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    for n in (1, 3, 4):
+        x, got = torch.load(tmp_path / f"out{n}.pt")
+        torch.testing.assert_close(got, compiled(x), rtol=0, atol=0)

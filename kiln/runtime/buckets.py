@@ -21,8 +21,9 @@ import torch
 from kiln.artifact import schema
 
 from kiln.artifact import specs
-from kiln.artifact.container import Artifact, wrapper_manifest
+from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
+from kiln.runtime import ort_pool
 from kiln.runtime.model import DEFAULT, Model
 
 
@@ -180,8 +181,10 @@ class Bucketed(_Wrapper):
         return outs
 
     def to_bytes(self) -> bytes:
-        blobs = {f"variants/{k}.kiln": v.to_bytes() for k, v in enumerate(self.variants)}
-        return Artifact(self.manifest, blobs).to_bytes()
+        # the variants' common ONNX Runtime weights stored once (kiln.runtime.ort_pool)
+        blobs, pooled = ort_pool.serialized({f"variants/{k}.kiln": v for k, v in enumerate(self.variants)})
+        manifest = dict(self.manifest, format_version=POOLED_FORMAT) if pooled else self.manifest
+        return Artifact(manifest, blobs).to_bytes()
 
     def __repr__(self):
         return f"kiln.Bucketed({self.name}; {len(self.variants)} variants; {self.describe_buckets()})"

@@ -240,15 +240,10 @@ class LLM:
             graphs.update({name: window["decode"][int(b)] for b, name in names["decode"].items()})
             if "chunk" in names:
                 graphs[names["chunk"]] = window["chunk"]
-        arts = {name: getattr(m, "_artifact", None) for name, m in graphs.items()}
-        if None in arts.values():       # not all compiled graphs (a GPU's wrappers): each whole
-            blobs, extra = {name: m.to_bytes() for name, m in graphs.items()}, {}
-        else:
-            blobs, extra = ort_pool.share(arts)
-        blobs.update(extra)
+        blobs, pooled = ort_pool.serialized(graphs)
         blobs.update({f"tokenizer/{name}": data for name, data in self.tokenizer_files.items()})
         manifest = dict(self.manifest)
-        if extra:
+        if pooled:
             manifest["format_version"] = POOLED_FORMAT
         return Artifact(manifest, blobs)
 

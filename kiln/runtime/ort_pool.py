@@ -29,13 +29,29 @@ from kiln.errors import ArtifactError
 
 PREFIX = "shared/ort-"
 _ALIGN = 4096
+# bytes a pool must save to be used: each pooled graph costs up to a page of padding, and an
+# artifact that needs no pool stays readable by kilns from before it (format 2)
+MIN_SAVING = 64 << 10
+
+
+def serialized(models: dict) -> tuple[dict, bool]:
+    """``{name: loaded or compiled graph}`` -> ``({blob name: bytes}, pooled)``: the graphs'
+    artifacts with their common ONNX Runtime weights stored once (:func:`share`; the member
+    among the blobs) where every graph is a compiled one, each whole otherwise (a GPU's
+    wrappers). An artifact that holds such blobs is written as :data:`POOLED_FORMAT`."""
+    arts = {name: getattr(m, "_artifact", None) for name, m in models.items()}
+    if None in arts.values():
+        return {name: m.to_bytes() for name, m in models.items()}, False
+    blobs, extra = share(arts)
+    blobs.update(extra)
+    return blobs, bool(extra)
 
 
 def share(arts: dict) -> tuple[dict, dict]:
     """``{name: graph artifact}`` -> ``({name: artifact bytes}, {member: bytes})``: every
     graph's artifact serialized, its ONNX Runtime partitions reading their external data
-    from the returned member, where any range is read twice or more (by two partitions, or
-    twice by one); the artifacts as they are (self-contained) where none is."""
+    from the returned member, where ranges read twice or more (by two partitions, or twice by
+    one) add up to :data:`MIN_SAVING`; the artifacts as they are (self-contained) otherwise."""
     parts = []                                         # (graph name, blob name, header, model, data)
     for name, art in arts.items():
         for part in art.manifest.get("partitions", []):
@@ -52,7 +68,8 @@ def share(arts: dict) -> tuple[dict, dict]:
             found[-1].append((start, key, chunk))
             uses[key] = uses.get(key, 0) + 1
             align[key] = max(align.get(key, 1), _alignment(start))   # the strictest any reader had
-    if not parts or all(n == 1 for n in uses.values()):
+    saved = sum((n - 1) * key[1] for key, n in uses.items())
+    if saved < MIN_SAVING:      # nothing in common, or too little to pay for the pages of padding
         return {name: art.self_contained().to_bytes() for name, art in arts.items()}, {}
     pool, placed, places = bytearray(), {}, []
     for ranges in found:
