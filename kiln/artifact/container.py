@@ -165,7 +165,7 @@ class Artifact:
             found = self.shared(name)
             if found is None:
                 raise ArtifactError(f"the artifact reads {name} from the artifact that held it, "
-                                    "which is not at hand: save the whole LLM instead")
+                                    "which is not at hand: save the whole model (the LLM, the bucketed model) instead")
             blobs[name] = found[0]
         return Artifact(dict(self.manifest), blobs)
 

@@ -89,7 +89,7 @@ def pooled_data(header, shared) -> tuple:
     if found is None:
         raise ArtifactError(f"this ONNX Runtime partition reads its weights from {header['pool']}, a "
                             "member of the artifact that held it, which is missing here: load the "
-                            "whole artifact (the LLM's .kiln), not the graph taken out of it")
+                            "whole artifact (the LLM's or bucketed model's .kiln), not the graph cut out of it")
     data, origin = found
     if len(data) != header.get("pool_size"):
         raise ArtifactError(f"{header['pool']} holds {len(data)} bytes where the partition expects "

@@ -11,8 +11,10 @@ values), the ``Gather`` becomes ONNX Runtime's ``GatherBlockQuantized`` over the
 blocks and scales: ``(q - 128) * scale`` per element, the very product the float32 matrix
 holds, so the step's answers do not change by a bit. The gather reads the blocks as
 ``[rows, width]`` and an initializer has one shape, so the graph holds them twice (28 MB
-for SmolLM2, against the 113 MB matrix they replace); the scales are shared. Anywhere else (kiln's own int8 of a
-float model, whose blocks only approximate the matrix) the ``Gather`` is left alone.
+for SmolLM2, against the 113 MB matrix they replace; the scales are shared). The two are
+the same bytes, so an LLM's saved artifact stores them once (:mod:`kiln.runtime.ort_pool`).
+Anywhere else (kiln's own int8 of a float model, whose blocks only approximate the matrix)
+the ``Gather`` is left alone.
 """
 from __future__ import annotations
 

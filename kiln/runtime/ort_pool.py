@@ -107,7 +107,7 @@ def _external(art, blob) -> tuple:
         found = art.shared(header["pool"])
         if found is None:
             raise ArtifactError(f"a graph reads its weights from {header['pool']}, which is not at hand: "
-                                "save it from the LLM it was loaded with")
+                                "save it from the model it was loaded with")
         data = memoryview(found[0]).cast("B")
     else:
         data = memoryview(blob).cast("B")[offset:offset + header["data"]]
@@ -149,6 +149,6 @@ def _point_at_pool(model, ranges: dict):
 
 def _alignment(offset: int) -> int:
     """The alignment a range had in its own data (the largest power of two dividing its
-    offset, at most a page), kept in the pool: ONNX Runtime maps page-aligned ranges and
-    its kernels may rely on the alignment it wrote."""
+    offset, at most a page), kept in the pool, so each range is laid out at least as ONNX
+    Runtime wrote it (it maps its external data; its kernels may rely on the alignment)."""
     return _ALIGN if offset == 0 else min(_ALIGN, offset & -offset)
