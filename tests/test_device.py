@@ -203,6 +203,13 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
     halves = [torch.full((3,), 2.0, device=DEV)] * 2
     torch._foreach_addcdiv_(ps, ps, halves, torch.tensor([0.5, 0.25]))   # AdamW's form when compiling
     assert torch.stack(ps).cpu().tolist() == [[1.25] * 3, [1.125] * 3]
+    # an in-place update whose functional result has another dtype keeps the updated
+    # tensor's, as CPU does (float16 += float32)
+    hs, cpu = [torch.full((3,), 1.0, dtype=torch.float16, device=DEV)], [torch.full((3,), 1.0, dtype=torch.float16)]
+    torch._foreach_add_(hs, [torch.full((3,), 1 / 3, device=DEV)])
+    torch._foreach_add_(cpu, [torch.full((3,), 1 / 3)])
+    modes.mark_step()
+    assert hs[0].dtype == torch.float16 and torch.equal(hs[0].cpu(), cpu[0])
 
 
 def test_bf16_autocast_training_follows_cpu(recwarn):

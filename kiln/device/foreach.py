@@ -141,10 +141,12 @@ def _aliased(targets, args) -> bool:
     return False
 
 
-def record_whole(record, meta_call, rebind, func, name, args, kwargs):
+def record_whole(record, record_values, meta_call, rebind, func, name, args, kwargs):
     """Record a ``_foreach_*`` call as one operation; NotImplemented when it cannot be
-    (the caller then splits it). ``record``, ``meta_call`` and ``rebind(tensor, new)``
-    (point a tensor at a new pending value, in its dtype) are the dispatcher's."""
+    (the caller then splits it). ``record``, ``record_values`` (the outputs as value
+    indices and signatures, no tensors), ``meta_call`` and ``rebind(tensor, value,
+    signature)`` (point a tensor at a new pending value, in its dtype) are the
+    dispatcher's."""
     if not _device_lists(args):
         return NotImplemented
     inplace = name.endswith("_")
@@ -175,9 +177,11 @@ def record_whole(record, meta_call, rebind, func, name, args, kwargs):
         if scaled is NotImplemented:
             return NotImplemented
         fargs = (fargs[0], scaled, fargs[2])
-    outs = record(functional, fargs, fkwargs)
-    if outs is NotImplemented or not inplace:
+    if not inplace:
+        return record(functional, fargs, fkwargs)
+    outs = record_values(functional, fargs, fkwargs)
+    if outs is NotImplemented:
         return outs
-    for t, new in zip(targets, outs):
-        rebind(t, new)
+    for t, (k, sig) in zip(targets, outs):
+        rebind(t, k, sig)
     return None

@@ -45,10 +45,11 @@ _CPU = torch.device("cpu")
 def walk(trace, args, kwargs):
     """``(args, kwargs, guard, fresh)``: the arguments as the program reads them
     (:class:`~kiln.device.trace.Ref` for tensors), the call's guard, and the host tensors
-    it reads that are not yet inputs of ``trace`` (in order; registered only if the call
-    is recorded). Raises TypeError for a host tensor with dimensions (the device does not
+    it reads that are not yet inputs of ``trace`` (a dict, id -> (order, tensor), as
+    :meth:`~kiln.device.trace.Trace.index_of` builds it; registered only if the call is
+    recorded). Raises TypeError for a host tensor with dimensions (the device does not
     take one as an input: the call runs now)."""
-    guard, fresh = [], []
+    guard, fresh = [], {}
     gargs = _walk(trace, args, guard, fresh)
     gkwargs = {}
     if kwargs:
@@ -60,7 +61,7 @@ def walk(trace, args, kwargs):
 
 def guard(trace, args, kwargs):
     """``(guard, fresh)`` of :func:`walk`, without the arguments: all a replay needs."""
-    guard, fresh = [], []
+    guard, fresh = [], {}
     _walk(trace, args, guard, fresh, False)
     if kwargs:
         for name, v in kwargs.items():
@@ -90,7 +91,18 @@ def _walk(trace, a, guard, fresh, refs=True):
     guard.append(cls)
     if isinstance(a, (list, tuple)):
         guard.append(len(a))
-        items = [_walk(trace, x, guard, fresh, refs) for x in a]
+        items = []
+        for x in a:
+            if type(x) is dt.DeviceTensor:      # a _foreach_ call's lists: the first case, inline
+                cell = x._kc
+                k = cell.value
+                if k is None:
+                    k = trace.index_of(cell.data, fresh)
+                guard.append(k)
+                guard.append(x._ksig)
+                items.append(tr.Ref(k) if refs else None)
+            else:
+                items.append(_walk(trace, x, guard, fresh, refs))
         return items if cls is list else tuple(items)
     if isinstance(a, float):
         guard.append(a.hex())

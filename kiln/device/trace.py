@@ -107,17 +107,20 @@ class Trace:
     def __len__(self):
         return len(self.ops)
 
-    def index_of(self, data: torch.Tensor, fresh: list) -> int:
-        """The value index ``data`` has, or will have as the next new input (appended to
-        ``fresh``, registered by :meth:`record` or :meth:`replay`)."""
+    def index_of(self, data: torch.Tensor, fresh: dict) -> int:
+        """The value index ``data`` has, or will have as a new input: ``fresh`` maps the
+        ``id`` of each host tensor the call reads that is not yet an input to its order of
+        first use and the tensor (kept alive, so the ids stay unique), for :meth:`replay`
+        or :func:`kiln.device.dispatch._record` to register. A dict, not a list searched
+        by identity: an optimizer's ``_foreach_*`` call reads hundreds of new inputs, and
+        the search made its guard quadratic in them."""
         k = self._input_of.get(id(data))
         if k is not None:
             return k
-        for j, d in enumerate(fresh):
-            if d is data:
-                return len(self.metas) + j
-        fresh.append(data)
-        return len(self.metas) + len(fresh) - 1
+        hit = fresh.get(id(data))
+        if hit is None:
+            hit = fresh[id(data)] = (len(fresh), data)
+        return len(self.metas) + hit[0]
 
     def input(self, data: torch.Tensor) -> Ref:
         k = self._input_of.get(id(data))
@@ -158,7 +161,7 @@ class Trace:
     def replay(self, op, fresh) -> list:
         """Append the template's ``op`` (its guard matched): ``fresh`` are the new inputs
         it reads, in order; its outputs take the template's metas."""
-        for data in fresh:
+        for _, data in fresh.values():
             self._add_input(data)
         metas = self.template.metas
         for k in op.outs:
