@@ -73,6 +73,35 @@ def test_stop_tokens_and_listeners_end_a_request_and_free_its_slot(tiny_llm):
     assert by_listener.tokens == full[:3] and by_listener.finish_reason == "stop"
 
 
+def test_first_token_reaches_its_listener_before_the_prompt_is_written_to_the_cache(tiny_llm):
+    """Time to the first token does not wait for the prompt's keys and values to be copied
+    into the cache; the cache gets them before the next step, and a request that ends at
+    its first token leaves its row freed, its prompt kept for reuse."""
+    _, llm, _ = tiny_llm
+    prompt = [5, 17, 3, 88, 42, 7, 9]
+    full = _solo(llm, prompt, 6, GREEDY)
+    sched = llm.scheduler()
+    lengths = []
+
+    def watch(request, token):
+        lengths.append(int(sched.cache.lengths[0]))
+        return False
+
+    r = sched.add(Request(prompt, 6, on_token=watch))
+    sched.run()
+    assert r.tokens == full
+    # at the first token the row is still empty; at each later one it holds the prompt
+    # and every token before the one just chosen
+    assert lengths == [0] + [len(prompt) + i for i in range(1, 6)]
+    one = sched.add(Request(prompt, 1))
+    sched.run()
+    assert one.tokens == full[:1] and one.finish_reason == "length"
+    assert int(sched.cache.lengths[0]) == 0 and sched.cache.held[0][:len(prompt)] == prompt
+    again = sched.add(Request(prompt, 6))
+    sched.run()
+    assert again.tokens == full
+
+
 def test_cancel_full_queue_and_bad_requests(tiny_llm):
     _, llm, _ = tiny_llm
     sched = llm.scheduler(max_queue=2)

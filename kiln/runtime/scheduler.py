@@ -11,8 +11,8 @@ stream alone does not pay for ``B`` rows. One :meth:`Scheduler.step`:
    requests from the last occupied slots into the freed ones (their valid positions
    only), so the occupied slots are the first ones;
 2. admits waiting requests into free slots: each is prefilled alone, through the
-   batch-1 prefill graph of the smallest context bucket that fits, its keys and values
-   written into its slot, its first token chosen. While other requests are decoding,
+   batch-1 prefill graph of the smallest context bucket that fits, its first token
+   chosen (and handed to its listener), then its keys and values written into its slot. While other requests are decoding,
    at most ``prefills_per_step`` are admitted per step, so a burst of new prompts
    delays the running streams by one prefill each, not by all of them;
    with *chunked prefill* (a chunk graph: ``width`` new tokens of one row against its
@@ -277,10 +277,18 @@ class Scheduler:
             return
         self.cache.reset(slot)
         self.cache.fit(n, shrink=False)
-        self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
         self.slots[slot], request.prefilled = request, n
-        if not request.prefilling:
-            self._append(slot, request, logits[0, -1:])
+        if request.prefilling:
+            self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
+            return
+        # The first token goes to its listener before the prompt's keys and values are
+        # written into the cache, which no one needs before the next step (SmolLM2, 128
+        # tokens: 6 MB, ~0.9 ms of a ~50 ms time to the first token). A request that ended
+        # at that token still leaves its prompt in the row, freed, for prefix reuse.
+        self._append(slot, request, logits[0, -1:])
+        self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
+        if self.slots[slot] is not request:
+            self.cache.reset(slot)
 
     def _reuse_prefix(self, slot: int, request: Request) -> bool:
         """Start ``request`` from the longest prefix of its prompt some row of the cache holds
