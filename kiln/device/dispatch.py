@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from kiln.device import binding, foreach, replay, rewrites, walk
+from kiln.device import binding, foreach, meta, replay, rewrites, walk
 from kiln.graph import draws
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
@@ -294,67 +294,14 @@ def _written_arg(schema, args, kwargs):
 
 # ---- recording -----------------------------------------------------------------------
 
-_meta_like = tr.meta_like
-
-
 def _meta_of(a):
-    """The meta tensor standing for one argument, for running an operation on meta;
-    raises TypeError for a host tensor the device cannot take as an input."""
-    if isinstance(a, dt.DeviceTensor):
-        cell = a._kc
-        return current().metas[cell.value] if cell.value is not None else _meta_like(cell.data)
-    if isinstance(a, torch.Tensor):
-        if a.dim() != 0 or a.device.type != "cpu":
-            raise TypeError("a host tensor with dimensions")
-        return _meta_like(a)
-    if isinstance(a, torch.device):
-        return torch.device("meta")
-    return a
-
-
-def _sig(a):
-    """A hashable stand-in for an argument, as far as output shapes and dtypes go (a
-    device tensor's is made with it: its shape, strides and dtype never change)."""
-    if type(a) is dt.DeviceTensor:
-        return a._ksig
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
-    if isinstance(a, (list, tuple)):
-        return (type(a), tuple([_sig(x) for x in a]))
-    if isinstance(a, float):
-        return (float, a.hex())      # 1.0 is not 1 (nor -0.0 0.0): dtypes differ
-    if isinstance(a, int):
-        return (type(a), a)          # True is not 1
-    return a
-
-
-_META_CACHE: dict = {}
-_MISSING = object()
+    """The meta tensor standing for one argument (:func:`kiln.device.meta.stand_in`)."""
+    return meta.stand_in(a, current())
 
 
 def meta_call(func, args, kwargs):
-    """``func`` run on meta stand-ins of its arguments (output shapes, dtypes, strides),
-    remembered per operation and argument signature: the same step recorded again costs
-    a dictionary lookup, not a shape computation."""
-    try:
-        _info(func)                 # holds func alive, so its id names it
-        key = (id(func), _sig(args), tuple([(k, _sig(v)) for k, v in kwargs.items()]) if kwargs else ())
-        hit = _META_CACHE.get(key, _MISSING)
-    except TypeError:               # an unhashable constant
-        key, hit = None, _MISSING
-    if hit is not _MISSING:         # None too: an in-place _foreach_ call returns nothing
-        if isinstance(hit, Exception):
-            raise hit
-        return hit
-    try:
-        out = func(*walk.tmap(_meta_of, args), **{k: walk.tmap(_meta_of, v) for k, v in kwargs.items()})
-    except Exception as e:
-        if key is not None:
-            _META_CACHE[key] = e
-        raise
-    if key is not None:
-        _META_CACHE[key] = out
-    return out
+    """``func`` on meta stand-ins of its arguments, in the current trace (:mod:`kiln.device.meta`)."""
+    return meta.call(func, args, kwargs, current())
 
 
 def _record(func, args, kwargs, kind=None):

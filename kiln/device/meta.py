@@ -1,0 +1,74 @@
+"""What an operation on device tensors would give, without running it: the operation on
+*meta* stand-ins of its arguments (shapes, dtypes and strides only), remembered per
+operation and argument signature, so the same step recorded again costs a dictionary
+lookup, not a shape computation (:mod:`kiln.device.dispatch` records with it)."""
+from __future__ import annotations
+
+import torch
+
+from kiln.device import tensor as dt
+from kiln.device import trace as tr
+from kiln.device import walk
+
+_CACHE: dict = {}
+_FUNCS: dict = {}       # id -> operation: each held alive, so its id names it in the cache
+_MISSING = object()
+
+
+def stand_in(a, trace):
+    """The meta tensor standing for one argument (a pending device tensor's is its meta in
+    ``trace``); raises TypeError for a host tensor the device cannot take as an input."""
+    if isinstance(a, dt.DeviceTensor):
+        cell = a._kc
+        return trace.metas[cell.value] if cell.value is not None else tr.meta_like(cell.data)
+    if isinstance(a, torch.Tensor):
+        if a.dim() != 0 or a.device.type != "cpu":
+            raise TypeError("a host tensor with dimensions")
+        return tr.meta_like(a)
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    return a
+
+
+def signature(a):
+    """A hashable stand-in for an argument, as far as output shapes and dtypes go (a
+    device tensor's is made with it: its shape, strides and dtype never change)."""
+    if type(a) is dt.DeviceTensor:
+        return a._ksig
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), type(a) is dt.DeviceTensor)
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple([signature(x) for x in a]))
+    if isinstance(a, float):
+        return (float, a.hex())      # 1.0 is not 1 (nor -0.0 0.0): dtypes differ
+    if isinstance(a, int):
+        return (type(a), a)          # True is not 1
+    return a
+
+
+def call(func, args, kwargs, trace):
+    """``func`` run on meta stand-ins of its arguments; its exception, raised again, when
+    it failed (the same call fails the same way next time)."""
+    try:
+        _FUNCS.setdefault(id(func), func)
+        key = (id(func), signature(args),
+               tuple([(k, signature(v)) for k, v in kwargs.items()]) if kwargs else ())
+        hit = _CACHE.get(key, _MISSING)
+    except TypeError:               # an unhashable constant
+        key, hit = None, _MISSING
+    if hit is not _MISSING:         # None too: an in-place _foreach_ call returns nothing
+        if isinstance(hit, Exception):
+            raise hit
+        return hit
+
+    def of(a):
+        return stand_in(a, trace)
+    try:
+        out = func(*walk.tmap(of, args), **{k: walk.tmap(of, v) for k, v in kwargs.items()})
+    except Exception as e:
+        if key is not None:
+            _CACHE[key] = e
+        raise
+    if key is not None:
+        _CACHE[key] = out
+    return out
