@@ -91,18 +91,7 @@ def _walk(trace, a, guard, fresh, refs=True):
     guard.append(cls)
     if isinstance(a, (list, tuple)):
         guard.append(len(a))
-        items = []
-        for x in a:
-            if type(x) is dt.DeviceTensor:      # a _foreach_ call's lists: the first case, inline
-                cell = x._kc
-                k = cell.value
-                if k is None:
-                    k = trace.index_of(cell.data, fresh)
-                guard.append(k)
-                guard.append(x._ksig)
-                items.append(tr.Ref(k) if refs else None)
-            else:
-                items.append(_walk(trace, x, guard, fresh, refs))
+        items = [_walk(trace, x, guard, fresh, refs) for x in a]
         return items if cls is list else tuple(items)
     if isinstance(a, float):
         guard.append(a.hex())
