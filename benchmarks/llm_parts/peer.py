@@ -24,7 +24,7 @@ def llamacpp(path, ids, new, threads) -> dict:
     best = None
     for _ in range(2):
         llm.reset()             # else it reuses the previous run's KV cache for the same prompt
-        times, tokens = [], []
+        times = []
         t0 = time.perf_counter()
         for chunk in llm.create_completion(ids, max_tokens=new, temperature=0, stream=True):
             times.append(time.perf_counter())
