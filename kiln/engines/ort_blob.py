@@ -72,14 +72,26 @@ def relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> by
             elif key.startswith("prepacked_"):
                 if not keep_prepacked:
                     continue
-                kernel, _, span = value.partition("|")
-                offset, _, rest = span.partition(";")
-                value = f"{kernel}|{int(offset) + base};{rest}"
+                value = moved_prepacked(value, lambda offset: offset + base)
             entries.append((key, value))
         del init.external_data[:]
         for key, value in entries:
             init.external_data.add(key=key, value=value)
     return model.SerializeToString()
+
+
+def prepacked_span(value: str) -> tuple[int, int]:
+    """``(offset, length)`` of a prepacked entry's value (``kernel|offset;length;...``, as
+    ONNX Runtime writes it beside its external data)."""
+    offset, length = value.partition("|")[2].split(";")[:2]
+    return int(offset), int(length)
+
+
+def moved_prepacked(value: str, move) -> str:
+    """A prepacked entry's value with its offset ``move(offset)``."""
+    kernel, _, span = value.partition("|")
+    offset, _, rest = span.partition(";")
+    return f"{kernel}|{move(int(offset))};{rest}"
 
 
 def pooled_data(header, shared) -> tuple:

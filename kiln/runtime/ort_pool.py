@@ -28,7 +28,6 @@ from kiln.engines import ort_blob
 from kiln.errors import ArtifactError
 
 PREFIX = "shared/ort-"
-_ALIGN = 4096
 # bytes a pool must save to be used: each pooled graph costs up to a page of padding, and an
 # artifact that needs no pool stays readable by kilns from before it (format 2)
 MIN_SAVING = 64 << 10
@@ -131,8 +130,7 @@ def _ranges(model):
             yield int(values["offset"]), int(values["length"])
         for key, value in values.items():
             if key.startswith("prepacked_"):
-                offset, length = value.partition("|")[2].split(";")[:2]
-                yield int(offset), int(length)
+                yield ort_blob.prepacked_span(value)
 
 
 def _point_at_pool(model, ranges: dict):
@@ -142,13 +140,11 @@ def _point_at_pool(model, ranges: dict):
             if e.key == "offset":
                 e.value = str(ranges[int(e.value)])
             elif e.key.startswith("prepacked_"):
-                kernel, _, span = e.value.partition("|")
-                offset, _, rest = span.partition(";")
-                e.value = f"{kernel}|{ranges[int(offset)]};{rest}"
+                e.value = ort_blob.moved_prepacked(e.value, ranges.__getitem__)
 
 
 def _alignment(offset: int) -> int:
     """The alignment a range had in its own data (the largest power of two dividing its
     offset, at most a page), kept in the pool, so each range is laid out at least as ONNX
     Runtime wrote it (it maps its external data; its kernels may rely on the alignment)."""
-    return _ALIGN if offset == 0 else min(_ALIGN, offset & -offset)
+    return ort_blob.ALIGN if offset == 0 else min(ort_blob.ALIGN, offset & -offset)
