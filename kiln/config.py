@@ -49,6 +49,9 @@ VARIABLES = {v.name: v for v in (
        "model is loaded (kiln.host.memory: no page faults on every step); 0 leaves glibc as it is", "run"),
     _V("KILN_CUDA_GRAPHS", "on", "off: a model compiled for an NVIDIA GPU launches its kernels one by one "
        "instead of replaying them as a captured CUDA graph (kiln.runtime.cuda_graphs)", "run"),
+    _V("KILN_DRAW_AHEAD", "on", "off: dropout masks are drawn where the operation is recorded, not ahead "
+       "on a second thread from a copy of the generator's state (kiln.graph.draw_ahead; the same masks "
+       "either way)", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
     # distributed (torchrun sets the first four)

@@ -117,6 +117,61 @@ def test_device_masks_fall_back_to_bernoulli_where_the_integer_draw_is_not_exact
     assert torch.equal(got, expected) and torch.equal(s1, s2)
 
 
+def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_between_them():
+    """kiln.graph.draw_ahead: steps of masks that repeat are drawn on a worker thread from a
+    copy of the generator's state. Every mask and every generator state after it equals
+    ``bernoulli_``'s on the default generator, through a steady run, random data drawn between
+    masks, a seed set mid-step, a new shape and a new probability; and most steady masks
+    were in fact drawn ahead (else this test would test nothing)."""
+    from kiln.graph import draw_ahead, draws
+    draw_ahead.reset()
+    step = [torch.empty(4, 33, 65), torch.empty(2, 3, 40, 24).transpose(-1, -2), torch.empty(4, 33, 65),
+            torch.empty(1000)]
+    events = {(3, 1): lambda: torch.rand(5), (5, 0): lambda: torch.manual_seed(7),
+              (6, 2): lambda: torch.randn(3)}
+
+    def run(draw):
+        torch.manual_seed(2026)
+        out = []
+        for s in range(12):
+            for i, like in enumerate(step if s != 8 else step[:2] + [torch.empty(5, 7)]):
+                p = 0.5 if (s, i) == (9, 3) else 0.9
+                out.append((draw(like, p), torch.get_rng_state()))
+                if (s, i) in events:
+                    events[(s, i)]()
+        return out
+
+    expected = run(lambda like, p: torch.empty_like(like).bernoulli_(p).to(torch.bool))
+    before = draw_ahead.stats()
+    got = run(lambda like, p: draws.keep_mask(like.to("meta"), p))
+    after = draw_ahead.stats()
+    assert len(got) == len(expected)
+    for n, ((m1, s1), (m2, s2)) in enumerate(zip(expected, got)):
+        assert m2.dtype == torch.bool and m2.stride() == m1.stride(), n
+        assert torch.equal(m1, m2) and torch.equal(s1, s2), n
+    ahead = after["ahead"] - before["ahead"]
+    assert ahead >= len(got) // 2, after
+    # the device's form: the mask and its values in the input's dtype, both drawn ahead
+    torch.manual_seed(3)
+    for _ in range(4):
+        mask, values = draws.keep_mask(step[1].to("meta"), 0.9, also_as_values=True)
+        assert values.dtype == torch.float32 and torch.equal(values, mask.float())
+    draw_ahead.reset()
+
+
+def test_masks_are_drawn_here_when_draw_ahead_is_off(monkeypatch):
+    from kiln.graph import draw_ahead, draws
+    monkeypatch.setenv("KILN_DRAW_AHEAD", "off")
+    draw_ahead.reset()
+    before = draw_ahead.stats()
+    torch.manual_seed(1)
+    got = [draws.keep_mask(torch.empty(64, device="meta"), 0.9) for _ in range(8)]
+    torch.manual_seed(1)
+    want = [torch.empty(64).bernoulli_(0.9).bool() for _ in range(8)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert draw_ahead.stats()["ahead"] == before["ahead"]
+
+
 def _dropout_graph(transposed):
     from torch.fx.experimental.proxy_tensor import make_fx
 

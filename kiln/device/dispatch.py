@@ -393,9 +393,9 @@ def _dropout(x, p, train=None):
     # CPU draws into a tensor laid out like the input (empty_like), in memory order: a
     # transposed input (a transformer's dropout after attention) gets its numbers on
     # other elements than a contiguous one would. draws.keep_mask: the same bits, faster
-    kept_where = draws.keep_mask(_meta_of(x), keep)
+    kept_where, kept_values = draws.keep_mask(_meta_of(x), keep, also_as_values=True)
     scale = 0.0 if keep == 0 else 1.0 / keep
-    kept = _record(aten.mul.Tensor, (x, dt.wrap(kept_where.to(x.dtype))), {})
+    kept = _record(aten.mul.Tensor, (x, dt.wrap(kept_values)), {})
     out = _record(aten.mul.Tensor, (kept, scale), {})
     return out, dt.wrap(kept_where)
 

@@ -28,17 +28,32 @@ import threading
 
 import torch
 
+from kiln.graph import draw_ahead
+
 _SPAN = 1 << 53
 _exact: dict = {}            # dtype -> whether the integer draw gives bernoulli_'s masks here
 _lock = threading.Lock()
 
 
-def keep_mask(meta: torch.Tensor, p: float) -> torch.Tensor:
+def keep_mask(meta: torch.Tensor, p: float, *, also_as_values: bool = False):
     """``torch.empty_like(meta, device="cpu").bernoulli_(p)`` as booleans: the same
-    elements kept, the default generator left where ``bernoulli_`` leaves it."""
-    if 0.0 < p < 1.0 and _integer_draw_is_exact(meta.dtype):
-        return _from_bits(torch.empty_like(meta, dtype=torch.int64, device="cpu").random_(0, _SPAN), p)
-    return torch.empty_like(meta, device="cpu").bernoulli_(p).to(torch.bool)
+    elements kept, the default generator left where ``bernoulli_`` leaves it (drawn ahead
+    on another thread when a step's masks repeat: :mod:`kiln.graph.draw_ahead`).
+    ``also_as_values``: ``(mask, mask.to(meta.dtype))``, the cast made ahead too."""
+    like = torch.empty_like(meta, device="meta")        # the layout CPU's empty_like gives (dense or not)
+    return draw_ahead.mask((tuple(like.shape), tuple(like.stride()), like.dtype, float(p), also_as_values),
+                           _draw)
+
+
+def _draw(layout, generator):
+    shape, stride, dtype, p, also_as_values = layout
+    like = torch.empty_strided(shape, stride, dtype=dtype)
+    if 0.0 < p < 1.0 and _integer_draw_is_exact(dtype):
+        bits = torch.empty_like(like, dtype=torch.int64).random_(0, _SPAN, generator=generator)
+        mask = _from_bits(bits, p)
+    else:
+        mask = like.bernoulli_(p, generator=generator).to(torch.bool)
+    return (mask, mask.to(dtype)) if also_as_values else mask
 
 
 def _from_bits(bits: torch.Tensor, p: float) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Dropout masks drawn ahead on another thread, from a copy of the generator's state, so a
+training step's recording does not wait for the Mersenne Twister.
+
+CPU eager draws each dropout mask serially where the operation runs, and so did kiln
+(:mod:`kiln.graph.draws`): a 4-layer BERT's step spent 8-18 % of its main thread on its 14
+masks, while its second core sat idle through the recording. The draws depend on nothing a
+step computes, only on the generator's state and the masks' layouts, and a training step
+draws the same layouts in the same order every time. So after each draw this module
+predicts the next ones (the sequence of layouts repeats with some period: the last period
+again) and a worker thread draws them from a private generator set to the default
+generator's state, keeping each mask and the generator state after it.
+
+A prediction is used only when it is provably what a draw here would give: the layout,
+dtype and probability asked for are the ones predicted, and the default generator's
+state, compared byte for byte, is the one the worker started that mask from. Then the
+mask is handed out and the default generator is set to the state after it, exactly where
+drawing it here would have left it. Anything else (a seed set, random data drawn between
+masks, a new shape) is a miss: the worker is told to stop, the mask is drawn here as
+before, and a new prediction starts from there. Same masks and same generator states bit
+for bit either way (``tests/test_randomness.py``); ``KILN_DRAW_AHEAD=off`` turns it off.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+
+import torch
+
+from kiln import config
+
+_HISTORY = 4096            # layouts remembered, to find the period
+_MAX_PERIOD = 512          # masks a prediction holds at most (one period)
+_lock = threading.Lock()
+_history: list = []
+_job: list = [None]        # the current prediction
+_worker: list = [None]     # the thread that draws predictions, started at the first
+_queue: list = [queue.SimpleQueue()]
+_stats = {"ahead": 0, "here": 0, "wasted": 0}
+
+
+def enabled() -> bool:
+    return (config.get("KILN_DRAW_AHEAD") or "on").lower() not in ("off", "0", "false", "no")
+
+
+class _Prediction:
+    """What the worker draws: ``layouts`` in order, from ``start`` (a generator state)."""
+
+    def __init__(self, layouts: list, start: torch.Tensor, draw):
+        self.layouts = layouts
+        self.start = start
+        self.draw = draw
+        self.expect = start            # the state the default generator must hold for the next mask
+        self.drawn: list = []          # (mask, state after it), as the worker finishes them
+        self.taken = 0
+        self.stop = False
+        self.done = False
+        self.ready = threading.Condition()
+
+    def run(self):
+        try:
+            gen = torch.Generator()
+            gen.set_state(self.start)
+            for layout in self.layouts:
+                if self.stop:
+                    break
+                mask = self.draw(layout, gen)
+                with self.ready:
+                    self.drawn.append((mask, gen.get_state()))
+                    self.ready.notify_all()
+        finally:
+            with self.ready:
+                self.done = True
+                self.ready.notify_all()
+
+    def take(self, layout):
+        """The next mask if it is ``layout``'s and the default generator is where the worker
+        started it; else None (the caller draws)."""
+        if self.taken >= len(self.layouts) or self.layouts[self.taken] != layout:
+            return None
+        if not torch.equal(torch.default_generator.get_state(), self.expect):
+            return None
+        with self.ready:
+            while len(self.drawn) <= self.taken and not self.done:
+                self.ready.wait()
+            if len(self.drawn) <= self.taken:
+                return None               # the worker failed; draw here
+            mask, after = self.drawn[self.taken]
+            self.drawn[self.taken] = None  # hand the memory over with the mask
+        torch.default_generator.set_state(after)
+        self.expect = after
+        self.taken += 1
+        return mask
+
+    def cancel(self):
+        self.stop = True
+        _stats["wasted"] += max(0, len(self.layouts) - self.taken)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.taken >= len(self.layouts)
+
+
+def mask(layout: tuple, draw):
+    """The mask ``draw(layout, generator)`` would give on the default generator now, and the
+    default generator advanced as that draw would advance it: drawn ahead by the worker
+    when it predicted this draw, else drawn here. ``layout`` must be hashable and say all
+    the draw depends on (shape, strides, dtype, probability)."""
+    if not enabled():
+        return draw(layout, None)
+    with _lock:
+        job = _job[0]
+        got = job.take(layout) if job is not None else None
+        if got is None:
+            if job is not None:
+                job.cancel()
+                _job[0] = job = None
+            got = draw(layout, None)
+            _stats["here"] += 1
+        else:
+            _stats["ahead"] += 1
+        _history.append(layout)
+        if len(_history) > _HISTORY:
+            del _history[:len(_history) - _HISTORY]
+        if job is None or job.exhausted:
+            _predict(draw)
+        return got
+
+
+def _predict(draw):
+    """Start a worker on the last period of the history, if the history has one."""
+    following = _period(_history)
+    if not following:
+        _job[0] = None
+        return
+    job = _Prediction(following, torch.default_generator.get_state(), draw)
+    _job[0] = job
+    if _worker[0] is None:
+        _worker[0] = threading.Thread(target=_work, args=(_queue[0],), daemon=True, name="kiln-draw-ahead")
+        _worker[0].start()
+    _queue[0].put(job)
+
+
+def _work(jobs: queue.SimpleQueue):
+    """The worker: predictions one after another (a cancelled one stops after its current
+    mask); None ends it."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        if not job.stop:
+            job.run()
+        else:
+            with job.ready:
+                job.done = True
+                job.ready.notify_all()
+
+
+def _period(history: list) -> list:
+    """The smallest ``p`` whose last two periods of the history are equal: the next draws
+    are predicted to be the last ``p`` again."""
+    n = len(history)
+    for p in range(1, min(_MAX_PERIOD, n // 2) + 1):
+        if history[n - p:] == history[n - 2 * p:n - p]:
+            return history[n - p:]
+    return []
+
+
+def stats() -> dict:
+    """How many masks were drawn ahead, drawn here, and drawn ahead but not used."""
+    return dict(_stats)
+
+
+def reset():
+    """Forget the history and stop the worker (a test, the process's exit)."""
+    with _lock:
+        job, _job[0] = _job[0], None
+        worker, _worker[0] = _worker[0], None
+        jobs, _queue[0] = _queue[0], queue.SimpleQueue()
+        _history.clear()
+    if job is not None:
+        job.stop = True
+    if worker is not None:
+        jobs.put(None)
+        if worker is not threading.current_thread():
+            worker.join()
+
+
+def _in_child():
+    # the worker did not come with the fork, and its lock and condition may be held
+    global _lock
+    _lock = threading.Lock()
+    _job[0] = _worker[0] = None
+    _queue[0] = queue.SimpleQueue()
+    _history.clear()
+
+
+atexit.register(reset)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_child)
