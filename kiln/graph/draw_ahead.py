@@ -45,15 +45,18 @@ def enabled() -> bool:
 
 
 class _Prediction:
-    """What the worker draws: ``layouts`` in order, from ``start`` (a generator state)."""
+    """The worker's draws: the period ``layouts`` over and over, from ``start`` (a generator
+    state), staying one period ahead of the masks taken (so the next step's masks are drawn
+    while this step records, on the core the recording leaves idle, rather than while the
+    step's program runs on every core)."""
 
     def __init__(self, layouts: list, start: torch.Tensor, draw):
         self.layouts = layouts
         self.start = start
         self.draw = draw
         self.expect = start            # the state the default generator must hold for the next mask
-        self.drawn: list = []          # (mask, state after it), as the worker finishes them
-        self.taken = 0
+        self.drawn: dict = {}          # position -> (mask, state after it), not yet taken
+        self.taken = 0                 # masks handed out
         self.stop = False
         self.done = False
         self.ready = threading.Condition()
@@ -62,13 +65,18 @@ class _Prediction:
         try:
             gen = torch.Generator()
             gen.set_state(self.start)
-            for layout in self.layouts:
-                if self.stop:
-                    break
-                mask = self.draw(layout, gen)
+            period, at = len(self.layouts), 0
+            while True:
                 with self.ready:
-                    self.drawn.append((mask, gen.get_state()))
+                    while not self.stop and at - self.taken >= period:
+                        self.ready.wait()
+                    if self.stop:
+                        return
+                mask = self.draw(self.layouts[at % period], gen)
+                with self.ready:
+                    self.drawn[at] = (mask, gen.get_state())
                     self.ready.notify_all()
+                at += 1
         finally:
             with self.ready:
                 self.done = True
@@ -77,29 +85,30 @@ class _Prediction:
     def take(self, layout):
         """The next mask if it is ``layout``'s and the default generator is where the worker
         started it; else None (the caller draws)."""
-        if self.taken >= len(self.layouts) or self.layouts[self.taken] != layout:
+        at = self.taken
+        if self.layouts[at % len(self.layouts)] != layout:
             return None
         if not torch.equal(torch.default_generator.get_state(), self.expect):
             return None
         with self.ready:
-            while len(self.drawn) <= self.taken and not self.done:
+            while at not in self.drawn and not self.done:
                 self.ready.wait()
-            if len(self.drawn) <= self.taken:
+            got = self.drawn.pop(at, None)
+            if got is None:
                 return None               # the worker failed; draw here
-            mask, after = self.drawn[self.taken]
-            self.drawn[self.taken] = None  # hand the memory over with the mask
+            self.taken += 1
+            self.ready.notify_all()       # room for one more
+        mask, after = got
         torch.default_generator.set_state(after)
         self.expect = after
-        self.taken += 1
         return mask
 
     def cancel(self):
-        self.stop = True
-        _stats["wasted"] += max(0, len(self.layouts) - self.taken)
-
-    @property
-    def exhausted(self) -> bool:
-        return self.taken >= len(self.layouts)
+        with self.ready:
+            self.stop = True
+            _stats["wasted"] += len(self.drawn)
+            self.drawn.clear()
+            self.ready.notify_all()
 
 
 def mask(layout: tuple, draw):
@@ -123,7 +132,7 @@ def mask(layout: tuple, draw):
         _history.append(layout)
         if len(_history) > _HISTORY:
             del _history[:len(_history) - _HISTORY]
-        if job is None or job.exhausted:
+        if job is None:
             _predict(draw)
         return got
 
@@ -143,18 +152,17 @@ def _predict(draw):
 
 
 def _work(jobs: queue.SimpleQueue):
-    """The worker: predictions one after another (a cancelled one stops after its current
-    mask); None ends it."""
+    """The worker: predictions one after another (each runs until it is cancelled, and
+    stops after its current mask); None ends it. A draw that raises ends only its
+    prediction (its masks are then drawn where they are asked for, which raises there)."""
     while True:
         job = jobs.get()
         if job is None:
             return
-        if not job.stop:
+        try:
             job.run()
-        else:
-            with job.ready:
-                job.done = True
-                job.ready.notify_all()
+        except Exception:       # noqa: BLE001 - the caller draws it again and sees the error
+            pass
 
 
 def _period(history: list) -> list:
@@ -180,7 +188,7 @@ def reset():
         jobs, _queue[0] = _queue[0], queue.SimpleQueue()
         _history.clear()
     if job is not None:
-        job.stop = True
+        job.cancel()
     if worker is not None:
         jobs.put(None)
         if worker is not threading.current_thread():
