@@ -2,6 +2,7 @@
 the same seed, and compiling does not use up the caller's random numbers
 (``kiln.graph.randomness``), and dropout's masks drawn apart from the graph keep it whole
 (``kiln.graph.dropout``). The training paths are in ``test_device_compile.py``."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -117,13 +118,16 @@ def test_device_masks_fall_back_to_bernoulli_where_the_integer_draw_is_not_exact
     assert torch.equal(got, expected) and torch.equal(s1, s2)
 
 
-def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_between_them():
+@pytest.mark.parametrize("held", [None, 1], ids=["a-period-ahead", "one-mask-ahead"])
+def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_between_them(held, monkeypatch):
     """kiln.graph.draw_ahead: steps of masks that repeat are drawn on a worker thread from a
     copy of the generator's state. Every mask and every generator state after it equals
     ``bernoulli_``'s on the default generator, through a steady run, random data drawn between
     masks, a seed set mid-step, a new shape and a new probability; and most steady masks
     were in fact drawn ahead (else this test would test nothing)."""
     from kiln.graph import draw_ahead, draws
+    if held is not None:            # the bytes held ahead capped: one mask at a time
+        monkeypatch.setattr(draw_ahead, "_MAX_HELD_BYTES", held)
     draw_ahead.reset()
     step = [torch.empty(4, 33, 65), torch.empty(2, 3, 40, 24).transpose(-1, -2), torch.empty(4, 33, 65),
             torch.empty(1000)]
@@ -156,6 +160,24 @@ def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_bet
     for _ in range(4):
         mask, values = draws.keep_mask(step[1].to("meta"), 0.9, also_as_values=True)
         assert values.dtype == torch.float32 and torch.equal(values, mask.float())
+    draw_ahead.reset()
+
+
+def test_a_draw_that_fails_on_the_worker_is_drawn_again_where_it_is_asked_for():
+    """The worker's prediction ends; the caller draws the mask itself (no hang, the same mask)."""
+    import threading
+    from kiln.graph import draw_ahead
+
+    def draw(layout, generator):
+        if threading.current_thread().name == "kiln-draw-ahead":
+            raise MemoryError("no room on the worker")
+        return torch.empty(layout[0]).bernoulli_(0.5, generator=generator).bool()
+    draw_ahead.reset()
+    torch.manual_seed(5)
+    got = [draw_ahead.mask(((16,), "test"), draw) for _ in range(12)]
+    torch.manual_seed(5)
+    want = [torch.empty(16).bernoulli_(0.5).bool() for _ in range(12)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     draw_ahead.reset()
 
 

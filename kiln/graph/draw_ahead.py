@@ -31,7 +31,8 @@ import torch
 from kiln import config
 
 _HISTORY = 4096            # layouts remembered, to find the period
-_MAX_PERIOD = 512          # masks a prediction holds at most (one period)
+_MAX_PERIOD = 512          # masks in a period at most
+_MAX_HELD_BYTES = 256 << 20  # masks drawn ahead and not yet taken, at most (at least one is)
 _lock = threading.Lock()
 _history: list = []
 _job: list = [None]        # the current prediction
@@ -57,6 +58,7 @@ class _Prediction:
         self.expect = start            # the state the default generator must hold for the next mask
         self.drawn: dict = {}          # position -> (mask, state after it), not yet taken
         self.taken = 0                 # masks handed out
+        self.held = 0                  # bytes drawn and not yet handed out
         self.stop = False
         self.done = False
         self.ready = threading.Condition()
@@ -68,13 +70,15 @@ class _Prediction:
             period, at = len(self.layouts), 0
             while True:
                 with self.ready:
-                    while not self.stop and at - self.taken >= period:
+                    while not self.stop and (at - self.taken >= period
+                                             or (at > self.taken and self.held >= _MAX_HELD_BYTES)):
                         self.ready.wait()
                     if self.stop:
                         return
                 mask = self.draw(self.layouts[at % period], gen)
                 with self.ready:
                     self.drawn[at] = (mask, gen.get_state())
+                    self.held += _nbytes(mask)
                     self.ready.notify_all()
                 at += 1
         finally:
@@ -96,6 +100,7 @@ class _Prediction:
             got = self.drawn.pop(at, None)
             if got is None:
                 return None               # the worker failed; draw here
+            self.held -= _nbytes(got[0])
             self.taken += 1
             self.ready.notify_all()       # room for one more
         mask, after = got
@@ -117,6 +122,11 @@ def mask(layout: tuple, draw):
     when it predicted this draw, else drawn here. ``layout`` must be hashable and say all
     the draw depends on (shape, strides, dtype, probability)."""
     if not enabled():
+        if _job[0] is not None:
+            with _lock:
+                if _job[0] is not None:
+                    _job[0].cancel()
+                    _job[0] = None
         return draw(layout, None)
     with _lock:
         job = _job[0]
@@ -135,6 +145,11 @@ def mask(layout: tuple, draw):
         if job is None:
             _predict(draw)
         return got
+
+
+def _nbytes(mask) -> int:
+    parts = mask if isinstance(mask, tuple) else (mask,)
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def _predict(draw):
@@ -170,7 +185,9 @@ def _period(history: list) -> list:
     are predicted to be the last ``p`` again."""
     n = len(history)
     for p in range(1, min(_MAX_PERIOD, n // 2) + 1):
-        if history[n - p:] == history[n - 2 * p:n - p]:
+        # two single comparisons first: a history that does not repeat costs no slices
+        if (history[n - 1] == history[n - 1 - p] and history[n - p] == history[n - 2 * p]
+                and history[n - p:] == history[n - 2 * p:n - p]):
             return history[n - p:]
     return []
 
