@@ -193,7 +193,7 @@ def _until_compiled(step, i, started, marks, limit=1800.0) -> list:
     shares the cores with them, and ``--keep-stepping`` measures that: the steps go on, op by
     op, while the programs compile (docs/device.md: 48 s to a compiled BERT-4L step, 198 s
     before the compile process's threads yielded)."""
-    from kiln.device import metrics, modes
+    from kiln.device import metrics, modes, programs
     losses, idle = [], 0
     while time.perf_counter() - started < limit:
         if not KEEP_STEPPING:
@@ -205,10 +205,11 @@ def _until_compiled(step, i, started, marks, limit=1800.0) -> list:
             marks.setdefault("compiled_after_s", now)
         if metrics.counter_value("UpgradedIn"):
             marks.setdefault("whole_after_s", now)
-        # done when a step finds nothing compiling (or a compile failed) twice in a row: a
-        # compile that ended during the last step is taken up by the next, which may ask for
-        # another (the whole graph)
-        idle = idle + 1 if modes.wait_compiles(timeout=0) else 0
+        # done when a step finds nothing compiling (or a compile failed) and no build due
+        # twice in a row: a compile that ended during the last step is taken up by the next,
+        # which may ask for another (the whole graph; Inductor after some runs on eager's
+        # kernels: kiln.device.graphs.later_build)
+        idle = idle + 1 if modes.wait_compiles(timeout=0) and not programs.build_due() else 0
         if idle == 2:
             break
     marks["steps_to_compiled"] = i

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kiln.device import compile_process, metrics, modes
-from kiln.device import trace as device_trace
+from kiln.device import programs as device_programs
 from tests.conftest import run_py
 
 DEV = modes.device()
@@ -179,7 +179,7 @@ def test_a_program_runs_in_partitions_first_and_whole_once_it_repeats():
         if i in (1, 4):
             modes.wait_compiles()    # 1: the partitions are in; 4: the whole graph is, asked for at step 2
     assert metrics.counter_value("SwappedIn") >= 1 and metrics.counter_value("UpgradedIn") == 1, metrics.report()
-    (run,) = [e.run for e in device_trace._programs.values() if e.seen > 2]
+    (run,) = [e.run for e in device_programs._programs.values() if e.seen > 2]
     assert [p["engine"] for p in run.compiled.manifest["partitions"]] == ["inductor"]
     # the one-off and the step: each built once in partitions, the step once whole
     assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 3
@@ -202,6 +202,76 @@ def test_a_whole_graph_build_takes_over_only_when_it_measured_faster():
     assert metrics.counter_value("UpgradeSlower") == 2
     assert not graphs.faster(SimpleNamespace(compiled=None), run(150.0))
     assert graphs.faster(run(None), run(150.0)) and graphs.faster(run(100.0), run(None))
+
+
+def test_a_program_kept_on_eagers_kernels_is_offered_to_inductor_after_it_repeats():
+    """``graphs.later_build``: a program -O2 kept on eager's kernels (every partition timed
+    slower on its engine, as ONNX Runtime's convolution gradients were for a CNN's step) is
+    built whole on Inductor once it has run ``LOST_TO_EAGER_RUNS`` more times, held to
+    eager's speed (``engine_by="whole_graph"``, not the user's final choice); nothing more is
+    due for a program already on an engine, already on Inductor, pinned to an engine by the
+    user, or with ``whole_graph=False``; a program in partitions gets its whole graph at once."""
+    from types import SimpleNamespace
+
+    from kiln.device import graphs
+
+    def run(*engines, on="onnxruntime", later=None):
+        return SimpleNamespace(compiled=SimpleNamespace(manifest={
+            "engine": {"name": on}, "partitions": [{"engine": e} for e in engines], "whole_graph_later": later}))
+    options = {"optlevel": 2, "whole_graph": "later"}
+    got = graphs.later_build(run("eager"), options)
+    assert got == ({"optlevel": 2, "whole_graph": "later", "engine": "inductor", "engine_by": "whole_graph"},
+                   graphs.LOST_TO_EAGER_RUNS)
+    assert graphs.later_build(run("eager", "eager"), options)[0]["engine"] == "inductor"
+    assert graphs.later_build(run("eager", "onnxruntime"), options) is None
+    assert graphs.later_build(run("onnxruntime"), options) is None
+    assert graphs.later_build(run("eager", on="inductor"), options) is None
+    assert graphs.later_build(run("eager"), {**options, "engine": "onnxruntime"}) is None
+    assert graphs.later_build(run("eager"), {**options, "whole_graph": False}) is None
+    assert graphs.later_build(SimpleNamespace(compiled=None), options) is None
+    assert graphs.later_build(run("onnxruntime", later="inductor"), options) == (
+        {**options, "whole_graph": True}, 0)
+    # and kiln.trace takes engine_by (a phase's choice, held to eager's speed), checked
+    import kiln
+    from kiln.errors import CompilerArgsError
+    with pytest.raises(CompilerArgsError, match="engine_by"):
+        kiln.trace(torch.nn.Linear(2, 2), torch.randn(1, 2), engine_by="someone", cache=False)
+
+
+def test_a_build_due_later_is_asked_for_after_its_runs_and_swapped_in(monkeypatch):
+    """The flush's side of a later build: asked for only once the program has run the runs
+    ``later_build`` named, ``build_due`` says so until then (a benchmark steps on while it
+    does), and the build that measured faster takes over (``UpgradedIn``) with every step's
+    answer equal to CPU eager's."""
+    from types import SimpleNamespace
+
+    from kiln.device import graphs
+    asked = []
+    monkeypatch.setattr(graphs, "later_build", lambda run, options: ({**options, "marker": 1}, 3))
+
+    def upgrade(gm, examples, name, options):
+        asked.append(options.get("marker"))
+        faster = lambda *args: gm(*args)                       # noqa: E731 - eager's answer
+        faster.compiled = SimpleNamespace(manifest={"speed_vs_eager": {"latency_ms": 0.001}})
+        return faster
+    monkeypatch.setattr(graphs, "upgrade", upgrade)
+    modes.set_mode("lazy", optlevel=1, background="auto")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 16, generator=g)
+    wd = w.to(DEV)
+    due = []
+    for i in range(9):
+        x = torch.rand(8, 16, generator=g)
+        out = torch.tanh(x.to(DEV) @ wd).sum(1)
+        modes.mark_step()
+        torch.testing.assert_close(out.cpu(), torch.tanh(x @ w).sum(1), rtol=1e-5, atol=1e-5)
+        modes.wait_compiles()
+        due.append(device_programs.build_due())
+    assert asked == [1], asked
+    assert metrics.counter_value("UpgradedIn") == 1, metrics.report()
+    first = due.index(True)
+    # due from the compile until the third run after it asked for the build, then never again
+    assert due[first:first + 3] == [True] * 3 and not any(due[first + 3:]), due
 
 
 def test_the_compile_process_threads_yield_instead_of_spinning(monkeypatch):

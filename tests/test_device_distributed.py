@@ -49,7 +49,7 @@ def test_two_processes_equal_one(kind, tmp_path, cache):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
     got = [float(v) for v in line.split()[1:]]
     # every step ran a compiled program, compiled in-line (not in the background: the two
-    # ranks must switch to it at the same step, kiln.device.trace.in_background)
+    # ranks must switch to it at the same step, kiln.device.programs.in_background)
     compiled, background, interpreted = map(int, next(ln for ln in proc.stdout.splitlines()
                                                       if ln.startswith("compiles ")).split()[1:])
     assert compiled >= 1 and background == 0 and interpreted == 0, (compiled, background, interpreted)

@@ -34,7 +34,7 @@ from kiln.runtime.options import RuntimeOptions
 # trace() keywords that are CompileOptions fields; the rest are settings of the trace.
 OPTION_FIELDS = ("engine", "optlevel", "target", "device", "fallback", "min_partition_size",
                  "ops_on_host", "validate", "atol", "rtol", "quantize", "quantize_mode",
-                 "min_cosine", "min_top1", "compile_budget", "whole_graph")
+                 "min_cosine", "min_top1", "compile_budget", "whole_graph", "engine_by")
 
 
 def make_options(compiler_args=None, **overrides) -> CompileOptions:

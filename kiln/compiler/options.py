@@ -42,13 +42,17 @@ class CompileOptions:
                                       # engine in the manifest (``whole_graph_later``), for a caller that
                                       # builds the whole graph afterwards; else as True
     engine_by: str = "user"           # who set ``engine``: the user, or the phase that chose it
-                                      # ("whole_graph", "auto_cast"); only the user's choice is final
+                                      # ("whole_graph", "auto_cast"); only the user's choice is final:
+                                      # another is held to eager's speed at -O2 (kiln's device asks
+                                      # for Inductor this way where eager's kernels beat ONNX Runtime)
 
     def to_dict(self):
         d = asdict(self)
         d["ops_on_host"] = sorted(self.ops_on_host)
         return d
 
+
+ENGINE_BY = ("user", "whole_graph", "auto_cast")
 
 # The compile budget when none is given, per level (seconds per graph): once it is spent,
 # -O2 shortens its timing against eager to a floor (it never skips it); -O3 skips the
@@ -169,6 +173,8 @@ def check_supported(opts: CompileOptions):
         raise CompilerArgsError(f"device={opts.device!r}: expected one of {', '.join(DEVICES)}")
     if opts.whole_graph not in (True, False, "later"):
         raise CompilerArgsError(f"whole_graph={opts.whole_graph!r}: expected True, False or 'later'")
+    if opts.engine_by not in ENGINE_BY:
+        raise CompilerArgsError(f"engine_by={opts.engine_by!r}: expected one of {', '.join(ENGINE_BY)}")
     if opts.min_partition_size < 1:
         raise CompilerArgsError("min_partition_size must be at least 1")
     if opts.compile_budget is not None:

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from kiln.device import binding, foreach, meta, replay, rewrites, walk
+from kiln.device import binding, foreach, meta, programs, replay, rewrites, walk
 from kiln.graph import draws
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
@@ -216,7 +216,7 @@ def materialize(reason: str = "observed"):
         if not len(trace):
             return
         _current[0] = tr.Trace()
-        bound = tr.flush(trace, POLICY, at_step=reason == "optimizer step")
+        bound = programs.flush(trace, POLICY, at_step=reason == "optimizer step")
         binding.bind(trace, bound)
         tr.follow(trace, _current[0], POLICY.replay)
 

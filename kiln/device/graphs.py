@@ -175,6 +175,36 @@ def whole_graph_later(run) -> bool:
     return compiled is not None and bool(compiled.manifest.get("whole_graph_later"))
 
 
+# runs of a program kept on eager's kernels before its Inductor build is asked for: a
+# program that repeats this often is a training loop worth a build of tens of seconds,
+# and the tests' few steps of tiny models never ask for one
+LOST_TO_EAGER_RUNS = 8
+
+
+def later_build(run, options) -> tuple | None:
+    """``(options, runs)`` of a build due once the program compiled as ``run`` has run
+    ``runs`` more times, or None. Two cases: the program runs in partitions where the whole
+    graph would go to one engine (:func:`whole_graph_later`: the whole graph, at once);
+    and every engine the build tried ran slower than eager's own kernels, so -O2 kept the
+    graph on them (a CNN's step: ONNX Runtime's convolution gradients, decomposed into
+    convolutions, 61 ms against eager's 35): then the whole graph on Inductor, which fuses
+    the step around the same convolution kernels eager calls, timed against eager at -O2
+    like any build and taken only if faster (:func:`faster`)."""
+    if whole_graph_later(run):
+        return {**options, "whole_graph": True}, 0
+    compiled = getattr(run, "compiled", None)
+    if compiled is None or options.get("engine") or options.get("whole_graph") is False:
+        return None
+    parts = compiled.manifest.get("partitions") or []
+    engine = (compiled.manifest.get("engine") or {}).get("name")
+    if not parts or engine == "inductor" or any(p.get("engine") != "eager" for p in parts):
+        return None
+    from kiln import engines
+    if engines.get("inductor", required=False) is None:
+        return None
+    return {**options, "engine": "inductor", "engine_by": "whole_graph"}, LOST_TO_EAGER_RUNS
+
+
 def upgrade(gm, examples, name, options):
     """The whole-graph build of a program already running in partitions (``options`` with
     ``whole_graph=True``), compiled in the compile process; None where it is refused: the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from kiln.device import dispatch, metrics, registration, trace
+from kiln.device import dispatch, metrics, programs, registration
 
 _hooks: list = []
 
@@ -49,7 +49,7 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     makes the flush that compiles a program wait for it, instead of running the program
     op by op while kiln's compile process builds it (:mod:`kiln.device.compile_process`,
     :func:`wait_compiles`); ``"auto"``, the default, compiles in the background except in
-    a process group of several ranks (:func:`kiln.device.trace.in_background`).
+    a process group of several ranks (:func:`kiln.device.programs.in_background`).
 
     Settings left out keep the values they had, but for ``compile_after``, which belongs
     to the mode: left out, it is the mode's own (lazy mode compiles a program the first
@@ -94,9 +94,9 @@ def synchronize():
 def wait_compiles(timeout: float | None = None) -> bool:
     """Wait until the programs compiling in the background are ready (they take over at
     their next run); True when none is left compiling."""
-    return trace.wait_compiles(timeout)
+    return programs.wait_compiles(timeout)
 
 
 def forget_compiled():
     """Drop the compiled programs kept in this process (tests; memory)."""
-    trace.forget_programs()
+    programs.forget_programs()
