@@ -126,6 +126,7 @@ def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_bet
     masks, a seed set mid-step, a new shape and a new probability; and most steady masks
     were in fact drawn ahead (else this test would test nothing)."""
     from kiln.graph import draw_ahead, draws
+    monkeypatch.setattr(draw_ahead, "_cpus", [2])          # whatever this machine has
     if held is not None:            # the bytes held ahead capped: one mask at a time
         monkeypatch.setattr(draw_ahead, "_MAX_HELD_BYTES", held)
     draw_ahead.reset()
@@ -181,9 +182,14 @@ def test_a_draw_that_fails_on_the_worker_is_drawn_again_where_it_is_asked_for():
     draw_ahead.reset()
 
 
-def test_masks_are_drawn_here_when_draw_ahead_is_off(monkeypatch):
+@pytest.mark.parametrize("why", ["switched off", "one CPU"])
+def test_masks_are_drawn_here_when_draw_ahead_is_off_or_has_no_core_to_use(why, monkeypatch):
     from kiln.graph import draw_ahead, draws
-    monkeypatch.setenv("KILN_DRAW_AHEAD", "off")
+    if why == "one CPU":
+        monkeypatch.setattr(draw_ahead, "_cpus", [1])
+    else:
+        monkeypatch.setattr(draw_ahead, "_cpus", [2])
+        monkeypatch.setenv("KILN_DRAW_AHEAD", "off")
     draw_ahead.reset()
     before = draw_ahead.stats()
     torch.manual_seed(1)

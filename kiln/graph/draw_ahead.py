@@ -2,8 +2,9 @@
 training step's recording does not wait for the Mersenne Twister.
 
 CPU eager draws each dropout mask serially where the operation runs, and so did kiln
-(:mod:`kiln.graph.draws`): a 4-layer BERT's step spent 8-18 % of its main thread on its 14
-masks, while its second core sat idle through the recording. The draws depend on nothing a
+(:mod:`kiln.graph.draws`): a 4-layer BERT's lazy-mode forward spent 56 ms of its 78 ms of
+recording on its 14 masks (11-29, a slow hour of the 2-core Xeon), while its second core
+sat idle through the recording. The draws depend on nothing a
 step computes, only on the generator's state and the masks' layouts, and a training step
 draws the same layouts in the same order every time. So after each draw this module
 predicts the next ones (the sequence of layouts repeats with some period: the last period
@@ -17,7 +18,11 @@ mask is handed out and the default generator is set to the state after it, exact
 drawing it here would have left it. Anything else (a seed set, random data drawn between
 masks, a new shape) is a miss: the worker is told to stop, the mask is drawn here as
 before, and a new prediction starts from there. Same masks and same generator states bit
-for bit either way (``tests/test_randomness.py``); ``KILN_DRAW_AHEAD=off`` turns it off.
+for bit either way (``tests/test_randomness.py``); ``KILN_DRAW_AHEAD=off`` turns it off,
+and a process with one CPU never starts the worker (it would only take turns with the
+recording). The worker stays one period ahead of the masks taken, and holds at most
+:data:`_MAX_HELD_BYTES` of masks not yet taken (always at least one), so a model with large
+masks does not keep a second copy of a whole step's.
 """
 from __future__ import annotations
 
@@ -42,7 +47,14 @@ _stats = {"ahead": 0, "here": 0, "wasted": 0}
 
 
 def enabled() -> bool:
-    return (config.get("KILN_DRAW_AHEAD") or "on").lower() not in ("off", "0", "false", "no")
+    if (config.get("KILN_DRAW_AHEAD") or "on").lower() in ("off", "0", "false", "no"):
+        return False
+    if _cpus[0] is None:
+        _cpus[0] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _cpus[0] > 1
+
+
+_cpus: list = [None]       # CPUs this process may run on, read once
 
 
 class _Prediction:
