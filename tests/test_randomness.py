@@ -164,13 +164,16 @@ def test_masks_drawn_ahead_are_the_masks_drawn_here_whatever_the_caller_does_bet
     draw_ahead.reset()
 
 
-def test_a_draw_that_fails_on_the_worker_is_drawn_again_where_it_is_asked_for():
+def test_a_draw_that_fails_on_the_worker_is_drawn_again_where_it_is_asked_for(monkeypatch):
     """The worker's prediction ends; the caller draws the mask itself (no hang, the same mask)."""
     import threading
     from kiln.graph import draw_ahead
+    monkeypatch.setattr(draw_ahead, "_cpus", [2])
+    tried = []
 
     def draw(layout, generator):
         if threading.current_thread().name == "kiln-draw-ahead":
+            tried.append(layout)
             raise MemoryError("no room on the worker")
         return torch.empty(layout[0]).bernoulli_(0.5, generator=generator).bool()
     draw_ahead.reset()
@@ -179,6 +182,7 @@ def test_a_draw_that_fails_on_the_worker_is_drawn_again_where_it_is_asked_for():
     torch.manual_seed(5)
     want = [torch.empty(16).bernoulli_(0.5).bool() for _ in range(12)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert tried                     # the worker did try
     draw_ahead.reset()
 
 
