@@ -327,3 +327,39 @@ def test_a_cache_entry_that_does_not_fit_the_graph_is_never_run(tmp_path, monkey
                                             r"the graph's torch.float32\[8\]\); compiling it again"):
         summed = compile_graph(make_fx(lambda t: t.sum(0))(x), [x], name="summed", **options)
     torch.testing.assert_close(summed(x)[0], x.sum(0))
+
+
+@pytest.mark.parametrize("second", ["taken", "refused"])
+def test_a_torch_compile_graph_gets_its_second_build_in_line_and_keeps_eagers_answers(second, monkeypatch):
+    """``graphs._inductor_too``: where ``later_build`` names a build for a graph compiled on
+    its first call (torch.compile's), it is made at once (no later run to wait for), taken
+    only if it measured faster, and a build that fails leaves the first one running; the
+    step's answers equal eager's either way. (The named build here is a cheap ONNX Runtime
+    one standing in for Inductor's C++ build; which one wins is ``faster``'s test.)"""
+    from kiln.device import graphs
+    asked = []
+
+    def later(run, options):
+        asked.append(options)
+        if second == "refused":
+            return {**options, "engine": "no-such-engine"}, 8
+        return {**options, "engine": "onnxruntime", "optlevel": 1, "engine_by": "whole_graph"}, 8
+    monkeypatch.setattr(graphs, "later_build", later)
+    monkeypatch.setattr(graphs, "faster", lambda new, old: True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="kiln", dynamic=False)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        got, want = compiled(x), ref(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.sum().backward()
+        want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert asked, "later_build was never asked"
+    if second == "taken":
+        assert metrics.counter_value("UpgradedIn") == len(asked)
+    else:
+        assert metrics.counter_value("UpgradeRefused") == len(asked) and not metrics.counter_value("UpgradedIn")

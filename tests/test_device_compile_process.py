@@ -208,23 +208,30 @@ def test_a_program_kept_on_eagers_kernels_is_offered_to_inductor_after_it_repeat
     """``graphs.later_build``: a program -O2 kept on eager's kernels (every partition timed
     slower on its engine, as ONNX Runtime's convolution gradients were for a CNN's step) is
     built whole on Inductor once it has run ``LOST_TO_EAGER_RUNS`` more times, held to
-    eager's speed (``engine_by="whole_graph"``, not the user's final choice); nothing more is
-    due for a program already on an engine, already on Inductor, pinned to an engine by the
-    user, or with ``whole_graph=False``; a program in partitions gets its whole graph at once."""
+    eager's speed (``engine_by="whole_graph"``, not the user's final choice), and so is one on
+    an engine whose run took ``INDUCTOR_WORTH_MS`` or more; nothing more is due for a smaller
+    one, one already on Inductor, one -O1 did not time, one pinned to an engine by the user,
+    or with ``whole_graph=False``; a program in partitions gets its whole graph at once."""
     from types import SimpleNamespace
 
     from kiln.device import graphs
 
-    def run(*engines, on="onnxruntime", later=None):
+    def run(*engines, on="onnxruntime", later=None, ms=1.0):
         return SimpleNamespace(compiled=SimpleNamespace(manifest={
-            "engine": {"name": on}, "partitions": [{"engine": e} for e in engines], "whole_graph_later": later}))
+            "engine": {"name": on}, "partitions": [{"engine": e} for e in engines], "whole_graph_later": later,
+            "speed_vs_eager": None if ms is None else {"latency_ms": ms}}))
     options = {"optlevel": 2, "whole_graph": "later"}
     got = graphs.later_build(run("eager"), options)
     assert got == ({"optlevel": 2, "whole_graph": "later", "engine": "inductor", "engine_by": "whole_graph"},
                    graphs.LOST_TO_EAGER_RUNS)
     assert graphs.later_build(run("eager", "eager"), options)[0]["engine"] == "inductor"
+    # on an engine: Inductor is tried only where the run is worth a C++ build
     assert graphs.later_build(run("eager", "onnxruntime"), options) is None
     assert graphs.later_build(run("onnxruntime"), options) is None
+    worth = graphs.INDUCTOR_WORTH_MS
+    assert graphs.later_build(run("onnxruntime", ms=worth), options)[0]["engine"] == "inductor"
+    assert graphs.later_build(run("onnxruntime", "inductor", ms=worth), options) is None
+    assert graphs.later_build(run("eager", ms=None), options) is None          # untimed (-O1): nothing to beat
     assert graphs.later_build(run("eager", on="inductor"), options) is None
     assert graphs.later_build(run("eager"), {**options, "engine": "onnxruntime"}) is None
     assert graphs.later_build(run("eager"), {**options, "whole_graph": False}) is None
