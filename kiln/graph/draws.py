@@ -4,9 +4,11 @@ Lazy and eager modes draw each dropout mask on the host when the operation is re
 (:func:`kiln.device.dispatch._dropout`), from PyTorch's default generator, so a seed gives
 CPU eager's masks; a compiled graph's dropout draws its mask the same way
 (:mod:`kiln.graph.dropout`). Either way a mask whose draw was predicted comes from the
-worker of :mod:`kiln.graph.draw_ahead`, which drew it from the same generator state. On CPUs other than Intel's, PyTorch's ``bernoulli_(p)`` draws one
-element at a time: two 32-bit outputs of the Mersenne Twister joined into 64 bits, the low
-53 as a double in [0, 1), kept where it is below ``p``. A 4-layer BERT's training step spends
+worker of :mod:`kiln.graph.draw_ahead`, which drew it from the same generator state.
+
+On CPUs other than Intel's, PyTorch's ``bernoulli_(p)`` draws one element at a time: two
+32-bit outputs of the Mersenne Twister joined into 64 bits, the low 53 as a double in
+[0, 1), kept where it is below ``p``. A 4-layer BERT's training step spends
 31 ms of its ~220 on its 14 masks that way (docs/device.md), in eager PyTorch and in kiln.
 
 ``random_(0, 2**53)`` on an int64 tensor draws the same two outputs per element in the same
