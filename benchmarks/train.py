@@ -347,6 +347,41 @@ def torch_xla_python(given) -> str | None:
     return sys.executable if importlib.util.find_spec("torch_xla") is not None else None
 
 
+def merge_rounds(rounds: list) -> dict:
+    """One result per runner from several rounds: the round with the median steps/s (its
+    step times, losses and marks), the first round's first-step and warm-up times (later
+    rounds find the compile cache warm), and every round's steps/s and ratio to the eager
+    runner of the same round (``x_eager_by_round``: paired, so the machine's drift between
+    rounds cancels)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = {}
+    for key in rounds[0]:
+        runs = [r[key] for r in rounds if "steps_per_s" in r.get(key, {})]
+        if not runs:
+            merged[key] = rounds[0][key]
+            continue
+        pick = sorted(runs, key=lambda x: x["steps_per_s"])[len(runs) // 2]
+        eager_key = key.rsplit("/", 1)[0] + "/eager"
+        paired = [r[key]["steps_per_s"] / r[eager_key]["steps_per_s"] for r in rounds
+                  if "steps_per_s" in r.get(key, {}) and "steps_per_s" in r.get(eager_key, {})]
+        merged[key] = {**pick, "first_step_s": runs[0].get("first_step_s"), "warmup_s": runs[0].get("warmup_s"),
+                       "steps_per_s_by_round": [x["steps_per_s"] for x in runs],
+                       "x_eager_by_round": paired,
+                       "x_eager_median_of_rounds": sorted(paired)[len(paired) // 2] if paired else None}
+    summarize(merged)
+    return merged
+
+
+def rounds_table(results: dict) -> str:
+    lines = ["runner                        x eager, round by round (paired)        median"]
+    for key, res in results.items():
+        paired = res.get("x_eager_by_round")
+        if paired and not key.endswith("/eager"):
+            lines.append(f"{key:28s}  {' '.join(f'{x:5.2f}' for x in paired):40s} {res['x_eager_median_of_rounds']:5.2f}")
+    return "\n".join(lines)
+
+
 def _in_child(key, args) -> dict:
     import subprocess
     import tempfile
@@ -410,31 +445,41 @@ def main(argv=None):
     p.add_argument("--keep-stepping", action="store_true",
                    help="kiln's device runners step on while their programs compile, as a training "
                         "loop does, instead of waiting for each compile (the compiles then share the cores)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every runner this many times, in turn (eager, the others, eager, ...), and "
+                        "report each runner's median round and its ratio to eager round by round: on a "
+                        "machine whose speed drifts, paired ratios hold where single runs move by 15%%")
     p.add_argument("--one", help=argparse.SUPPRESS)     # model/precision/runner, in a child process
     args = p.parse_args(argv)
     if args.one:
         return _child(args)
     models = ("bert", "cnn") if args.model == "all" else (args.model,)
     precisions = ("fp32", "bf16") if args.precision == "all" else (args.precision,)
-    results = {}
-    for name in models:
-        for precision in precisions:
-            for kind in args.runners.split(","):
-                key = f"{name}/{precision}/{kind}"
-                print(f"[train] {key} ...", file=sys.stderr, flush=True)
-                results[key] = _in_child(key, args)
-                print(f"[train] {key}: "
-                      f"{results[key].get('steps_per_s', results[key].get('error', results[key].get('skipped')))}",
-                      file=sys.stderr, flush=True)
-    summarize(results)
+    rounds = []
+    for r in range(args.rounds):
+        results = {}
+        for name in models:
+            for precision in precisions:
+                for kind in args.runners.split(","):
+                    key = f"{name}/{precision}/{kind}"
+                    print(f"[train] round {r + 1}/{args.rounds} {key} ...", file=sys.stderr, flush=True)
+                    results[key] = _in_child(key, args)
+                    print(f"[train] {key}: "
+                          f"{results[key].get('steps_per_s', results[key].get('error', results[key].get('skipped')))}",
+                          file=sys.stderr, flush=True)
+        summarize(results)
+        rounds.append(results)
+    results = merge_rounds(rounds)
     print(table(results))
+    if args.rounds > 1:
+        print(rounds_table(results))
     if any(k.startswith("kiln-") for k in args.runners.split(",")):
         cost = results["recording-cost"] = _in_child("recording-cost", args)
         if "error" not in cost:
             print(f"recording one operation on the device: {cost['kiln_record_us']:.1f} us replayed, "
                   f"{cost['kiln_record_fresh_us']:.1f} us afresh (CPU eager runs it in {cost['cpu_eager_us']:.1f} us)")
     info = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "warmup": args.warmup, "steps": args.steps, "targets": TARGETS}
+            "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "targets": TARGETS}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"info": info, "results": results}, f, indent=1)
