@@ -39,6 +39,7 @@ in another process).
 
     python benchmarks/train.py                  # both models, fp32 and bf16
     python benchmarks/train.py --model bert --precision fp32 --steps 5
+    python benchmarks/train.py --precision fp32 --rounds 3   # each runner 3 times, ratios paired by round
 """
 from __future__ import annotations
 
