@@ -49,6 +49,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -369,7 +370,7 @@ def merge_rounds(rounds: list) -> dict:
         merged[key] = {**pick, "first_step_s": runs[0].get("first_step_s"), "warmup_s": runs[0].get("warmup_s"),
                        "steps_per_s_by_round": [x["steps_per_s"] for x in runs],
                        "x_eager_by_round": paired,
-                       "x_eager_median_of_rounds": sorted(paired)[len(paired) // 2] if paired else None}
+                       "x_eager_median_of_rounds": statistics.median(paired) if paired else None}
     summarize(merged)
     return merged
 

@@ -124,8 +124,9 @@ def _inductor_too(gm, examples, name, options, first):
     took 5 ms or more) gets it at once, kept only if it measured faster: its compile happens
     in-line anyway, and it has no later run to wait for. The benchmark's CNN had its forward
     on ONNX Runtime (9.6 ms; Inductor 4.2) and its backward on eager's kernels (24.9 ms;
-    Inductor 8.5), leaving ``torch.compile(backend="kiln")`` at 0.55x Inductor's speed (11-29)."""
+    Inductor 8.5), leaving ``torch.compile(backend="kiln")`` at 0.56x Inductor's speed (11-29)."""
     later = later_build(first, options)
+    # runs == 0 is the whole-graph-later case, which needs whole_graph="later": not in-line
     if later is None or not later[1]:
         return first
     started = time.perf_counter()

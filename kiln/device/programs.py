@@ -23,8 +23,8 @@ from kiln.device.trace import Policy, Trace
 
 
 class _Entry:
-    __slots__ = ("seen", "run", "name", "compiling", "failed", "interpreted", "later", "later_at", "upgraded",
-                 "last_flush")
+    __slots__ = ("seen", "run", "name", "compiling", "failed", "interpreted", "later", "later_at",
+                 "upgraded", "last_flush")
 
     def __init__(self, name):
         self.seen = 0
@@ -47,7 +47,6 @@ def forget_programs():
     with _programs_lock:
         _programs.clear()
     tr.forget_templates()
-
 
 
 def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
