@@ -228,10 +228,26 @@ def test_engine_selection_holds_gpu_builds_to_tf32_and_cpu_builds_to_atol_rtol(m
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = True                    # torch's defaults
     assert selection._Reference(_conv_graph(), [], gpu).precision == "tf32"
-    assert selection._Reference(_matmul_graph(), [], gpu).precision == "fp32"
+    assert selection._Reference(_matmul_graph(), [], gpu).precision is None      # fp32: held as asked
     tf32_gpu = make_options("--auto-cast matmult --auto-cast-type tf32", device="cuda")
     assert selection._Reference(_matmul_graph(), [], tf32_gpu).precision == "tf32"
     assert selection._Reference(_conv_graph(), [], tf32_gpu).precision == "tf32"
+
+
+def test_engine_selection_holds_a_bf16_graphs_builds_to_bf16s_floor_on_the_cpu():
+    """A CPU graph with bf16 values (an autocast training step) is checked per partition at
+    bf16's floor, as the model's validation gate checks it: its fp32 outputs (gradients of
+    bf16 products) carry bf16's roundings. The device's bf16 MLP step whole on Inductor
+    differed from eager by 1.2e-3 in one gradient, which the gate passes and 1e-3 did not."""
+    cpu = make_options(device="cpu")
+    w = torch.randn(8, 16)
+    bf16 = _graph(lambda x: torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float(), torch.randn(2, 16))
+    assert selection._Reference(bf16, [], cpu).precision == "bf16"
+    assert selection._Reference(_matmul_graph(), [], cpu).precision is None       # fp32: as asked
+    e = torch.linspace(-1, 1, 64)
+    assert "differs from eager" in checks.disagreement([e], [e + 1.2e-3], cpu, None)
+    assert checks.disagreement([e], [e + 1.2e-3], cpu, "bf16") is None
+    assert "differs from eager" in checks.disagreement([e], [e + 0.05], cpu, "bf16")
 
 
 def test_padding_and_batch_checks_of_a_tf32_build_use_its_precision():

@@ -98,11 +98,13 @@ class OnnxRuntimeEngine(Engine):
             return WHY_RACES
         if not _registry().is_registered(target) and not ort_export.translates_by_decomposition(node, _registry()):
             return "no ONNX translation in torch's exporter registry"
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        for v in vals:
-            if isinstance(v, torch.Tensor) and v.dtype in _UNSUPPORTED_DTYPES:
-                return f"dtype {v.dtype} is not supported by ONNX Runtime's CPU kernels"
+        # inputs too: a bf16 -> float32 cast has a float32 result, but a partition that takes
+        # it in takes a bf16 input, which ONNX Runtime cannot run (it then fell to Inductor
+        # piece by piece: four C++ builds of a bf16 step where one whole build was due)
+        for v in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
+            for t in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(t, torch.Tensor) and t.dtype in _UNSUPPORTED_DTYPES:
+                    return f"dtype {t.dtype} is not supported by ONNX Runtime's CPU kernels"
         return None
 
     def variants(self, options) -> tuple:
