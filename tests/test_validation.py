@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import kiln
+
 from kiln.errors import ValidationError
 from kiln.graph.validation import compare, narrowest_float
 
@@ -248,6 +250,23 @@ def test_engine_selection_holds_a_bf16_graphs_builds_to_bf16s_floor_on_the_cpu()
     assert "differs from eager" in checks.disagreement([e], [e + 1.2e-3], cpu, None)
     assert checks.disagreement([e], [e + 1.2e-3], cpu, "bf16") is None
     assert "differs from eager" in checks.disagreement([e], [e + 0.05], cpu, "bf16")
+
+
+def test_float16_outputs_are_compared_in_float32_not_crashed():
+    """The check clamps outputs to +-1e30 (saturated masks), which is no float16: a float16
+    output not within atol of eager's raised "value cannot be converted to type c10::Half
+    without overflow", and with it the compile of every float16 model."""
+    cpu = make_options(device="cpu")
+    e = torch.linspace(-8, 8, 64).half()
+    a = (e.float() + 5e-3).half()           # within float16's floor: 2 ulps of the largest, 0.0156
+    assert checks.disagreement([e], [a], cpu, "fp16") is None
+    assert "differs from eager" in checks.disagreement([e], [a], cpu, None)
+    assert "differs from eager" in checks.disagreement([e], [(e.float() + 0.1).half()], cpu, "fp16")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)).half().eval()
+    x = torch.randn(4, 8, dtype=torch.float16)
+    compiled = kiln.trace(model, x, optlevel=1, cache=False)
+    assert compiled.manifest["validation"]["precision"] == "fp16"
+    torch.testing.assert_close(compiled(x), model(x), rtol=2e-3, atol=2e-3)
 
 
 def test_padding_and_batch_checks_of_a_tf32_build_use_its_precision():
