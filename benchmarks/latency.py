@@ -78,6 +78,7 @@ Usage::
     python benchmarks/latency.py --skip aotinductor,kiln-o3   # without the slow compiles
     python benchmarks/latency.py --models minilm --autotune-timeout 300
     python benchmarks/latency.py --models bert-base --iters 200 --warmup 20
+    python benchmarks/latency.py --models bert-base --dtype bf16   # a bf16 model (peers without bf16: errors)
     python benchmarks/latency.py --json benchmarks/results/latency.json
 
 Results are printed as a table and written as JSON (default
@@ -469,6 +470,19 @@ def build_case(name: str, quick: bool, seed: int) -> Case:
     if name == "minilm":
         return minilm_case(quick)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def in_dtype(case: Case, dtype: str) -> Case:
+    """The case with its weights and float inputs in ``dtype`` ("fp32": as built)."""
+    if dtype == "fp32":
+        return case
+    to = {"bf16": torch.bfloat16}[dtype]
+    cast = lambda t: t.to(to) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    case.model = case.model.to(to)
+    case.args = tuple(cast(a) for a in case.args)
+    case.kwargs = {k: cast(v) for k, v in case.kwargs.items()}
+    case.description = case.description.replace("fp32", dtype) + ("" if "fp32" in case.description else f", {dtype}")
+    return case
 
 
 def transformer_case(name: str, desc: str, model, kwargs: dict) -> Case:
@@ -1154,6 +1168,9 @@ def parse_args(argv=None):
                    help="where to write results (default benchmarks/results/latency.json, "
                         "latency-quick.json with --quick)")
     p.add_argument("--fail-on-miss", action="store_true", help="exit 1 if a kiln target is missed")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the models' weights and float inputs (bf16: a bf16 model, as a user loads one with "
+                        "torch_dtype=torch.bfloat16; peers without bf16 kernels are recorded as errors)")
     args = p.parse_args(argv)
     if args.warmup is None:
         args.warmup = 3 if args.quick else 10
@@ -1192,7 +1209,8 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
         "settings": {"models": args.model_list, "iters": args.iters, "seconds_per_runner": args.seconds,
                      "warmup": args.warmup, "rounds": args.rounds, "block_discard": args.block_discard,
-                     "threads": threads, "seed": args.seed, "quick": args.quick, "batch": 1, "dtype": "float32",
+                     "threads": threads, "seed": args.seed, "quick": args.quick, "batch": 1,
+                     "dtype": {"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
                      "skip": sorted(args.skip_set), "setup_timeout_s": args.setup_timeout},
         "machine": machine_info(threads),
         "targets": {"kiln_default_vs_eager_min": TARGET_DEFAULT_VS_EAGER,
@@ -1215,7 +1233,7 @@ def main(argv=None) -> int:
     gemm = Runner("gemm", f"fp32 GEMM {GEMM_N}^3 (torch.matmul)", fn=make_gemm())
     for name in args.model_list:
         try:
-            case = build_case(name, args.quick, args.seed)
+            case = in_dtype(build_case(name, args.quick, args.seed), args.dtype)
         except Exception as e:  # noqa: BLE001
             log(f"{name}: could not build the model: {short_error(e)}")
             results["models"][name] = {"description": name, "error": short_error(e), "runners": {},

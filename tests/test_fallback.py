@@ -171,6 +171,48 @@ def test_whole_graph_later_defers_the_whole_graph_only_where_the_partitions_are_
         make_options(whole_graph="soon")
 
 
+def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeypatch):
+    """A bf16 model, whose bf16 operations the first engine (ONNX Runtime: no bf16 kernels)
+    leaves on the host, used to run them there op by op (a bf16 BERT-4L at 0.69-0.94x
+    eager around a small ONNX Runtime partition; a bf16 MLP eagerly behind a warning)
+    unless ``whole_graph`` was asked for. On a CPU that computes bf16 natively it goes whole
+    to Inductor (timed against eager at -O2, as any whole_graph build); where bf16 is
+    emulated it stays as it was, since Inductor would compute it op by op too. A float32
+    graph is not affected."""
+    from kiln.compiler import phases
+    from kiln.compiler.driver import make_options
+    from kiln.graph.capture import capture
+    from kiln.host import target
+    from kiln.progress import Progress
+    torch.manual_seed(0)
+    bf16 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).bfloat16().eval()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    # float32 in, float32 products, then one bf16 product: ONNX Runtime takes the float32 part
+    mixed = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), _ToBf16(),
+                                torch.nn.Linear(8, 4).bfloat16()).eval()
+    fp32 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+
+    def planned(m, inputs, native):
+        monkeypatch.setattr(target, "native", lambda kind: native)
+        return phases.plan(capture(m, inputs), make_options(), Progress(quiet=True))
+
+    for model, inputs in ((bf16, x), (mixed, torch.randn(3, 8))):
+        p = planned(model, inputs, native=True)
+        assert p.engine.name == "inductor" and p.options.engine_by == "whole_graph", p.report.notes
+        assert len(p.placement.partitions) == 1 and not p.placement.unsupported
+        p = planned(model, inputs, native=False)
+        assert p.engine.name == "onnxruntime" and p.placement.unsupported, p.report.notes
+    assert not planned(bf16, x, native=False).placement.partitions        # eager's, with the warning
+    p = planned(fp32, torch.randn(3, 8), native=True)
+    assert p.engine.name == "onnxruntime" and not p.placement.unsupported
+    # (the build itself is test_onnx_runtime_never_gets_bfloat16_operations's, with whole_graph)
+
+
+class _ToBf16(torch.nn.Module):
+    def forward(self, x):
+        return x.bfloat16()
+
+
 def test_an_operator_the_onnx_exporter_decomposes_runs_on_onnx_runtime_whole():
     """``aten.squeeze.dims`` has no translation in torch's ONNX registry, but the exporter
     decomposes it into operators that have one: ONNX Runtime takes it, so the graph is one
@@ -332,7 +374,7 @@ def test_onnx_runtime_never_gets_bfloat16_operations():
     torch.testing.assert_close(c(x), model(x), rtol=1.6e-2, atol=1.6e-2)
 
 
-def test_a_cast_from_bfloat16_runs_on_the_host_and_the_float32_rest_on_onnx_runtime():
+def test_a_cast_from_bfloat16_runs_on_the_host_and_the_float32_rest_on_onnx_runtime(monkeypatch):
     """A graph that casts a bf16 input to float32 and computes in float32 (an autocast
     step's master weights and losses): the cast used to join the ONNX Runtime partition,
     whose bf16 input ONNX Runtime then could not take, so the partition fell through
@@ -347,6 +389,10 @@ def test_a_cast_from_bfloat16_runs_on_the_host_and_the_float32_rest_on_onnx_runt
         def forward(self, x):
             return torch.relu(self.lin(x.float()) + 1).sum(-1)
 
+    from kiln.host import target
+    # a CPU that emulates bf16: where it is native, the graph goes whole to Inductor instead
+    # (test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16)
+    monkeypatch.setattr(target, "native", lambda kind: False)
     torch.manual_seed(0)
     model, x = CastThenLinear().eval(), torch.randn(4, 8, dtype=torch.bfloat16)
     c = kiln.trace(model, x, optlevel=1, cache=False)
