@@ -50,6 +50,7 @@ class Plan:
     report: AnalysisReport
     precision: dict | None = None    # the auto-cast record for the manifest
     whole_graph_later: str | None = None   # whole_graph="later": the engine to build the whole graph on
+    narrow_whole: bool = False       # whole on Inductor for its native bf16/fp16, not for whole_graph
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ class Build:
     runners: list = field(default_factory=list)  # each partition as its checks loaded it, or None
 
 
-def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
-    """Auto-cast, place ops on the primary engine or the host, and report op support."""
+def plan(captured: Captured, opts: CompileOptions, progress, narrow_whole: bool = True) -> Plan:
+    """Auto-cast, place ops on the primary engine or the host, and report op support.
+    ``narrow_whole=False``: not whole on Inductor for native bf16/fp16 alone (the driver's
+    second plan, where that build failed its check)."""
     notes: list = []
     opts, precision = apply_auto_cast(captured, opts, notes)
     engine, engine_notes = primary(opts)
@@ -74,7 +77,8 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
             notes.append("dropout's masks are drawn on the host before the graph runs, the rest stays whole "
                          f"on {engine.name} (kiln.graph.dropout)")
             placement = place(captured.graph_module, engine, opts)
-        whole, later = _whole_graph_engine(opts, engine, placement), None
+        whole, later = _whole_graph_engine(opts, engine, placement, narrow_whole), None
+        narrow = whole is not None and not opts.whole_graph
         if whole is not None and opts.whole_graph == "later" and len(placement.partitions) <= LATER_PARTITIONS:
             notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
                          f"graph on {whole.name} is due later (whole_graph='later')")
@@ -89,7 +93,7 @@ def plan(captured: Captured, opts: CompileOptions, progress) -> Plan:
     if not placement.partitions:
         rep.notes.append(f"No operator is placed on the {engine.name} engine; the whole model "
                          "runs on the host with PyTorch")
-    return Plan(captured, opts, engine, placement, rep, precision, later)
+    return Plan(captured, opts, engine, placement, rep, precision, later, narrow)
 
 
 # whole_graph="later" builds the partitions first only where they are few: each is a build,
@@ -111,7 +115,7 @@ def _dropout_splits(opts, engine, placement) -> bool:
                                        for n in placement.unsupported)
 
 
-def _whole_graph_engine(opts, first, placement):
+def _whole_graph_engine(opts, first, placement, narrow_whole=True):
     """With ``whole_graph``: the engine that takes every operation (Inductor) when the
     first engine would leave some on the host, else None. Training graphs are where it
     matters: a host op splits a step into partitions that take turns with it (a CNN's
@@ -121,7 +125,7 @@ def _whole_graph_engine(opts, first, placement):
     unsupported = [n for n in placement.unsupported if not dropout.is_mask_draw(n)]
     if opts.engine or not unsupported or first.name == "inductor":
         return None
-    if not opts.whole_graph and not _native_narrow_left(placement):
+    if not opts.whole_graph and not (narrow_whole and _native_narrow_left(placement)):
         return None
     if _emulated_narrow_floats(placement):
         # Inductor computes bf16/fp16 op by op where the CPU lacks them, as eager does: a

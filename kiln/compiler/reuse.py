@@ -83,15 +83,15 @@ def capture_for(model, example_inputs, example_kwargs=None) -> Captured:
         captured, shape = entry
         if _shape(captured) == shape:
             counts["reused"] += 1
-            return _copy(captured)
+            return copy_of(captured)
         del memo[key]           # changed since: never serve it
     captured = capture(model, example_inputs, example_kwargs)
     memo[key] = (captured, _shape(captured))
     counts["captured"] += 1
-    return _copy(captured)
+    return copy_of(captured)
 
 
-def _copy(captured: Captured) -> Captured:
+def copy_of(captured: Captured) -> Captured:
     """A compile's own copy: partitioning rewrites the graph it is given in place, so the
     kept capture is never handed out. The weights are shared, not copied (the graph's
     attributes point at the same tensors); that they are unchanged is checked at reuse."""
@@ -113,7 +113,7 @@ def _values_digest(named: dict) -> str:
 def _shape(captured: Captured) -> tuple:
     """The kept capture's weights by storage and version, and its example inputs: what a
     compile step that wrote to them in place would change (the kept graph itself is never
-    handed out, :func:`_copy`)."""
+    handed out, :func:`copy_of`)."""
     gm = captured.graph_module
     weights = []
     for node in gm.graph.nodes:
