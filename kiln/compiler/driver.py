@@ -23,7 +23,7 @@ from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_preci
 from kiln.compiler.selection import resolve_device
 from kiln.errors import ValidationError
 from kiln.compiler.reuse import capture_for, copy_of
-from kiln.graph import randomness
+from kiln.graph import randomness, widened
 from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
@@ -121,12 +121,12 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
     if not plan.narrow_whole:
         return _build_checked(plan, model, threads, calibration_data, progress, started)
     # Whole on Inductor for its native bf16/fp16 (kiln.compiler.phases._native_narrow_left):
-    # the first engine's plan is kept where that build misses eager (bf16 BERT-base's pooler
-    # output by 6 bf16 ulps after 12 layers), as before the rule, rather than fail a compile
-    # that used to succeed. Partitioning rewrites the graph, so the second plan gets a copy.
+    # the first engine's plan is kept where that build fails its check (even against the
+    # graph in float32, see check), as before the rule, rather than fail a compile that used
+    # to succeed. Partitioning rewrites the graph, so the second plan (and check) get copies.
     spare = copy_of(captured)
     try:
-        return _build_checked(plan, model, threads, calibration_data, progress, started)
+        return _build_checked(plan, model, threads, calibration_data, progress, started, copy_of(spare))
     except ValidationError as e:
         plan = phases.plan(spare, opts, progress, narrow_whole=False)
         plan.report.notes.append(f"the whole graph on Inductor (this CPU computes its bf16/fp16 natively) did "
@@ -134,7 +134,9 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
         return _build_checked(plan, model, threads, calibration_data, progress, started)
 
 
-def _build_checked(plan, model, threads, calibration_data, progress, started):
+def _build_checked(plan, model, threads, calibration_data, progress, started, unsplit=None):
+    """Build ``plan`` and check it against eager. ``unsplit``: the capture before partitioning,
+    for judging a narrow graph against its float32 computation (:func:`check`)."""
     captured = plan.captured
     phases.refuse_unsupported(plan)
     samples = [flat_sample(model, captured, s) for s in calibration_data]
@@ -144,7 +146,7 @@ def _build_checked(plan, model, threads, calibration_data, progress, started):
     with tf32 or contextlib.nullcontext():
         built = phases.build(plan, runtime_opts, progress, calibration=[flat for flat, _ in samples])
         compiled = CompiledModel(phases.package(built), runtime_opts, loaded=(runtime_opts, built.runners))
-        check(compiled, plan, samples, progress)
+        check(compiled, plan, samples, progress, unsplit)
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
     build_log.record({"model": captured.model_name, "graph": "whole compile",
@@ -152,9 +154,12 @@ def _build_checked(plan, model, threads, calibration_data, progress, started):
     return compiled
 
 
-def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
+def check(compiled: CompiledModel, plan: phases.Plan, samples, progress, unsplit=None):
     """Compare the loaded model with eager PyTorch; lossy compiles (int8, auto-cast) pass an
-    accuracy gate instead. The result lands in the manifest's ``validation``."""
+    accuracy gate instead. The result lands in the manifest's ``validation``. A graph sent
+    whole to Inductor for its native bf16/fp16 (``plan.narrow_whole``) that misses eager's
+    float answers only by bf16's roundings passes when it is no further than eager from the
+    graph computed in float32 (``unsplit``: :mod:`kiln.graph.widened`)."""
     opts, captured, precision = plan.options, plan.captured, plan.precision
     manifest = compiled.manifest
     if opts.quantize or (precision and precision["type"] != "tf32"):
@@ -174,11 +179,30 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress):
             randomness.restore(captured.draws)
             actual = compiled.run_flat(captured.example_inputs)
             used = comparison_precision(captured.graph_module, opts.device, tf32_ops(opts))
-            manifest["validation"] = compare(captured.eager_outputs, actual,
-                                             [s.name for s in captured.output_specs], opts.atol, opts.rtol,
-                                             computed_in=used)
+            try:
+                manifest["validation"] = compare(captured.eager_outputs, actual,
+                                                 [s.name for s in captured.output_specs], opts.atol, opts.rtol,
+                                                 computed_in=used)
+            except ValidationError as e:
+                verdict = _nearer_than_eager(plan, unsplit, actual, e.metrics)
+                if verdict is None:
+                    raise
+                manifest["validation"] = dict(e.metrics, passed=True, against_float32=verdict)
+                manifest["report"]["notes"].append(
+                    f"{used}'s roundings: the build differs from eager beyond {used}'s floor (max abs error "
+                    f"{e.metrics.get('max_abs_error', 0):.3g}) but is no further than eager from the graph "
+                    "computed in float32, so it passed")
             if used == "tf32":
                 manifest["report"]["notes"].append(tf32_note(opts))
+
+
+def _nearer_than_eager(plan, unsplit, actual, summary) -> dict | None:
+    """:func:`kiln.graph.widened.nearer_than_eager` for a narrow whole-graph build whose only
+    failures are float outputs beyond tolerance (never a dtype or an integer difference)."""
+    if not plan.narrow_whole or unsplit is None or any(
+            "dtype" in o or o.get("exact") is False for o in summary.get("outputs", [])):
+        return None
+    return widened.nearer_than_eager(unsplit.graph_module, unsplit.example_inputs, unsplit.eager_outputs, actual)
 
 
 def tf32_note(opts) -> str:
