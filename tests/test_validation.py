@@ -341,6 +341,11 @@ def test_a_build_nearer_the_float32_graph_than_eager_passes_and_a_further_one_do
     assert o["build_error"] <= o["eager_error"]
     further = [(truth + 4 * (eager[0].float() - truth).abs().max()).bfloat16()]
     assert widened.nearer_than_eager(captured.graph_module, captured.example_inputs, eager, further) is None
+    # where eager is exact (a float32 path), a build a float32 rounding off still passes
+    exact = [truth.clone()]
+    assert widened.nearer_than_eager(captured.graph_module, captured.example_inputs, exact,
+                                     [truth * (1 + 2 ** -23)]) is not None
+    assert widened.nearer_than_eager(captured.graph_module, captured.example_inputs, exact, [truth * 1.01]) is None
     nan = [closer[0].clone().fill_(float("nan"))]
     assert widened.nearer_than_eager(captured.graph_module, captured.example_inputs, eager, nan) is None
     # only for the narrow whole-graph plan, and never over a dtype or integer difference

@@ -21,8 +21,8 @@ from kiln.compiler import phases
 from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_precision,
                                    check_supported, parse_compiler_args, tf32_ops)
 from kiln.compiler.selection import resolve_device
-from kiln.errors import ValidationError
 from kiln.compiler.reuse import capture_for, copy_of
+from kiln.errors import ValidationError
 from kiln.graph import randomness, widened
 from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
