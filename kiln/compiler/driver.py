@@ -199,7 +199,7 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress, unsplit
 def _nearer_than_eager(plan, unsplit, actual, summary) -> dict | None:
     """:func:`kiln.graph.widened.nearer_than_eager` for a narrow whole-graph build whose only
     failures are float outputs beyond tolerance (never a dtype or an integer difference)."""
-    if not plan.narrow_whole or unsplit is None or any(
+    if unsplit is None or not plan.narrow_whole or any(
             "dtype" in o or o.get("exact") is False for o in summary.get("outputs", [])):
         return None
     return widened.nearer_than_eager(unsplit.graph_module, unsplit.example_inputs, unsplit.eager_outputs, actual)
