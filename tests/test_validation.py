@@ -303,7 +303,7 @@ def _bf16_capture():
     return model, x, capture(copy.deepcopy(model).bfloat16(), (x.bfloat16(),))
 
 
-def test_a_bf16_graph_widened_computes_the_float32_model():
+def test_a_bf16_graph_widened_computes_the_float32_model(monkeypatch):
     from kiln.graph import widened
     model, x, captured = _bf16_capture()
     wide = widened.widened(captured.graph_module)
@@ -317,12 +317,8 @@ def test_a_bf16_graph_widened_computes_the_float32_model():
             p.copy_(p.bfloat16().float())
         torch.testing.assert_close(out, rounded(x.bfloat16().float()), rtol=1e-5, atol=1e-5)
     assert captured.graph_module(x.bfloat16())[0].dtype == torch.bfloat16      # the capture is untouched
-    monkey = widened.MAX_WIDENED_BYTES
-    try:
-        widened.MAX_WIDENED_BYTES = 16
-        assert widened.widened(captured.graph_module) is None                 # too large: the gate alone
-    finally:
-        widened.MAX_WIDENED_BYTES = monkey
+    monkeypatch.setattr(widened, "MAX_WIDENED_BYTES", 16)
+    assert widened.widened(captured.graph_module) is None                     # too large: the gate alone
 
 
 def test_a_build_nearer_the_float32_graph_than_eager_passes_and_a_further_one_does_not():

@@ -13,7 +13,6 @@ from kiln.errors import KilnError
 from kiln.graph import randomness, validation
 
 _SATURATED = 1e30
-_NARROW = (torch.float16, torch.bfloat16)
 
 
 class Reference:
@@ -192,8 +191,8 @@ def disagreement(expected, actual, opts, precision=None) -> str | None:
         # and engines legitimately disagree on which one a partition returns.
         # compared in float32 at least: 1e30 is no float16 (clamping a float16 output to it
         # raised "cannot be converted to type c10::Half", so every float16 model's compile crashed)
-        e, a = (t.float().nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) if t.dtype in _NARROW
-                else t.nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED) for t in (e, a))
+        e, a = ((t.float() if t.dtype in validation.NARROW else t).nan_to_num(nan=0.0).clamp(-_SATURATED, _SATURATED)
+                for t in (e, a))
         rtol, atol = (validation.tolerances(e.masked_fill(e.abs() >= _SATURATED, 0).double(), opts.atol, opts.rtol,
                                             validation.rtol_floor(precision)) if precision else (opts.rtol, opts.atol))
         if lossy(opts):

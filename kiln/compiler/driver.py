@@ -123,10 +123,11 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
     # Whole on Inductor for its native bf16/fp16 (kiln.compiler.phases._native_narrow_left):
     # the first engine's plan is kept where that build fails its check (even against the
     # graph in float32, see check), as before the rule, rather than fail a compile that used
-    # to succeed. Partitioning rewrites the graph, so the second plan (and check) get copies.
+    # to succeed. Partitioning rewrites the graph, so the check and a second plan get a copy
+    # (the check only reads it: kiln.graph.widened changes a copy of its own).
     spare = copy_of(captured)
     try:
-        return _build_checked(plan, model, threads, calibration_data, progress, started, copy_of(spare))
+        return _build_checked(plan, model, threads, calibration_data, progress, started, spare)
     except ValidationError as e:
         plan = phases.plan(spare, opts, progress, narrow_whole=False)
         plan.report.notes.append(f"the whole graph on Inductor (this CPU computes its bf16/fp16 natively) did "

@@ -24,6 +24,7 @@ from kiln import engines
 from kiln._version import __version__
 from kiln.artifact import specs
 from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
+from kiln.engines.base import Engine
 from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.graph import dropout, randomness
 from kiln.graph.analysis import AnalysisReport, report as make_report
@@ -148,8 +149,7 @@ def _native_narrow_left(placement) -> bool:
     7.6-7.7, 11-29). At -O2 the whole graph is still timed against eager, which keeps it
     where faster."""
     for node in placement.unsupported:
-        vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-        kinds = {NARROW.get(getattr(v, "dtype", None)) for v in vals} - {None}
+        kinds = {NARROW[d] for d in Engine.dtypes(node) if d in NARROW}
         if kinds and all(target_mod.native(kind) for kind in kinds):
             return True
     return False

@@ -116,6 +116,16 @@ class Engine:
         return None
 
     @staticmethod
+    def dtypes(node):
+        """The dtypes of the tensors ``node`` makes and reads: an engine without kernels for
+        one cannot take the node, whose inputs (a bf16 -> float32 cast's) become its
+        partition's inputs."""
+        for v in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
+            for t in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(t, torch.Tensor):
+                    yield t.dtype
+
+    @staticmethod
     def not_an_op(node) -> str | None:
         """Reason a non-operator node cannot be compiled (tuple unpacking is fine)."""
         if getattr(node.target, "__name__", "") == "getitem":

@@ -101,10 +101,9 @@ class OnnxRuntimeEngine(Engine):
         # inputs too: a bf16 -> float32 cast has a float32 result, but a partition that takes
         # it in takes a bf16 input, which ONNX Runtime cannot run (it then fell to Inductor
         # piece by piece: four C++ builds of a bf16 step where one whole build was due)
-        for v in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
-            for t in v if isinstance(v, (list, tuple)) else [v]:
-                if isinstance(t, torch.Tensor) and t.dtype in _UNSUPPORTED_DTYPES:
-                    return f"dtype {t.dtype} is not supported by ONNX Runtime's CPU kernels"
+        for dtype in self.dtypes(node):
+            if dtype in _UNSUPPORTED_DTYPES:
+                return f"dtype {dtype} is not supported by ONNX Runtime's CPU kernels"
         return None
 
     def variants(self, options) -> tuple:

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from kiln.engines.base import Engine
+
 INT32 = (-2**31, 2**31 - 1)
 _NEVER = {torch.complex64: "complex", torch.complex128: "complex",
           torch.float8_e4m3fn: "float8", torch.float8_e5m2: "float8",
@@ -34,18 +36,10 @@ _MOVES = _INT64_SAFE - {"arange", "argmax", "argmin", "full", "full_like", "scal
                         "zeros", "zeros_like", "ones", "ones_like", "_to_copy", "bitwise_not"}
 
 
-def _dtypes(node):
-    vals = [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]
-    for v in vals:
-        for t in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(t, torch.Tensor):
-                yield t.dtype
-
-
 def reason(node) -> str | None:
     """Why OpenVINO's CPU plugin would silently change this op's result, if it would."""
     name = node.target.overloadpacket.__name__
-    dtypes = set(_dtypes(node))
+    dtypes = set(Engine.dtypes(node))
     for dtype in dtypes:
         if dtype in _NEVER:
             return f"dtype {_NEVER[dtype]} is not supported by kiln's OpenVINO engine"

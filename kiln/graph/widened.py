@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-NARROW = (torch.bfloat16, torch.float16)
+from kiln.graph.validation import NARROW
 # the build's largest error against float32, per output, may exceed eager's by this factor
 MARGIN = 1.25
 # float32 ulps of an output's largest magnitude a build may be off where eager is exact
