@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kiln
-from kiln.engines import inductor
+from kiln.engines import inductor, inductor_lean
+from kiln.host.cores import available_cpus
 from tests import models
 from tests.conftest import assert_close, run_py
 
@@ -21,10 +22,32 @@ pytestmark = pytest.mark.skipif(
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
+BUILDS: list = []      # what the mlp fixture's compile did: (event, g++ source or None, thread)
+
+
 @pytest.fixture(scope="module")
 def mlp():
+    """The MLP compiled once; its compile's exports and g++ builds are recorded in BUILDS."""
+    from torch._inductor.cpp_builder import CppBuilder
     model, x = models.mlp()
-    compiled = kiln.trace(model, x, engine="inductor")
+    build, export = CppBuilder.build, torch.export.export
+
+    def spied_build(self):
+        source = str(getattr(self, "_sources_args", "")).rsplit(".", 2)
+        kind = (".".join(source[-2:]) if getattr(self, "_compile_only", False) else
+                "link" if getattr(self, "_do_link", False) else "header")
+        BUILDS.append(("start", kind, threading.current_thread().name))
+        build(self)
+        BUILDS.append(("end", kind, threading.current_thread().name))
+
+    def spied_export(*args, **kwargs):
+        BUILDS.append(("export", None, threading.current_thread().name))
+        return export(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CppBuilder, "build", spied_build)
+        mp.setattr(torch.export, "export", spied_export)
+        compiled = kiln.trace(model, x, engine="inductor", cache=False)
     return model, x, compiled
 
 
@@ -104,7 +127,8 @@ torch.testing.assert_close(m(x), y, atol=1e-4, rtol=1e-4)
 assert m.manifest['partitions'][0]['engine'] == 'inductor'
 assert not any(k.startswith('tests') for k in sys.modules), 'model code was imported'
 assert 'torch._inductor' not in sys.modules, 'loading imported torch._inductor (seconds of dynamo imports)'
-from kiln.engines import inductor
+from kiln.engines import inductor, inductor_lean
+from kiln.host.cores import available_cpus
 assert inductor.compiler() is None, 'a C++ compiler is visible'
 print('OK')
 """
@@ -245,3 +269,91 @@ def test_the_wrapper_is_built_without_aotinductors_per_input_checks(mlp):
     with pytest.raises(kiln.InputError):                 # kiln's own check still refuses
         compiled(torch.randn(3, 3))
     assert_close(compiled(x), model(x).detach(), **TOL)
+
+
+def test_a_partition_goes_to_aotinductor_without_another_export_and_the_wrapper_beside_the_kernels(mlp):
+    """The captured ATen graph is compiled as it is (no second torch.export of the partition),
+    and AOTInductor's wrapper compiles on a thread beside its kernels, the link after both."""
+    model, x, compiled = mlp
+    assert_close(compiled(x), model(x).detach(), **TOL)
+    assert compiled.manifest["partitions"][0]["engine"] == "inductor"
+    events = [(e, kind) for e, kind, _ in BUILDS]
+    threads = {kind: name for e, kind, name in BUILDS if e == "start"}
+    assert ("export", None) not in events, events         # the engine did not export the partition again
+    assert {"wrapper.cpp", "kernel.cpp", "link"} <= set(threads), events
+    if available_cpus() >= 2:
+        assert threads["wrapper.cpp"] != threads["kernel.cpp"] == threads["link"]
+        assert events.index(("start", "kernel.cpp")) < events.index(("end", "wrapper.cpp"))
+    assert events.index(("end", "wrapper.cpp")) < events.index(("start", "link"))
+    assert events.index(("end", "kernel.cpp")) < events.index(("start", "link"))
+
+
+def test_a_partition_of_one_output_keeps_its_calling_convention_through_torchs_loader():
+    """A graph returning one tensor (not a tuple) compiled from the graph itself loads through
+    torch's own package loader too, which reads the recorded input and output specs."""
+    import os
+    import tempfile
+
+    from torch._inductor.package import load_package
+
+    from kiln.compiler.options import CompileOptions
+    gm = torch.fx.symbolic_trace(_OneOut())
+    x = torch.randn(3, 5)
+    flat = inductor_lean.flat_graph(gm, (x,))
+    assert flat is not None and flat.graph is not gm.graph
+    assert gm.graph.find_nodes(op="output")[0].args[0].op != "output"      # the partition is untouched
+    blob = inductor.InductorEngine().compile(gm, (x,), CompileOptions())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.pt2")
+        with open(path, "wb") as f:
+            f.write(blob)
+        loaded = load_package(path)
+        assert_close(loaded(x), _OneOut()(x), **TOL)                        # one tensor back, as the graph returns
+    assert_close(inductor.AotiRunner(blob, 1)([x])[0], _OneOut()(x), **TOL)
+    assert inductor_lean.flat_graph(gm, (x, 3)) is None                         # a non-tensor input: exported first
+
+
+class _OneOut(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 2
+
+
+def test_a_wrapper_build_that_fails_fails_the_compile_and_nothing_is_left_running(monkeypatch):
+    """The wrapper's compile runs beside the kernels'; its error surfaces at the link, and a
+    failing kernel build still waits for the wrapper's before the build directory goes."""
+    import time
+    from types import SimpleNamespace
+
+    from torch._inductor.cpp_builder import CppBuilder
+
+    monkeypatch.setattr(inductor_lean, "available_cpus", lambda: 2)
+    log = []
+
+    def fake_build(self):
+        log.append(("start", self.name))
+        time.sleep(0.2 if self.name == "wrapper" else 0)
+        if self.name in self.fails:
+            raise RuntimeError(f"{self.name} failed")
+        log.append(("end", self.name))
+
+    monkeypatch.setattr(CppBuilder, "build", fake_build)
+
+    def builder(name, fails, **kw):
+        return SimpleNamespace(name=name, fails=fails, _compile_only=name != "link", _do_link=name == "link",
+                               _sources_args=f"/tmp/x.{name}.cpp" if name != "link" else "a.o b.o")
+
+    with pytest.raises(RuntimeError, match="wrapper failed"):
+        with inductor_lean.wrapper_beside_kernels():
+            CppBuilder.build(builder("wrapper", {"wrapper"}))
+            CppBuilder.build(builder("kernel", {"wrapper"}))
+            CppBuilder.build(builder("link", {"wrapper"}))
+    assert ("start", "link") not in log
+    log.clear()
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with inductor_lean.wrapper_beside_kernels():
+            CppBuilder.build(builder("wrapper", {"kernel"}))
+            CppBuilder.build(builder("kernel", {"kernel"}))
+    assert ("end", "wrapper") in log                 # waited for before the error left
+    assert CppBuilder.build is fake_build            # put back
+    CppBuilder.build(builder("wrapper", set()))      # outside kiln's compile: in this thread, at once
+    assert log[-1] == ("end", "wrapper")

@@ -352,3 +352,25 @@ def test_a_build_nearer_the_float32_graph_than_eager_passes_and_a_further_one_do
     assert driver._nearer_than_eager(narrow, None, closer, floats) is None
     assert driver._nearer_than_eager(narrow, captured, closer, {"outputs": [{"name": "i", "exact": False}]}) is None
     assert driver._nearer_than_eager(narrow, captured, closer, {"outputs": [{"name": "y", "dtype": "x"}]}) is None
+
+
+def test_probe_comparisons_take_the_plain_path_under_a_precision_floor_and_never_subtract_in_bf16():
+    """A bf16 graph's probe outputs within atol of eager's pass without the full test (the
+    floor only loosens it), and a bf16 difference is taken in float32, where it cannot round
+    down to atol: 2**-10 - (-2**-18) is 2**-10 in bf16 and over atol in fact."""
+    from kiln.compiler.options import CompileOptions
+    opts = CompileOptions(atol=2 ** -10)
+    e = torch.tensor([1.0, -2.0 ** -18], dtype=torch.bfloat16)
+    near = e.clone()
+    near[0] += 2 ** -7                                  # 1.0078125: a bf16 ulp, over atol
+    assert checks._plainly_close(e, e.clone(), opts)
+    assert not checks._plainly_close(e, near, opts)
+    assert not checks.nonfinite_disagreement([e], [e.clone()], opts, "bf16")
+    rounded = torch.tensor([2.0 ** -10], dtype=torch.bfloat16)
+    e2 = torch.tensor([-2.0 ** -18], dtype=torch.bfloat16)
+    assert float((rounded - e2).abs().max()) <= opts.atol          # bf16 arithmetic would pass it
+    assert not checks._plainly_close(e2, rounded, opts)             # float32 does not
+    assert checks.disagreement([e2], [rounded], opts, "bf16") is not None
+    with_nan = e.clone()
+    with_nan[1] = float("nan")
+    assert not checks._plainly_close(e, with_nan, opts)

@@ -83,7 +83,7 @@ import torch
 from kiln.errors import ArtifactError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 from kiln.engines.base import Engine
-from kiln.engines.inductor_lean import without_input_checks
+from kiln.engines.inductor_lean import package, without_input_checks, wrapper_beside_kernels
 from kiln.engines.openmp import openmp_runtime
 from kiln.host.cores import available_cpus
 
@@ -210,10 +210,8 @@ def _compile(partition, example_inputs, configs, device) -> bytes:
                                                         _STRIDES_KEY: json.dumps(strides)}}
     module = partition if device.type == "cpu" else _moved(partition, device)
     with torch.no_grad(), quiet(_LOGGERS), tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp, \
-            without_input_checks():
-        program = torch.export.export(module, inputs, strict=False)
-        path = torch._inductor.aoti_compile_and_package(
-            program, package_path=os.path.join(tmp, "partition.pt2"), inductor_configs=configs)
+            without_input_checks(), wrapper_beside_kernels():
+        path = package(module, inputs, configs, os.path.join(tmp, "partition.pt2"), device)
         with open(path, "rb") as f:
             return f.read()
 
