@@ -192,16 +192,25 @@ def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeyp
                                 torch.nn.Linear(8, 4).bfloat16()).eval()
     fp32 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
 
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    proposals = []
+    propose = CapabilityBasedPartitioner.propose_partitions
+    monkeypatch.setattr(CapabilityBasedPartitioner, "propose_partitions",
+                        lambda self: proposals.append(1) or propose(self))
+
     def planned(m, inputs, native):
         monkeypatch.setattr(target, "native", lambda kind: native)
+        proposals.clear()
         return phases.plan(capture(m, inputs), make_options(), Progress(quiet=True))
 
     for model, inputs in ((bf16, x), (mixed, torch.randn(3, 8))):
         p = planned(model, inputs, native=True)
         assert p.engine.name == "inductor" and p.options.engine_by == "whole_graph", p.report.notes
         assert len(p.placement.partitions) == 1 and not p.placement.unsupported
+        assert not proposals            # ONNX Runtime's partitions, never used, were not made
         p = planned(model, inputs, native=False)
         assert p.engine.name == "onnxruntime" and p.placement.unsupported, p.report.notes
+        assert proposals                 # made where they are used
     assert not planned(bf16, x, native=False).placement.partitions        # eager's, with the warning
     p = planned(fp32, torch.randn(3, 8), native=True)
     assert p.engine.name == "onnxruntime" and not p.placement.unsupported

@@ -29,7 +29,7 @@ from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.graph import dropout, randomness
 from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
-from kiln.graph.partition import Placement, place, split, takes
+from kiln.graph.partition import Placement, group, place, split, takes
 from kiln.graph.validation import NARROW
 from kiln.host import target as target_mod, tf32 as tf32_host
 from kiln.observe import build_log
@@ -73,13 +73,17 @@ def plan(captured: Captured, opts: CompileOptions, progress, narrow_whole: bool 
     engine, engine_notes = primary(opts)
     notes += engine_notes
     with progress.phase("analyze"):
-        placement = place(captured.graph_module, engine, opts)
+        # the verdicts first: where the whole graph goes to another engine at once, the
+        # first engine's partitions are never made
+        placement = place(captured.graph_module, engine, opts, grouped=False)
         if _dropout_splits(opts, engine, placement) and dropout.draw_masks_apart(captured.graph_module):
             notes.append("dropout's masks are drawn on the host before the graph runs, the rest stays whole "
                          f"on {engine.name} (kiln.graph.dropout)")
-            placement = place(captured.graph_module, engine, opts)
+            placement = place(captured.graph_module, engine, opts, grouped=False)
         whole, later = _whole_graph_engine(opts, engine, placement, narrow_whole), None
         narrow = whole is not None and not opts.whole_graph
+        if whole is None or opts.whole_graph == "later":
+            group(captured.graph_module, placement, opts)
         if whole is not None and opts.whole_graph == "later" and len(placement.partitions) <= LATER_PARTITIONS:
             notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
                          f"graph on {whole.name} is due later (whole_graph='later')")

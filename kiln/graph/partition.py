@@ -36,6 +36,7 @@ class Placement:
     reasons: dict = field(default_factory=dict)       # node -> reason it is on the host
     unsupported: set = field(default_factory=set)     # nodes the engine cannot run at all
     partitions: list = field(default_factory=list)    # list of lists of nodes, graph order
+    grouped: bool = False                             # partitions made (partition.group)
 
 
 def takes(engine, node) -> str | None:
@@ -58,7 +59,12 @@ class _Support(OperatorSupportBase):
         return self.decided.get(node, False)
 
 
-def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
+def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) -> Placement:
+    """Each operation's verdict on ``engine``, and (``grouped``) its device operations in
+    partitions. A caller that may not need the partitions asks for the verdicts alone and
+    calls :func:`group` when it does: grouping a bf16 BERT-4L training step's 1,910 nodes
+    around the 699 ONNX Runtime leaves on the host took 2-3 s, for a graph that then went
+    whole to Inductor (11-29)."""
     placement = Placement()
     host_ops = {_normalise(o) for o in options.ops_on_host}
     for node in gm.graph.nodes:
@@ -83,7 +89,16 @@ def place(gm: torch.fx.GraphModule, engine, options) -> Placement:
         if node.op == "call_function" and node.target is operator.getitem:
             src = node.args[0]
             placement.on_device[node] = placement.on_device.get(src, False)
+    if grouped or options.min_partition_size > 1:      # which may send small groups to the host
+        group(gm, placement, options)
+    return placement
 
+
+def group(gm: torch.fx.GraphModule, placement: Placement, options) -> Placement:
+    """``placement``'s device operations in partitions, once."""
+    if placement.grouped:
+        return placement
+    placement.grouped = True
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     kept = []
     for nodes in _proposed(gm, placement):
