@@ -198,10 +198,10 @@ def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeyp
     monkeypatch.setattr(CapabilityBasedPartitioner, "propose_partitions",
                         lambda self: proposals.append(1) or propose(self))
 
-    def planned(m, inputs, native):
+    def planned(m, inputs, native, **options):
         monkeypatch.setattr(target, "native", lambda kind: native)
         proposals.clear()
-        return phases.plan(capture(m, inputs), make_options(), Progress(quiet=True))
+        return phases.plan(capture(m, inputs), make_options(**options), Progress(quiet=True))
 
     for model, inputs in ((bf16, x), (mixed, torch.randn(3, 8))):
         p = planned(model, inputs, native=True)
@@ -211,6 +211,9 @@ def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeyp
         p = planned(model, inputs, native=False)
         assert p.engine.name == "onnxruntime" and p.placement.unsupported, p.report.notes
         assert proposals                 # made where they are used
+        # the device's partitions-first builds: not where they would leave the bf16 work op by op
+        p = planned(model, inputs, native=True, whole_graph="later")
+        assert p.engine.name == "inductor" and p.whole_graph_later is None and not proposals, p.report.notes
     assert not planned(bf16, x, native=False).placement.partitions        # eager's, with the warning
     p = planned(fp32, torch.randn(3, 8), native=True)
     assert p.engine.name == "onnxruntime" and not p.placement.unsupported
