@@ -210,7 +210,7 @@ def _compile(partition, example_inputs, configs, device) -> bytes:
                                                         _STRIDES_KEY: json.dumps(strides)}}
     module = partition if device.type == "cpu" else _moved(partition, device)
     with torch.no_grad(), quiet(_LOGGERS), tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp, \
-            without_input_checks(), wrapper_beside_kernels():
+            without_input_checks(), wrapper_beside_kernels(device.type == "cpu"):
         path = package(module, inputs, configs, os.path.join(tmp, "partition.pt2"), device)
         with open(path, "rb") as f:
             return f.read()

@@ -154,13 +154,15 @@ _BESIDE = Swap(_build_beside)
 
 
 @contextlib.contextmanager
-def wrapper_beside_kernels():
-    """Compile AOTInductor's wrapper on a thread beside its kernels, in this thread's builds."""
+def wrapper_beside_kernels(enabled: bool = True):
+    """Compile AOTInductor's wrapper on a thread beside its kernels, in this thread's builds
+    (CPU builds: kiln passes ``enabled=False`` for CUDA ones, whose build was checked on a
+    GPU as torch makes it and this one has not been)."""
     try:
         from torch._inductor.cpp_builder import CppBuilder
     except ImportError:
         CppBuilder = None
-    if CppBuilder is None or "build" not in CppBuilder.__dict__ or available_cpus() < 2 \
+    if not enabled or CppBuilder is None or "build" not in CppBuilder.__dict__ or available_cpus() < 2 \
             or getattr(_here, "pending", None) is not None:
         yield
         return
