@@ -114,6 +114,27 @@ def test_a_child_that_dies_leaves_the_program_op_by_op(monkeypatch):
     compile_process.shared().close()
 
 
+def test_the_compile_process_imports_the_parents_kiln_whatever_the_working_directory(monkeypatch, tmp_path):
+    """A training script run from a directory that holds another ``kiln`` (a checkout) still
+    has its programs compiled by its own kiln: the child does not take modules from the
+    working directory, where ``python -m`` would have put it first."""
+    decoy = tmp_path / "kiln"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the kiln in the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compile_process, "_SHARED", [])          # a compile process started here
+    torch.manual_seed(0)
+    ref = Probe().net
+    model = copy.deepcopy(ref).to(DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)            # a child that died would warn
+        got = _train(model, 3, DEV)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(_train(copy.deepcopy(ref), 3)), rtol=1e-5, atol=1e-6)
+    assert metrics.counter_value("UncachedCompile") >= 1 and metrics.counter_value("SwappedIn") >= 1, \
+        metrics.report()
+    compile_process.shared().close()
+
+
 def test_a_graph_pickle_cannot_take_compiles_in_process(monkeypatch):
     def refuse(*args, **kwargs):
         raise TypeError("cannot pickle 'generator' object")

@@ -19,9 +19,7 @@ from kiln.benchmark import peers
 from kiln.benchmark.inputs import factory_inputs, is_factory
 from kiln.benchmark.report import add_ratios, aggregate, plot, write_json
 from kiln.errors import KilnError
-
-# The directory holding the kiln package: put on the copies' PYTHONPATH so they import this kiln.
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kiln.host import child
 
 
 def bench(target, *, path: str | None = None, batch_sizes=(1,), copies=None, workers=(1,),
@@ -164,10 +162,10 @@ class Copy:
     def __init__(self, cfg):
         env = {k: v for k, v in os.environ.items()
                if k not in ("KILN_PROFILE", "KILN_VISIBLE_CORES", "KILN_NUM_CORES")}
-        env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        env = child.environment(env)
         env["KILN_QUIET"] = "1"
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", "from kiln.benchmark.child import main; main()"],
+        self.proc = subprocess.Popen(child.python("from kiln.benchmark.child import main; main()"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True, env=env, cwd=os.getcwd())
         self.send(cfg)

@@ -32,6 +32,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.graph.capture import Captured, FunctionModule, graph_module
 from kiln.progress import Progress
 from kiln import config
+from kiln.host import child
 
 log = logging.getLogger("kiln")
 
@@ -180,8 +181,7 @@ def _run_jobs(jobs, workers, stream, quiet) -> list:
     started = time.perf_counter()
     env = dict(os.environ)
     env.pop("KILN_COLLECT_DIR", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = child.environment(env)
     last = None
     while pending or running:
         while pending and len(running) < workers:
@@ -189,7 +189,7 @@ def _run_jobs(jobs, workers, stream, quiet) -> list:
             # output to files, not pipes: a chatty worker would fill a pipe read only at its exit
             with open(job + ".out", "w") as out, open(job + ".err", "w") as err:
                 running[job] = subprocess.Popen(
-                    [sys.executable, "-c", "from kiln.compiler.collect import worker_main; worker_main()", job],
+                    child.python("from kiln.compiler.collect import worker_main; worker_main()", job),
                     env=env, stdout=out, stderr=err)
         for job, proc in list(running.items()):
             if proc.poll() is None:

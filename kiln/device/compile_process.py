@@ -49,6 +49,8 @@ import tempfile
 import threading
 import warnings
 
+from kiln.host import child
+
 
 class ChildError(RuntimeError):
     """The compile process failed or died; the message says how."""
@@ -111,14 +113,12 @@ class CompileProcess:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._stop()
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # kiln's parent
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        env = child.environment()
         # it shares the cores with a training loop that may step on: its OpenMP threads
         # sleep when idle instead of spinning (read once, at start; a user's setting stands)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with open(self._log(), "wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "kiln.device.compile_process", self._dir],
+            self._proc = subprocess.Popen(child.module("kiln.device.compile_process", self._dir),
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
         return self._proc
 

@@ -38,6 +38,7 @@ from datetime import timedelta
 from kiln import config
 from kiln.errors import KilnError
 from kiln.host import cores as kcores
+from kiln.host import child as child_python
 
 __all__ = ["RankInfo", "RankStartError", "Ranks", "current", "init_from_env", "pin", "resolve_entry",
            "start_ranks"]
@@ -201,12 +202,10 @@ def _drain(child: _Child, echo: bool):
 
 def _spawn(rank, cfg, echo):
     r, w = os.pipe()
-    env = {k: v for k, v in os.environ.items() if k not in CORE_ENV}
+    env = child_python.environment({k: v for k, v in os.environ.items() if k not in CORE_ENV})
     env["OMP_NUM_THREADS"] = str(len(cfg["info"].cpus))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.distributed.rank", str(r)], pass_fds=[r],
+        proc = subprocess.Popen(child_python.module("kiln.distributed.rank", r), pass_fds=[r],
                                 env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     finally:
         os.close(r)

@@ -47,6 +47,7 @@ import torch
 
 from kiln import errors
 from kiln.host.cores import process_cpus
+from kiln.host import child
 
 # Below this many parameters a graph compiles in a few seconds, less than a worker's start.
 PARALLEL_MIN_PARAMETERS = 20_000_000
@@ -141,9 +142,7 @@ class _Workers:
 
     def __init__(self, tmp, names, on_graph):
         self.tmp, self.names, self.on_graph = tmp, names, on_graph
-        self.env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        self.env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [self.env.get("PYTHONPATH")] if p])
+        self.env = child.environment()
         self.pending, self.running, self.done = [], {}, 0
 
     def start(self, jobs, at_most: int) -> None:
@@ -159,8 +158,8 @@ class _Workers:
             with open(os.path.join(self.tmp, f"{k}.out"), "w") as out, \
                     open(os.path.join(self.tmp, f"{k}.err"), "w") as err:
                 self.running[k] = (time.perf_counter(), subprocess.Popen(
-                    [sys.executable, "-c", "from kiln.llm.parallel import worker_main; worker_main()",
-                     self.tmp, str(k)], env=self.env, stdout=out, stderr=err))
+                    child.python("from kiln.llm.parallel import worker_main; worker_main()", self.tmp, k),
+                    env=self.env, stdout=out, stderr=err))
 
     def finished(self, name, seconds) -> None:
         self.done += 1

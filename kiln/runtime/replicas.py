@@ -27,7 +27,6 @@ import queue
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import weakref
@@ -39,6 +38,7 @@ import torch
 from kiln.host import cores
 from kiln.artifact import specs
 from kiln.errors import InputError, KilnError, WorkerDiedError
+from kiln.host import child
 from kiln.runtime.replica_worker import Segment, layout, view, write
 from kiln.runtime.model import Model
 
@@ -66,12 +66,10 @@ class _Replica:
         config = json.dumps({"artifact": path, "cpus": list(cpus), "dynamic_batching": dynamic})
         # the replica owns its core (no core selection inside it) and does not write the
         # parent's KILN_PROFILE file over it at exit
-        env = {k: v for k, v in os.environ.items() if k not in _CORE_ENV}
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        env = child.environment({k: v for k, v in os.environ.items() if k not in _CORE_ENV})
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from kiln.runtime.replica_worker import worker_entry; worker_entry()",
-             str(theirs.fileno()), config], pass_fds=[theirs.fileno()], env=env)
+            child.python("from kiln.runtime.replica_worker import worker_entry; worker_entry()",
+                         theirs.fileno(), config), pass_fds=[theirs.fileno()], env=env)
         theirs.close()   # the child holds the only other end: its death is EOF here
         self.conn = connection.Connection(ours.detach())
 
