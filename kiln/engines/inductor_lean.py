@@ -26,8 +26,9 @@ AOTInductor then compiles the wrapper (``*wrapper.cpp``, at -O1) and the kernels
 two compiles are independent, so while kiln compiles, with two CPUs or more, the wrapper's
 runs on a thread of its own beside the kernels' (``g++`` is a subprocess: the thread
 only waits), and the link waits for both. A bf16 BERT-4L training step's wrapper took
-11.3 s and its kernels 5.4 s, one after the other (11-29). Only builds made by the thread that entered
-:func:`wrapper_beside_kernels` are moved; every other build runs as torch wrote it.
+11.3 s and its kernels 5.4 s, one after the other (11-29). Only builds made by the thread
+that entered :func:`wrapper_beside_kernels` are moved; every other build runs as torch
+wrote it.
 """
 from __future__ import annotations
 
