@@ -172,9 +172,8 @@ def _plainly_close(e, a, opts) -> bool:
     if lossy(opts) or not isinstance(a, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype \
             or not e.is_floating_point() or not e.numel():
         return False
-    if e.dtype in validation.NARROW:
-        return bool((a.float() - e.float()).abs_().max() <= opts.atol)
-    return bool((a - e).abs_().max() <= opts.atol)      # NaN anywhere: a NaN maximum, False
+    diff = a.float() - e.float() if e.dtype in validation.NARROW else a - e
+    return bool(diff.abs_().max() <= opts.atol)          # NaN anywhere: a NaN maximum, False
 
 
 def disagreement(expected, actual, opts, precision=None) -> str | None:
