@@ -92,6 +92,30 @@ def test_the_child_compiles_with_kilns_settings_of_the_moment(monkeypatch, tmp_p
     assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*")), "the child ignored the new cache"
 
 
+def test_a_forked_copy_of_the_process_leaves_the_compile_process_alone():
+    """A DataLoader's fork workers, or OpenVINO's telemetry (it forks at ``import openvino``
+    outside CI), run threading's exit hooks as they end: the compile process's own cleanup
+    ran there too, killed the parent's compile process and removed its directory, and the
+    parent's next compile failed (a bf16 step's Inductor upgrade never came)."""
+    import multiprocessing
+    torch.manual_seed(0)
+    _train(copy.deepcopy(Probe().net).to(DEV), 2, DEV)
+    process = compile_process.shared()
+    child, directory = process._proc, process._dir
+    assert child is not None and child.poll() is None
+    fork = multiprocessing.get_context("fork").Process(target=int)
+    fork.start()
+    fork.join(30)
+    assert fork.exitcode == 0
+    assert child.poll() is None, "a forked copy's exit killed the compile process"
+    assert os.path.isdir(directory), "a forked copy's exit removed the compile process's directory"
+    modes.forget_compiled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # the next compile works
+        _train(copy.deepcopy(torch.nn.Sequential(torch.nn.Linear(8, 2))).to(DEV), 2, DEV)
+    assert compile_process.shared()._proc is child
+
+
 def test_a_child_that_dies_leaves_the_program_op_by_op(monkeypatch):
     torch.manual_seed(0)
     ref = Probe().net

@@ -69,6 +69,7 @@ class CompileProcess:
         # programs loaded from here may keep their files open: removed at exit, not before
         self._dir = tempfile.mkdtemp(prefix="kiln-device-compile-")
         self._count = 0
+        self._owner = os.getpid()
         # at exit, before Python joins the compile thread waiting on the child (threading's
         # exit hooks run last-registered first, and before threads are joined)
         register = getattr(threading, "_register_atexit", atexit.register)
@@ -137,7 +138,14 @@ class CompileProcess:
                     pass
 
     def close(self):
-        """Kill the child (a compile under way is abandoned) and remove its files."""
+        """Kill the child (a compile under way is abandoned) and remove its files; in the
+        process that started it only. A forked copy of that process runs this too as it
+        exits (multiprocessing's fork children run threading's exit hooks: a DataLoader's
+        workers, OpenVINO's telemetry, which forks at ``import openvino``), and killed the
+        compile process and removed its directory from under the parent, whose next compile
+        failed (a bf16 step's Inductor upgrade: "No such file or directory: request-2.pkl")."""
+        if os.getpid() != self._owner:
+            return
         self._stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -165,8 +173,8 @@ _SHARED_LOCK = threading.Lock()
 def shared() -> CompileProcess:
     """The process's one compile process (started at its first request)."""
     with _SHARED_LOCK:
-        if not _SHARED:
-            _SHARED.append(CompileProcess())
+        if not _SHARED or _SHARED[0]._owner != os.getpid():    # a forked copy starts its own
+            _SHARED[:] = [CompileProcess()]
         return _SHARED[0]
 
 
