@@ -256,15 +256,17 @@ def test_a_program_kept_on_eagers_kernels_is_offered_to_inductor_after_it_repeat
     eager's speed (``engine_by="whole_graph"``, not the user's final choice), and so is one on
     an engine whose run took ``INDUCTOR_WORTH_MS`` or more; nothing more is due for a smaller
     one, one already on Inductor, one -O1 did not time, one pinned to an engine by the user,
-    or with ``whole_graph=False``; a program in partitions gets its whole graph at once."""
+    or with ``whole_graph=False``; a program in partitions gets its whole graph at once, and
+    one already whole on another engine (OpenVINO's bf16 step) only where worth a build."""
     from types import SimpleNamespace
 
     from kiln.device import graphs
 
-    def run(*engines, on="onnxruntime", later=None, ms=1.0):
+    def run(*engines, on="onnxruntime", later=None, ms=1.0, host_ops=True):
+        steps = [{"partition": i} for i in range(len(engines))] + ([{"op": "aten::nonzero"}] if host_ops else [])
         return SimpleNamespace(compiled=SimpleNamespace(manifest={
             "engine": {"name": on}, "partitions": [{"engine": e} for e in engines], "whole_graph_later": later,
-            "speed_vs_eager": None if ms is None else {"latency_ms": ms}}))
+            "program": {"steps": steps}, "speed_vs_eager": None if ms is None else {"latency_ms": ms}}))
     options = {"optlevel": 2, "whole_graph": "later"}
     got = graphs.later_build(run("eager"), options)
     assert got == ({"optlevel": 2, "whole_graph": "later", "engine": "inductor", "engine_by": "whole_graph"},
@@ -283,6 +285,11 @@ def test_a_program_kept_on_eagers_kernels_is_offered_to_inductor_after_it_repeat
     assert graphs.later_build(SimpleNamespace(compiled=None), options) is None
     assert graphs.later_build(run("onnxruntime", later="inductor"), options) == (
         {**options, "whole_graph": True}, 0)
+    # already whole on one engine (a bf16 step on OpenVINO): Inductor only where worth it
+    whole = dict(on="openvino", later="inductor", host_ops=False)
+    assert graphs.later_build(run("openvino", **whole), options) is None
+    assert graphs.later_build(run("openvino", ms=None, **whole), options) is None
+    assert graphs.later_build(run("openvino", ms=worth, **whole), options) == ({**options, "whole_graph": True}, 0)
     # and kiln.trace takes engine_by (a phase's choice, held to eager's speed), checked
     import kiln
     from kiln.errors import CompilerArgsError

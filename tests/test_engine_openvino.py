@@ -1,4 +1,6 @@
 """The OpenVINO engine: compiled models match eager PyTorch, save/load, threads, host fallback."""
+import copy
+
 import pytest
 
 pytest.importorskip("openvino")
@@ -104,7 +106,8 @@ def test_multi_input_multi_output_order_and_dtypes():
 
 
 def test_ops_openvino_would_change_stay_on_host():
-    """int64 arithmetic that could leave int32, float64 and float16 run on the host."""
+    """int64 arithmetic that could leave int32 and float64 run on the host; float16 goes to
+    OpenVINO, which computes it in float32 (held to eager at float16's floor)."""
 
     class Dtypes(torch.nn.Module):
         def forward(self, ids, x):
@@ -116,7 +119,7 @@ def test_ops_openvino_would_change_stay_on_host():
     reasons = {u["op"]: u["reason"] for u in report.unsupported_ops}
     assert "int64 arithmetic" in reasons["aten::mul.Tensor"]        # ids * 3: ids is unbounded
     assert "float64" in reasons["aten::exp"]
-    assert "float16" in reasons["aten::relu"]
+    assert "aten::relu" not in reasons and report.supported_ops["aten::relu"] == 1
     assert report.supported_ops["aten::add.Tensor"] == 1            # arange(4) + 2 fits int32
     assert report.supported_ops["aten::flip"] == 1                  # moves values, checked at call
     assert report.supported_ops["aten::mul.Tensor"] == 1            # x * 2 in float32
@@ -136,6 +139,61 @@ def test_compile_refuses_partitions_drawn_by_another_engine():
     with pytest.raises(RuntimeError, match="int64 arithmetic"):
         engines.get("openvino").compile(captured.graph_module, captured.example_inputs,
                                          CompileOptions(engine="openvino"))
+
+
+def _only_openvino(compiled):
+    parts = compiled.manifest["partitions"]
+    assert [p["engine"] for p in parts] == ["openvino"], [p.get("candidates") for p in parts]
+    steps = compiled.manifest["program"]["steps"]
+    assert all("partition" in s for s in steps), steps          # nothing left on the host
+
+
+def test_bfloat16_runs_on_openvino_and_crosses_as_its_bits():
+    """A bf16 model (bf16 in, bf16 out, a LayerNorm between) is one OpenVINO partition:
+    the plugin computes it in float32 at kiln's pinned precision, so it is held to eager at
+    bf16's floor and is no further from the float32 answer than eager's rounding. Its
+    tensors cross the boundary as their bits (NumPy has no bfloat16); before, every bf16
+    op stayed on the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 8)).bfloat16().eval()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    compiled = kiln.trace(model, (x,), engine="openvino", cache=False, quiet=True)
+    _only_openvino(compiled)
+    with torch.no_grad():
+        wide = copy.deepcopy(model).float()(x.float())
+        for x_ in (x, torch.randn(4, 16, dtype=torch.bfloat16) * 3):
+            want, got = model(x_), compiled(x_)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    eager_error = (model(x).float() - wide).abs().max().item()
+    assert (compiled(x).float() - wide).abs().max().item() <= 1.25 * eager_error + 1e-6
+
+
+def test_training_graph_ops_openvinos_frontend_cannot_read_as_captured():
+    """A training step's forward reads ``native_layer_norm``'s mean and deviation, a gradient
+    clip calls ``vector_norm(x, 2.0)`` with its other arguments at their defaults, and an
+    embedding's gradient writes float values at int64 indices: OpenVINO's frontend failed to
+    convert the first two ("Index: 1 is out of bounds", "num_inputs >= min_inputs") and kiln
+    kept the third on the host (int64 arithmetic). Now each runs on OpenVINO, as eager."""
+    aten = torch.ops.aten
+
+    class Step(torch.nn.Module):
+        def forward(self, x, w, ids):
+            y, mean, rstd = aten.native_layer_norm(x, [8], w, None, 1e-5)
+            total = torch.linalg.vector_norm(y, 2.0)
+            grad = torch.zeros(10, 8).index_put([ids], y, accumulate=True)
+            return y * rstd + mean, total, grad
+
+    torch.manual_seed(0)
+    args = (torch.randn(6, 8), torch.randn(8), torch.tensor([1, 3, 3, 0, 9, 1]))
+    compiled = kiln.trace(Step(), args, engine="openvino", cache=False, quiet=True)
+    _only_openvino(compiled)
+    for got, want in zip(compiled(*args), Step()(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 2, 2, 2, 5, 9])
+    for got, want in zip(compiled(args[0], args[1], ids), Step()(args[0], args[1], ids)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_custom_op_falls_back_to_host():

@@ -211,9 +211,11 @@ def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeyp
         p = planned(model, inputs, native=False)
         assert p.engine.name == "onnxruntime" and p.placement.unsupported, p.report.notes
         assert proposals                 # made where they are used
-        # the device's partitions-first builds: not where they would leave the bf16 work op by op
+        # the device's partitions-first builds: not where they would leave the bf16 work op by op;
+        # the whole graph goes to OpenVINO (a build of seconds) first and to Inductor later
         p = planned(model, inputs, native=True, whole_graph="later")
-        assert p.engine.name == "inductor" and p.whole_graph_later is None and not proposals, p.report.notes
+        assert p.engine.name == "openvino" and p.whole_graph_later == "inductor", p.report.notes
+        assert len(p.placement.partitions) == 1 and not p.placement.unsupported and not proposals
     assert not planned(bf16, x, native=False).placement.partitions        # eager's, with the warning
     p = planned(fp32, torch.randn(3, 8), native=True)
     assert p.engine.name == "onnxruntime" and not p.placement.unsupported

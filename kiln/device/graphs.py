@@ -220,14 +220,17 @@ def later_build(run, options) -> tuple | None:
     :data:`INDUCTOR_WORTH_MS` (the same CNN's forward on ONNX Runtime, 7.5 ms against
     Inductor's fused convolutions): then the whole graph on Inductor, held to eager's speed
     at -O2 like any build and taken only if it measured faster (:func:`faster`)."""
-    if whole_graph_later(run):
-        return {**options, "whole_graph": True}, 0
     compiled = getattr(run, "compiled", None)
+    manifest = compiled.manifest if compiled is not None else {}
+    timed_ms = (manifest.get("speed_vs_eager") or {}).get("latency_ms")
+    if whole_graph_later(run):
+        # already whole on one engine (a bf16 step on OpenVINO): Inductor only where it may pay
+        if _one_engine(manifest) and (timed_ms is None or timed_ms < INDUCTOR_WORTH_MS):
+            return None
+        return {**options, "whole_graph": True}, 0
     if compiled is None or options.get("engine") or options.get("whole_graph") is False:
         return None
-    manifest = compiled.manifest
     parts = manifest.get("partitions") or []
-    timed_ms = (manifest.get("speed_vs_eager") or {}).get("latency_ms")
     if not parts or timed_ms is None or (manifest.get("engine") or {}).get("name") == "inductor":
         return None
     lost_to_eager = all(p.get("engine") == "eager" for p in parts)
@@ -237,6 +240,12 @@ def later_build(run, options) -> tuple | None:
     if engines.get("inductor", required=False) is None:
         return None
     return {**options, "engine": "inductor", "engine_by": "whole_graph"}, LOST_TO_EAGER_RUNS
+
+
+def _one_engine(manifest) -> bool:
+    """Whether the program is one partition and nothing on the host."""
+    steps = (manifest.get("program") or {}).get("steps") or []
+    return bool(steps) and len(manifest.get("partitions") or []) == 1 and all("partition" in s for s in steps)
 
 
 def upgrade(gm, examples, name, options):

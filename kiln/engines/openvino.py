@@ -11,10 +11,11 @@ portable artifact has to compile where it loads.
 Numbers are the user's choice, not OpenVINO's: the inference precision is
 pinned (f32, or bf16/f16 only for a native ``--auto-cast``), since left alone
 OpenVINO picks bf16 on CPUs that have it. The CPU plugin also silently computes
-int64 in int32 and float64 in float32, and does not reproduce float16 or
-bfloat16 rounding exactly; so ops in those types stay on the host, int64 ops
+int64 in int32 and float64 in float32; so float64 ops stay on the host, int64 ops
 stay only where their values provably fit int32, and int64 inputs are
-range-checked on every call.
+range-checked on every call. bf16/fp16 ops it computes in float32 at that pinned
+precision, held to eager at the type's floor (:mod:`kiln.engines.ov_dtypes`);
+bf16 tensors cross the boundary as their bits, NumPy having no bfloat16.
 
 Which ATen ops are supported is read from OpenVINO's own table for its PyTorch
 frontend, so the analysis report tracks the installed OpenVINO.
@@ -37,7 +38,6 @@ XML part), then the payload: the compiled model, or the IR's XML then weights.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -50,7 +50,7 @@ import torch
 from kiln import scratch
 from kiln.errors import ArtifactError, InputError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
-from kiln.engines import ov_attention, ov_dtypes, ov_export, ov_zero_points
+from kiln.engines import ov_dtypes, ov_export, ov_graph, ov_zero_points
 from kiln.engines.base import Engine
 from kiln.host import target as host_target
 
@@ -59,7 +59,7 @@ _LOGGERS = EXPORTER_LOGGERS + ("openvino", "torch.fx")
 _INT32 = ov_dtypes.INT32
 # Ops capture leaves that OpenVINO's op table does not list but its FX frontend converts
 # (whole SDPA, kiln.graph.capture.KEEP_WHOLE, and the reshapes of its output; as a view):
-# see _for_openvino.
+# see kiln.engines.ov_graph.
 _CONVERTED = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.reshape.default}
 
 
@@ -272,7 +272,7 @@ def _convert(partition, example_inputs):
     import openvino as ov
     from openvino.frontend import FrontEndManager
     from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-    partition = _for_openvino(partition, example_inputs)
+    partition = ov_graph.prepared(partition)
     with torch.no_grad(), quiet(_LOGGERS):
         decoder = TorchFXPythonDecoder(partition)   # held here: the frontend keeps no reference to it
         frontend = FrontEndManager().load_by_framework("pytorch")
@@ -286,90 +286,12 @@ def _convert(partition, example_inputs):
     return model
 
 
-def _for_openvino(partition, example_inputs):
-    """The partition as OpenVINO's FX frontend should read it; the partition itself is
-    not changed (other engines build from it): copies share its weights.
-
-    Capture keeps ``scaled_dot_product_attention`` whole, and the views of its output as
-    reshapes (:data:`kiln.graph.capture.KEEP_WHOLE`). OpenVINO converts whole SDPA to its
-    fused ScaledDotProductAttention (all-MiniLM-L6-v2: 20.2 against 20.6 ms decomposed)
-    but two of its answers differ from torch's:
-
-    * with grouped-query heads (keys and values repeated by ``expand``, Hugging Face's
-      ``repeat_kv``) it is wrong: a Llama decoder step's logits were off by 0.12, exact
-      with the heads unrepeated. Such a partition gets torch's own decomposition of SDPA,
-      re-traced here (what OpenVINO ran before attention was kept whole);
-    * a row whose every key is masked gives NaN (a softmax over nothing but -inf) where
-      torch gives zeros: those rows, read off the mask, are set to zero after it.
-
-    Otherwise ``aten.reshape`` is spelled ``aten.view``, which the frontend knows
-    (OpenVINO's tensors have no strides, so the two are the same Reshape).
-    """
-    aten = torch.ops.aten
-    nodes = list(partition.graph.nodes)
-    repeated = any(_sdpa(n) and _repeated_heads(n) for n in nodes)
-    if not repeated and not any(n.target is aten.reshape.default or (_sdpa(n) and _sdpa_mask(n) is not None)
-                                for n in nodes):
-        return partition
-    graph = copy.deepcopy(partition.graph)
-    for node in list(graph.nodes):
-        if node.target is aten.reshape.default:
-            node.target = aten.view.default
-        elif _sdpa(node) and _sdpa_mask(node) is not None and not repeated:
-            _zero_fully_masked_rows(graph, node)
-    if repeated:        # torch's decomposition, node by node (kiln.engines.ov_attention)
-        return ov_attention.decompose(partition, graph, _sdpa)
-    return torch.fx.GraphModule(partition, graph)
-
-
-def _sdpa(node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default
-
-
-def _sdpa_mask(node):
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-
-
-_SHAPE_ONLY = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default,
-               torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default,
-               torch.ops.aten.slice.Tensor, torch.ops.aten.contiguous.default}
-
-
-def _repeated_heads(sdpa) -> bool:
-    """Whether SDPA's key or value reaches it through an ``expand`` (repeated heads)."""
-    for value in sdpa.args[1:3]:
-        while isinstance(value, torch.fx.Node) and value.op == "call_function":
-            if value.target is torch.ops.aten.expand.default:
-                return True
-            if value.target not in _SHAPE_ONLY:
-                break
-            value = value.args[0]
-    return False
-
-
-def _zero_fully_masked_rows(graph, sdpa):
-    """out = where(row has a key to attend to, sdpa(...), 0), the row read off the mask."""
-    aten = torch.ops.aten
-    mask = _sdpa_mask(sdpa)
-    with graph.inserting_after(sdpa):
-        if mask.meta["val"].dtype == torch.bool:
-            valid = graph.call_function(aten.any.dim, (mask, -1, True))
-        else:
-            peak = graph.call_function(aten.amax.default, (mask, [-1], True))
-            valid = graph.call_function(aten.gt.Scalar, (peak, float("-inf")))
-    with graph.inserting_after(valid):
-        zero = graph.call_function(aten.scalar_tensor.default, (0.0,), {"dtype": sdpa.meta["val"].dtype})
-    with graph.inserting_after(zero):
-        out = graph.call_function(aten.where.self, (valid, sdpa, zero))
-    sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
-
-
 def _check_io(model, partition, example_inputs):
     """OpenVINO must see the partition's inputs and outputs in the partition's order."""
     for kind, ports, tensors in (("inputs", model.inputs, example_inputs),
                                  ("outputs", model.outputs, _outputs(partition, example_inputs))):
-        got = [(tuple(p.get_partial_shape().to_shape()), p.get_element_type().to_dtype()) for p in ports]
-        want = [(tuple(t.shape), _np_dtype(t.dtype)) for t in tensors]
+        got = [(tuple(p.get_partial_shape().to_shape()), p.get_element_type().get_type_name()) for p in ports]
+        want = [(tuple(t.shape), _ov_type(t.dtype).get_type_name()) for t in tensors]
         if got != want:
             raise RuntimeError(f"OpenVINO's model {kind} {got} do not match the partition's {want}")
 
@@ -386,16 +308,13 @@ def _outputs(partition, example_inputs) -> list:
     return list(res) if isinstance(res, (tuple, list)) else [res]
 
 
-def _np_dtype(dtype):
-    if dtype == torch.bfloat16:
-        raise RuntimeError("a bfloat16 tensor crosses the partition boundary; NumPy, which "
-                           "carries tensors into OpenVINO, has no bfloat16")
-    return torch.empty((), dtype=dtype).numpy().dtype
-
-
 def _ov_type(dtype):
     import openvino as ov
-    return ov.Type.boolean if dtype == torch.bool else ov.Type(_np_dtype(dtype))
+    if dtype == torch.bfloat16:         # NumPy has none; crosses as int16 bits (OvRunner)
+        return ov.Type.bf16
+    if dtype == torch.bool:
+        return ov.Type.boolean
+    return ov.Type(torch.empty((), dtype=dtype).numpy().dtype)
 
 
 def _serialize(model) -> tuple[bytes, bytes]:
@@ -447,6 +366,10 @@ class OvRunner:
         self._tensor = ov.Tensor
         self._num_outputs = len(compiled.outputs)
         self._int64 = [i for i, p in enumerate(compiled.inputs) if p.get_element_type() == ov.Type.i64]
+        # bf16 crosses as its bits: NumPy has no bfloat16 (OpenVINO shows them as float16)
+        self._bf16_in = {i for i, p in enumerate(compiled.inputs) if p.get_element_type() == ov.Type.bf16}
+        self._bf16_out = {i for i, p in enumerate(compiled.outputs) if p.get_element_type() == ov.Type.bf16}
+        self._bf16 = ov.Type.bf16
         self._local = threading.local()
 
     def _request(self):
@@ -477,10 +400,18 @@ class OvRunner:
         # The request shares these arrays' memory without keeping them alive: a contiguous
         # copy of a strided input must be held until the inference is over, or its memory
         # is freed and reused while OpenVINO reads it (wrong answers for views).
-        arrays = [t.detach().contiguous().numpy() for t in inputs]
+        arrays = [t.detach().contiguous().view(torch.int16).numpy() if i in self._bf16_in
+                  else t.detach().contiguous().numpy() for i, t in enumerate(inputs)]
         for i, a in enumerate(arrays):
-            req.set_input_tensor(i, self._tensor(a, shared_memory=True))
+            req.set_input_tensor(i, self._tensor(a, list(a.shape), self._bf16) if i in self._bf16_in
+                                 else self._tensor(a, shared_memory=True))
         req.infer()
-        outs = [torch.from_numpy(req.get_output_tensor(i).data.copy()) for i in range(self._num_outputs)]
+        outs = [self._output(req, i) for i in range(self._num_outputs)]
         del arrays      # (only now)
         return outs
+
+    def _output(self, req, i):
+        data = req.get_output_tensor(i).data
+        if i in self._bf16_out:
+            return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(data.copy())

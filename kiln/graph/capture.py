@@ -263,7 +263,7 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
 # ops its decomposition leaves behind (the scale split over Q and K, the safe-softmax
 # guard for fully masked rows). OpenVINO converts it whole too, but not in every form
 # (repeated key/value heads): it decomposes those in its own copy of the partition
-# (kiln.engines.openvino._for_openvino).
+# (kiln.engines.ov_graph.prepared).
 KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 

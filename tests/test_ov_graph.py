@@ -1,4 +1,4 @@
-"""kiln.engines.ov_attention: OpenVINO's copy of a partition with grouped-query attention
+"""kiln.engines.ov_graph: OpenVINO's copy of a partition with grouped-query attention
 gets torch's decomposition of each SDPA node in its place, every other node kept, and the
 same answers. (The OpenVINO build of such a graph against eager:
 tests/test_llm_decoder.py::test_every_engine_builds_a_prefill_step_that_holds_beyond_its_example.)"""
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("openvino")
 pytest.importorskip("transformers")
 
-from kiln.engines import openvino  # noqa: E402
+from kiln.engines import ov_graph  # noqa: E402
 from kiln.graph.capture import capture  # noqa: E402
 
 
@@ -20,10 +20,10 @@ def test_grouped_query_attention_is_decomposed_node_by_node():
     step = decoder.DecoderStep(_model("llama"), with_cache=False, last_only=True).eval()   # 4 heads, 2 for k/v
     example = (torch.tensor([[3, 1, 4, 0, 9, 8]]), torch.arange(6).unsqueeze(0), torch.tensor([5]))
     graph = capture(step, example).graph_module
-    sdpa = [n for n in graph.graph.nodes if openvino._sdpa(n)]
-    assert len(sdpa) == 2 and all(openvino._repeated_heads(n) for n in sdpa)
+    sdpa = [n for n in graph.graph.nodes if ov_graph.is_sdpa(n)]
+    assert len(sdpa) == 2 and all(ov_graph.repeated_heads(n) for n in sdpa)
 
-    converted = openvino._for_openvino(graph, list(example))
+    converted = ov_graph.prepared(graph)
     aten = torch.ops.aten
 
     def ops(gm):
