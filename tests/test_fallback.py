@@ -146,7 +146,9 @@ def test_whole_graph_later_defers_the_whole_graph_only_where_the_partitions_are_
     """``whole_graph="later"`` (the device's background compiles): a graph split around one
     host op is planned in its partitions, with the whole-graph engine named for later; one
     split into more than ``LATER_PARTITIONS`` pieces goes whole at once, as with ``True``
-    (a bf16 BERT step's 33 pieces were built one by one on Inductor otherwise)."""
+    (a bf16 BERT step's 33 pieces were built one by one on Inductor otherwise). Where
+    OpenVINO takes every op (here not: ``lgamma``), the whole graph goes to it first, a build
+    of seconds, with Inductor named for later (below)."""
     from kiln.compiler import phases
     from kiln.compiler.driver import make_options
     from kiln.graph.capture import capture
@@ -169,6 +171,15 @@ def test_whole_graph_later_defers_the_whole_graph_only_where_the_partitions_are_
         assert len(p.placement.partitions) == (pieces + 1 if later else 1), pieces
     with pytest.raises(kiln.errors.CompilerArgsError, match="whole_graph"):
         make_options(whole_graph="soon")
+
+    class Accumulates(torch.nn.Module):   # an embedding's gradient, too large to sum as a one-hot
+        def forward(self, x, ids):          # product: ONNX Runtime's ScatterND races on repeats
+            return torch.zeros(5000, 64).index_put([ids], x.relu() * 2.0, accumulate=True).tanh()
+    captured = capture(Accumulates(), (torch.rand(60, 64), torch.arange(60) % 7))
+    p = phases.plan(captured, make_options(whole_graph="later"), Progress(quiet=True))
+    assert p.engine.name == "openvino" and p.whole_graph_later == "inductor", p.report.notes
+    assert len(p.placement.partitions) == 1 and not p.placement.unsupported
+    assert phases.plan(captured, make_options(whole_graph=False), Progress(quiet=True)).placement.unsupported
 
 
 def test_a_bf16_model_goes_whole_to_inductor_where_the_cpu_computes_bf16(monkeypatch):

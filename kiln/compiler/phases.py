@@ -82,24 +82,25 @@ def plan(captured: Captured, opts: CompileOptions, progress, narrow_whole: bool 
             placement = place(captured.graph_module, engine, opts, grouped=False)
         whole, later = _whole_graph_engine(opts, engine, placement, narrow_whole), None
         narrow = whole is not None and not opts.whole_graph
-        # partitions first (whole_graph="later") only where they would run the graph's bf16/fp16
+        # whole_graph="later" (the device's background builds): the whole graph on OpenVINO
+        # first where it takes every operation, a build of seconds (_whole_on_openvino); else
+        # the first engine's partitions, but only where they would not run the graph's bf16/fp16
         # work: where the first engine leaves it on a CPU that computes it natively, they run it
         # op by op, as the flushes before any build do (a bf16 BERT-4L step so built ran at 0.69x
         # eager, 11-29), and counting them took that step's analysis 3 s
-        first = whole is not None and opts.whole_graph == "later" and not _native_narrow_left(placement)
+        deferred = whole is not None and opts.whole_graph == "later"
+        quick = _whole_on_openvino(captured.graph_module, opts) if deferred else None
+        first = deferred and quick is None and not _native_narrow_left(placement)
         if whole is None or first:
             group(captured.graph_module, placement, opts)
-        if first and len(placement.partitions) <= LATER_PARTITIONS:
+        if quick is not None:
+            notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; the whole "
+                         f"graph goes to {quick.name} now and to {whole.name} later (whole_graph='later')")
+            later, whole = whole.name, quick
+        elif first and len(placement.partitions) <= LATER_PARTITIONS:
             notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
                          f"graph on {whole.name} is due later (whole_graph='later')")
             later, whole = whole.name, None
-        elif whole is not None and opts.whole_graph == "later" and not first:
-            quick = _whole_on_openvino(captured.graph_module, opts)
-            if quick is not None:
-                notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host, their "
-                             f"bf16/fp16 work among them; the whole graph goes to {quick.name} now and to "
-                             f"{whole.name} later (whole_graph='later')")
-                later, whole = whole.name, quick
         if whole is not None:
             if later is None:
                 notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; "
