@@ -107,7 +107,8 @@ def test_multi_input_multi_output_order_and_dtypes():
 
 def test_ops_openvino_would_change_stay_on_host():
     """int64 arithmetic that could leave int32 and float64 run on the host; float16 goes to
-    OpenVINO, which computes it in float32 (held to eager at float16's floor)."""
+    OpenVINO where the CPU computes it (OpenVINO computes it in float32, held to eager at
+    float16's floor), and stays on the host where kiln emulates its rounding."""
 
     class Dtypes(torch.nn.Module):
         def forward(self, ids, x):
@@ -119,7 +120,11 @@ def test_ops_openvino_would_change_stay_on_host():
     reasons = {u["op"]: u["reason"] for u in report.unsupported_ops}
     assert "int64 arithmetic" in reasons["aten::mul.Tensor"]        # ids * 3: ids is unbounded
     assert "float64" in reasons["aten::exp"]
-    assert "aten::relu" not in reasons and report.supported_ops["aten::relu"] == 1
+    from kiln.host import target
+    if target.native("fp16"):
+        assert "aten::relu" not in reasons and report.supported_ops["aten::relu"] == 1
+    else:                                                           # its rounding emulated on the host
+        assert "float16" in reasons["aten::relu"]
     assert report.supported_ops["aten::add.Tensor"] == 1            # arange(4) + 2 fits int32
     assert report.supported_ops["aten::flip"] == 1                  # moves values, checked at call
     assert report.supported_ops["aten::mul.Tensor"] == 1            # x * 2 in float32
@@ -148,6 +153,18 @@ def _only_openvino(compiled):
     assert all("partition" in s for s in steps), steps          # nothing left on the host
 
 
+def test_bfloat16_on_a_cpu_that_emulates_it_stays_on_the_host(monkeypatch):
+    from kiln.engines import ov_dtypes
+    from kiln.graph.capture import capture
+    monkeypatch.setattr(ov_dtypes.host_target, "native", lambda kind: False)
+    model = torch.nn.Linear(4, 4).bfloat16()
+    graph = capture(model, (torch.randn(2, 4, dtype=torch.bfloat16),)).graph_module
+    linear = next(n for n in graph.graph.nodes if n.op == "call_function" and "addmm" in str(n.target))
+    assert "emulates" in engines.get("openvino").supports(linear)
+
+
+@pytest.mark.skipif(not __import__("kiln.host.target", fromlist=["native"]).native("bf16"),
+                    reason="kiln emulates bf16 on this CPU and keeps it off OpenVINO")
 def test_bfloat16_runs_on_openvino_and_crosses_as_its_bits():
     """A bf16 model (bf16 in, bf16 out, a LayerNorm between) is one OpenVINO partition:
     the plugin computes it in float32 at kiln's pinned precision, so it is held to eager at

@@ -3,7 +3,8 @@ them off it: it computes int64 in int32 and float64 in float32. int64 ops stay o
 only where their values provably fit int32 (the interval arithmetic of :func:`_range`); the
 runtime range-checks int64 inputs on every call (:class:`kiln.engines.openvino.OvRunner`).
 
-bfloat16 and float16 ops are taken: at the float32 precision kiln pins (unless a native
+bfloat16 and float16 ops are taken where the CPU computes that type natively (elsewhere kiln
+emulates its rounding on the host, which the plugin would drop): at the float32 precision kiln pins (unless a native
 ``--auto-cast`` asks for bf16/f16) the plugin computes them in float32, keeping the graph's
 narrow values narrow between operations, so its answers differ from eager's by roundings,
 as Inductor's fused kernels' do, and are held to eager at the type's floor as those are
@@ -18,8 +19,10 @@ import math
 import torch
 
 from kiln.engines.base import Engine
+from kiln.host import target as host_target
 
 INT32 = (-2**31, 2**31 - 1)
+NARROW = {torch.bfloat16: "bf16", torch.float16: "fp16"}      # host_target's names
 _NEVER = {torch.complex64: "complex", torch.complex128: "complex",
           torch.float8_e4m3fn: "float8", torch.float8_e5m2: "float8",
           torch.float64: "float64 (OpenVINO's CPU plugin computes it in float32)"}
@@ -52,6 +55,9 @@ def reason(node) -> str | None:
     for dtype in dtypes:
         if dtype in _NEVER:
             return f"dtype {_NEVER[dtype]} is not supported by kiln's OpenVINO engine"
+        if dtype in NARROW and not host_target.native(NARROW[dtype]):
+            return (f"{NARROW[dtype]} on a CPU that emulates it: kiln keeps its rounding on the host "
+                    "(OpenVINO's plugin would compute it in float32)")
     if torch.int64 not in dtypes:
         return None
     if name in _INDEX_WRITES and _dtype_of(node) not in (None, torch.int64):
