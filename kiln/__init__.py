@@ -39,3 +39,7 @@ __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "core
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
            "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError",
            "SignatureError", "UntrustedArtifactError"]
+
+from kiln import config as _config  # noqa: E402
+
+_config.warn_unknown()      # a misspelt KILN_* setting would otherwise be ignored without a word

@@ -126,6 +126,34 @@ def parse_size(text, *, binary: bool = False) -> int:
     return int(float(t[:-1]) * base ** power) if power else int(t)
 
 
+# KILN_* names that are not kiln's settings: the test suite's own (tests/reliability.py)
+_NOT_SETTINGS = ("KILN_RELIABILITY",)
+
+
+def unknown() -> list:
+    """``(name, nearest)`` for each ``KILN_*`` variable in the environment that kiln does not
+    read, with the declared name nearest to it (or None): a misspelt setting is otherwise
+    silently ignored (``KILN_CACHE_DIR`` for ``KILN_CACHE_URL`` compiled into the default
+    cache, unnoticed, in one of kiln's own benchmark runs)."""
+    import difflib
+    ours = {name.removeprefix("KILN_"): name for name in VARIABLES if name.startswith("KILN_")}
+
+    def nearest(name):      # compared without the prefix every one shares
+        close = difflib.get_close_matches(name.removeprefix("KILN_"), ours, n=1, cutoff=0.6)
+        return ours[close[0]] if close else None
+    return [(name, nearest(name)) for name in sorted(os.environ)
+            if name.startswith("KILN_") and name not in VARIABLES and not name.startswith(_NOT_SETTINGS)]
+
+
+def warn_unknown():
+    """A ``RuntimeWarning`` for each variable :func:`unknown` finds (at ``import kiln``)."""
+    import warnings
+    for name, nearest in unknown():
+        hint = f"; did you mean {nearest}?" if nearest else ""
+        warnings.warn(f"{name} is set, but kiln reads no such variable{hint} (docs/configuration.md lists "
+                      "every one)", RuntimeWarning, stacklevel=3)
+
+
 def names(group: str | None = None) -> list:
     return [v.name for v in VARIABLES.values() if group is None or v.group == group]
 

@@ -147,6 +147,21 @@ def test_configuration_doc_lists_every_variable():
         config.get("KILN_NO_SUCH_THING")
 
 
+def test_a_misspelt_setting_is_named_at_import(monkeypatch):
+    """``KILN_CACHE_DIR`` (for ``KILN_CACHE_URL``) was ignored without a word: a benchmark
+    run compiled into the default cache. Now ``import kiln`` warns, with the nearest name."""
+    env = {**os.environ, "KILN_CACHE_DIR": "/tmp/x", "KILN_ZQXJ": "1", "KILN_RELIABILITY": "long"}
+    out = subprocess.run([sys.executable, "-W", "always", "-c", "import kiln"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "KILN_CACHE_DIR is set, but kiln reads no such variable; did you mean KILN_CACHE_URL?" in out.stderr
+    assert "KILN_ZQXJ is set, but kiln reads no such variable (" in out.stderr
+    assert "KILN_RELIABILITY" not in out.stderr                      # the test suite's own
+    from kiln import config
+    monkeypatch.delenv("KILN_CACHE_DIR", raising=False)
+    assert all(not name.startswith("KILN_CACHE_DIR") for name, _ in config.unknown())
+
+
 def test_importing_kiln_starts_nothing_and_writes_nothing(tmp_path):
     """No thread, no registry file, no placement change from imports alone."""
     code = textwrap.dedent("""
