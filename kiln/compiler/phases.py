@@ -89,14 +89,14 @@ def plan(captured: Captured, opts: CompileOptions, progress, narrow_whole: bool 
         # op by op, as the flushes before any build do (a bf16 BERT-4L step so built ran at 0.69x
         # eager, 11-29), and counting them took that step's analysis 3 s
         deferred = whole is not None and opts.whole_graph == "later"
-        quick = _whole_on_openvino(captured.graph_module, opts) if deferred else None
+        quick = _whole_on_openvino(captured.graph_module, opts) if deferred else None   # (engine, placement)
         first = deferred and quick is None and not _native_narrow_left(placement)
         if whole is None or first:
             group(captured.graph_module, placement, opts)
         if quick is not None:
             notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; the whole "
-                         f"graph goes to {quick.name} now and to {whole.name} later (whole_graph='later')")
-            later, whole = whole.name, quick
+                         f"graph goes to {quick[0].name} now and to {whole.name} later (whole_graph='later')")
+            later, whole = whole.name, quick[0]
         elif first and len(placement.partitions) <= LATER_PARTITIONS:
             notes.append(f"{engine.name} leaves {len(placement.unsupported)} op(s) on the host; the whole "
                          f"graph on {whole.name} is due later (whole_graph='later')")
@@ -106,7 +106,8 @@ def plan(captured: Captured, opts: CompileOptions, progress, narrow_whole: bool 
                 notes.append(f"{engine.name} would leave {len(placement.unsupported)} op(s) on the host; "
                              f"the whole graph goes to {whole.name} (whole_graph)")
             opts, engine = dataclasses.replace(opts, engine=whole.name, engine_by="whole_graph"), whole
-            placement = place(captured.graph_module, engine, opts)
+            placement = (group(captured.graph_module, quick[1], opts) if quick      # placed already
+                         else place(captured.graph_module, engine, opts))
         rep = make_report(captured.graph_module, placement, captured.model_name, engine.name)
     rep.notes.extend(notes)
     if not placement.partitions:
@@ -158,19 +159,19 @@ def _whole_graph_engine(opts, first, placement, narrow_whole=True):
 
 
 def _whole_on_openvino(gm, opts):
-    """OpenVINO where it takes every operation of ``gm``, else None: the first build of a
-    bf16/fp16 graph due on Inductor later. It builds in seconds where Inductor takes tens of
-    them: a bf16 BERT-4L training step (2,750 operations) built in 5 s against Inductor's
-    38 s, and ran at 1.6-1.9x eager's run of the graph, every output within eager's
-    tolerances at bf16's floor (11-29). Inductor's build follows in the background and takes over only where
-    it measures faster (:func:`kiln.device.graphs.faster`)."""
+    """``(OpenVINO, its placement)`` where it takes every operation of ``gm``, else None: the
+    first build of a graph due on Inductor later. It builds in seconds where Inductor takes
+    tens of them: a bf16 BERT-4L training step (2,750 operations) built in 5 s against
+    Inductor's 38 s, and ran at 1.6-1.9x eager's run of the graph, every output within
+    eager's tolerances at bf16's floor (11-29). Inductor's build follows in the background
+    and takes over only where it measures faster (:func:`kiln.device.graphs.faster`)."""
     quick = engines.get("openvino", required=False)
     if quick is None:
         return None
     placement = place(gm, quick, opts, grouped=False)
     if any(not dropout.is_mask_draw(n) for n in placement.unsupported):
         return None
-    return quick
+    return quick, placement
 
 
 def _native_narrow_left(placement) -> bool:

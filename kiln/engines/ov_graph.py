@@ -126,7 +126,6 @@ def _zero_fully_masked_rows(graph, sdpa):
     sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
 
 
-
 def decompose(gm: torch.fx.GraphModule, graph: torch.fx.Graph, chosen) -> torch.fx.GraphModule:
     """A GraphModule of ``graph`` (a copy of ``gm``'s graph, sharing its weights) where each
     node ``chosen(node)`` picks is replaced by its core-ATen decomposition (a node with
