@@ -60,6 +60,12 @@ class Unpicklable(ChildError):
     """The request cannot be pickled for the child (the caller compiles in-process)."""
 
 
+class Closed(ChildError):
+    """The compile process was stopped by :meth:`CompileProcess.close` (the training process
+    is exiting) while a compile waited on it: nothing failed, and nothing is left to run
+    the program."""
+
+
 class CompileProcess:
     """One child process compiling device programs, one request at a time."""
 
@@ -70,6 +76,7 @@ class CompileProcess:
         self._dir = tempfile.mkdtemp(prefix="kiln-device-compile-")
         self._count = 0
         self._owner = os.getpid()
+        self._closed = False
         # at exit, before Python joins the compile thread waiting on the child (threading's
         # exit hooks run last-registered first, and before threads are joined)
         register = getattr(threading, "_register_atexit", atexit.register)
@@ -80,6 +87,8 @@ class CompileProcess:
         success (the ``.kiln`` file to load), ``{"error", "kiln_error"}`` when kiln refused
         the graph; raises :class:`ChildError` when the child itself failed."""
         with self._lock:
+            if self._closed:       # asked for after the exit hook ran: start no child nothing stops
+                raise Closed("the process is exiting")
             proc = self._start()
             self._count += 1
             request = os.path.join(self._dir, f"request-{self._count}.pkl")
@@ -101,6 +110,8 @@ class CompileProcess:
             finally:
                 _remove(request)
             if not line:
+                if self._closed:
+                    raise Closed("the process is exiting")
                 why = _tail(self._log())
                 self._stop()
                 raise ChildError(f"the compile process ended ({why})")
@@ -146,6 +157,7 @@ class CompileProcess:
         failed (a bf16 step's Inductor upgrade: "No such file or directory: request-2.pkl")."""
         if os.getpid() != self._owner:
             return
+        self._closed = True      # a compile waiting on the child now ends quietly (Closed)
         self._stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -182,6 +182,8 @@ def build_in_child(gm, examples, name, options, refused=None):
             compiled = load(answer["path"], trust_native_code=True) if "path" in answer else None
     except compile_process.Unpicklable:         # a graph holding something pickle cannot take
         return _build(gm, examples, name, options)
+    except compile_process.Closed:              # the process is exiting: no failure to report
+        return _eager(gm, name, None)
     except (compile_process.ChildError, KilnError) as e:
         return refused(str(e))
     for category, message in answer["warnings"]:
@@ -324,8 +326,11 @@ def _misfit(compiled, gm) -> str | None:
 
 
 def _eager(gm, name, why):
-    warnings.warn(f"kiln: graph '{name}' runs eagerly (not compiled): {why}", RuntimeWarning, stacklevel=3)
-    metrics.count("EagerGraphs")
+    """``gm`` run op by op, with a warning saying ``why``; no warning when ``why`` is None
+    (a build abandoned as the process exits: the program is not asked for again)."""
+    if why is not None:
+        warnings.warn(f"kiln: graph '{name}' runs eagerly (not compiled): {why}", RuntimeWarning, stacklevel=3)
+        metrics.count("EagerGraphs")
 
     def run(*args):
         out = gm(*args)
