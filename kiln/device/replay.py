@@ -70,6 +70,93 @@ def guard(trace, args, kwargs):
     return guard, fresh
 
 
+def matches(trace, guard, args, kwargs):
+    """The host tensors the call reads that are not yet inputs of ``trace`` (``fresh``, as
+    :func:`walk` gives them) when the call's guard equals ``guard``, else None: the guard
+    compared as it is walked, with no list built and the walk stopped at the first
+    difference (a replayed operation's cost is mostly this comparison). Element for
+    element the test ``guard == walk(...)[2]`` makes."""
+    fresh = {}
+    try:
+        i = _match(trace, args, guard, 0, fresh)
+        if i >= 0 and kwargs:
+            for name, v in kwargs.items():
+                if i >= len(guard) or guard[i] != name:
+                    return None
+                i = _match(trace, v, guard, i + 1, fresh)
+                if i < 0:
+                    return None
+    except TypeError:            # a host tensor with dimensions: the call runs now
+        return None
+    return fresh if i == len(guard) else None
+
+
+def _same(g, v) -> bool:
+    return g is v or g == v      # a list's comparison: identity first, as for NaN
+
+
+def _match(trace, a, guard, i, fresh) -> int:
+    """:func:`_walk` of ``a`` compared with ``guard`` from position ``i``: the position after
+    it, or -1 at the first difference."""
+    if isinstance(a, dt.DeviceTensor):
+        if i + 2 > len(guard):
+            return -1
+        cell = a._kc
+        k = cell.value
+        if k is None:
+            k = trace.index_of(cell.data, fresh)
+        return i + 2 if _same(guard[i], k) and _same(guard[i + 1], a._ksig) else -1
+    if isinstance(a, torch.Tensor):
+        if a.dim() != 0 or a.device.type != "cpu":
+            raise TypeError("a host tensor with dimensions")
+        if i + 2 > len(guard):
+            return -1
+        data = a.detach().clone()
+        k = trace.index_of(data, fresh)
+        return i + 2 if _same(guard[i], k) and _same(guard[i + 1], (data.dtype, False)) else -1
+    cls = type(a)
+    if i >= len(guard) or not _same(guard[i], cls):
+        return -1
+    i += 1
+    if isinstance(a, (list, tuple)):
+        if i >= len(guard) or not _same(guard[i], len(a)):
+            return -1
+        return _match_items(trace, a, guard, i + 1, fresh)
+    if i >= len(guard):
+        return -1
+    if isinstance(a, float):
+        return i + 1 if guard[i] == a.hex() else -1
+    return i + 1 if _same(guard[i], a) else -1
+
+
+def _match_items(trace, items, guard, i, fresh) -> int:
+    """:func:`_match` of each item in turn, the common ones (device tensors, ints, None)
+    without a call of their own: an operation's arguments are mostly these."""
+    n = len(guard)
+    for x in items:
+        t = type(x)
+        if t is dt.DeviceTensor:
+            if i + 2 > n:
+                return -1
+            cell = x._kc
+            k = cell.value
+            if k is None:
+                k = trace.index_of(cell.data, fresh)
+            g, sig = guard[i], guard[i + 1]
+            if not (g is k or g == k) or not (sig is x._ksig or sig == x._ksig):
+                return -1
+            i += 2
+        elif t is int or t is bool or x is None:
+            if i + 2 > n or guard[i] is not t or not (guard[i + 1] is x or guard[i + 1] == x):
+                return -1
+            i += 2
+        else:
+            i = _match(trace, x, guard, i, fresh)
+            if i < 0:
+                return -1
+    return i
+
+
 def _walk(trace, a, guard, fresh, refs=True):
     if isinstance(a, dt.DeviceTensor):
         cell = a._kc

@@ -38,6 +38,21 @@ def _floating(t) -> bool:
     return isinstance(t, dt.DeviceTensor) and t.dtype.is_floating_point
 
 
+def may_lift(func, args, kwargs) -> bool:
+    """Whether :func:`lift_scalars` may rewrite this call: a lifting rule applies to ``func``
+    and a Python float is among its arguments. Cheap, so that a replay does not first
+    compare a call whose arguments the rewrite is about to change (it never matches)."""
+    kind = _LIFT_KIND.get(id(func), "?")
+    if kind == "?":
+        kind = _LIFT_KIND[id(func)] = _lift_kind(func)
+    if kind is None:
+        return False
+    for a in args:
+        if type(a) is float:
+            return True
+    return any(type(v) is float for v in kwargs.values()) if kwargs else False
+
+
 def lift_scalars(dispatch, func, args, kwargs):
     """``func`` re-dispatched with its Python float arguments as 0-dim tensors, or
     NotImplemented when there is nothing to lift."""
