@@ -262,27 +262,31 @@ def recording_cost(n: int = 2000) -> dict:
     of two 64x64 tensors recorded in lazy mode, against the same additions run by CPU
     eager. Part of every kiln-lazy and kiln-eager step time above (a BERT step records
     about 800 operations). ``kiln_record_us`` is a step recorded again (replayed: it
-    matches the last one), ``kiln_record_fresh_us`` one recorded from scratch."""
+    matches the last one), ``kiln_record_fresh_us`` one recorded from scratch.
+    ``kiln_record_linear_us``: a linear layer's call (``F.linear(x, w)``: the weight's
+    ``t()``, a view of host data, and the product), replayed, against CPU eager's
+    (``cpu_eager_linear_us``): a transformer's most common call."""
     from kiln.device import modes
     dev = modes.device()
     out = {}
     for key, replay in (("kiln_record_fresh_us", False), ("kiln_record_us", True)):
         modes.set_mode("lazy", compile_after=10 ** 9, replay=replay)   # flushes interpret: nothing compiles
         out.update(_chain_cost(dev, n, key))
+    out.update(_chain_cost(dev, n, "kiln_record_linear_us", linear=True))
     return out
 
 
-def _chain_cost(dev, n, key) -> dict:
+def _chain_cost(dev, n, key, linear=False) -> dict:
     from kiln.device import modes
 
     def chain(x, y):
         for _ in range(n):
-            x = x + y
+            x = F.linear(x, y) if linear else x + y
         return x
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    a, b = torch.randn(64, 64), torch.randn(64, 64) / 8
     da, db = a.to(dev), b.to(dev)
     out = {}
-    for name, (x, y) in ((key, (da, db)), ("cpu_eager_us", (a, b))):
+    for name, (x, y) in ((key, (da, db)), ("cpu_eager_linear_us" if linear else "cpu_eager_us", (a, b))):
         times = []
         for _ in range(6):
             start = time.perf_counter()
@@ -479,7 +483,9 @@ def main(argv=None):
         cost = results["recording-cost"] = _in_child("recording-cost", args)
         if "error" not in cost:
             print(f"recording one operation on the device: {cost['kiln_record_us']:.1f} us replayed, "
-                  f"{cost['kiln_record_fresh_us']:.1f} us afresh (CPU eager runs it in {cost['cpu_eager_us']:.1f} us)")
+                  f"{cost['kiln_record_fresh_us']:.1f} us afresh (CPU eager runs it in {cost['cpu_eager_us']:.1f} us); "
+                  f"a linear layer's call {cost['kiln_record_linear_us']:.1f} us replayed "
+                  f"(CPU eager {cost['cpu_eager_linear_us']:.1f} us)")
     info = {"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "targets": TARGETS}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
