@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from kiln.device import binding, foreach, meta, programs, replay, rewrites, walk
+from kiln.device.opinfo import info as _info
 from kiln.graph import draws
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
@@ -83,41 +84,6 @@ def _replay_call(func, args, kwargs):
         _note_views(out, args, func, kwargs)
     _window()
     return out
-
-
-class _Info:
-    """What the dispatcher needs to know about an operation, worked out once: reading a
-    schema's arguments and returns makes Python objects at every access (``t()`` of a
-    weight spent 17 of its 45 µs in :func:`run_now` doing that)."""
-    __slots__ = ("func", "name", "foreach", "recordable", "mutation", "view", "schema", "written",
-                 "returns", "returns_written", "c10d")
-
-    def __init__(self, func):
-        self.func = func        # kept alive: the tables below are keyed by id(func)
-        schema = self.schema = func._schema
-        self.name = schema.name.split("::")[-1]
-        self.foreach = self.name.startswith("_foreach_")
-        self.recordable = _recordable(func, schema)
-        self.mutation = schema.is_mutable or func is aten.native_batch_norm.default
-        self.view = _is_view(schema)
-        # the arguments the operation writes: (position, name)
-        self.written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                             if a.alias_info is not None and a.alias_info.is_write)
-        ret = schema.returns
-        self.returns = bool(ret)
-        self.returns_written = bool(ret) and ret[0].alias_info is not None and ret[0].alias_info.is_write
-        self.c10d = schema.name.startswith("c10d::")
-
-
-_INFO: dict = {}
-
-
-def _info(func) -> _Info:
-    # keyed by id: an OpOverload's __hash__ is Python code, and this runs for every op
-    info = _INFO.get(id(func))
-    if info is None:
-        info = _INFO[id(func)] = _Info(func)
-    return info
 
 
 def _any_device_tensor(tree) -> bool:
@@ -186,29 +152,6 @@ def _fill_now(func, args, kwargs):
     like = args[0]
     host = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
     return walk.tmap(_wrap_one, func(host, *binding.host(args[1:]), **binding.host(kwargs)))
-
-
-# uninitialised memory: no program computes it, and a compiled one would "disagree"
-_ALLOCATIONS = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
-
-
-def _recordable(func, schema) -> bool:
-    """ATen's functional operations only: collectives (``c10d``, ``_c10d_functional``) and
-    other libraries' operations may have effects beyond their outputs, so they run now."""
-    if func.namespace != "aten":
-        return False
-    if torch.Tag.nondeterministic_seeded in func.tags or schema.name.split("::")[-1] in _ALLOCATIONS:
-        return False
-    for ret in schema.returns:
-        text = str(ret.type)
-        if text not in ("Tensor", "List[Tensor]", "Optional[Tensor]"):
-            return False
-    return bool(schema.returns) or schema.is_mutable
-
-
-def _is_view(schema) -> bool:
-    ret = schema.returns[0] if schema.returns else None
-    return ret is not None and ret.alias_info is not None and not ret.alias_info.is_write
 
 
 # ---- running now ---------------------------------------------------------------------

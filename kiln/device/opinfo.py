@@ -1,0 +1,67 @@
+"""What the device's dispatcher needs to know about an ATen operation, worked out once.
+
+Reading a schema's arguments and returns makes Python objects at every access: the
+dispatcher asking them at every call cost a weight's ``t()`` 17 of its 45 µs in
+:func:`kiln.device.dispatch.run_now`. So each operation's facts are read from its schema
+the first time it is seen and kept, keyed by the operation's ``id`` (an ``OpOverload``'s
+``__hash__`` is Python code, and this runs for every operation).
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+# uninitialised memory: no program computes it, and a compiled one would "disagree"
+_ALLOCATIONS = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
+
+
+class Info:
+    """One operation's facts (see the module docstring)."""
+    __slots__ = ("func", "name", "foreach", "recordable", "mutation", "view", "schema", "written",
+                 "returns", "returns_written", "c10d")
+
+    def __init__(self, func):
+        self.func = func        # kept alive: the table below is keyed by id(func)
+        schema = self.schema = func._schema
+        self.name = schema.name.split("::")[-1]
+        self.foreach = self.name.startswith("_foreach_")
+        self.recordable = recordable(func, schema)
+        self.mutation = schema.is_mutable or func is aten.native_batch_norm.default
+        self.view = is_view(schema)
+        # the arguments the operation writes: (position, name)
+        self.written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
+        ret = schema.returns
+        self.returns = bool(ret)
+        self.returns_written = bool(ret) and ret[0].alias_info is not None and ret[0].alias_info.is_write
+        self.c10d = schema.name.startswith("c10d::")
+
+
+_INFO: dict = {}
+
+
+def info(func) -> Info:
+    found = _INFO.get(id(func))
+    if found is None:
+        found = _INFO[id(func)] = Info(func)
+    return found
+
+
+def recordable(func, schema) -> bool:
+    """ATen's functional operations only: collectives (``c10d``, ``_c10d_functional``) and
+    other libraries' operations may have effects beyond their outputs, so they run now."""
+    if func.namespace != "aten":
+        return False
+    if torch.Tag.nondeterministic_seeded in func.tags or schema.name.split("::")[-1] in _ALLOCATIONS:
+        return False
+    for ret in schema.returns:
+        text = str(ret.type)
+        if text not in ("Tensor", "List[Tensor]", "Optional[Tensor]"):
+            return False
+    return bool(schema.returns) or schema.is_mutable
+
+
+def is_view(schema) -> bool:
+    ret = schema.returns[0] if schema.returns else None
+    return ret is not None and ret.alias_info is not None and not ret.alias_info.is_write
