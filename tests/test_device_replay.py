@@ -82,3 +82,34 @@ def test_a_changed_step_is_recorded_afresh_never_replayed_stale(mode):
             assert recorded > 0 and (replayed > 0 or "rows" in change), str(counted)
         else:
             assert replayed > 0 and recorded == 0, str(counted)
+
+
+def test_a_guard_compared_as_it_is_walked_agrees_with_the_guard_built_whole():
+    """``replay.matches`` (the replay's comparison, stopping at the first difference) must
+    accept exactly the calls whose built guard (``replay.guard``) equals the template's:
+    across argument kinds that only the guard tells apart (``2`` / ``2.0``, ``1`` / ``True``,
+    ``0.0`` / ``-0.0``, a list's length, keyword names, a tensor's wiring and layout)."""
+    from kiln.device import dispatch, replay
+    from kiln.device import tensor as dt
+    modes.set_mode("lazy", compile_after=10 ** 9)
+    trace = dispatch.current()
+    a = dt.wrap(torch.randn(4, 3))
+    b = dt.wrap(torch.randn(4, 3))
+    at = dt.wrap(a._kc.data.t())                    # other strides, same storage
+    host = torch.tensor(2.0)                         # a 0-dim host tensor: copied in as an input
+    calls = [((a, b), {}), ((b, a), {}), ((a, a), {}), ((at, b), {}), ((a, 2), {}), ((a, 2.0), {}),
+             ((a, True), {}), ((a, 1), {}), ((a, [True, 2]), {}), ((a, 0.0), {}), ((a, -0.0), {}), ((a, [1, 2]), {}), ((a, [1, 2, 3]), {}),
+             ((a, (1, 2)), {}), ((a, [a, b]), {}), ((a, [b, a]), {}), ((a, None), {}),
+             ((a, b), {"alpha": 2}), ((a, b), {"beta": 2}), ((a, b), {"alpha": 2.0}), ((a, host), {}),
+             ((a, torch.float16), {}), ((a, torch.float32), {}), ((a, [[1], [2, 3]]), {})]
+    checked = 0
+    for t_args, t_kwargs in calls:
+        template, _ = replay.guard(trace, t_args, t_kwargs)
+        for args, kwargs in calls:
+            built, _ = replay.guard(trace, args, kwargs)
+            walked = replay.matches(trace, template, args, kwargs)
+            assert (walked is not None) == (built == template), (t_args, t_kwargs, args, kwargs)
+            checked += 1
+    assert checked == len(calls) ** 2
+    # a host tensor with dimensions: the call runs now, never replays
+    assert replay.matches(trace, replay.guard(trace, (a, b), {})[0], (a, torch.randn(4, 3)), {}) is None
