@@ -374,3 +374,21 @@ def test_probe_comparisons_take_the_plain_path_under_a_precision_floor_and_never
     with_nan = e.clone()
     with_nan[1] = float("nan")
     assert not checks._plainly_close(e, with_nan, opts)
+
+
+def test_a_broadcast_example_input_is_probed_in_a_layout_of_its_own():
+    """An example whose elements share memory (stride 0: a sum's gradient on kiln's device
+    is ones expanded) gets the NaN/infinity probes in a contiguous copy. Writing them into a
+    tensor laid out like it failed ("more than one element of the written-to tensor refers
+    to a single memory location"), and a small SGD step's device program ran uncompiled."""
+    class Step(torch.nn.Module):
+        def forward(self, grad, h):
+            return torch.tanh(h) * grad, (1 - torch.tanh(h) ** 2) * grad
+
+    grad = torch.ones(()).expand(4, 8)
+    assert grad.stride() == (0, 0)
+    h = torch.randn(4, 8)
+    m = kiln.trace(Step(), (grad, h), quiet=True, cache=False)
+    for got, want in zip(m(grad, h), Step()(grad, h)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert m.manifest["partitions"], m.manifest

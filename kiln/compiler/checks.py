@@ -105,9 +105,11 @@ def nonfinite_probe(runner, reference, opts) -> list | None:
             probe, filled = list(inputs), inputs[i].detach().contiguous().clone()
             for k, value in enumerate(values[:filled.numel()]):
                 filled.view(-1)[-1 - k] = value
-            # the example's own strides: a stage may take a view that its graph permutes back
-            probe[i] = torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
-                                           device=inputs[i].device).copy_(filled)
+            # the example's own strides: a stage may take a view that its graph permutes back;
+            # unless its elements share memory (a broadcast input: a sum's gradient on the
+            # device is ones expanded), where no layout like it holds one value apart
+            probe[i] = filled if torch._debug_has_internal_overlap(inputs[i]) else torch.empty_strided(
+                inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype, device=inputs[i].device).copy_(filled)
             reference.same_draws()
             with torch.no_grad():
                 out = reference.sub(*probe)
