@@ -41,7 +41,8 @@ def _after_optimizer_step(optimizer, args, kwargs):
 
 
 def set_mode(mode: str, *, window: int | None = None, compile_after: int | None = None,
-             replay: bool | None = None, background: bool | str | None = None, **options):
+             replay: bool | None = None, background: bool | str | None = None,
+             overlap: bool | None = None, **options):
     """Choose ``"eager"`` or ``"lazy"``; ``options`` are ``kiln.trace``'s for the graphs
     compiled (default ``optlevel=2``: each partition timed against running it op by op).
     ``replay=False`` records every operation afresh instead of replaying a matching step
@@ -64,6 +65,8 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
         policy.window = window
     if background is not None:
         policy.background = background if background == "auto" else bool(background)
+    if overlap is not None:
+        policy.overlap = bool(overlap)
     if replay is not None:
         policy.replay = bool(replay)
         if not policy.replay:
@@ -84,7 +87,7 @@ def policy():
 def mark_step():
     """Run what was recorded since the last step (lazy mode's step boundary)."""
     metrics.count("MarkStep")
-    dispatch.materialize()
+    dispatch.materialize(overlap=dispatch.POLICY.overlap and dispatch.POLICY.mode == "lazy")
 
 
 def synchronize():

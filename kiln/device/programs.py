@@ -49,13 +49,23 @@ def forget_programs():
     tr.forget_templates()
 
 
-def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
+class Overlapped:
+    """What :func:`flush` returns instead of running a compiled program when asked to
+    ``overlap`` it with the next step's recording (:mod:`kiln.device.inflight` runs it)."""
+
+    def __init__(self, run, inputs, cells, name):
+        self.run, self.inputs, self.cells, self.name = run, inputs, cells, name
+
+
+def flush(trace: Trace, policy: Policy, at_step: bool = False, overlap: bool = False):
     """Run ``trace``; returns ``(cell, host tensor)`` for each live output. ``at_step``:
     the flush ends an optimizer step, so the program is a training step that will
-    repeat and is compiled the first time it is seen."""
+    repeat and is compiled the first time it is seen. ``overlap``: a compiled program is
+    not run but returned as :class:`Overlapped`, to run in the background."""
     live = trace.live_outputs()
     if not trace.ops:
         return []
+    trace.settle_inputs()          # values a program in flight computes: waited for here
     outputs = [k for k, _ in live]
     key = trace.key(outputs)
     metrics.count("ReplayedOps", trace.replayed)
@@ -89,6 +99,8 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False) -> list:
             metrics.count("UpgradedIn")           # the whole-graph build, now in use
         if entry.later is not None and entry.compiling is None and entry.seen >= entry.later_at:
             _upgrade_in_background(entry)         # it runs again: worth its later build
+        if overlap:
+            return Overlapped(run, inputs, [cell for _, cell in live], entry.name)
         return [(cell, data) for (_, cell), data in zip(live, run(*inputs))]
     started = time.perf_counter()
     results = trace.interpret(outputs)

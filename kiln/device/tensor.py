@@ -105,7 +105,10 @@ class DeviceTensor(torch.Tensor):
         """The concrete CPU tensor (shared memory, not a copy), flushing pending work first."""
         if self._kc.data is None:
             _HANDLERS["materialize"]()
-        return self._kc.data
+        data = self._kc.data
+        if not isinstance(data, torch.Tensor):     # promised by a program in flight
+            data = self._kc.data = data.get()
+        return data
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(self.host())

@@ -19,7 +19,7 @@ import weakref
 import torch
 import torch.fx as fx
 
-from kiln.device import foreach
+from kiln.device import foreach, inflight
 
 
 def meta_like(data: torch.Tensor) -> torch.Tensor:
@@ -52,6 +52,9 @@ class Policy:
     # the program op by op until it is ready: first steps in a fraction of a second.
     # "auto": on, except in a process group of several ranks (in_background())
     background: bool | str = "auto"
+    # lazy mode: a step's compiled program runs while the next step is recorded
+    # (kiln.device.inflight); off by default
+    overlap: bool = False
     compile_after: int = 2        # compile a program the n-th time it is seen (1 in lazy mode;
     #                               eager mode: 1 for windows ending an optimizer step)
     # -O2: each partition is timed against running it op by op and the faster kept, so a
@@ -88,6 +91,7 @@ class Trace:
         self.inputs: list = []            # (value index, host tensor)
         self._input_of: dict = {}         # id(host tensor) -> value index
         self._memory: set = set()         # storage addresses of the inputs
+        self._promised: list = []         # inputs a program in flight will compute
         self.holders: dict = {}           # value index -> weakref to the cell holding it
         # the key's text, one chunk per operation (with the inputs it introduced), so a
         # replay that stops part way takes the template's first chunks as its own
@@ -110,6 +114,11 @@ class Trace:
         k = self._input_of.get(id(data))
         if k is not None:
             return k
+        if self._promised:          # perhaps the value of a promised input, landed since
+            self._map_landed()
+            k = self._input_of.get(id(data))
+            if k is not None:
+                return k
         hit = fresh.get(id(data))
         if hit is None:
             hit = fresh[id(data)] = (len(fresh), data)
@@ -127,12 +136,41 @@ class Trace:
         self.metas.append(None)       # an input's data is at hand: no meta tensor needed
         self.inputs.append((k, data))
         self._input_of[id(data)] = k
-        if data.numel():
+        if type(data) is inflight.Promise:
+            self._promised.append(data)       # its memory is known once its program has run
+        elif data.numel():
             self._memory.add(data.untyped_storage().data_ptr())
         return k
 
     def reads_memory(self, data: torch.Tensor) -> bool:
+        """Whether the trace reads ``data``'s memory (a host write to it must flush first).
+        An input promised by a program still running cannot share it: that program's outputs
+        are fresh memory, or copies where they would alias its inputs
+        (:func:`kiln.device.binding.bind_values`); one whose program has run is asked here."""
+        self._map_landed()
         return data.untyped_storage().data_ptr() in self._memory
+
+    def _map_landed(self):
+        """Inputs promised by a program that has run, known by their values from now on:
+        the same input whether a call passes the promise or (once it has landed) its value,
+        and their memory read by the trace."""
+        if not self._promised:
+            return
+        left = []
+        for promise in self._promised:
+            if not promise.landed():
+                left.append(promise)
+                continue
+            value = promise.get()
+            self._input_of[id(value)] = self._input_of[id(promise)]
+            if value.numel():
+                self._memory.add(value.untyped_storage().data_ptr())
+        self._promised = left
+
+    def settle_inputs(self):
+        """Inputs promised by a program in flight replaced by their values (waiting for it)."""
+        if any(type(d) is inflight.Promise for _, d in self.inputs):
+            self.inputs = [(k, inflight.resolve(d)) for k, d in self.inputs]
 
     def record(self, func, args, kwargs, out_metas, single, guard=None, kind=None, listed=False) -> list:
         outs = []
@@ -190,6 +228,7 @@ class Trace:
     def release(self):
         """Drop the host data (after a flush): what is left is a template for later traces."""
         self.inputs, self._input_of, self._memory, self.holders = [], {}, set(), {}
+        self._promised = []
         self.template = None
 
     def hold(self, k: int, cell):
