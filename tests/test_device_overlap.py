@@ -132,3 +132,30 @@ def test_a_program_that_fails_in_the_background_says_so_where_its_values_are_rea
     monkeypatch.setattr(programs, "flush", flush)
     with pytest.raises(RuntimeError, match="engine gave up"):   # and stays failed, not stale
         w.cpu()
+
+
+def test_a_promised_view_is_one_input_before_and_after_its_program_lands():
+    """A view of promised data (``w.t()``) read by the trace, then printed (its value at
+    hand once the program has landed), then read again: one input of the trace, not two
+    (two would be another program, compiled again, at every such step)."""
+    from kiln.device import dispatch
+    modes.set_mode("lazy", overlap=True, background=False, optlevel=1)
+    w = torch.randn(4, 4).to(DEV)
+    x = torch.randn(2, 4).to(DEV)
+    w.mul_(2.0)
+    modes.mark_step()                              # w's new value: promised
+    wt, wv = w.t(), w.view(16)
+    assert type(wt._kc.data) is inflight.Promise
+    modes.synchronize()                            # the program lands; the views hold their promises
+    a = wv * 1                                     # a promised input ...
+    b = x * 1                                      # ... asked for its value by the next new input
+    z1 = x @ wt                                    # another, after that
+    assert "tensor(" in repr(wt)                   # wt's value taken in place of the promise
+    assert type(wt._kc.data) is torch.Tensor
+    z2 = x @ wt
+    trace = dispatch.current()
+    reads_wt = [k for k, d in trace.inputs if d is wt._kc.data or (type(d) is inflight.Promise and d.value is wt._kc.data)]
+    assert len(reads_wt) == 1, trace.inputs
+    torch.testing.assert_close(z1.cpu(), z2.cpu())
+    torch.testing.assert_close(z1.cpu(), x.cpu() @ w.cpu().t())
+    torch.testing.assert_close(a.cpu() + b.cpu().sum(), w.cpu().view(16) + x.cpu().sum())

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-_STATE = {"pool": None, "flight": None}
+_STATE = {"pool": None, "flight": None, "landings": 0}
 _LOCK = threading.Lock()
 
 
@@ -116,6 +116,7 @@ class Flight:
         for promise, data in zip(self.promises, self.bind(self.seen, triples)):
             promise.value = data
         self.promises, self.live, self.inputs = None, None, None
+        _STATE["landings"] += 1
 
 
 def _forget_in_child():
@@ -140,6 +141,11 @@ def launch(run, inputs, live, seen, bind, name) -> Flight:
     with _LOCK:
         _STATE["flight"] = flight
     return flight
+
+
+def landings() -> int:
+    """How many programs have landed so far (a trace asks its promises again only after one)."""
+    return _STATE["landings"]
 
 
 def flying() -> bool:

@@ -92,6 +92,7 @@ class Trace:
         self._input_of: dict = {}         # id(host tensor) -> value index
         self._memory: set = set()         # storage addresses of the inputs
         self._promised: list = []         # inputs a program in flight will compute
+        self._mapped_at = -1              # inflight.landings() when they were last asked
         self.holders: dict = {}           # value index -> weakref to the cell holding it
         # the key's text, one chunk per operation (with the inputs it introduced), so a
         # replay that stops part way takes the template's first chunks as its own
@@ -138,6 +139,8 @@ class Trace:
         self._input_of[id(data)] = k
         if type(data) is inflight.Promise:
             self._promised.append(data)       # its memory is known once its program has run
+            if data.landed():
+                self._mapped_at = -1          # (a view of a value landed before: ask it now)
         elif data.numel():
             self._memory.add(data.untyped_storage().data_ptr())
         return k
@@ -154,8 +157,9 @@ class Trace:
         """Inputs promised by a program that has run, known by their values from now on:
         the same input whether a call passes the promise or (once it has landed) its value,
         and their memory read by the trace."""
-        if not self._promised:
-            return
+        if not self._promised or self._mapped_at == inflight.landings():
+            return                  # none has landed since they were last asked
+        self._mapped_at = inflight.landings()
         left = []
         for promise in self._promised:
             if not promise.landed():
