@@ -87,7 +87,7 @@ class CompileProcess:
         success (the ``.kiln`` file to load), ``{"error", "kiln_error"}`` when kiln refused
         the graph; raises :class:`ChildError` when the child itself failed."""
         with self._lock:
-            if self._closed:       # asked for after the exit hook ran: start no child nothing stops
+            if self._closed:       # asked for after the exit hook ran: no child that nothing would stop
                 raise Closed("the process is exiting")
             proc = self._start()
             self._count += 1

@@ -51,6 +51,8 @@ def set_mode(mode: str, *, window: int | None = None, compile_after: int | None 
     op by op while kiln's compile process builds it (:mod:`kiln.device.compile_process`,
     :func:`wait_compiles`); ``"auto"``, the default, compiles in the background except in
     a process group of several ranks (:func:`kiln.device.programs.in_background`).
+    ``overlap=True`` (lazy mode) runs a step's compiled program on a worker thread while
+    the next step is recorded (:mod:`kiln.device.inflight`); off by default.
 
     Settings left out keep the values they had, but for ``compile_after``, which belongs
     to the mode: left out, it is the mode's own (lazy mode compiles a program the first
