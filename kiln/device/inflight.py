@@ -81,6 +81,7 @@ class Flight:
         """``live``: ``(cell, meta)`` for each output; ``seen``: the inputs' storages;
         ``bind``: :func:`kiln.device.binding.bind_values`."""
         self.live, self.bind, self.name, self.seen, self.error = live, bind, name, seen, None
+        self.landing = False
         self.pid = os.getpid()
         self.promises = [Promise(meta, self, i) for i, (_, meta) in enumerate(live)]
         for (cell, _), promise in zip(live, self.promises):
@@ -95,6 +96,9 @@ class Flight:
             raise self.error
         if self.promises is None:
             return
+        if self.landing:     # a value asked for while the outputs are given out: never silently stale
+            raise RuntimeError(f"kiln device: {self.name}'s outputs were asked for while they were being "
+                               "given to their tensors (a view of one whose base is another); please report it")
         if os.getpid() != self.pid:
             raise RuntimeError("kiln device: this process was forked while a step's program ran in its "
                                "parent; its device tensors' values are the parent's: read them there, "
@@ -113,7 +117,12 @@ class Flight:
         # the cells still waiting for their value get it; the others were rebound meanwhile
         triples = [(cell if cell.data is promise else None, meta, data)
                    for (cell, meta), promise, data in zip(self.live, self.promises, results)]
-        for promise, data in zip(self.promises, self.bind(self.seen, triples)):
+        self.landing = True
+        try:
+            given = self.bind(self.seen, triples)
+        finally:
+            self.landing = False
+        for promise, data in zip(self.promises, given):
             promise.value = data
         self.promises, self.live, self.inputs = None, None, None
         _STATE["landings"] += 1
