@@ -22,7 +22,7 @@ def _fresh():
     modes.forget_compiled()
     yield
     modes.wait_compiles()
-    modes.set_mode("eager", background="auto")     # the default
+    modes.set_mode("eager", background="auto", overlap=False)     # the defaults
 
 
 @pytest.fixture(scope="module", autouse=True)

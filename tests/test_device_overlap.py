@@ -10,18 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.device import inflight, metrics, modes, programs
+from tests import test_device
 from tests.test_device_compile import MODELS, _data
 
 DEV = modes.device()
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    metrics.clear()
-    modes.forget_compiled()
-    yield
-    modes.synchronize()
-    modes.set_mode("eager", overlap=False, background="auto")
+_fresh = test_device._fresh     # the device tests' autouse fixture: fresh metrics and programs, defaults after
 
 
 def _train(kind, overlap, steps=4):

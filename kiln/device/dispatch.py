@@ -202,7 +202,8 @@ def run_now(func, args, kwargs):
     if info.written and inflight.flying() and any(
             _read_in_flight(args[i] if i < len(args) else kwargs.get(name)) for i, name in info.written):
         inflight.land()          # the program in flight reads the memory this writes
-    _settle((args, kwargs))
+    if inflight.in_use():
+        _settle((args, kwargs))
     if _is_pending((args, kwargs)) or any(_read_by_trace(args[i] if i < len(args) else kwargs.get(name))
                                            for i, name in info.written):
         materialize(f"run now: {func}")

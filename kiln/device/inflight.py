@@ -8,7 +8,8 @@ while a step was recorded beside it, so a step could take ~prog + rec/2 instead 
 prog + rec.
 
 How: :func:`launch` hands the compiled program and its inputs to one worker thread
-(compiled programs release the GIL) and gives each live output's cell a :class:`Promise`
+(AOTInductor's call releases the GIL: measured, a Python loop kept 0.66 of its
+pace beside one on 2 busy cores) and gives each live output's cell a :class:`Promise`
 in place of its data: a concrete tensor to be, whose dtype, shape and strides are known.
 To the recorder a promise is host data like any other: the next step's trace takes it as
 an input (by identity, as it takes host tensors), and a view of it (a weight's ``t()``)
@@ -155,6 +156,12 @@ def launch(run, inputs, live, seen, bind, name) -> Flight:
 def landings() -> int:
     """How many programs have landed so far (a trace asks its promises again only after one)."""
     return _STATE["landings"]
+
+
+def in_use() -> bool:
+    """Whether any program has run in the background in this process (else no tensor holds
+    a promise, and the dispatcher need not look for one)."""
+    return _STATE["pool"] is not None
 
 
 def flying() -> bool:

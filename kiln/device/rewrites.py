@@ -42,10 +42,7 @@ def may_lift(func, args, kwargs) -> bool:
     """Whether :func:`lift_scalars` may rewrite this call: a lifting rule applies to ``func``
     and a Python float is among its arguments. Cheap, so that a replay does not first
     compare a call whose arguments the rewrite is about to change (it never matches)."""
-    kind = _LIFT_KIND.get(id(func), "?")
-    if kind == "?":
-        kind = _LIFT_KIND[id(func)] = _lift_kind(func)
-    if kind is None:
+    if _kind(func) is None:
         return False
     for a in args:
         if type(a) is float:
@@ -56,9 +53,7 @@ def may_lift(func, args, kwargs) -> bool:
 def lift_scalars(dispatch, func, args, kwargs):
     """``func`` re-dispatched with its Python float arguments as 0-dim tensors, or
     NotImplemented when there is nothing to lift."""
-    kind = _LIFT_KIND.get(id(func), "?")      # by id: an op's __hash__ is Python code
-    if kind == "?":
-        kind = _LIFT_KIND[id(func)] = _lift_kind(func)
+    kind = _kind(func)
     if kind is None or not args or not _floating(args[0]):
         return NotImplemented
     packet = _PACKET.get(id(func)) or _PACKET.setdefault(id(func), getattr(aten, func._schema.name.split("::")[-1]))
@@ -88,6 +83,14 @@ def lift_scalars(dispatch, func, args, kwargs):
 
 _LIFT_KIND: dict = {}
 _PACKET: dict = {}
+
+
+def _kind(func):
+    """:func:`_lift_kind`, worked out once per op (by id: an op's __hash__ is Python code)."""
+    kind = _LIFT_KIND.get(id(func), "?")
+    if kind == "?":
+        kind = _LIFT_KIND[id(func)] = _lift_kind(func)
+    return kind
 
 
 def _lift_kind(func):

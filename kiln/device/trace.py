@@ -173,7 +173,7 @@ class Trace:
 
     def settle_inputs(self):
         """Inputs promised by a program in flight replaced by their values (waiting for it)."""
-        if any(type(d) is inflight.Promise for _, d in self.inputs):
+        if inflight.in_use() and any(type(d) is inflight.Promise for _, d in self.inputs):
             self.inputs = [(k, inflight.resolve(d)) for k, d in self.inputs]
 
     def record(self, func, args, kwargs, out_metas, single, guard=None, kind=None, listed=False) -> list:
