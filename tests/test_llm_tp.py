@@ -255,6 +255,17 @@ def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):
         expected = _hf(model, prompt, 5)
         expected = expected[:expected.index(2) + 1] if 2 in expected else expected     # </s> ends the server's
         assert out.choices[0].text == tok.decode(expected)
+        # log-probabilities through the ranks' lockstep scheduler (it once recorded none: the
+        # response's logprobs came back empty): Hugging Face's log_softmax, at the sharded
+        # build's logit tolerance
+        from tests.test_llm_serve_api import hf_logprobs
+        lp = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0,
+                                       logprobs=2).choices[0].logprobs
+        assert lp is not None and len(lp.token_logprobs) == len(expected)
+        ref = hf_logprobs(model, prompt, expected)
+        torch.testing.assert_close(torch.tensor(lp.token_logprobs), ref[torch.arange(len(expected)), expected],
+                                   atol=1e-3, rtol=0)
+        assert all(len(top) == 2 for top in lp.top_logprobs)
         follower = [e for e in server.events() if e.get("event") == "model_loaded"]
         assert follower
         import psutil

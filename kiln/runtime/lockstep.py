@@ -31,12 +31,10 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 
 import torch
 
 from kiln.errors import OverloadedError
-from kiln.runtime import sampling
 from kiln.runtime.scheduler import Request, Scheduler
 
 
@@ -210,12 +208,7 @@ class LockstepScheduler(Scheduler):
 
     def _append(self, slot: int, request: Request, logits, proposed=None):
         """The base's, but a listener's verdict ends the request at the next step (module doc)."""
-        token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
-        request.tokens.append(token)
-        request.token_times.append(time.perf_counter())
-        if proposed is not None and token == proposed:
-            request.draft_accepted += 1
-            self.draft_accepted += 1
+        token = self._take(request, logits, proposed)
         verdict = None
         if request.on_token is not None:
             try:

@@ -376,16 +376,7 @@ class Scheduler:
         self.window_steps[window] = self.window_steps.get(window, 0) + 1
 
     def _append(self, slot: int, request: Request, logits, proposed=None):
-        token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
-        request.tokens.append(token)
-        request.token_times.append(time.perf_counter())
-        if proposed is not None and token == proposed:
-            # a draft's proposal kept: counted before the listener hears of the token, which
-            # may end the request and report its usage from another thread
-            request.draft_accepted += 1
-            self.draft_accepted += 1
-        if request.logprobs is not None:
-            request.token_logprobs.append(sampling.logprobs(logits, token, request.logprobs))
+        token = self._take(request, logits, proposed)
         stop = token in request.stop_token_ids
         try:
             if request.on_token is not None and request.on_token(request, token):
@@ -398,6 +389,24 @@ class Scheduler:
             self._free(slot, "stop")
         elif len(request.tokens) >= request.max_new_tokens:
             self._free(slot, "length")
+
+    def _take(self, request: Request, logits, proposed=None) -> int:
+        """The next token of ``request`` chosen from ``logits`` and recorded with what comes
+        with it (its time, a kept draft proposal, its log-probabilities), before anyone hears
+        of it. Every scheduler's ``_append`` starts here, so a subclass that decides
+        differently what ends a request (:class:`kiln.runtime.lockstep.LockstepScheduler`)
+        still records all of it."""
+        token = int(sampling.choose(logits, request.params, request.history(), request.generator)[0])
+        request.tokens.append(token)
+        request.token_times.append(time.perf_counter())
+        if proposed is not None and token == proposed:
+            # a draft's proposal kept: counted before the listener hears of the token, which
+            # may end the request and report its usage from another thread
+            request.draft_accepted += 1
+            self.draft_accepted += 1
+        if request.logprobs is not None:
+            request.token_logprobs.append(sampling.logprobs(logits, token, request.logprobs))
+        return token
 
     # what a step of another module (kiln.runtime.spec_step) runs the scheduler with
     def decode_step(self):
