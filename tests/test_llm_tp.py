@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kiln.errors import CompilerArgsError, KilnError  # noqa: E402
+from kiln.errors import CompilerArgsError, InputError, KilnError  # noqa: E402
 from kiln.llm import shard  # noqa: E402
 from kiln.llm.build import compile_llm  # noqa: E402
 from kiln.runtime.loader import load  # noqa: E402
@@ -221,6 +221,19 @@ def test_quantize_with_tp_is_a_clear_error():
         compile_llm(_model("llama"), tp_degree=2, quantize="int8", context_buckets=(4,), cache_length=16)
     with pytest.raises(CompilerArgsError, match="positive integer"):
         compile_llm(_model("llama"), tp_degree=0, context_buckets=(4,), cache_length=16)
+
+
+def test_speculative_decoding_is_refused_clearly(built):
+    """Before any rank starts: the options went to the ranks' schedulers, which raised a
+    TypeError for the unknown keyword (and the Python API's generate had no draft at all)."""
+    llm = load(built["llama"][2])
+    try:
+        for call in (lambda: llm.generate(PROMPTS, 2, draft="ngram"), lambda: llm.scheduler(draft="ngram")):
+            with pytest.raises(InputError, match="speculative decoding .* tensor-parallel"):
+                call()
+        assert llm.mode is None                     # nothing was started
+    finally:
+        llm.close()
 
 
 def test_processes_pinned_to_their_cores(built):

@@ -192,8 +192,12 @@ class TensorParallelLLM:
         self._channel.send(message)
 
     # -- running ---------------------------------------------------------------------------
-    def scheduler(self, **options) -> lockstep.LockstepScheduler:
-        """A continuous-batching scheduler on rank 0 whose every step the other ranks follow."""
+    def scheduler(self, draft=None, **options) -> lockstep.LockstepScheduler:
+        """A continuous-batching scheduler on rank 0 whose every step the other ranks follow.
+        ``draft`` is refused: speculative decoding's verify step runs on one process's graphs."""
+        if draft is not None:
+            raise InputError("speculative decoding (draft=) does not run tensor-parallel LLMs yet; load the "
+                             "artifact without it, or use a model compiled without tp_degree")
         self._command("scheduler", options)
         scheduler = local_scheduler(self.leader, options, self._channel)
         scheduler.on_broken = self._broken
@@ -227,11 +231,14 @@ class TensorParallelLLM:
         self._command("prefill", list(prompt))
         return prefill_logits(self.leader, prompt)
 
-    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True) -> list:
-        """As :meth:`kiln.runtime.llm.LLM.generate`."""
+    def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True,
+                 draft=None) -> list:
+        """As :meth:`kiln.runtime.llm.LLM.generate` (``draft``: refused, as by :meth:`scheduler`)."""
         if not prompts:
             raise InputError("give at least one prompt")
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
+        if draft is not None:
+            return run_all(self.scheduler(draft=draft), prompts, max_new_tokens, params, eos)
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
     hf_generate = LLM.hf_generate
