@@ -76,7 +76,38 @@ def test_hugging_face_generate_signature_with_left_padding_and_eos(compiled):
     assert (want[:, 5:] == 2).any()                     # a row did stop at EOS
     assert llm.hf_generate(ids[:1, 2:], max_new_tokens=3).shape == (1, 6)
     with pytest.raises(InputError, match="settings kiln does not know"):
-        llm.hf_generate(ids, attention_mask=mask, num_beams=4)
+        llm.hf_generate(ids, attention_mask=mask, beam_width=4)
+
+
+def test_hugging_face_lengths_and_settings_kiln_does_not_do(compiled):
+    """``max_length`` (the prompt's padded width plus the new tokens; 20 new tokens when no
+    length is set) as transformers counts it, from an override or the config, and ``max_new_tokens``
+    over it; settings that would change the tokens and that kiln does not implement are
+    errors naming them. Before: ``max_length`` was an unknown setting, a config's was
+    ignored (20 new tokens whatever it said), and a config's ``num_beams=4`` decoded
+    greedily without a word."""
+    model, llm, _ = compiled
+    ids = torch.tensor([[0, 0, 5, 17, 3], [11, 2, 9, 4, 8]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0]])).long()
+    base = dict(do_sample=False, eos_token_id=2, pad_token_id=0)
+    cases = [(transformers.GenerationConfig(**base), {}),                              # 20 new tokens
+             (transformers.GenerationConfig(max_length=9, **base), {}),
+             (transformers.GenerationConfig(**base), {"max_length": 12}),
+             (transformers.GenerationConfig(max_length=30, **base), {"max_new_tokens": 4})]
+    for config, kwargs in cases:
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=mask, generation_config=config, **kwargs)
+        got = llm.hf_generate(ids, attention_mask=mask, generation_config=config, **kwargs)
+        assert torch.equal(got, want), (config.max_length, kwargs)
+    assert llm.hf_generate(ids, attention_mask=mask, max_length=8).shape == (2, 8)
+    with pytest.raises(InputError, match="num_beams=4"):
+        llm.hf_generate(ids, attention_mask=mask, generation_config=transformers.GenerationConfig(num_beams=4))
+    with pytest.raises(InputError, match="no_repeat_ngram_size=3"):
+        llm.hf_generate(ids, attention_mask=mask, no_repeat_ngram_size=3)
+    with pytest.raises(InputError, match="max_length is 5"):
+        llm.hf_generate(ids, attention_mask=mask, max_length=5)
+    # a refused setting at its default is harmless
+    assert llm.hf_generate(ids, attention_mask=mask, num_beams=1, max_new_tokens=2).shape == (2, 7)
 
 
 def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):

@@ -33,6 +33,11 @@ def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypa
     got = HuggingFaceGenerationAdapter(m).generate(ids, attention_mask=mask, max_new_tokens=10)
     assert got[0, 4:].tolist() == _hf_greedy(model, [5, 17, 3], 10)
     assert got[1, 4:].tolist() == _hf_greedy(model, [11, 2, 9, 4], 10)
+    # NxD Inference's own examples pass a GenerationConfig and max_length (the prompt's padded
+    # width and the new tokens together); max_length was an unknown setting before
+    gc = transformers.GenerationConfig(do_sample=False, top_k=1, pad_token_id=0, eos_token_id=None)
+    again = HuggingFaceGenerationAdapter(m).generate(ids, generation_config=gc, attention_mask=mask, max_length=14)
+    assert torch.equal(again, got)
 
 
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"quantized": True}, "quantized"),

@@ -23,15 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import cuda_llm, invariance, kv, ort_pool, sampling
+from kiln.runtime import cuda_llm, hf_settings, invariance, kv, ort_pool, sampling
 from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
-
-# transformers.GenerationConfig's settings kiln honours, with that class's defaults.
-_HF_DEFAULTS = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-                "repetition_penalty": 1.0, "eos_token_id": None, "pad_token_id": None, "seed": None}
-
 
 class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
@@ -186,19 +181,16 @@ class LLM:
         followed by each row's new tokens, rows that stopped early padded with
         ``pad_token_id``. Settings come from ``generation_config`` (a transformers
         ``GenerationConfig`` or anything with its attributes) and keyword overrides,
-        with GenerationConfig's defaults (``top_k=50`` when sampling, as there)."""
+        with GenerationConfig's defaults and precedence (``max_length=20`` counting the
+        prompt when no length is set, ``top_k=50`` when sampling, as there); settings kiln
+        does not implement are errors, not ignored (:mod:`kiln.runtime.hf_settings`)."""
         import torch
-        cfg = {**_HF_DEFAULTS, **{k: getattr(generation_config, k) for k in _HF_DEFAULTS
-                                  if generation_config is not None and getattr(generation_config, k, None) is not None},
-               **overrides}
-        unknown = set(overrides) - set(_HF_DEFAULTS)
-        if unknown:
-            raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
         ids = torch.as_tensor(input_ids)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
         if ids.dim() != 2 or mask.shape != ids.shape:
             raise InputError(f"input_ids must be [batch, tokens] with attention_mask of the same shape; got "
                              f"{tuple(ids.shape)} and {tuple(mask.shape)}")
+        cfg, max_new_tokens = hf_settings.resolve(generation_config, overrides, ids.shape[1])
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         if any(not p for p in prompts):
             raise InputError("every row of attention_mask needs at least one real token")
@@ -207,7 +199,7 @@ class LLM:
         params = sampling.SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
                                          top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
                                          repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])
-        rows = self._generate_rows(prompts, cfg["max_new_tokens"], params, eos)
+        rows = self._generate_rows(prompts, max_new_tokens, params, eos)
         pad = cfg["pad_token_id"] if cfg["pad_token_id"] is not None else (eos[0] if eos else 0)
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=ids.dtype)

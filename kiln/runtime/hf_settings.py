@@ -1,0 +1,66 @@
+"""Hugging Face ``generate`` settings as :meth:`kiln.runtime.llm.LLM.hf_generate` reads them.
+
+Scripts ported from transformers, Optimum Neuron or NxD Inference call ``generate`` with a
+``GenerationConfig`` and keyword overrides. What kiln does with each setting:
+
+* **honoured**, with transformers' own defaults and precedence (an override over the
+  config, ``max_new_tokens`` over ``max_length``, ``max_length`` counting the prompt's
+  padded width, 20 new tokens when neither is set);
+* **refused** when set to anything but its default: beam search, several sequences per
+  prompt, minimum lengths, n-gram bans, other logits processors, dict outputs. Those change
+  the answer, and ignoring one would hand back tokens transformers would not, with no word
+  about it. The error names the setting;
+* anything else passed as an override is an unknown setting (also an error). Settings of a
+  config that change no token (``use_cache``, ``bos_token_id``) are not read.
+"""
+from __future__ import annotations
+
+from kiln.errors import InputError
+
+# transformers.GenerationConfig's settings kiln honours, with that class's defaults
+# (``seed`` is kiln's: a sampled request's generator).
+HONOURED = {"max_new_tokens": None, "max_length": None, "do_sample": False, "temperature": 1.0, "top_k": 50,
+            "top_p": 1.0, "repetition_penalty": 1.0, "eos_token_id": None, "pad_token_id": None, "seed": None}
+
+# transformers' generate when no length is set: 20 new tokens (its "model-agnostic default")
+DEFAULT_NEW_TOKENS = 20
+
+# Settings that change the tokens or the return type, which kiln does not implement, with
+# GenerationConfig's defaults: at its default a setting is harmless and accepted.
+REFUSED = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "min_length": 0,
+           "min_new_tokens": None, "no_repeat_ngram_size": 0, "typical_p": 1.0, "min_p": None,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None, "diversity_penalty": 0.0,
+           "encoder_repetition_penalty": 1.0, "bad_words_ids": None, "suppress_tokens": None,
+           "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+           "sequence_bias": None, "guidance_scale": None, "stop_strings": None, "output_scores": False,
+           "output_logits": False, "return_dict_in_generate": False}
+
+
+def resolve(generation_config, overrides: dict, width: int) -> tuple:
+    """``(settings, max_new_tokens)`` for prompts padded to ``width`` tokens, or InputError."""
+    unknown = set(overrides) - set(HONOURED) - set(REFUSED)
+    if unknown:
+        raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
+    given = {k: getattr(generation_config, k) for k in (*HONOURED, *REFUSED)
+             if generation_config is not None and getattr(generation_config, k, None) is not None}
+    given.update(overrides)          # an override of None too, as transformers' generate(**kwargs)
+    refused = {k: v for k, v in given.items() if k in REFUSED and v is not None and v != REFUSED[k]}
+    if refused:
+        named = ", ".join(f"{k}={v!r}" for k, v in sorted(refused.items()))
+        raise InputError(f"kiln's generate does not do {named}: it decodes greedily or samples one sequence per "
+                         "prompt (temperature, top_k, top_p, repetition_penalty). Leave these at their "
+                         "defaults; transformers' own generate would give other tokens")
+    cfg = {**HONOURED, **{k: v for k, v in given.items() if k in HONOURED}}
+    if cfg["max_new_tokens"] is not None:
+        new = int(cfg["max_new_tokens"])
+    elif cfg["max_length"] is None:
+        new = DEFAULT_NEW_TOKENS
+    else:
+        new = int(cfg["max_length"]) - width
+        if new < 1:
+            raise InputError(f"the input is {width} tokens wide, but max_length is {cfg['max_length']}: nothing "
+                             "is left to generate. Set max_new_tokens (the new tokens alone), or a larger "
+                             "max_length (prompt and new tokens together)")
+    if new < 1:
+        raise InputError(f"max_new_tokens must be at least 1; got {new}")
+    return cfg, new
