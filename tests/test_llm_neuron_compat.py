@@ -10,13 +10,20 @@ from tests.test_llm_decoder import _hf_greedy, _model  # noqa: E402
 
 
 def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, monkeypatch):
+    """The tutorials' spelling: save_pretrained_split, LlamaForSampling from its module,
+    sample(), and transformers' generate through HuggingFaceGenerationModelAdapter."""
     monkeypatch.setenv("KILN_CACHE_URL", "off")
-    from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
+    from kiln.transformers_neuronx import GPT2ForSampling
+    from kiln.transformers_neuronx.generation_utils import HuggingFaceGenerationModelAdapter
+    from kiln.transformers_neuronx.llama.model import LlamaForSampling
+    from kiln.transformers_neuronx.module import save_pretrained_split
     model = _model("llama")
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained_split(model, str(tmp_path / "split"))
+    with pytest.raises(CompilerArgsError, match="holds a 'llama' model: use LlamaForSampling"):
+        GPT2ForSampling.from_pretrained(str(tmp_path / "split"))
     # n_positions as a list: token-generation buckets (the cache holds the largest)
-    neuron = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), batch_size=1, n_positions=[16, 32],
-                                                        tp_degree=1, amp="f32", context_length_estimate=8)
+    neuron = LlamaForSampling.from_pretrained(str(tmp_path / "split"), batch_size=1, n_positions=[16, 32],
+                                              tp_degree=1, amp="f32", context_length_estimate=8)
     with pytest.raises(InputError, match="to_neuron"):
         neuron.sample(torch.tensor([[1, 2]]), sequence_length=8)
     neuron.to_neuron()
@@ -25,6 +32,13 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
     out = neuron.sample(torch.tensor([prompt]), sequence_length=20, top_k=1)
     assert out[0, :4].tolist() == prompt
     assert out[0, 4:].tolist() == _hf_greedy(model, prompt, 16)
+    adapter = HuggingFaceGenerationModelAdapter(model.config, neuron)
+    adapter.reset_generation()
+    ids, mask = torch.tensor([[0, 0, 5, 17, 3], [11, 2, 9, 4, 8]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, do_sample=False, max_length=16, pad_token_id=0)
+    assert torch.equal(adapter.generate(ids, attention_mask=mask, do_sample=False, max_length=16, pad_token_id=0),
+                       want)
 
 
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"amp": "bf16"}, "fp32 today"),

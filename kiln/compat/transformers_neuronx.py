@@ -11,6 +11,13 @@ holds the largest, and decode graphs are compiled for each (kiln's sequence buck
 ``context_length_estimate`` the prompt buckets (default: ``n_positions``). Options kiln
 cannot honour yet are errors that say so: ``amp`` other than fp32. ``tp_degree=N`` shards
 the model over N ranks (processes on their own kiln cores; docs/distributed.md).
+
+The per-family classes of transformers-neuronx's tutorials (``LlamaForSampling``,
+``MistralForSampling``, ``Qwen2ForSampling``, ``GPT2ForSampling``) are the same class held to
+their family: a checkpoint of another family is an error naming the class to use, where
+transformers-neuronx would build the wrong graph. ``save_pretrained_split`` saves the
+checkpoint they load, and ``HuggingFaceGenerationModelAdapter(config, model).generate``
+is transformers' ``generate`` over the compiled model.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from kiln.errors import CompilerArgsError, InputError
 
 
 class NeuronAutoModelForCausalLM:
+    family = None       # a per-family class's ``config.model_type``; None takes any kiln supports
+
     def __init__(self, model, *, batch_size, n_positions, context_length_estimate, sequence_buckets=None,
                  tp_degree: int = 1):
         self.model = model
@@ -37,7 +46,13 @@ class NeuronAutoModelForCausalLM:
             raise CompilerArgsError(f"amp={amp!r}: kiln's LLM path compiles fp32 today; use amp='f32'")
         if kwargs:
             raise CompilerArgsError(f"from_pretrained() options kiln does not know yet: {sorted(kwargs)}")
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
+        if cls.family is not None:
+            kind = AutoConfig.from_pretrained(path).model_type
+            if kind != cls.family:
+                named = FAMILY_CLASSES.get(kind, "NeuronAutoModelForCausalLM")
+                raise CompilerArgsError(f"{cls.__name__} loads {cls.family} checkpoints; {path} holds a {kind!r} "
+                                        f"model: use {named}")
         windows = sorted(int(n) for n in n_positions) if isinstance(n_positions, (list, tuple)) else None
         positions = windows[-1] if windows else int(n_positions)
         context = context_length_estimate if context_length_estimate is not None else positions
@@ -69,3 +84,48 @@ class NeuronAutoModelForCausalLM:
         greedy = top_k == 1
         return self.compiled.hf_generate(input_ids, max_new_tokens=new, do_sample=not greedy,
                                          top_k=top_k, temperature=temperature, top_p=top_p)
+
+
+class LlamaForSampling(NeuronAutoModelForCausalLM):
+    family = "llama"
+
+
+class MistralForSampling(NeuronAutoModelForCausalLM):
+    family = "mistral"
+
+
+class Qwen2ForSampling(NeuronAutoModelForCausalLM):
+    family = "qwen2"
+
+
+class GPT2ForSampling(NeuronAutoModelForCausalLM):
+    family = "gpt2"
+
+
+FAMILY_CLASSES = {c.family: c.__name__ for c in (LlamaForSampling, MistralForSampling, Qwen2ForSampling,
+                                                 GPT2ForSampling)}
+
+
+def save_pretrained_split(model, save_directory):
+    """transformers-neuronx's checkpoint for its ``from_pretrained``: here the model's own
+    ``save_pretrained`` (safetensors), which the classes above load."""
+    model.save_pretrained(save_directory)
+
+
+class HuggingFaceGenerationModelAdapter:
+    """``HuggingFaceGenerationModelAdapter(config, neuron_model).generate(input_ids,
+    attention_mask=, **settings)``: transformers' ``generate`` over the compiled model
+    (:meth:`kiln.runtime.llm.LLM.hf_generate`: its settings, and the errors for those kiln
+    does not implement)."""
+
+    def __init__(self, config, model: NeuronAutoModelForCausalLM):
+        self.config, self.model = config, model
+
+    def reset_generation(self):
+        """A no-op: every ``generate`` starts from a fresh cache."""
+
+    def generate(self, input_ids, attention_mask=None, generation_config=None, **settings):
+        if self.model.compiled is None:
+            raise InputError("call to_neuron() on the model before generate(): it is not compiled yet")
+        return self.model.compiled.hf_generate(input_ids, attention_mask=attention_mask,
+                                               generation_config=generation_config, **settings)

@@ -1,0 +1,1 @@
+"""``transformers_neuronx.llama``."""

@@ -1,0 +1,4 @@
+"""``transformers_neuronx.mistral.model``."""
+from kiln.compat.transformers_neuronx import MistralForSampling
+
+__all__ = ["MistralForSampling"]
