@@ -35,18 +35,32 @@ def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypa
     assert got[1, 4:].tolist() == _hf_greedy(model, [11, 2, 9, 4], 10)
     # NxD Inference's own examples pass a GenerationConfig and max_length (the prompt's padded
     # width and the new tokens together); max_length was an unknown setting before
+    # and reload the compiled directory with no config, as their examples do
     gc = transformers.GenerationConfig(do_sample=False, top_k=1, pad_token_id=0, eos_token_id=None)
-    again = HuggingFaceGenerationAdapter(m).generate(ids, generation_config=gc, attention_mask=mask, max_length=14)
+    reloaded = NeuronLlamaForCausalLM(out)
+    reloaded.load(out)
+    assert reloaded.config.neuron_config.max_length == 32 and reloaded.config.hf_config.num_hidden_layers == 2
+    again = HuggingFaceGenerationAdapter(reloaded).generate(ids, generation_config=gc, attention_mask=mask,
+                                                            max_length=14)
     assert torch.equal(again, got)
+    with pytest.raises(InputError, match="holds no neuron_config.json"):
+        NeuronLlamaForCausalLM(path)
 
 
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"quantized": True}, "quantized"),
                                      ({"torch_dtype": "bfloat16"}, "float32 today"),
-                                     ({"fused_qkv": True}, "does not know yet")])
+                                     ({"fused_qkv": True}, "Neuron kernel or layout kiln does not have"),
+                                     ({"flash_decoding": True}, "does not know yet")])
 def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
     from kiln.neuronx_distributed_inference.models.config import NeuronConfig
     with pytest.raises(CompilerArgsError, match=msg):
         NeuronConfig(**kw)
+
+
+def test_neuron_only_options_at_their_defaults_are_accepted():
+    from kiln.neuronx_distributed_inference.models.config import NeuronConfig
+    nc = NeuronConfig(seq_len=64, flash_decoding_enabled=False, fused_qkv=False, padding_side="right")
+    assert nc.max_length == 64 and NeuronConfig(seq_len=64, max_length=48).max_length == 48
 
 
 def test_token_generation_buckets_become_sequence_buckets():

@@ -9,7 +9,9 @@ scripts that swap that package for ``kiln.neuronx_distributed_inference``::
 
 The classes live here (:mod:`kiln.compat.nxdi.api`); ``kiln.neuronx_distributed_inference``
 re-exports them under NxD Inference's module paths. ``compile`` writes one ``model.kiln``
-(:func:`kiln.llm.build.compile_llm`) into the directory; ``load`` reads it back. What kiln
-cannot honour yet is an error that says so: ``quantized=True``, non-fp32 ``torch_dtype``.
+(:func:`kiln.llm.build.compile_llm`) into the directory, with the configs it was made from
+(``NeuronLlamaForCausalLM(dir)`` reads them back); ``load`` reads it back. What kiln
+cannot honour yet is an error that says so: ``quantized=True``, non-fp32 ``torch_dtype``,
+Neuron kernel options set to anything but their defaults.
 ``tp_degree=N`` shards the model over N ranks (docs/distributed.md).
 """
