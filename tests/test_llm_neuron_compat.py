@@ -32,6 +32,9 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
     out = neuron.sample(torch.tensor([prompt]), sequence_length=20, top_k=1)
     assert out[0, :4].tolist() == prompt
     assert out[0, 4:].tolist() == _hf_greedy(model, prompt, 16)
+    streamer = _Streamer()
+    assert torch.equal(neuron.sample(torch.tensor([prompt]), sequence_length=20, top_k=1, streamer=streamer), out)
+    assert streamer.pieces == [[prompt]] + [[t] for t in out[0, 4:].tolist()] and streamer.ended
     adapter = HuggingFaceGenerationModelAdapter(model.config, neuron)
     adapter.reset_generation()
     ids, mask = torch.tensor([[0, 0, 5, 17, 3], [11, 2, 9, 4, 8]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])

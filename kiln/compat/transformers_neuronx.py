@@ -72,18 +72,47 @@ class NeuronAutoModelForCausalLM:
     def sample(self, input_ids, sequence_length: int = 128, top_k: int = 50, temperature: float = 1.0,
                top_p: float = 1.0, start_ids=None, streamer=None):
         """Prompt plus new tokens up to ``sequence_length`` in all, top-k sampled
-        (``top_k=1`` is greedy), as ``[batch, tokens]``."""
+        (``top_k=1`` is greedy), as ``[batch, tokens]``. A ``streamer`` (transformers'
+        ``put``/``end`` protocol, one sequence) gets the prompt, then each token as it comes."""
         if self.compiled is None:
             raise InputError("call to_neuron() before sample(): the model is not compiled yet")
-        if start_ids is not None or streamer is not None:
-            raise InputError("sample(start_ids=, streamer=) are not supported by kiln yet")
+        if start_ids is not None:
+            raise InputError("sample(start_ids=) is not supported by kiln yet")
         new = sequence_length - input_ids.shape[1]
         if new < 1:
             raise InputError(f"sequence_length={sequence_length} leaves no room after the "
                              f"{input_ids.shape[1]}-token prompt")
         greedy = top_k == 1
+        if streamer is not None:
+            return self._streamed(input_ids, new, streamer, do_sample=not greedy, top_k=top_k,
+                                  temperature=temperature, top_p=top_p)
         return self.compiled.hf_generate(input_ids, max_new_tokens=new, do_sample=not greedy,
                                          top_k=top_k, temperature=temperature, top_p=top_p)
+
+    def _streamed(self, input_ids, new: int, streamer, **settings):
+        """One sequence through the compiled model's scheduler, each token handed to
+        ``streamer`` as the scheduler makes it; the same tokens as without a streamer."""
+        import torch
+
+        from kiln.runtime.sampling import SamplingParams
+        from kiln.runtime.scheduler import Request
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InputError(f"sample(streamer=) takes one sequence ([1, n] input_ids); got {tuple(input_ids.shape)}")
+        prompt = input_ids[0].tolist()
+        params = SamplingParams(do_sample=settings["do_sample"], temperature=settings["temperature"],
+                                top_k=settings["top_k"] if settings["do_sample"] else 0, top_p=settings["top_p"])
+        def on_token(_request, token) -> bool:
+            streamer.put(torch.tensor([token]))
+            return False                    # never ends the request: EOS and the length do
+
+        streamer.put(input_ids)
+        scheduler = self.compiled.scheduler()
+        request = scheduler.add(Request(prompt, new, params, self.compiled.meta["eos_token_ids"], on_token=on_token))
+        scheduler.run()
+        streamer.end()
+        if request.error is not None:
+            raise request.error
+        return torch.tensor([prompt + request.tokens], dtype=input_ids.dtype)
 
 
 class LlamaForSampling(NeuronAutoModelForCausalLM):
