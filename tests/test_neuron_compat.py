@@ -38,6 +38,24 @@ def test_neuronx_seed_script_after_import_swap(tmp_path):
     assert_close(loaded(image)[1], model(image).pooler_output.detach())
 
 
+def test_neuronx_placement_and_load_calls(tmp_path):
+    """move_trace_to_device runs the model on that kiln core; lazy_load and async_load change
+    nothing (a kiln model is loaded when it is returned); replace_weights is a clear error."""
+    model = models.tiny_resnet()
+    image = torch.rand(1, 3, 32, 32)
+    trace = torch_neuronx.trace(model, image)
+    want = model(image).pooler_output.detach()
+    torch_neuronx.move_trace_to_device(trace, 0)
+    assert trace.core.id == 0
+    torch_neuronx.lazy_load(trace)
+    torch_neuronx.async_load(trace)
+    assert_close(trace(image)[1], want)
+    with pytest.raises(kiln.errors.CompilerArgsError, match="inline_weights_to_neff=False"):
+        torch_neuronx.replace_weights(trace, model.state_dict())
+    with pytest.raises(TypeError, match="takes a model returned by kiln.neuronx.trace"):
+        torch_neuronx.lazy_load(model)
+
+
 def test_neuronx_analyze_dict():
     model, x = models.custom_op()
     d = torch_neuronx.analyze(model, x)

@@ -20,8 +20,8 @@ from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.host.cores import honour_neuron_env
 from kiln.runtime import buckets, replicas
 
-__all__ = ["DataParallel", "PartitionerConfig", "analyze", "dynamic_batch", "honour_neuron_env",
-           "neuron_cache_options", "trace"]
+__all__ = ["DataParallel", "PartitionerConfig", "analyze", "async_load", "dynamic_batch", "honour_neuron_env",
+           "lazy_load", "move_trace_to_device", "neuron_cache_options", "replace_weights", "trace"]
 
 
 @neuron_names
@@ -108,3 +108,40 @@ def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=
 def dynamic_batch(traced):
     """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks."""
     return buckets.dynamic_batch(traced)
+
+
+def move_trace_to_device(traced, device_id: int):
+    """Neuron's ``move_trace_to_device``: the traced model runs on kiln core ``device_id``
+    from now on (its engines reloaded on that core's CPUs; ``Model.to_core``)."""
+    traced.to_core(int(device_id))
+
+
+def lazy_load(traced):
+    """Neuron's ``lazy_load`` defers putting a model on its core until the first call. A
+    kiln model is ready when ``trace`` or ``torch.jit.load`` returns it (its engines were
+    built or read then), so there is nothing left to defer: this returns without a change,
+    and the first call costs what every call does."""
+    _require_model(traced, "lazy_load")
+
+
+def async_load(traced):
+    """Neuron's ``async_load`` loads on a background thread so the caller goes on. As for
+    :func:`lazy_load`, a kiln model is loaded already when this is reachable: no change."""
+    _require_model(traced, "async_load")
+
+
+def replace_weights(traced, weights):
+    """Neuron's ``replace_weights`` needs a model traced with ``inline_weights_to_neff=False``,
+    which kiln's :func:`trace` refuses (its engines hold the weights they were built with):
+    an error saying to trace again with the new weights."""
+    _require_model(traced, "replace_weights")
+    raise CompilerArgsError("replace_weights needs a model traced with inline_weights_to_neff=False, which kiln "
+                            "does not support yet (its engines hold the weights they were built with): load the "
+                            "new weights into the module and trace it again (the compile cache keys on the weights)")
+
+
+def _require_model(traced, what: str):
+    from kiln.runtime.model import Model
+    if not isinstance(traced, Model):
+        raise TypeError(f"{what}() takes a model returned by kiln.neuronx.trace or torch.jit.load; got "
+                        f"{type(traced).__name__}")
