@@ -240,3 +240,32 @@ def test_cpu_mode_reads_nxd_cpu_mode(monkeypatch):
     utils.mark_step()                                   # a no-op in CPU mode
     monkeypatch.setenv("NXD_CPU_MODE", "0")
     assert not utils.cpu_mode()
+
+
+def test_activation_checkpointing_in_nxds_spelling_recomputes_and_keeps_names():
+    """neuronx_distributed.utils.activation_checkpoint: the accepted submodules' forwards run
+    again during backward (a hook sees each twice), gradients equal the plain module's,
+    and parameter names do not change (NxD's checkpoints key on them)."""
+    from torch import nn
+
+    from kiln.neuronx_distributed.utils.activation_checkpoint import (apply_activation_checkpointing,
+                                                                      checkpoint_wrapper)
+
+    def make():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+                             nn.Linear(16, 1))
+    torch.manual_seed(0)
+    plain, model = make(), make()
+    model.load_state_dict(plain.state_dict())
+    calls = []
+    model[2][1].register_forward_pre_hook(lambda *_: calls.append(1))     # inside a wrapped module
+    assert apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Sequential)) is model
+    x = torch.randn(4, 8)
+    plain(x).sum().backward()
+    model(x).sum().backward()
+    assert len(calls) == 2                                   # the forward, and its recomputation
+    assert list(dict(model.named_parameters())) == list(dict(plain.named_parameters()))
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    linear = nn.Linear(3, 3)
+    assert checkpoint_wrapper(linear) is linear and linear._kiln_checkpointed

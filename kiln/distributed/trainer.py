@@ -219,12 +219,14 @@ def _checkpoint_classes(option, model, base, pp):
     return classes
 
 
-def apply_activation_checkpointing(model, check_fn=lambda _: True):
+def apply_activation_checkpointing(model, check_fn=lambda _: True, include_root: bool = False):
     """Recompute the forward of each submodule ``check_fn`` accepts during backward
     (``torch.utils.checkpoint``, non-reentrant, RNG state restored). The module's forward is
-    wrapped in place, so parameter and state-dict names do not change."""
+    wrapped in place, so parameter and state-dict names do not change. ``include_root``:
+    ``model`` itself may be wrapped too."""
     for module in list(model.modules()):
-        if module is model or not check_fn(module) or getattr(module, "_kiln_checkpointed", False):
+        if (module is model and not include_root) or not check_fn(module) or getattr(module, "_kiln_checkpointed",
+                                                                                     False):
             continue
         original = module.forward
 
