@@ -97,6 +97,40 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_autocast_for_xla_reaches_the_device():
+    """A torch-neuronx script's bf16: ``torch.autocast("xla")`` (as a context and a decorator)
+    and ``torch_xla.amp.autocast(device)`` cast the device's products to bf16, as
+    ``torch.autocast("kiln")`` does, with the same values. Before, autocast for "xla"
+    reached no kiln tensor: the script ran in float32 without a word."""
+    code = """
+import torch
+import kiln.xla.amp as amp
+import kiln.xla.core.xla_model as xm
+dev = xm.xla_device()
+torch.manual_seed(0)
+m = torch.nn.Linear(8, 4).to(dev)
+x = torch.randn(3, 8).to(dev)
+with torch.autocast(dev.type, dtype=torch.bfloat16):
+    want = m(x)
+with torch.autocast("xla", dtype=torch.bfloat16):
+    got = m(x)
+with amp.autocast(dev):
+    also = m(x)
+@torch.autocast("xla", dtype=torch.bfloat16)
+def step():
+    return m(x)
+assert want.dtype == got.dtype == also.dtype == step().dtype == torch.bfloat16, (got.dtype, also.dtype)
+assert m(x).dtype == torch.float32                  # outside, as before
+with torch.autocast("cpu", dtype=torch.bfloat16):   # other device types are torch's own
+    assert torch.nn.Linear(8, 4)(torch.randn(3, 8)).dtype == torch.bfloat16
+xm.mark_step()
+assert torch.equal(got.cpu(), want.cpu()) and torch.equal(also.cpu(), want.cpu())
+print("ok")
+"""
+    out = run_py(code)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
 def test_bad_neuron_cc_flags_are_a_clear_error():
     proc = run_py("import kiln.xla.core.xla_model as xm\nxm.xla_device()\n",
                   env={"NEURON_CC_FLAGS": "--optlevel 7"})
@@ -106,7 +140,7 @@ def test_bad_neuron_cc_flags_are_a_clear_error():
 
 @pytest.mark.parametrize("module", ["torch_xla.core.xla_model", "torch_xla.distributed.parallel_loader",
                                     "torch_xla.debug.metrics", "torch_xla.distributed.xla_backend",
-                                    "torch_xla.runtime", "torch_neuronx"])
+                                    "torch_xla.runtime", "torch_xla.amp", "torch_neuronx"])
 def test_launcher_maps_the_module_paths(module):
     code = (f"from kiln.compat import xla_launch\nxla_launch.install()\nimport importlib\n"
             f"m = importlib.import_module({module!r})\nprint(m.__name__)\n")

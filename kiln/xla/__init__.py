@@ -11,7 +11,12 @@ in a torch-neuronx training script's imports, or run it unchanged with
 * ``kiln.xla.debug.metrics``: ``metrics_report()`` and the counters.
 * ``kiln.xla.runtime``: ``world_size``, ``global_ordinal``, ``local_ordinal``.
 * ``kiln.xla.device()`` and ``kiln.xla.sync()``: torch_xla 2.x's shorter spellings.
+* ``kiln.xla.amp.autocast(device)``, and ``torch.autocast("xla", ...)`` once this package is
+  imported: bf16 autocast on kiln's device (:mod:`kiln.compat.xla_amp`).
 """
+from kiln.compat import xla_amp as _amp
+
+_amp.install()
 
 
 def device(index=None):
