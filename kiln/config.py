@@ -54,6 +54,10 @@ VARIABLES = {v.name: v for v in (
        "either way)", "run"),
     _V("NEURON_RT_VISIBLE_CORES", None, "Neuron spelling of KILN_VISIBLE_CORES", "run"),
     _V("NEURON_RT_NUM_CORES", None, "Neuron spelling of KILN_NUM_CORES", "run"),
+    _V("XLA_USE_BF16", None, "torch_xla: float32 tensors kept as bf16 on the device; not honoured (kiln's "
+       "device keeps float32 float32): a warning at xm.xla_device() says what to use instead", "run"),
+    _V("XLA_DOWNCAST_BF16", None, "torch_xla: as XLA_USE_BF16 (float64 to float32 too); not honoured, "
+       "with the same warning", "run"),
     # distributed (torchrun sets the first four)
     _V("RANK", None, "torchrun: this process's rank among all ranks", "run"),
     _V("WORLD_SIZE", None, "torchrun: how many ranks there are", "run"),

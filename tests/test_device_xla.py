@@ -131,6 +131,22 @@ print("ok")
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_xla_use_bf16_is_named_as_not_honoured():
+    """torch_xla's XLA_USE_BF16=1 (float32 kept as bf16 on the device) would be ignored
+    silently: the script would compute in float32. xla_device() says so and what to use."""
+    code = """
+import warnings
+import kiln.xla.core.xla_model as xm
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    xm.xla_device()
+print([str(w.message) for w in caught if "XLA_USE_BF16" in str(w.message)])
+"""
+    proc = run_py(code, env={"XLA_USE_BF16": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not honoured" in proc.stdout and "torch.autocast('xla'" in proc.stdout, proc.stdout
+
+
 def test_bad_neuron_cc_flags_are_a_clear_error():
     proc = run_py("import kiln.xla.core.xla_model as xm\nxm.xla_device()\n",
                   env={"NEURON_CC_FLAGS": "--optlevel 7"})

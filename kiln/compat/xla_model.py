@@ -53,6 +53,12 @@ def device_options() -> dict:
     if ignored:
         warnings.warn(f"kiln: NEURON_CC_FLAGS {' '.join(ignored)} mean nothing to kiln's compiler and are "
                       "ignored", RuntimeWarning, stacklevel=3)
+    for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
+        if config.flag(name):
+            warnings.warn(f"kiln: {name}=1 is not honoured: kiln's device keeps float32 tensors float32, where "
+                          "torch_xla would store them as bf16, so this script computes in float32. Use "
+                          "model.to(torch.bfloat16), or torch.autocast('xla', dtype=torch.bfloat16), as "
+                          "torch-neuronx advises in its place", RuntimeWarning, stacklevel=3)
     options.update(neuron_cache_options())
     return options
 
