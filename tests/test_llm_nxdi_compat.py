@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kiln.errors import CompilerArgsError, InputError  # noqa: E402
+from kiln.errors import ArtifactError, CompilerArgsError, InputError  # noqa: E402
 from tests.test_llm_decoder import _hf_greedy, _model  # noqa: E402
 
 
@@ -45,6 +45,9 @@ def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypa
     assert torch.equal(again, got)
     with pytest.raises(InputError, match="holds no neuron_config.json"):
         NeuronLlamaForCausalLM(path)
+    (tmp_path / "compiled" / "neuron_config.json").write_text('{"neuron_config": {"seq_len": "x", "bogus": 1}}')
+    with pytest.raises(ArtifactError, match="is not the config compile\\(\\) writes"):
+        NeuronLlamaForCausalLM(out)
 
 
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"quantized": True}, "quantized"),

@@ -5,7 +5,7 @@ import json
 import os
 
 from kiln.atomic import write_atomic
-from kiln.errors import CompilerArgsError, InputError
+from kiln.errors import ArtifactError, CompilerArgsError, InputError
 
 ARTIFACT = "model.kiln"
 SAVED_CONFIG = "neuron_config.json"     # what compile() used, for NeuronLlamaForCausalLM(compiled_dir)
@@ -166,6 +166,10 @@ def _saved_config(path) -> LlamaInferenceConfig:
     if not os.path.exists(saved):
         raise InputError(f"{path} holds no {SAVED_CONFIG}: give NeuronLlamaForCausalLM a config, or the directory "
                          "compile() wrote")
-    with open(saved) as f:
-        data = json.load(f)
-    return LlamaInferenceConfig(NeuronConfig.from_json(data["neuron_config"]), load_config=load_pretrained_config(path))
+    try:
+        with open(saved) as f:
+            nc = NeuronConfig.from_json(json.load(f)["neuron_config"])
+    except (ValueError, KeyError, TypeError) as e:        # not JSON, or not the fields compile() writes
+        raise ArtifactError(f"{saved} is not the config compile() writes ({type(e).__name__}: {e}); compile "
+                            "the model again") from None
+    return LlamaInferenceConfig(nc, load_config=load_pretrained_config(path))
