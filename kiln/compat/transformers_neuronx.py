@@ -101,6 +101,7 @@ class NeuronAutoModelForCausalLM:
         prompt = input_ids[0].tolist()
         params = SamplingParams(do_sample=settings["do_sample"], temperature=settings["temperature"],
                                 top_k=settings["top_k"] if settings["do_sample"] else 0, top_p=settings["top_p"])
+
         def on_token(_request, token) -> bool:
             streamer.put(torch.tensor([token]))
             return False                    # never ends the request: EOS and the length do
