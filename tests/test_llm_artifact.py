@@ -106,8 +106,9 @@ def test_hugging_face_lengths_and_settings_kiln_does_not_do(compiled):
         llm.hf_generate(ids, attention_mask=mask, no_repeat_ngram_size=3)
     with pytest.raises(InputError, match="max_length is 5"):
         llm.hf_generate(ids, attention_mask=mask, max_length=5)
-    # a refused setting at its default is harmless
+    # a refused setting at its default is harmless, and None is a setting's default, as there
     assert llm.hf_generate(ids, attention_mask=mask, num_beams=1, max_new_tokens=2).shape == (2, 7)
+    assert llm.hf_generate(ids, attention_mask=mask, temperature=None, max_new_tokens=2).shape == (2, 7)
 
 
 def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):

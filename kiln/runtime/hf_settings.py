@@ -50,7 +50,7 @@ def resolve(generation_config, overrides: dict, width: int) -> tuple:
         raise InputError(f"kiln's generate does not do {named}: it decodes greedily or samples one sequence per "
                          "prompt (temperature, top_k, top_p, repetition_penalty). Leave these at their "
                          "defaults; transformers' own generate would give other tokens")
-    cfg = {**HONOURED, **{k: v for k, v in given.items() if k in HONOURED}}
+    cfg = {**HONOURED, **{k: v for k, v in given.items() if k in HONOURED and v is not None}}   # None: the default
     if cfg["max_new_tokens"] is not None:
         new = int(cfg["max_new_tokens"])
     elif cfg["max_length"] is None:
