@@ -50,6 +50,30 @@ def test_tensors_behave_like_a_device():
     torch.kiln.synchronize()
 
 
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_tensors_made_from_python_data_on_the_device(mode):
+    """``torch.tensor(data, device=...)`` and its kin, the commonest way a training script
+    makes labels and constants: they failed with an INTERNAL ASSERT from PyTorch's dispatcher
+    (its copy ran with the Python key excluded and met the device's fallback kernel)."""
+    import numpy as np
+    modes.set_mode(mode)
+    x = torch.ones(3, device=DEV)
+    made = {"nested": torch.tensor([[0.0, 10.0], [2.5, -1.0]], device=DEV), "scalar": torch.tensor(1.5, device=DEV),
+            "ints": torch.tensor([1, 2], device=DEV), "half": torch.tensor([0.5], dtype=torch.float16, device=DEV),
+            "bools": torch.tensor([True, False], device=DEV), "as_tensor": torch.as_tensor([3.0, 4.0], device=DEV),
+            "numpy": torch.as_tensor(np.arange(3, dtype=np.int32), device=DEV), "new_tensor": x.new_tensor([7.0]),
+            "grad": torch.tensor([1.0, 2.0], device=DEV, requires_grad=True)}
+    want = {"nested": torch.tensor([[0.0, 10.0], [2.5, -1.0]]), "scalar": torch.tensor(1.5), "ints": torch.tensor([1, 2]),
+            "half": torch.tensor([0.5], dtype=torch.float16), "bools": torch.tensor([True, False]),
+            "as_tensor": torch.tensor([3.0, 4.0]), "numpy": torch.arange(3, dtype=torch.int32),
+            "new_tensor": torch.tensor([7.0]), "grad": torch.tensor([1.0, 2.0])}
+    for name, t in made.items():
+        assert t.device == x.device, name
+        assert torch.equal(t.detach().cpu(), want[name]) and t.dtype == want[name].dtype, name
+    (made["grad"] * made["as_tensor"]).sum().backward()
+    assert torch.equal(made["grad"].grad.cpu(), torch.tensor([3.0, 4.0]))
+
+
 def test_views_and_in_place_updates_share_memory():
     base = torch.zeros(3, 4, device=DEV)
     row = base[1]

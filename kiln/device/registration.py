@@ -220,11 +220,31 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         assert dispatch.current() is not None        # its handlers are installed on the tensor class
         _registered.append(name)
         # kept alive: the registrations live as long as their libraries
-        _registered.extend([library, autocast.register(name)])
+        _registered.extend([library, _per_op(), autocast.register(name)])
         _foreach_capable()
         if probe:
             _probe_autograd(name)
         return name
+
+
+# Operators that reach PrivateUse1 with one of kiln's tensors among their arguments while
+# the Python dispatch key is excluded: ``torch.tensor(data, device="kiln")`` (and
+# ``as_tensor``, ``new_tensor``) builds the tensor on the device, then calls ``_to_copy``
+# with the Python key excluded, and so lands on the PrivateUse1 kernel instead of
+# ``__torch_dispatch__``. PyTorch (2.13) runs a Python kernel given such an argument through
+# its per-operator registry, which holds no entry for a fallback: an INTERNAL ASSERT
+# ("func != nullptr"), so every ``torch.tensor(..., device=device)`` in a training script
+# failed. Registered per operator, the same kernel is found.
+PER_OP = ("_to_copy",)
+
+
+def _per_op():
+    """The fallback's kernel registered for :data:`PER_OP` one by one; returns the library."""
+    library = torch.library.Library("aten", "IMPL")
+    for name in PER_OP:
+        op = getattr(torch.ops.aten, name).default
+        library.impl(name, lambda *args, _op=op, **kwargs: _factory(_op, *args, **kwargs), "PrivateUse1")
+    return library
 
 
 def _foreach_capable():
