@@ -53,6 +53,8 @@ def test_two_processes_equal_one(kind, tmp_path, cache):
     compiled, background, interpreted = map(int, next(ln for ln in proc.stdout.splitlines()
                                                       if ln.startswith("compiles ")).split()[1:])
     assert compiled >= 1 and background == 0 and interpreted == 0, (compiled, background, interpreted)
+    if kind == "xm":      # xm.all_gather and xm.mesh_reduce over the two ranks
+        assert "collectives [[0.0, 10.0], [1.0, 11.0]] 0.5" in proc.stdout, proc.stdout[-2000:]
     expected, state = _single_process()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     params = torch.load(out, weights_only=True)

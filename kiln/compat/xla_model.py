@@ -143,8 +143,52 @@ def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list:
     return out
 
 
+def _all_ranks(what: str, groups):
+    """torch_xla's ``groups`` (replica groups) other than all ranks in one group are refused:
+    reducing over every rank instead would be a wrong answer given quietly."""
+    if not groups:
+        return
+    world = xrt_world_size()
+    if len(groups) == 1 and sorted(groups[0]) == list(range(world)):
+        return
+    raise ValueError(f"xm.{what}(groups={groups!r}): replica groups other than all {world} ranks are not "
+                     "supported by kiln yet; use torch.distributed.new_group and its collectives")
+
+
+def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout=True):
+    """Every rank's ``value`` concatenated along ``dim`` (rank order), on every rank;
+    written into ``output`` too when it is given."""
+    _all_ranks("all_gather", groups)
+    dist = _dist()
+    if dist is None:
+        gathered = value.clone()
+    else:
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, value.contiguous())
+        gathered = torch.cat(parts, dim=dim)
+    if output is not None:
+        output.copy_(gathered)
+        return output
+    return gathered
+
+
+def mesh_reduce(tag: str, data, reduce_fn):
+    """``reduce_fn`` of every rank's ``data`` (a list in rank order; tensors moved to the
+    CPU first), on every rank: torch_xla's way to average a metric, such as a test accuracy,
+    over the ranks."""
+    import torch.utils._pytree as pytree
+    data = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, data)
+    dist = _dist()
+    if dist is None:
+        return reduce_fn([data])
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, data)
+    return reduce_fn(out)
+
+
 def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=True):
     """Reduce ``inputs`` (a tensor or a list) over all ranks, in place; returns them."""
+    _all_ranks("all_reduce", groups)
     import torch.distributed as tdist
     ops = {REDUCE_SUM: tdist.ReduceOp.SUM, REDUCE_MUL: tdist.ReduceOp.PRODUCT, REDUCE_MIN: tdist.ReduceOp.MIN,
            REDUCE_MAX: tdist.ReduceOp.MAX, REDUCE_AND: tdist.ReduceOp.BAND, REDUCE_OR: tdist.ReduceOp.BOR}
@@ -160,6 +204,7 @@ def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=
 
 def reduce_gradients(optimizer, groups=None, pin_layout=True):
     """Average every parameter's gradient over the ranks (data parallelism)."""
+    _all_ranks("reduce_gradients", groups)
     world = xrt_world_size()
     if world <= 1:
         return

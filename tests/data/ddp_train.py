@@ -44,6 +44,11 @@ for step in range(3):
     dist.all_reduce(total)
     losses.append(float(total) / world)
 params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
+if kind == "xm":      # torch_xla's other collectives scripts use: gather a tensor, reduce a metric
+    gathered = xm.all_gather(torch.tensor([[float(rank), 10.0 + rank]], device=device))
+    mean = xm.mesh_reduce("rank_mean", torch.tensor(float(rank), device=device), lambda v: float(sum(v)) / len(v))
+    if rank == 0:
+        print("collectives", gathered.cpu().tolist(), mean)
 if rank == 0:
     from kiln.device import metrics
     print("losses", " ".join(f"{v:.7f}" for v in losses))
