@@ -61,6 +61,27 @@ def test_to_kiln_with_no_kiln_import_trains_like_cpu_after_a_cpu_backward():
     assert out["compiled"] >= 1 and out["executed"] >= 3   # ran as compiled device programs
 
 
+def test_a_cpu_script_with_a_pinning_data_loader_runs_beside_the_device():
+    """A plain CPU script (no kiln import) with ``DataLoader(pin_memory=True)``: once autoload
+    registers the device it is PyTorch's current accelerator, and pinning for it raised
+    NotImplementedError (a Python backend cannot give PyTorch a pinned allocator), so
+    installing kiln broke such scripts. Now a pin for the device is an ordinary copy."""
+    code = textwrap.dedent("""
+        import json, torch
+        from torch.utils.data import DataLoader, TensorDataset
+        ds = TensorDataset(torch.randn(10, 3), torch.arange(10))
+        batches = list(DataLoader(ds, batch_size=4, pin_memory=True))
+        x = torch.ones(2)
+        pinned = x.pin_memory()
+        x.add_(1)                                     # a copy, as a pin is
+        print(json.dumps({"accelerator": torch.accelerator.current_accelerator().type,
+                          "same": torch.equal(torch.cat([b[0] for b in batches]), ds.tensors[0]),
+                          "labels": torch.cat([b[1] for b in batches]).tolist(), "pinned": pinned.tolist()}))
+    """)
+    out = _last_json(run_py(code, env=ON))
+    assert out == {"accelerator": "kiln", "same": True, "labels": list(range(10)), "pinned": [1.0, 1.0]}
+
+
 def test_neuron_name_through_the_variable():
     code = textwrap.dedent("""
         import torch

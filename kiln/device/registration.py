@@ -222,6 +222,7 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         # kept alive: the registrations live as long as their libraries
         _registered.extend([library, _per_op(), autocast.register(name)])
         _foreach_capable()
+        _pinnable(name)
         if probe:
             _probe_autograd(name)
         return name
@@ -245,6 +246,33 @@ def _per_op():
         op = getattr(torch.ops.aten, name).default
         library.impl(name, lambda *args, _op=op, **kwargs: _factory(_op, *args, **kwargs), "PrivateUse1")
     return library
+
+
+def _pinnable(name: str):
+    """``Tensor.pin_memory()`` when the pinning is for kiln's device: a copy in ordinary
+    host memory, which is what the device reads anyway.
+
+    Why: once the device is registered it is PyTorch's current accelerator, and PyTorch pins
+    memory through the accelerator's C++ hooks, which a Python backend cannot provide (2.13:
+    ``getPinnedMemoryAllocator``, NotImplementedError). ``DataLoader(pin_memory=True)`` pins
+    for the current accelerator, so every script using it failed in an environment where kiln
+    is installed, CPU-only scripts that never touch the device included. A pin for any other
+    device is PyTorch's own, unchanged."""
+    tensor_class = torch.Tensor
+    if getattr(tensor_class.pin_memory, "_kiln_pinnable", False):
+        return
+    original = tensor_class.pin_memory
+
+    def pin_memory(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        kind = torch.device(device).type if device is not None else torch._C._get_privateuse1_backend_name()
+        current = torch.accelerator.current_accelerator()
+        if kind == name and (device is not None or (current is not None and current.type == name)):
+            return self.clone()
+        return original(self, *args, **kwargs)
+    pin_memory._kiln_pinnable = True
+    pin_memory.__doc__ = original.__doc__
+    tensor_class.pin_memory = pin_memory
 
 
 def _foreach_capable():
