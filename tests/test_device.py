@@ -74,6 +74,26 @@ def test_tensors_made_from_python_data_on_the_device(mode):
     assert torch.equal(made["grad"].grad.cpu(), torch.tensor([3.0, 4.0]))
 
 
+def test_tolist_and_torch_load_onto_the_device(tmp_path):
+    """``tolist()`` (PyTorch's refuses tensor subclasses) and ``torch.load(f,
+    map_location=<the device>)`` (it failed: PyTorch moves storages with an allocator a Python
+    backend lacks): a checkpoint comes back on the device with a shared storage still shared,
+    parameters still parameters and a pickled module moved whole; other locations unchanged."""
+    x = torch.arange(6.0)
+    assert torch.tensor([[1, 2], [3, 4]], device=DEV).tolist() == [[1, 2], [3, 4]]
+    assert (x.to(DEV) * 2).tolist() == (x * 2).tolist() and torch.tensor(2.5, device=DEV).tolist() == 2.5
+    ckpt = {"w": x, "view": x[2:4], "p": torch.nn.Parameter(torch.ones(2)), "n": 3, "m": torch.nn.Linear(2, 2)}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    for where in (DEV, DEV.type, f"{DEV.type}:0"):
+        got = torch.load(tmp_path / "ckpt.pt", map_location=where, weights_only=False)
+        assert got["w"].device == DEV and torch.equal(got["w"].cpu(), x) and got["n"] == 3
+        assert isinstance(got["p"], torch.nn.Parameter) and got["p"].device == DEV and got["p"].requires_grad
+        assert next(got["m"].parameters()).device == DEV
+        got["w"].mul_(10)
+        assert got["view"].tolist() == [20.0, 30.0]             # still a view of "w"
+    assert torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)["w"].device.type == "cpu"
+
+
 def test_views_and_in_place_updates_share_memory():
     base = torch.zeros(3, 4, device=DEV)
     row = base[1]

@@ -223,6 +223,8 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _registered.extend([library, _per_op(), autocast.register(name)])
         _foreach_capable()
         _pinnable(name)
+        from kiln.device import serialization
+        serialization.install(name)
         if probe:
             _probe_autograd(name)
         return name

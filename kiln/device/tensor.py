@@ -124,6 +124,11 @@ class DeviceTensor(torch.Tensor):
         would refuse; copying keeps the device tensor from being changed behind its back)."""
         return self.host().detach().clone().numpy()
 
+    def tolist(self):
+        """The values as (nested) Python numbers, read from host memory: PyTorch's own
+        ``tolist`` refuses tensor subclasses, and ``loss.tolist()`` is a common line."""
+        return self.host().tolist()
+
     def __reduce_ex__(self, protocol):
         # torch.save writes the host data as an ordinary CPU tensor, so torch.load with
         # weights_only=True reads it; load_state_dict copies it back onto the device
