@@ -94,6 +94,33 @@ def test_tolist_and_torch_load_onto_the_device(tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)["w"].device.type == "cpu"
 
 
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_lstm_trains_like_cpu(mode, bias):
+    """``nn.LSTM`` on the device (ATen picks the CUDA-only fused cell for it; it raised
+    NotImplementedError): two layers, batch first, three SGD steps equal the CPU's."""
+    modes.set_mode(mode)
+    torch.manual_seed(0)
+    cpu = torch.nn.LSTM(6, 5, num_layers=2, batch_first=True, bias=bias)
+    dev = copy.deepcopy(cpu).to(DEV)
+    x = torch.randn(3, 7, 6)
+    runs = []
+    for net, where in ((cpu, "cpu"), (dev, DEV)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            out, (h, c) = net(x.to(where))
+            loss = (out ** 2).mean() + h.sum() * 0.1 + c.sum() * 0.01
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_views_and_in_place_updates_share_memory():
     base = torch.zeros(3, 4, device=DEV)
     row = base[1]
