@@ -49,7 +49,7 @@ def current() -> tr.Trace:
 
 
 def dispatch(func, args, kwargs):
-    stand_in = fused_cells.replacement(func)        # CUDA-only kernels ATen picks for the device
+    stand_in = fused_cells.TABLE.get(func)          # CUDA-only kernels ATen picks for the device
     if stand_in is not None:
         return stand_in(*args, **kwargs)
     with LOCK:

@@ -4,7 +4,7 @@ operations.
 Why: ATen's ``LSTM`` uses the fused cell (``_thnn_fused_lstm_cell``) for every non-CPU
 device it counts as an accelerator, PrivateUse1 included; its kernels exist for CUDA only.
 kiln runs an operation on the host's CPU kernels, and the CPU has none for it, so
-``torch.nn.LSTM`` on the device raised NotImplementedError. :func:`replacement` gives the
+``torch.nn.LSTM`` on the device raised NotImplementedError. :data:`TABLE` gives the
 device's dispatcher these functions instead: the forward cell and its backward kernel
 (autograd's formula for the fused cell calls it), each the CUDA kernel's arithmetic in
 its layout (the workspace holds the activated gates ``[i, f, g, o]``), so the operations
@@ -48,10 +48,7 @@ def lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
     return grad_gates, grad_c * f, grad_bias
 
 
-_TABLE = {aten._thnn_fused_lstm_cell.default: lstm_cell,
-          aten._thnn_fused_lstm_cell_backward_impl.default: lstm_cell_backward}
-
-
-def replacement(func):
-    """The function standing in for ``func`` on the device, or None."""
-    return _TABLE.get(func)
+# operator -> the function standing in for it on the device (one dict lookup per call in
+# the dispatcher's hot path)
+TABLE = {aten._thnn_fused_lstm_cell.default: lstm_cell,
+         aten._thnn_fused_lstm_cell_backward_impl.default: lstm_cell_backward}
