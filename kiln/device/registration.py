@@ -272,6 +272,7 @@ def _pinnable(name: str):
         if kind == name and (device is not None or (current is not None and current.type == name)):
             return self.clone()
         return original(self, *args, **kwargs)
+
     pin_memory._kiln_pinnable = True
     pin_memory.__doc__ = original.__doc__
     tensor_class.pin_memory = pin_memory

@@ -195,9 +195,7 @@ class TensorParallelLLM:
     def scheduler(self, draft=None, **options) -> lockstep.LockstepScheduler:
         """A continuous-batching scheduler on rank 0 whose every step the other ranks follow.
         ``draft`` is refused: speculative decoding's verify step runs on one process's graphs."""
-        if draft is not None:
-            raise InputError("speculative decoding (draft=) does not run tensor-parallel LLMs yet; load the "
-                             "artifact without it, or use a model compiled without tp_degree")
+        _refuse_draft(draft)
         self._command("scheduler", options)
         scheduler = local_scheduler(self.leader, options, self._channel)
         scheduler.on_broken = self._broken
@@ -236,9 +234,8 @@ class TensorParallelLLM:
         """As :meth:`kiln.runtime.llm.LLM.generate` (``draft``: refused, as by :meth:`scheduler`)."""
         if not prompts:
             raise InputError("give at least one prompt")
+        _refuse_draft(draft)
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
-        if draft is not None:
-            return run_all(self.scheduler(draft=draft), prompts, max_new_tokens, params, eos)
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
     hf_generate = LLM.hf_generate
@@ -276,6 +273,12 @@ def prefill_logits(llm: LLM, prompt: list):
     with torch.no_grad():
         logits = llm.prefill_for(n)(torch.tensor([prompt]), torch.arange(n).unsqueeze(0), torch.tensor([n - 1]))[0]
     return logits[0]
+
+
+def _refuse_draft(draft):
+    if draft is not None:
+        raise InputError("speculative decoding (draft=) does not run tensor-parallel LLMs yet: decode without a "
+                         "draft, or compile the model without tp_degree to decode with one")
 
 
 def local_scheduler(llm: LLM, options: dict, channel=None) -> lockstep.LockstepScheduler:
