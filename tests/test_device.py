@@ -82,11 +82,15 @@ def test_tolist_and_torch_load_onto_the_device(tmp_path):
     x = torch.arange(6.0)
     assert torch.tensor([[1, 2], [3, 4]], device=DEV).tolist() == [[1, 2], [3, 4]]
     assert (x.to(DEV) * 2).tolist() == (x * 2).tolist() and torch.tensor(2.5, device=DEV).tolist() == 2.5
-    ckpt = {"w": x, "view": x[2:4], "p": torch.nn.Parameter(torch.ones(2)), "n": 3, "m": torch.nn.Linear(2, 2)}
+    bn = torch.nn.BatchNorm1d(2).state_dict()             # an OrderedDict with _metadata (module versions)
+    ckpt = {"w": x, "view": x[2:4], "p": torch.nn.Parameter(torch.ones(2)), "n": 3, "m": torch.nn.Linear(2, 2),
+            "bn": bn, "pair": (x[:1], [x[1:2]])}
     torch.save(ckpt, tmp_path / "ckpt.pt")
     for where in (DEV, DEV.type, f"{DEV.type}:0"):
         got = torch.load(tmp_path / "ckpt.pt", map_location=where, weights_only=False)
         assert got["w"].device == DEV and torch.equal(got["w"].cpu(), x) and got["n"] == 3
+        assert type(got["bn"]) is type(bn) and got["bn"]._metadata == bn._metadata
+        assert got["bn"]["running_var"].device == DEV and got["pair"][1][0].tolist() == [1.0]
         assert isinstance(got["p"], torch.nn.Parameter) and got["p"].device == DEV and got["p"].requires_grad
         assert next(got["m"].parameters()).device == DEV
         got["w"].mul_(10)

@@ -11,10 +11,10 @@ pickled module with ``.to``. Any other ``map_location`` is ``torch.load``'s own.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
-import torch.utils._pytree as pytree
 
 
 def install(name: str):
@@ -42,14 +42,12 @@ def _names(location, name: str) -> bool:
 def to_device(obj, device: torch.device):
     """``obj`` (a loaded checkpoint) with its CPU tensors on ``device``: tensors sharing a
     storage (and dtype) become views of one device tensor, as they were views of one
-    storage; parameters stay parameters; modules move whole."""
+    storage; parameters stay parameters; modules move whole; dicts, lists and tuples keep
+    their types, and a state dict its ``_metadata`` (``load_state_dict`` reads the modules'
+    versions from it)."""
     bases: dict = {}
 
     def move(t):
-        if isinstance(t, torch.nn.Module):
-            return t.to(device)
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            return t
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes(), t.dtype)
         if key not in bases:
@@ -59,4 +57,21 @@ def to_device(obj, device: torch.device):
         if isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(moved, requires_grad=t.requires_grad)
         return moved.requires_grad_(t.requires_grad) if t.requires_grad else moved
-    return pytree.tree_map(move, obj, is_leaf=lambda v: isinstance(v, torch.nn.Module))
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            return move(v) if v.device.type == "cpu" else v
+        if isinstance(v, torch.nn.Module):
+            return v.to(device)
+        if isinstance(v, dict):
+            out = copy.copy(v)              # its type and attributes (an OrderedDict's _metadata)
+            for k, item in v.items():
+                out[k] = walk(item)
+            return out
+        if isinstance(v, list):
+            return [walk(item) for item in v]
+        if isinstance(v, tuple):
+            items = [walk(item) for item in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+        return v
+    return walk(obj)
