@@ -94,13 +94,13 @@ class NeuronAutoModelForCausalLM:
         ``streamer`` as the scheduler makes it; the same tokens as without a streamer."""
         import torch
 
-        from kiln.runtime.sampling import SamplingParams
+        from kiln.runtime import hf_settings
         from kiln.runtime.scheduler import Request
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InputError(f"sample(streamer=) takes one sequence ([1, n] input_ids); got {tuple(input_ids.shape)}")
         prompt = input_ids[0].tolist()
-        params = SamplingParams(do_sample=settings["do_sample"], temperature=settings["temperature"],
-                                top_k=settings["top_k"] if settings["do_sample"] else 0, top_p=settings["top_p"])
+        cfg, _ = hf_settings.resolve(None, dict(settings, max_new_tokens=new), len(prompt))
+        params = hf_settings.sampling_params(cfg)       # as hf_generate reads the same settings
 
         def on_token(_request, token) -> bool:
             streamer.put(torch.tensor([token]))

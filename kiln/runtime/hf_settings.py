@@ -64,3 +64,12 @@ def resolve(generation_config, overrides: dict, width: int) -> tuple:
     if new < 1:
         raise InputError(f"max_new_tokens must be at least 1; got {new}")
     return cfg, new
+
+
+def sampling_params(cfg: dict):
+    """The scheduler's :class:`kiln.runtime.sampling.SamplingParams` for settings
+    :func:`resolve` gave (``top_k`` only when sampling, as transformers applies it)."""
+    from kiln.runtime.sampling import SamplingParams
+    return SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
+                          top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
+                          repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])

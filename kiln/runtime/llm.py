@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import cuda_llm, hf_settings, invariance, kv, ort_pool, sampling
+from kiln.runtime import cuda_llm, hf_settings, invariance, kv, ort_pool
 from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
@@ -196,9 +196,7 @@ class LLM:
             raise InputError("every row of attention_mask needs at least one real token")
         eos = cfg["eos_token_id"]
         eos = self.meta["eos_token_ids"] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        params = sampling.SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
-                                         top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
-                                         repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])
+        params = hf_settings.sampling_params(cfg)
         rows = self._generate_rows(prompts, max_new_tokens, params, eos)
         pad = cfg["pad_token_id"] if cfg["pad_token_id"] is not None else (eos[0] if eos else 0)
         width = max(len(r) for r in rows)
