@@ -100,12 +100,14 @@ def test_tolist_and_torch_load_onto_the_device(tmp_path):
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_lstm_trains_like_cpu(mode, bias):
-    """``nn.LSTM`` on the device (ATen picks the CUDA-only fused cell for it; it raised
-    NotImplementedError): two layers, batch first, three SGD steps equal the CPU's."""
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+def test_recurrent_layers_train_like_cpu(mode, bias, cell):
+    """``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` on the device (ATen picks CUDA-only fused cells
+    for the first two, and GRU and RNN transpose their batch-first output in place; each
+    raised): two layers, batch first, three SGD steps equal the CPU's."""
     modes.set_mode(mode)
     torch.manual_seed(0)
-    cpu = torch.nn.LSTM(6, 5, num_layers=2, batch_first=True, bias=bias)
+    cpu = getattr(torch.nn, cell)(6, 5, num_layers=2, batch_first=True, bias=bias)
     dev = copy.deepcopy(cpu).to(DEV)
     x = torch.randn(3, 7, 6)
     runs = []
@@ -114,8 +116,11 @@ def test_lstm_trains_like_cpu(mode, bias):
         losses = []
         for _ in range(3):
             opt.zero_grad()
-            out, (h, c) = net(x.to(where))
-            loss = (out ** 2).mean() + h.sum() * 0.1 + c.sum() * 0.01
+            out, state = net(x.to(where))
+            h, c = state if cell == "LSTM" else (state, state * 0.5)
+            assert out.shape == (3, 7, 5)
+            loss = (out ** 2).mean() + (out[:, -1] * torch.arange(5.0, device=where)).sum() + h.sum() * 0.1 \
+                + c.sum() * 0.01
             loss.backward()
             opt.step()
             losses.append(float(loss))
@@ -123,6 +128,33 @@ def test_lstm_trains_like_cpu(mode, bias):
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
     for got, want in zip(runs[1][1], runs[0][1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_in_place_shape_changes_act_as_on_cpu(mode):
+    """``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_`` and ``as_strided_`` change the
+    tensor's own shape; an alias made before keeps its shape and shares memory; a tensor
+    with views and ``resize_`` are refused with an error saying what to use."""
+    modes.set_mode(mode)
+    results = []
+    for where in ("cpu", DEV):
+        x = torch.arange(24.0, device=where).reshape(2, 3, 4) + 0
+        before = x.detach()
+        x.transpose_(0, 2)
+        y = (x * 10).unsqueeze_(0).squeeze_(0)
+        y.t_() if y.dim() == 2 else y.swapdims_(1, 2)
+        x.add_(1)                                          # seen through the older alias too
+        flat = (y + 0).as_strided_((6,), (4,), 1)
+        results.append([(t.cpu(), t.shape, t.stride()) for t in (x, before, y, flat)])
+    for (got, shape, stride), (want, want_shape, want_stride) in zip(results[1], results[0]):
+        assert (shape, stride) == (want_shape, want_stride)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    base = torch.zeros(2, 3, device=DEV)
+    _ = base[0]
+    with pytest.raises(RuntimeError, match="has views.*transpose"):
+        base.transpose_(0, 1)
+    with pytest.raises(RuntimeError, match="storage in place"):
+        torch.zeros(4, device=DEV).resize_(8)
 
 
 def test_views_and_in_place_updates_share_memory():

@@ -27,7 +27,8 @@ import weakref
 
 import torch
 
-from kiln.device import binding, foreach, fused_cells, inflight, meta, metrics, programs, replay, rewrites, walk
+from kiln.device import (binding, foreach, fused_cells, inflight, inplace_views, meta, metrics, programs, replay,
+                         rewrites, walk)
 from kiln.device.opinfo import info as _info
 from kiln.graph import draws
 from kiln.device import tensor as dt
@@ -38,10 +39,6 @@ LOCK = threading.RLock()
 POLICY = tr.Policy()
 DEBUG = False
 _current = [tr.Trace()]
-
-# in-place changes of a tensor's shape or strides: a wrapper's metadata is fixed
-_METADATA_INPLACE = {"resize_", "resize_as_", "set_", "t_", "transpose_", "squeeze_", "unsqueeze_",
-                     "as_strided_", "swapdims_", "swapaxes_", "_resize_output_"}
 
 
 def current() -> tr.Trace:
@@ -109,9 +106,8 @@ def _dispatch(func, args, kwargs):
             return foreach.split(_dispatch_any, run_now, func, args, kwargs)
         _window()
         return out
-    if info.name in _METADATA_INPLACE:
-        raise RuntimeError(f"kiln device: {func} changes a tensor's shape or strides in place, which "
-                           "kiln's device tensors do not support; use the out-of-place form")
+    if info.name in inplace_views.NAMES:
+        return inplace_views.apply(_dispatch_any, func, args, kwargs)
     if func is aten.native_dropout.default and _is_pending(args[:1]):
         out = _dropout(*args, **kwargs)
         if out is not NotImplemented:

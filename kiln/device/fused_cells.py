@@ -1,16 +1,17 @@
-"""The fused LSTM cell PyTorch picks for a PrivateUse1 device, written with ordinary
-operations.
+"""The fused LSTM and GRU cells PyTorch picks for a PrivateUse1 device, written with
+ordinary operations.
 
 Why: ATen's ``LSTM`` uses the fused cell (``_thnn_fused_lstm_cell``) for every non-CPU
-device it counts as an accelerator, PrivateUse1 included; its kernels exist for CUDA only.
+device it counts as an accelerator, PrivateUse1 included (``_thnn_fused_gru_cell`` for
+``GRU`` likewise); their kernels exist for CUDA only.
 kiln runs an operation on the host's CPU kernels, and the CPU has none for it, so
 ``torch.nn.LSTM`` on the device raised NotImplementedError. :data:`TABLE` gives the
 device's dispatcher these functions instead: the forward cell and its backward kernel
 (autograd's formula for the fused cell calls it), each the CUDA kernel's arithmetic in
-its layout (the workspace holds the activated gates ``[i, f, g, o]``), so the operations
-they are made of are recorded, compiled and checked like any other. The tests compare
-``nn.LSTM`` training with the CPU's. ``nn.GRU`` still fails, earlier: ATen's GRU transposes a
-tensor in place (``transpose_``), which kiln's device tensors do not support.
+its layout (the LSTM's workspace holds the activated gates ``[i, f, g, o]``, the GRU's
+``[r, z, n, hx, hidden n + its bias]``), so the operations they are made of are recorded,
+compiled and checked like any other. The tests compare ``nn.LSTM`` and ``nn.GRU`` training
+with the CPU's.
 """
 from __future__ import annotations
 
@@ -48,7 +49,33 @@ def lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
     return grad_gates, grad_c * f, grad_bias
 
 
+def gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    """``(hy, workspace)``; the workspace is ``[r, z, n, hx, hn + b_hn]``, as CUDA's kernel keeps."""
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, iz, in_ = input_gates.chunk(3, 1)
+    hr, hz, hn = hidden_gates.chunk(3, 1)
+    r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
+    n = (in_ + r * hn).tanh()
+    return n + z * (hx - n), torch.cat([r, z, n, hx, hn], 1)
+
+
+def gru_cell_backward(grad_hy, workspace, has_bias):
+    """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
+    r, z, n, hx, hn = workspace.chunk(5, 1)
+    grad_z = grad_hy * (hx - n) * (1 - z) * z
+    grad_n = grad_hy * (1 - z) * (1 - n * n)
+    grad_r = grad_n * hn * (1 - r) * r
+    grad_input = torch.cat([grad_r, grad_z, grad_n], 1)
+    grad_hidden = torch.cat([grad_r, grad_z, grad_n * r], 1)
+    if not has_bias:
+        return grad_input, grad_hidden, grad_hy * z, None, None
+    return grad_input, grad_hidden, grad_hy * z, grad_input.sum(0), grad_hidden.sum(0)
+
+
 # operator -> the function standing in for it on the device (one dict lookup per call in
 # the dispatcher's hot path)
 TABLE = {aten._thnn_fused_lstm_cell.default: lstm_cell,
-         aten._thnn_fused_lstm_cell_backward_impl.default: lstm_cell_backward}
+         aten._thnn_fused_lstm_cell_backward_impl.default: lstm_cell_backward,
+         aten._thnn_fused_gru_cell.default: gru_cell,
+         aten._thnn_fused_gru_cell_backward.default: gru_cell_backward}
