@@ -1,6 +1,7 @@
-"""Data parallelism on kiln's device over 2 processes (torchrun, loopback, the "xla"
-backend: gloo over host memory): DDP, FSDP2 (``fully_shard``) and torch-neuronx's
-``xm.optimizer_step`` all equal single-process training on the same global batch."""
+"""Data parallelism on kiln's device over 2 processes (loopback, the "xla" backend: gloo
+over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, and torch_xla's
+``xmp.spawn`` + ``xm.optimizer_step`` with no process group of the script's own (through
+``kiln run-xla``), all equal single-process training on the same global batch."""
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch.nn as nn
 from tests.conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "tests", "data", "ddp_train.py")
+SPAWN_SCRIPT = os.path.join(ROOT, "tests", "data", "xla_spawn_train.py")
 
 
 def _single_process():
@@ -38,12 +40,15 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("device-cache"))
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "xm"])
-def test_two_processes_equal_one(kind, tmp_path, cache):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "xm-spawn"])
+def test_two_processes_equal_one(kind, tmp_path, cache, kiln_cli):
     out = tmp_path / "params.pt"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", SCRIPT, kind, str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+    if kind == "xm-spawn":      # torch_xla's launcher, the script unchanged (its imports are torch_xla's)
+        command = [kiln_cli, "run-xla", SPAWN_SCRIPT, str(out)]
+    else:
+        command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc_per_node=2",
+                   SCRIPT, kind, str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1", KILN_CACHE_URL=cache))
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
@@ -53,8 +58,9 @@ def test_two_processes_equal_one(kind, tmp_path, cache):
     compiled, background, interpreted = map(int, next(ln for ln in proc.stdout.splitlines()
                                                       if ln.startswith("compiles ")).split()[1:])
     assert compiled >= 1 and background == 0 and interpreted == 0, (compiled, background, interpreted)
-    if kind == "xm":      # xm.all_gather and xm.mesh_reduce over the two ranks
-        assert "collectives [[0.0, 10.0], [1.0, 11.0]] 0.5" in proc.stdout, proc.stdout[-2000:]
+    if kind == "xm-spawn":      # xm.all_gather over the two ranks (mesh_reduce gave the losses)
+        assert "collectives [[0.0, 10.0], [1.0, 11.0]] 0.5 2" in proc.stdout, proc.stdout[-2000:]
+        assert "has been compiled for" not in proc.stderr     # xm's gradient scaling: no program per shape
     expected, state = _single_process()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     params = torch.load(out, weights_only=True)

@@ -156,10 +156,97 @@ def test_bad_neuron_cc_flags_are_a_clear_error():
 
 @pytest.mark.parametrize("module", ["torch_xla.core.xla_model", "torch_xla.distributed.parallel_loader",
                                     "torch_xla.debug.metrics", "torch_xla.distributed.xla_backend",
-                                    "torch_xla.runtime", "torch_xla.amp", "torch_neuronx"])
+                                    "torch_xla.runtime", "torch_xla.amp", "torch_xla.amp.syncfree",
+                                    "torch_xla.distributed.xla_multiprocessing", "torch_xla.utils.utils",
+                                    "torch_neuronx"])
 def test_launcher_maps_the_module_paths(module):
     code = (f"from kiln.compat import xla_launch\nxla_launch.install()\nimport importlib\n"
             f"m = importlib.import_module({module!r})\nprint(m.__name__)\n")
     proc = run_py(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith("kiln.")
+
+
+def test_torch_xla_launch_and_loss_scaling_names():
+    """The rest of torch_xla's example scripts' lines, in one process: ``xmp.spawn(nprocs=1)``
+    runs in this process; ranks come from the launcher's environment before any process
+    group; ``init_method="xla://"`` joins as ``env://``; ``RateTracker``, ``SampleGenerator``;
+    ``amp.GradScaler`` with the ``syncfree`` optimizers trains as ``torch.amp.GradScaler``
+    with torch's on the CPU, an overflowing step skipped on both."""
+    code = """
+import os, torch
+import torch.distributed as dist
+import kiln.xla.core.xla_model as xm
+import kiln.xla.distributed.xla_multiprocessing as xmp
+import kiln.xla.distributed.xla_backend
+import kiln.xla.runtime as xr
+import kiln.xla.utils.utils as xu
+from kiln.xla import amp
+from kiln.xla.amp import syncfree
+from kiln.errors import InputError
+
+assert (xm.get_ordinal(), xm.xrt_world_size(), xm.get_local_ordinal()) == (1, 2, 1)   # RANK=1 WORLD_SIZE=2
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+seen = []
+xmp.spawn(lambda i, a: seen.append((i, a)), args=("x",), nprocs=1)
+assert seen == [(0, "x")], seen
+for bad in (0, -2, "2"):
+    try:
+        xmp.spawn(print, nprocs=bad)
+        raise SystemExit(f"nprocs={bad!r} accepted")
+    except InputError as e:
+        assert "nprocs" in str(e)
+dist.init_process_group("xla", init_method="xla://")
+assert (dist.get_rank(), dist.get_world_size(), xr.using_pjrt()) == (0, 1, True)
+tracker = xm.RateTracker()
+tracker.add(32)
+assert tracker.rate() > 0 and tracker.global_rate() > 0
+fake = xu.SampleGenerator((torch.zeros(2, 3), torch.ones(2)), 3)
+assert len(fake) == 3 and len(list(fake)) == 3 and len(list(fake)) == 3
+assert xm.get_xla_supported_devices() == [str(xm.xla_device())]
+try:
+    amp.GradScaler(use_zero_grad=True)
+    raise SystemExit("use_zero_grad accepted")
+except InputError:
+    pass
+
+def train(where, scaler, opt_cls):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(where)
+    opt = opt_cls(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        opt.zero_grad()
+        loss = model(torch.randn(5, 4, generator=g).to(where)).pow(2).mean()
+        if step == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        xm.mark_step()
+    return scaler.get_scale(), [p.detach().cpu() for p in model.parameters()]
+
+for name in ("SGD", "Adam", "AdamW"):
+    want = train("cpu", torch.amp.GradScaler("cpu", init_scale=1024.0), getattr(torch.optim, name))
+    got = train(xm.xla_device(), amp.GradScaler(init_scale=1024.0), getattr(syncfree, name))
+    assert got[0] == want[0] == 512.0, (got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+opt = syncfree.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+opt.param_groups[0]["params"][0].grad = torch.ones(2)
+opt.step(found_inf=torch.tensor(1.0))
+assert opt.param_groups[0]["params"][0].tolist() == [1.0, 1.0]      # skipped
+opt.step(found_inf=torch.tensor(0.0))
+assert opt.param_groups[0]["params"][0].tolist() == [0.0, 0.0]
+print("ok")
+"""
+    proc = run_py(code, env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(_free_port())})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -41,3 +41,40 @@ def install():
         torch.autocast = autocast
     if torch.amp.autocast is _TORCH:
         torch.amp.autocast = autocast
+
+
+class GradScaler(torch.amp.GradScaler):
+    """torch_xla's ``amp.GradScaler``: ``torch.amp.GradScaler`` on kiln's device, with torch_xla's
+    signature. A step whose gradients overflowed is skipped and the scale backed off, as
+    torch's scaler does; ``use_zero_grad=True`` (torch_xla's variant that steps with zeroed
+    gradients instead, which moves momentum and weight decay) is refused rather than
+    approximated."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, use_zero_grad: bool = False):
+        if use_zero_grad:
+            from kiln.errors import InputError
+            raise InputError("GradScaler(use_zero_grad=True) is not supported by kiln: its scaler skips a "
+                             "step whose gradients overflowed, as torch.amp.GradScaler does; drop the argument")
+        super().__init__(kiln_type(), init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+
+
+def _syncfree(base):
+    """torch_xla's sync-free optimizer: ``base`` whose ``step`` also takes ``found_inf`` (a
+    tensor, nonzero when the scaled gradients overflowed) and then does nothing. On XLA
+    that test stays on the device; here reading it runs what the device has queued, which
+    a lazy step does at ``mark_step`` anyway."""
+
+    def step(self, closure=None, found_inf=None):
+        if found_inf is not None and bool(found_inf.detach().cpu().sum() != 0):
+            return None if closure is None else closure()
+        return base.step(self, closure)
+
+    return type(base.__name__, (base,), {"step": step, "__doc__": _syncfree.__doc__.replace("``base``", base.__name__),
+                                        "__module__": __name__})
+
+
+SGD = _syncfree(torch.optim.SGD)
+Adam = _syncfree(torch.optim.Adam)
+AdamW = _syncfree(torch.optim.AdamW)

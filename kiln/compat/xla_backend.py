@@ -1,6 +1,7 @@
 """A ``torch.distributed`` backend for kiln's device: gloo over the device's host memory.
 
-``dist.init_process_group("xla")`` (torch-neuronx's spelling) or ``("kiln")`` makes a
+``dist.init_process_group("xla")`` (torch-neuronx's spelling; ``init_method="xla://"`` is
+``env://``) or ``("kiln")`` makes a
 process group whose collectives take kiln device tensors: each runs what the device has
 queued, then hands gloo the tensors' host memory (no copy), so DDP and
 ``xm.optimizer_step``'s gradient all-reduce work across ``torchrun`` processes. CPU
@@ -151,4 +152,14 @@ def register():
             if name not in dist.Backend.backend_list:
                 dist.Backend.register_backend(name, _create, devices=["cpu", device])
         _fsdp2_storage_on_host()
+        _xla_rendezvous()
         _done.append(True)
+
+
+def _xla_rendezvous():
+    """``init_method="xla://"`` (torch_xla's rendezvous, in its examples): the launcher's
+    environment (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), as ``env://``."""
+    import importlib
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")   # the package has a function so named
+    if "xla" not in rendezvous._rendezvous_handlers:
+        rendezvous.register_rendezvous_handler("xla", rendezvous._env_rendezvous_handler)

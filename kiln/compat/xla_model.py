@@ -8,13 +8,20 @@ compiler and cache. Compile settings come from ``NEURON_CC_FLAGS`` (``-O1``..``-
 ``--cache_dir`` or ``NEURON_COMPILE_CACHE_URL``); flags that only mean something to
 Neuron's compiler (``--model-type``, ``--distribution-strategy``...) are ignored with a
 warning. Ranks and world size come from ``torch.distributed`` when it is initialised
-(``torchrun`` + ``dist.init_process_group("xla")``), else this is rank 0 of 1.
+(``torchrun`` + ``dist.init_process_group("xla")``), else from the launcher's environment
+(``torchrun``, ``xmp.spawn``: ``RANK``, ``WORLD_SIZE``), else this is rank 0 of 1. The first
+collective (``xm.optimizer_step``'s gradient all-reduce, ``mesh_reduce``...) of a rank that
+the launcher says is one of several, in a script that made no process group, makes the
+default one (the ``"xla"`` backend): torch_xla reduces over its runtime's devices with no
+process group, and ranks each training alone would be a wrong answer given quietly.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import sys
+import time
 import warnings
 
 import torch
@@ -107,18 +114,41 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def _launched(name: str, default: int) -> int:
+    """A number the launcher (torchrun, ``xmp.spawn``) put in the environment, else ``default``."""
+    value = config.get(name)
+    try:
+        return int(value) if value else default
+    except ValueError:
+        return default
+
+
+def _collective_dist():
+    """``torch.distributed`` for a collective, or None for a single rank: the default group,
+    made here from the launcher's environment (``env://``, the ``"xla"`` backend) when the
+    launcher says there are several ranks and the script made none (see the module doc)."""
+    dist = _dist()
+    if dist is None and _launched("WORLD_SIZE", 1) > 1:
+        import torch.distributed as tdist
+        from kiln.compat import xla_backend
+        xla_backend.register()
+        tdist.init_process_group("xla")
+        dist = tdist
+    return dist
+
+
 def get_ordinal(defval: int = 0) -> int:
     dist = _dist()
-    return dist.get_rank() if dist else defval
+    return dist.get_rank() if dist else _launched("RANK", defval)
 
 
 def get_local_ordinal(defval: int = 0) -> int:
-    return int(os.environ.get("LOCAL_RANK", get_ordinal(defval)))
+    return _launched("LOCAL_RANK", get_ordinal(defval))
 
 
 def xrt_world_size(defval: int = 1) -> int:
     dist = _dist()
-    return dist.get_world_size() if dist else defval
+    return dist.get_world_size() if dist else _launched("WORLD_SIZE", defval)
 
 
 get_world_size = xrt_world_size
@@ -135,7 +165,7 @@ def master_print(*args, fd=sys.stdout, finish=False, flush=True, **kwargs):
 
 def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list:
     """Wait for every rank; returns each rank's payload."""
-    dist = _dist()
+    dist = _collective_dist()
     if dist is None:
         return [payload]
     out = [None] * dist.get_world_size()
@@ -159,7 +189,7 @@ def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout=True):
     """Every rank's ``value`` concatenated along ``dim`` (rank order), on every rank;
     written into ``output`` too when it is given."""
     _all_ranks("all_gather", groups)
-    dist = _dist()
+    dist = _collective_dist()
     if dist is None:
         gathered = value.clone()
     else:
@@ -178,7 +208,7 @@ def mesh_reduce(tag: str, data, reduce_fn):
     over the ranks."""
     import torch.utils._pytree as pytree
     data = pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, data)
-    dist = _dist()
+    dist = _collective_dist()
     if dist is None:
         return reduce_fn([data])
     out = [None] * dist.get_world_size()
@@ -193,12 +223,15 @@ def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=
     ops = {REDUCE_SUM: tdist.ReduceOp.SUM, REDUCE_MUL: tdist.ReduceOp.PRODUCT, REDUCE_MIN: tdist.ReduceOp.MIN,
            REDUCE_MAX: tdist.ReduceOp.MAX, REDUCE_AND: tdist.ReduceOp.BAND, REDUCE_OR: tdist.ReduceOp.BOR}
     tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    dist = _dist()
-    for t in tensors:
-        if dist is not None:
+    dist = _collective_dist()
+    if dist is not None:
+        for t in tensors:
             dist.all_reduce(t, op=ops[reduce_type])
-        if scale != 1.0:
-            t.mul_(scale)
+    if scale != 1.0:
+        # after every collective, as one operation: a scale between two collectives was a
+        # program of one multiplication, compiled per tensor shape (each collective runs
+        # what the device has queued)
+        torch._foreach_mul_(tensors, scale)
     return inputs
 
 
@@ -210,6 +243,51 @@ def reduce_gradients(optimizer, groups=None, pin_layout=True):
         return
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     all_reduce(REDUCE_SUM, grads, scale=1.0 / world)
+
+
+def broadcast_master_param(model: torch.nn.Module) -> None:
+    """Every rank's parameters and buffers made rank 0's (torch_xla's way to start the
+    replicas equal), then ``mark_step``."""
+    dist = _collective_dist()
+    if dist is not None:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t.data, src=0)
+    mark_step()
+
+
+def get_xla_supported_devices(devkind=None, max_devices=None) -> list:
+    """The devices this process may use: one, kiln's device, as torch-neuronx gives one
+    NeuronCore to each process."""
+    return [str(modes.device())]
+
+
+class RateTracker:
+    """torch_xla's throughput meter: ``add(count)`` as samples are done; ``rate()`` is the
+    rate since the last ``rate()`` call, smoothed by ``smooth_factor`` (0.8: mostly the
+    previous rate), and ``global_rate()`` the rate since the tracker was made."""
+
+    def __init__(self, smooth_factor=None):
+        self._smooth = 0.8 if smooth_factor is None else smooth_factor
+        self._start = self._last = time.time()
+        self._done = self._pending = 0.0
+        self._rate = None
+
+    def add(self, count):
+        self._pending += count
+
+    def rate(self) -> float:
+        now = time.time()
+        if now <= self._last:
+            return 0.0
+        rate = self._pending / (now - self._last)
+        if self._rate is not None:
+            rate = (1 - self._smooth) * rate + self._smooth * self._rate
+        self._done, self._pending, self._last, self._rate = self._done + self._pending, 0.0, now, rate
+        return rate
+
+    def global_rate(self) -> float:
+        elapsed = time.time() - self._start
+        return (self._done + self._pending) / elapsed if elapsed > 0 else 0.0
 
 
 def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None, groups=None, pin_layout=True):

@@ -16,6 +16,23 @@ def local_ordinal() -> int:
     return xm.get_local_ordinal()
 
 
+def using_pjrt() -> bool:
+    """torch_xla's PJRT runtime is the only one torch_xla 2.x has; scripts branch on it."""
+    return True
+
+
+def addressable_device_count() -> int:
+    """Devices this process drives: one (one NeuronCore per process under torch-neuronx)."""
+    return 1
+
+
+local_device_count = addressable_device_count
+
+
+def global_runtime_device_count() -> int:
+    return xm.xrt_world_size()
+
+
 def device_type() -> str:
     return "NEURON"
 

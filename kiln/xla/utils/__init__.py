@@ -1,0 +1,1 @@
+"""torch_xla.utils on kiln: see :mod:`kiln.xla`."""
