@@ -158,6 +158,7 @@ def test_bad_neuron_cc_flags_are_a_clear_error():
                                     "torch_xla.debug.metrics", "torch_xla.distributed.xla_backend",
                                     "torch_xla.runtime", "torch_xla.amp", "torch_xla.amp.syncfree",
                                     "torch_xla.distributed.xla_multiprocessing", "torch_xla.utils.utils",
+                                    "torch_xla.utils.serialization", "torch_xla.debug.profiler",
                                     "torch_neuronx"])
 def test_launcher_maps_the_module_paths(module):
     code = (f"from kiln.compat import xla_launch\nxla_launch.install()\nimport importlib\n"
@@ -250,3 +251,96 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_xser_checkpoints_and_profiler_spans(tmp_path):
+    """``torch_xla.utils.serialization``: a checkpoint in torch_xla's own layout (written here
+    the way torch_xla writes it, its ``TensorReference`` class under torch_xla's module name)
+    loads without running code from it; kiln's own round-trips a device model's state, and a
+    save interrupted between its two files is an error at load, not tensors under the wrong
+    names. ``debug.profiler``: ``StepTrace`` ends the step as torch_xla's does, its spans
+    reach ``torch.profiler``, and ``start_server`` warns that it serves nothing."""
+    code = f"""
+import os, pickle, shutil, sys, types, warnings, torch
+root = {str(tmp_path)!r}
+# torch_xla's writer, as torch_xla/utils/serialization.py does it
+fake = types.ModuleType("torch_xla.utils.serialization")
+class TensorReference:
+    def __init__(self, tid):
+        self.tid = tid
+TensorReference.__module__ = fake.__name__
+fake.TensorReference = TensorReference
+sys.modules.update({{"torch_xla": types.ModuleType("torch_xla"), "torch_xla.utils": types.ModuleType("torch_xla.utils"),
+                     fake.__name__: fake}})
+theirs = os.path.join(root, "theirs.pt")
+os.mkdir(theirs + ".tensors")
+w = torch.randn(3, 2)
+torch.save(w, os.path.join(theirs + ".tensors", "tensor_0.pt"))
+torch.save({{"model": {{"w": TensorReference(0), "cpu": torch.ones(2)}}, "step": 7}}, theirs)
+for name in ("torch_xla.utils.serialization", "torch_xla.utils", "torch_xla"):
+    del sys.modules[name]
+
+import kiln.xla.core.xla_model as xm
+import kiln.xla.debug.profiler as xp
+import kiln.xla.utils.serialization as xser
+from kiln.device import metrics
+got = xser.load(theirs)
+assert got["step"] == 7 and torch.equal(got["model"]["w"], w) and torch.equal(got["model"]["cpu"], torch.ones(2))
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + os.path.join(root, "pwned"),))
+torch.save({{"x": Evil()}}, os.path.join(root, "evil.pt"))
+try:
+    xser.load(os.path.join(root, "evil.pt"))
+    raise SystemExit("a checkpoint's code ran")
+except pickle.UnpicklingError:
+    assert not os.path.exists(os.path.join(root, "pwned"))
+
+dev = xm.xla_device()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3).to(dev)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 4).to(dev)).sum().backward()
+opt.step()
+xm.mark_step()
+ours = os.path.join(root, "ours.pt")
+xser.save({{"model": model.state_dict(), "opt": opt.state_dict(), "epoch": 2}}, ours)
+assert sorted(os.listdir(ours + ".tensors"))[:2] == [".kiln-ref-sha256", "tensor_0.pt"]
+back = xser.load(ours)
+for k, v in model.state_dict().items():
+    assert back["model"][k].device.type == "cpu" and torch.equal(back["model"][k], v.cpu()), k
+assert torch.equal(back["opt"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"].cpu())
+keep = ours + ".old"
+shutil.copy(ours, keep)
+xser.save({{"model": {{"w": model.weight * 2}}}}, ours)
+os.replace(keep, ours)                               # the reference file of the save before
+try:
+    xser.load(ours)
+    raise SystemExit("a mixed checkpoint loaded")
+except RuntimeError as e:
+    assert "different saves" in str(e), e
+
+with torch.profiler.profile() as prof:
+    for step in range(2):
+        with xp.StepTrace("train_loop", step_num=step):
+            with xp.Trace("forward"):
+                loss = model(torch.randn(2, 4).to(dev)).sum()
+            loss.backward()
+        from kiln.device import dispatch
+        assert not dispatch.current().ops, "StepTrace left the step's operations unrun"
+names = {{e.name for e in prof.events()}}
+assert {{"train_loop 0", "train_loop 1", "forward"}} <= names, sorted(names)[:20]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    xp.start_server(9012)
+assert any("no profiler server" in str(w.message) for w in caught)
+try:
+    xp.trace("localhost:9012", root)
+    raise SystemExit("trace accepted")
+except NotImplementedError as e:
+    assert "torch.profiler" in str(e)
+print("ok")
+"""
+    proc = run_py(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

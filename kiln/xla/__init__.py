@@ -12,7 +12,12 @@ in a torch-neuronx training script's imports, or run it unchanged with
 * ``kiln.xla.runtime``: ``world_size``, ``global_ordinal``, ``local_ordinal``.
 * ``kiln.xla.device()`` and ``kiln.xla.sync()``: torch_xla 2.x's shorter spellings.
 * ``kiln.xla.amp.autocast(device)``, and ``torch.autocast("xla", ...)`` once this package is
-  imported: bf16 autocast on kiln's device (:mod:`kiln.compat.xla_amp`).
+  imported: bf16 autocast on kiln's device (:mod:`kiln.compat.xla_amp`); ``amp.GradScaler``,
+  ``amp.syncfree``.
+* ``kiln.xla.distributed.xla_multiprocessing``: ``spawn`` (:mod:`kiln.compat.xla_spawn`).
+* ``kiln.xla.utils.utils``: ``SampleGenerator``; ``kiln.xla.utils.serialization``: ``save``,
+  ``load`` (:mod:`kiln.compat.xla_serialization`).
+* ``kiln.xla.debug.profiler``: ``StepTrace``, ``Trace``, ``start_server``.
 """
 from kiln.compat import xla_amp as _amp
 
