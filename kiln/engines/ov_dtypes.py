@@ -56,8 +56,8 @@ def reason(node) -> str | None:
         if dtype in _NEVER:
             return f"dtype {_NEVER[dtype]} is not supported by kiln's OpenVINO engine"
         if dtype in NARROW and not host_target.native(NARROW[dtype]):
-            return (f"{NARROW[dtype]} on a CPU that emulates it: kiln keeps its rounding on the host "
-                    "(OpenVINO's plugin would compute it in float32)")
+            return (f"{str(dtype).split('.')[-1]} ({NARROW[dtype]}) on a CPU that emulates it: kiln keeps its "
+                    "rounding on the host (OpenVINO's plugin would compute it in float32)")
     if torch.int64 not in dtypes:
         return None
     if name in _INDEX_WRITES and _dtype_of(node) not in (None, torch.int64):
