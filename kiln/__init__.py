@@ -17,21 +17,37 @@ The package reads as its layers (docs/architecture.md; each imports only those b
     host/       this machine: CPU features and kiln cores
     config.py   every environment variable kiln reads; errors.py: every exception
 """
-from kiln._version import __version__  # noqa: E402,F401
+import importlib
 
-from kiln.errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: E402
-                     EngineUnavailableError, InputError, KilnError, PlacementError, SignatureError,
-                     TargetMismatchError, UnsupportedOpError, UntrustedArtifactError,
-                     ValidationError)
-from kiln.compiler.api import analyze, trace  # noqa: E402
-from kiln.runtime import CompiledModel, Model, load  # noqa: E402
-from kiln.host.cores import cores  # noqa: E402
-from kiln.runtime.buckets import Bucketed, DynamicBatch, dynamic_batch  # noqa: E402
-from kiln.runtime.replicas import DataParallel  # noqa: E402
-from kiln.observe.metrics import metrics, metrics_report  # noqa: E402
-from kiln.observe.profiler import profile  # noqa: E402
-from kiln.benchmark import bench  # noqa: E402
-from kiln.artifact.specs import Output  # noqa: E402
+from kiln._version import __version__  # noqa: F401
+from kiln.errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: F401
+                         EngineUnavailableError, InputError, KilnError, PlacementError, SignatureError,
+                         TargetMismatchError, UnsupportedOpError, UntrustedArtifactError, ValidationError)
+
+# The API's names, imported on first use (PEP 562). Why: PyTorch imports kiln's device during
+# every ``import torch`` in an environment where kiln is installed (device-backend autoload),
+# and that reaches this module; importing the compiler, the runtime and their engines here
+# made every Python process that imports torch, kiln or not, ~0.5 s slower to start.
+_LAZY = {"trace": "kiln.compiler.api", "analyze": "kiln.compiler.api", "load": "kiln.runtime",
+         "CompiledModel": "kiln.runtime", "Model": "kiln.runtime", "cores": "kiln.host.cores",
+         "Bucketed": "kiln.runtime.buckets", "DynamicBatch": "kiln.runtime.buckets",
+         "dynamic_batch": "kiln.runtime.buckets", "DataParallel": "kiln.runtime.replicas",
+         "metrics": "kiln.observe.metrics", "metrics_report": "kiln.observe.metrics",
+         "profile": "kiln.observe.profiler", "bench": "kiln.benchmark", "Output": "kiln.artifact.specs"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value           # once: later lookups are ordinary attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "cores", "metrics",
            "metrics_report", "profile", "bench",

@@ -13,8 +13,9 @@ ON = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", "KILN_DEVICE_NAME": "kiln"}
 # a tiny MLP trained for three SGD steps on the CPU (a backward pass before the device is
 # touched) and then on the device from the same start; no kiln import before the last line
 TRAIN = textwrap.dedent("""
-    import copy, json
+    import copy, json, sys
     import torch
+    at_import = sorted(m for m in sys.modules if m.split(".")[0] == "kiln")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     xs, ys = torch.randn(3, 4, 8), torch.randn(3, 4, 1)
@@ -37,7 +38,7 @@ TRAIN = textwrap.dedent("""
     from kiln.device import metrics, modes
     modes.wait_compiles()                           # programs compile in the background
     print(json.dumps({"start": [p.tolist() for p in start.parameters()], "cpu": cpu, "dev": dev,
-                      "compiled": metrics.counter_value("UncachedCompile"),
+                      "compiled": metrics.counter_value("UncachedCompile"), "at_import": at_import,
                       "executed": metrics.metric_data("ExecuteTime")[0]}))
 """)
 
@@ -59,6 +60,11 @@ def test_to_kiln_with_no_kiln_import_trains_like_cpu_after_a_cpu_backward():
     moved = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(dev_params, out["start"]))
     assert moved > 1e-3                                     # it trained: the parameters moved
     assert out["compiled"] >= 1 and out["executed"] >= 3   # ran as compiled device programs
+    # import torch registered the device without kiln's compiler, runtime or engines: every
+    # process that imports torch pays for what autoload imports (they cost ~0.5 s)
+    heavy = [m for m in out["at_import"] if m.split(".")[1:2] in (["compiler"], ["runtime"], ["engines"], ["graph"])
+             and m not in ("kiln.graph", "kiln.graph.draws", "kiln.graph.draw_ahead")]
+    assert "kiln.device.registration" in out["at_import"] and not heavy, heavy
 
 
 def test_a_cpu_script_with_a_pinning_data_loader_runs_beside_the_device():
