@@ -424,3 +424,24 @@ def test_changing_shapes_warn_in_lazy_mode():
             modes.wait_compiles()
             assert out.shape == (rows, 4)
     assert metrics.counter_value("UncachedCompile") == 3
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_module_left_on_the_cpu_is_named_not_an_internal_assert(mode):
+    """A module left on the CPU given device inputs computed, and its backward pass then
+    failed inside autograd's engine (``opt_ready_stream && opt_parent_stream INTERNAL
+    ASSERT``): now the forward says what CUDA says and what to do. Under ``no_grad`` it still
+    runs; copies across the two devices (``.to``, ``copy_``) still differentiate."""
+    modes.set_mode(mode)
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match=r"same device.*cpu tensor of shape \[2\].*module.to\("):
+        lin(x.to(DEV))
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x.to(DEV)).cpu(), lin(x), rtol=1e-6, atol=1e-6)
+    w = torch.randn(3, requires_grad=True)
+    (w.to(DEV) * 2).sum().backward()
+    d = torch.zeros(3, device=DEV)
+    d.copy_(w)
+    (d * 3).sum().backward()
+    assert w.grad.tolist() == [5.0, 5.0, 5.0]

@@ -197,6 +197,12 @@ for bad in (0, -2, "2"):
         raise SystemExit(f"nprocs={bad!r} accepted")
     except InputError as e:
         assert "nprocs" in str(e)
+from kiln.errors import PlacementError
+try:
+    xmp.spawn(print, nprocs=10_000)
+    raise SystemExit("more ranks than cores accepted")
+except PlacementError as e:
+    assert "10000 ranks/workers need at least 10000 kiln cores" in str(e), e
 dist.init_process_group("xla", init_method="xla://")
 assert (dist.get_rank(), dist.get_world_size(), xr.using_pjrt()) == (0, 1, True)
 tracker = xm.RateTracker()

@@ -63,6 +63,8 @@ def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method=None):
     if world == 1:
         fn(0, *args)
         return None
+    from kiln.host import cores
+    cores.share(0, world)            # more ranks than cores: the PlacementError here, not in every rank
     if start_method is None:
         start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     return tmp.start_processes(_rank, args=(fn, tuple(args), world, _free_port()), nprocs=world, join=join,

@@ -27,8 +27,8 @@ import weakref
 
 import torch
 
-from kiln.device import (binding, foreach, fused_cells, inflight, inplace_views, meta, metrics, programs, replay,
-                         rewrites, walk)
+from kiln.device import (binding, foreach, fused_cells, inflight, inplace_views, meta, metrics, mixing, programs,
+                         replay, rewrites, walk)
 from kiln.device.opinfo import info as _info
 from kiln.graph import draws
 from kiln.device import tensor as dt
@@ -115,6 +115,8 @@ def _dispatch(func, args, kwargs):
     target = kwargs.get("device")
     leaving = target is not None and torch.device(target).type != dt.device_type()
     factory = not (_any_device_tensor(args) or _any_device_tensor(kwargs.values()))
+    if not factory:
+        mixing.check(func, info.name, args, kwargs)
     if factory or leaving or not info.recordable or torch.are_deterministic_algorithms_enabled():
         return run_now(func, args, kwargs)
     if func in _FILLS:

@@ -7,6 +7,9 @@
     model.save_pretrained("./my-bert-kiln")          # model.kiln + config.json ("neuron" section)
     model = NeuronModelForSequenceClassification.from_pretrained("./my-bert-kiln")   # no recompile
 
+Fine-tuning: ``NeuronTrainer`` and ``NeuronTrainingArguments`` (:mod:`kiln.optimum.neuron.trainer`),
+Hugging Face's Trainer on kiln's device.
+
 Only local directories: nothing is downloaded. See docs/optimum.md.
 """
 from kiln.optimum.neuron.modeling import (NeuronModelForFeatureExtraction, NeuronModelForMaskedLM,
@@ -24,4 +27,13 @@ __all__ = ["NeuronModelForAudioClassification", "NeuronModelForCTC", "NeuronMode
            "NeuronModelForImageClassification", "NeuronModelForFeatureExtraction", "NeuronModelForMaskedLM", "NeuronModelForMultipleChoice",
            "NeuronModelForQuestionAnswering", "NeuronModelForSeq2SeqLM", "NeuronModelForSequenceClassification",
            "NeuronModelForSentenceTransformers", "NeuronModelForTokenClassification", "NeuronSentenceTransformers",
-           "NeuronTracedModel", "pipeline"]
+           "NeuronTracedModel", "NeuronTrainer", "NeuronTrainingArguments", "pipeline"]
+
+
+def __getattr__(name):
+    """The trainer on first use: it imports transformers' Trainer (and accelerate), which
+    inference scripts need not pay for."""
+    if name in ("NeuronTrainer", "NeuronTrainingArguments"):
+        from kiln.optimum.neuron import trainer
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

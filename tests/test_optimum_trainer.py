@@ -1,0 +1,103 @@
+"""Optimum Neuron's fine-tuning API (``NeuronTrainer``, ``NeuronTrainingArguments``) on kiln's
+device: a small BERT classifier trains as Hugging Face's Trainer trains it on the CPU, loss
+for loss (dropout included), with gradient accumulation, clipping and a schedule; a run
+resumed from its checkpoint ends where the uninterrupted one does; ``save_model`` writes
+weights ``from_pretrained`` reads back; ``bf16=True`` reaches the device's operations; Neuron's
+parallelism options and ``fp16`` are refused with what to use. In a fresh process: the
+trainer puts the process's device in lazy mode."""
+import json
+import textwrap
+
+import pytest
+
+from tests.conftest import run_py
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, transformers
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+    from kiln.optimum.neuron import NeuronTrainer, NeuronTrainingArguments
+    from kiln.errors import CompilerArgsError
+    root = sys.argv[1]
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": torch.tensor(i % 2)}
+
+    dtypes = set()
+
+    def run(args_cls, trainer_cls, name, resume=None, **extra):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(cfg)
+        model.bert.encoder.layer[0].intermediate.dense.register_forward_hook(
+            lambda m, i, o: dtypes.add((name, str(o.dtype))))
+        settings = dict(output_dir=os.path.join(root, name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        num_train_epochs=1, learning_rate=5e-3, warmup_steps=1, logging_steps=1, report_to=[],
+                        save_strategy="no", seed=0, use_cpu=True)
+        settings.update(extra)
+        trainer = trainer_cls(model=model, args=args_cls(**settings), train_dataset=Data())
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        params = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+        return trainer, losses, params
+
+    def gap(a, b):
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    out = {}
+    _, cpu_losses, cpu_params = run(TrainingArguments, Trainer, "cpu")
+    trainer, losses, params = run(NeuronTrainingArguments, NeuronTrainer, "kiln", save_strategy="steps", save_steps=2)
+    out["device"] = str(trainer.args.device)
+    out["losses"] = [cpu_losses, losses]
+    out["param_gap"] = gap(params, cpu_params)
+    trainer.save_model(os.path.join(root, "saved"))
+    back = BertForSequenceClassification.from_pretrained(os.path.join(root, "saved"))
+    out["saved_gap"] = gap({k: v for k, v in back.state_dict().items()}, params)
+    _, _, resumed = run(NeuronTrainingArguments, NeuronTrainer, "kiln", resume=os.path.join(root, "kiln", "checkpoint-2"))
+    out["resumed_gap"] = gap(resumed, params)
+    _, bf16_losses, _ = run(NeuronTrainingArguments, NeuronTrainer, "bf16", bf16=True)
+    _, cpu_bf16_losses, _ = run(TrainingArguments, Trainer, "cpu-bf16", bf16=True)
+    out["bf16"] = [cpu_bf16_losses, bf16_losses]
+    out["dtypes"] = sorted(dtypes)
+    refused = []
+    for bad in ({"tensor_parallel_size": 2}, {"zero_1": True}, {"fp16": True}):
+        try:
+            NeuronTrainingArguments(output_dir=root, **bad)
+        except CompilerArgsError as e:
+            refused.append(str(e))
+    try:
+        NeuronTrainer(model=BertForSequenceClassification(cfg), args=TrainingArguments(output_dir=root, use_cpu=True))
+    except TypeError as e:
+        refused.append(str(e))
+    out["refused"] = refused
+    print(json.dumps(out))
+""")
+
+
+def test_neuron_trainer_trains_as_the_cpu_trainer(tmp_path):
+    proc = run_py(SCRIPT.replace("sys.argv[1]", repr(str(tmp_path))), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device"] == "kiln:0"
+    cpu, kiln = out["losses"]
+    assert len(cpu) == len(kiln) == 4
+    assert kiln == pytest.approx(cpu, rel=1e-5, abs=1e-6)
+    assert out["param_gap"] < 1e-5
+    assert out["saved_gap"] == 0.0
+    assert out["resumed_gap"] < 1e-5
+    # bf16 autocast reached the device: the losses move as the CPU's bf16 run's do, away from float32's
+    cpu_bf16, kiln_bf16 = out["bf16"]
+    assert kiln_bf16 == pytest.approx(cpu_bf16, rel=2e-2, abs=2e-2)
+    assert sorted(out["dtypes"]) == [["bf16", "torch.bfloat16"], ["cpu", "torch.float32"],
+                                     ["cpu-bf16", "torch.bfloat16"], ["kiln", "torch.float32"]]
+    tp, zero, fp16, plain = out["refused"]
+    assert "tensor_parallel_size=2" in tp and "kiln.neuronx_distributed" in tp
+    assert "zero_1=True" in zero and "fp16=True" in fp16 and "bf16=True" in fp16
+    assert "NeuronTrainingArguments" in plain
