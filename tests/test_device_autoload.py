@@ -177,3 +177,35 @@ def test_a_cuda_torch_leaves_the_device_out_unless_asked(monkeypatch):
     proc = run_py(code, env=dict(ON, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "opt_ready_stream && opt_parent_stream" in proc.stdout, proc.stdout
+
+
+def test_torch_accelerator_calls_answer_for_the_device():
+    """``torch.accelerator``'s generic calls, which scripts guard with ``is_available()`` (True
+    wherever kiln is installed): ``synchronize`` raised "Backend doesn't support synchronizing"
+    and the memory calls ``device_allocator INTERNAL ASSERT FAILED``. Now they answer for the
+    device: allocated bytes are what live device tensors hold; ``torch.kiln`` has CUDA's names."""
+    code = textwrap.dedent("""
+        import json, torch
+        assert torch.accelerator.is_available()
+        before = torch.accelerator.memory_allocated()
+        x = torch.randn(1000, 1000, device="kiln")
+        y = x * 2
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+        torch.accelerator.reset_peak_memory_stats()
+        stats = torch.accelerator.memory_stats()
+        free, total = torch.accelerator.get_memory_info()
+        with torch.kiln.device(0):
+            name = torch.kiln.get_device_name()
+        print(json.dumps({"grew": torch.accelerator.memory_allocated() - before,
+                          "kiln": torch.kiln.memory_allocated() - before,
+                          "peak_ok": torch.accelerator.max_memory_allocated() >= torch.accelerator.memory_allocated(),
+                          "reserved_ok": torch.kiln.memory_reserved() >= torch.kiln.memory_allocated(),
+                          "keys": sorted(stats), "info_ok": 0 < free <= total, "name": name,
+                          "props": torch.kiln.get_device_properties(0).total_memory == total,
+                          "rng": len(torch.kiln.get_rng_state_all())}))
+    """)
+    out = _last_json(run_py(code, env=ON))
+    assert out["grew"] == out["kiln"] == 8_000_000          # x and y, 4 MB each
+    assert out["peak_ok"] and out["reserved_ok"] and out["info_ok"] and out["props"] and out["rng"] == 1
+    assert "allocated_bytes.all.current" in out["keys"] and out["name"].startswith("kiln")

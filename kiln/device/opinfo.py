@@ -14,6 +14,10 @@ aten = torch.ops.aten
 
 # uninitialised memory: no program computes it, and a compiled one would "disagree"
 _ALLOCATIONS = {"empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty"}
+# operations whose meta kernels give other shapes than their CPU kernels (EmbeddingBag's
+# offset2bag and max_indices: [4] and [0] on meta, [0] and [2] on the CPU), so a recorded
+# call's outputs would not be what the compiled graph returns: they run now, on host data
+_META_DIFFERS = {"_embedding_bag", "_embedding_bag_forward_only"}
 
 
 class Info:
@@ -53,7 +57,8 @@ def recordable(func, schema) -> bool:
     other libraries' operations may have effects beyond their outputs, so they run now."""
     if func.namespace != "aten":
         return False
-    if torch.Tag.nondeterministic_seeded in func.tags or schema.name.split("::")[-1] in _ALLOCATIONS:
+    name = schema.name.split("::")[-1]
+    if torch.Tag.nondeterministic_seeded in func.tags or name in _ALLOCATIONS or name in _META_DIFFERS:
         return False
     for ret in schema.returns:
         text = str(ret.type)

@@ -11,11 +11,13 @@ argument to dispatch on: factories such as ``torch.zeros(..., device="kiln")``.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 
 from kiln import config
+from kiln.device import memory as _memory
 from kiln.device import tensor as dt
 
 _LOCK = threading.Lock()
@@ -175,6 +177,41 @@ class DeviceModule:
     def set_rng_state(state, device=None) -> None:
         torch.set_rng_state(state)
 
+    # CUDA's memory calls and device queries (kiln/device/memory.py says what the figures are)
+    memory_stats = staticmethod(_memory.memory_stats)
+    memory_allocated = staticmethod(_memory.memory_allocated)
+    max_memory_allocated = staticmethod(_memory.max_memory_allocated)
+    memory_reserved = staticmethod(_memory.memory_reserved)
+    max_memory_reserved = staticmethod(_memory.max_memory_reserved)
+    reset_peak_memory_stats = staticmethod(_memory.reset_peak_memory_stats)
+    mem_get_info = staticmethod(_memory.mem_get_info)
+    empty_cache = staticmethod(_memory.empty_cache)
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        import platform
+        return f"kiln ({platform.processor() or platform.machine()})"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        import types
+        return types.SimpleNamespace(name=DeviceModule.get_device_name(), total_memory=_memory.mem_get_info()[1],
+                                     multi_processor_count=DeviceModule.device_count(), type="kiln")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def device(index):
+        """One device per process: selecting it changes nothing."""
+        yield
+
+    @staticmethod
+    def get_rng_state_all():
+        return [torch.get_rng_state()]
+
+    @staticmethod
+    def set_rng_state_all(states) -> None:
+        torch.set_rng_state(states[0])
+
     @staticmethod
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
@@ -225,6 +262,7 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _pinnable(name)
         from kiln.device import serialization
         serialization.install(name)
+        _memory.install()
         if probe:
             _probe_autograd(name)
         return name
