@@ -4,7 +4,7 @@ fine-tuning script written for Trainium runs with its import swapped.
 
 What it takes beside ``Trainer``, and why:
 
-* **The device.** ``args.device`` is ``xm.xla_device()`` (kiln's device, lazy mode): the
+* **The device.** ``args.device`` is kiln's device in lazy mode (``xm.xla_device()``'s): the
   Trainer moves the model and every batch there. accelerate, which the Trainer builds on,
   knows no PrivateUse1 device and keeps its own on the CPU; its placement is switched off
   (``device_placement=False``), or it would move the model back to the CPU at ``train()``.
@@ -32,9 +32,18 @@ import transformers
 from kiln.errors import CompilerArgsError
 
 
-def _xla_model():
-    from kiln.compat import xla_model
-    return xla_model
+def _device() -> torch.device:
+    """kiln's device in lazy mode (what ``xm.xla_device()`` gives, at the default compile
+    options: ``NEURON_CC_FLAGS`` is read by ``kiln.xla``, not here)."""
+    from kiln.device import modes
+    if modes.mode() != "lazy":
+        modes.set_mode("lazy")
+    return modes.device()
+
+
+def _mark_step():
+    from kiln.device import modes
+    modes.mark_step()
 
 
 @dataclass
@@ -63,7 +72,7 @@ class NeuronTrainingArguments(transformers.TrainingArguments):
     @property
     def device(self) -> torch.device:
         self._setup_devices             # the Trainer's process state, which other properties read
-        return _xla_model().xla_device()
+        return _device()
 
     @property
     def n_gpu(self) -> int:
@@ -72,10 +81,10 @@ class NeuronTrainingArguments(transformers.TrainingArguments):
 
 class _MarkStep(transformers.TrainerCallback):
     def on_substep_end(self, args, state, control, **kwargs):
-        _xla_model().mark_step()
+        _mark_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        _xla_model().mark_step()
+        _mark_step()
 
 
 class NeuronTrainer(transformers.Trainer):
