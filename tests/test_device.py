@@ -468,3 +468,44 @@ def test_embedding_bag_trains_like_cpu(mode, reduce):
             opt.step()
         runs.append((out.detach().cpu(), net.weight.detach().cpu()))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_factories_that_fill_an_out_tensor_have_their_shape(mode):
+    """``torch.arange(n, device=...)`` and ``torch.eye`` fill an empty tensor that their
+    ``out=`` kernel resizes: the values were right but the device tensor's shape read
+    ``(0,)``, so ``len``, ``.shape`` and views of it (``[:, None]``) were wrong without a word.
+    ``out=`` arguments of the wrong size are resized as on the CPU."""
+    modes.set_mode(mode)
+    makers = [lambda d: torch.arange(5.0, device=d), lambda d: torch.arange(2, 11, 3, device=d),
+              lambda d: torch.eye(3, device=d), lambda d: torch.eye(2, 4, device=d),
+              lambda d: torch.add(torch.ones(3, device=d), 1, out=torch.empty(0, device=d)),
+              lambda d: torch.arange(4, device=d)[:, None] * torch.arange(3, device=d)]
+    for make in makers:
+        want, got = make("cpu"), make(DEV)
+        assert got.shape == want.shape and got.stride() == want.stride() and len(got) == len(want)
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close((got.unsqueeze(-1) * 2).cpu(), want.unsqueeze(-1) * 2, rtol=0, atol=0)
+
+
+def test_checkpoints_through_every_door(tmp_path):
+    """``torch.serialization.load`` onto the device (libraries call it instead of ``torch.load``;
+    it crashed the process with a segfault), a CUDA-style ``map_location`` dict, a storage moved
+    to the device (an error saying what to do, not a segfault), and Hugging Face's
+    ``save_pretrained`` of a model on the device (it raised: safetensors reads storages)."""
+    transformers = pytest.importorskip("transformers")
+    torch.save({"w": torch.arange(4.0), "b": torch.ones(2)}, tmp_path / "ckpt.pt")
+    got = torch.serialization.load(tmp_path / "ckpt.pt", map_location=DEV)
+    assert got["w"].device == DEV and got["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    got = torch.load(tmp_path / "ckpt.pt", map_location={"cpu": str(DEV)})
+    assert got["b"].device == DEV and got["b"].tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match="keeps no storages of its own.*map_location"):
+        torch.UntypedStorage(4).to(device=DEV)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).to(DEV)
+    model.save_pretrained(tmp_path / "bert")
+    back = transformers.BertModel.from_pretrained(tmp_path / "bert")
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(b, a.cpu(), rtol=0, atol=0, msg=name)

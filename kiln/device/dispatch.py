@@ -215,8 +215,8 @@ def _results(info, func, out, args, kwargs):
     """What :func:`run_now` returns for ``out``, ``func``'s result on the host data."""
     if info.c10d:
         return _same_tensors(out, (args, kwargs))
-    if info.returns_written:
-        return _written_arg(info.schema, args, kwargs)
+    if info.returns_written:       # an out= kernel may have resized it
+        return inplace_views.conform(_written_arg(info.schema, args, kwargs))
     if not info.returns:
         return None
     target = kwargs.get("device")

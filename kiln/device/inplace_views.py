@@ -35,6 +35,36 @@ _VIEW_OF = {aten.transpose_.default: aten.transpose.int, aten.swapdims_.default:
             aten.as_strided_.default: aten.as_strided.default}
 
 
+def _on_wrapper(op, *args):
+    """``op`` run on a wrapper tensor's own metadata, as its meta kernel would (module doc)."""
+    with no_dispatch():
+        include = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            op(*args)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(include)
+
+
+def conform(t):
+    """``t`` with its shape, strides and offset made its host data's, where an operation run
+    on the host data resized it: an ``out=`` kernel does (``torch.arange(4, device=...)``
+    fills an empty tensor it resizes, and its shape read ``(0,)``). Returns ``t``."""
+    data = t._kc.data if isinstance(t, dt.DeviceTensor) else None
+    if not isinstance(data, torch.Tensor):
+        return t
+    sig = dt.signature(data)
+    if sig == t._ksig:
+        return t
+    # set_ onto the wrapper's own (data-less) storage: as_strided_ would check its bytes
+    _on_wrapper(aten.set_.source_Storage_storage_offset, t, torch.Tensor.untyped_storage(t),
+                data.storage_offset(), data.shape, data.stride())
+    t._ksig = dt.signature(t)
+    if t._ksig != sig:
+        raise AssertionError(f"kiln device: a tensor's metadata {t._ksig} could not follow its data's {sig}")
+    return t
+
+
 def apply(dispatch, func, args, kwargs):
     """``args[0]`` given ``func``'s new shape in place and the matching view as its value;
     returns it. ``dispatch`` records the out-of-place view."""
@@ -49,13 +79,7 @@ def apply(dispatch, func, args, kwargs):
                            f"({view.__name__.split('.')[0]})")
     old = dt.alias(self, self)                 # the old shape, over the same cell
     new = dispatch(view, (old,) + tuple(args[1:]), kwargs)
-    with no_dispatch():                        # the wrapper's own sizes and strides, as meta would
-        include = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
-        try:
-            func(*args, **kwargs)
-        finally:
-            torch._C._set_meta_in_tls_dispatch_include(include)
+    _on_wrapper(lambda: func(*args, **kwargs))      # the wrapper's own sizes and strides
     if dt.signature(self) != new._ksig:
         raise AssertionError(f"kiln device: {func} gave {dt.signature(self)}, its view {new._ksig}")
     self._kc, self._ksig, self._kold = new._kc, new._ksig, old

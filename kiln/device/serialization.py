@@ -25,12 +25,56 @@ def install(name: str):
 
     @functools.wraps(original)
     def load(f, map_location=None, *args, **kwargs):
+        if isinstance(map_location, dict) and any(_names(v, name) for v in map_location.values()):
+            return _load_mapped(original, f, map_location, name, args, kwargs)
         if not _names(map_location, name):
             return original(f, map_location, *args, **kwargs)
         return to_device(original(f, "cpu", *args, **kwargs), torch.device(map_location))
 
     load._kiln_map_location = True
-    torch.load = load
+    torch.load = torch.serialization.load = load      # libraries call either; the second segfaulted
+    _guard_storage_moves(name)
+
+
+def _load_mapped(original, f, mapping: dict, name: str, args, kwargs):
+    """``map_location={"cuda:0": "kiln", ...}`` (a CUDA checkpoint onto the device): the
+    storages mapped to the device load to the CPU and their tensors move after; the rest
+    go where the mapping says, as PyTorch would send them."""
+    device, chosen = None, set()
+
+    def locate(storage, location):
+        nonlocal device
+        target = mapping.get(location, location)
+        if _names(target, name):
+            device = torch.device(target)
+            chosen.add(storage.data_ptr())
+            return storage
+        return torch.serialization.default_restore_location(storage, str(target))
+
+    obj = original(f, locate, *args, **kwargs)
+    return obj if device is None else to_device(obj, device, only=chosen)
+
+
+def _guard_storage_moves(name: str):
+    """A storage moved to the device (``storage.to("kiln")``, or a ``map_location`` function
+    returning one) made PyTorch allocate a storage through an allocator a Python backend
+    lacks, and the process died (a segfault). It is an error saying what to do instead."""
+    import torch._utils as utils
+    import torch.storage as storage_module
+    original = utils._to
+    if getattr(original, "_kiln", False):
+        return
+
+    def _to(self, device, non_blocking=False):
+        if torch.device(device).type == name:
+            raise RuntimeError(
+                f"kiln's device keeps no storages of its own (its tensors are host memory), so a storage "
+                f"cannot be moved to '{device}': load to the CPU and move the tensors (tensor.to('{name}')); "
+                f"torch.load(f, map_location='{name}') does that")
+        return original(self, device, non_blocking)
+
+    _to._kiln = True
+    utils._to = storage_module._to = _to
 
 
 def _names(location, name: str) -> bool:
@@ -39,12 +83,13 @@ def _names(location, name: str) -> bool:
     return isinstance(location, str) and location.split(":")[0] == name
 
 
-def to_device(obj, device: torch.device):
+def to_device(obj, device: torch.device, only=None):
     """``obj`` (a loaded checkpoint) with its CPU tensors on ``device``: tensors sharing a
     storage (and dtype) become views of one device tensor, as they were views of one
     storage; parameters stay parameters; modules move whole; dicts, lists and tuples keep
     their types, and a state dict its ``_metadata`` (``load_state_dict`` reads the modules'
-    versions from it)."""
+    versions from it). ``only``: the storages (by data pointer) whose tensors move; all when
+    None."""
     bases: dict = {}
 
     def move(t):
@@ -60,7 +105,8 @@ def to_device(obj, device: torch.device):
 
     def walk(v):
         if isinstance(v, torch.Tensor):
-            return move(v) if v.device.type == "cpu" else v
+            chosen = only is None or v.untyped_storage().data_ptr() in only
+            return move(v) if v.device.type == "cpu" and chosen else v
         if isinstance(v, torch.nn.Module):
             return v.to(device)
         if isinstance(v, dict):

@@ -124,6 +124,14 @@ class DeviceTensor(torch.Tensor):
         would refuse; copying keeps the device tensor from being changed behind its back)."""
         return self.host().detach().clone().numpy()
 
+    def untyped_storage(self):
+        """The storage of the host memory holding the values (flushing pending work first).
+        A wrapper tensor's own storage has no data, and libraries read storages to find
+        tensors that share memory (``save_pretrained`` and safetensors: "Attempted to access
+        the data pointer on an invalid python storage"); device tensors that share memory
+        share this storage too."""
+        return self.host().untyped_storage()
+
     def tolist(self):
         """The values as (nested) Python numbers, read from host memory: PyTorch's own
         ``tolist`` refuses tensor subclasses, and ``loss.tolist()`` is a common line."""
