@@ -350,3 +350,31 @@ print("ok")
 """
     proc = run_py(code)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher(kiln_cli, tmp_path):
+    """The plain Hugging Face Trainer under ``kiln run-xla``: transformers and accelerate see
+    torch_xla and take their XLA paths, as on a Neuron host. ``import transformers`` failed
+    (accelerate subclasses ``MpDeviceLoader``, then a function here), then one missing
+    torch_xla name after another. Now it trains on the device with the CPU Trainer's losses,
+    saves checkpoints, and a run resumed from one ends where the uninterrupted run does."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = os.path.join(ROOT, "tests", "data", "hf_trainer_xla.py")
+    proc = subprocess.run([kiln_cli, "run-xla", script, str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["xla"] and got["device"] == got["param_device"] == "kiln:0"
+    assert got["resumed_gap"] < 1e-6
+    # the same script's training on the CPU, here (transformers sees no torch_xla in this process)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hf_trainer_cpu", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.out_dir = str(tmp_path / "cpu")
+    trainer, _ = module.run()
+    assert str(trainer.args.device) == "cpu"
+    want = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert got["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)

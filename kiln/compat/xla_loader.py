@@ -54,6 +54,20 @@ class ParallelLoader:
         return PerDeviceLoader(self._loader, device, self._per)
 
 
-def MpDeviceLoader(loader, device, **kwargs):  # noqa: N802 (torch_xla's name)
-    """``for x, y in MpDeviceLoader(loader, device)``: batches on the device, a step each."""
-    return PerDeviceLoader(loader, device, kwargs.get("batches_per_execution", 1))
+class MpDeviceLoader:
+    """``for x, y in MpDeviceLoader(loader, device)``: batches on the device, a step each.
+    A class with torch_xla's attributes (``_loader``, ``_device``), as libraries subclass it
+    (accelerate's ``MpDeviceLoaderWrapper``, defined when accelerate sees torch_xla: under
+    ``kiln run-xla`` a function here made ``import transformers`` fail)."""
+
+    def __init__(self, loader, device, **kwargs):
+        self._loader = loader
+        self._device = device
+        self._parallel_loader_kwargs = kwargs
+
+    def __iter__(self):
+        return iter(PerDeviceLoader(self._loader, self._device,
+                                    self._parallel_loader_kwargs.get("batches_per_execution", 1)))
+
+    def __len__(self):
+        return len(self._loader)

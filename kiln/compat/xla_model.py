@@ -261,6 +261,50 @@ def get_xla_supported_devices(devkind=None, max_devices=None) -> list:
     return [str(modes.device())]
 
 
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """``datas`` (nested containers) with its CPU tensors moved to ``device``; a lone tensor
+    comes back in a list, as torch_xla returns it."""
+    from kiln.compat.xla_loader import _to
+    return _to([datas] if isinstance(datas, torch.Tensor) else datas, device)
+
+
+def _maybe_convert_to_cpu(data, convert: bool = True):
+    return _to_cpu(data) if convert else data
+
+
+def _fetch_gradients(optimizer) -> list:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def collective_broadcast(tensors, root_ordinal: int = 0, groups=None, pin_layout=True) -> None:
+    """Every rank's ``tensors`` made rank ``root_ordinal``'s, in place."""
+    _all_ranks("collective_broadcast", groups)
+    dist = _collective_dist()
+    if dist is not None:
+        for t in tensors:
+            dist.broadcast(t, src=root_ordinal)
+
+
+def get_rng_state(device=None) -> int:
+    """The device's random numbers are the CPU generator's (drawn in program order), whose
+    state ``torch.get_rng_state`` saves; torch_xla's integer state is here that generator's
+    seed, which :func:`set_rng_state` sets back."""
+    return torch.default_generator.initial_seed()
+
+
+def set_rng_state(seed, device=None) -> None:
+    """Seed the CPU generator with ``seed`` unless it is the seed it already has: restoring a
+    checkpoint's torch_xla state after its CPU state (Hugging Face's Trainer does both, in
+    that order) must not restart the stream the CPU state restored."""
+    if int(seed) != torch.default_generator.initial_seed():
+        torch.default_generator.manual_seed(int(seed))
+
+
+def set_replication(device, devices) -> None:
+    """torch_xla's replication setup (accelerate calls it): one device per process here, and
+    ranks replicate through ``torch.distributed``, so there is nothing to set."""
+
+
 class RateTracker:
     """torch_xla's throughput meter: ``add(count)`` as samples are done; ``rate()`` is the
     rate since the last ``rate()`` call, smoothed by ``smooth_factor`` (0.8: mostly the

@@ -21,6 +21,10 @@ in a torch-neuronx training script's imports, or run it unchanged with
 """
 from kiln.compat import xla_amp as _amp
 
+# the torch_xla release whose API these modules follow; libraries read it to pick code paths
+# (transformers' Trainer imports it when it sees torch_xla, as it does under ``kiln run-xla``)
+__version__ = "2.9.0+kiln"
+
 _amp.install()
 
 
