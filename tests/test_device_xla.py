@@ -358,7 +358,7 @@ def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher
     (accelerate subclasses ``MpDeviceLoader``, then a function here), then one missing
     torch_xla name after another. Now it trains on the device with the CPU Trainer's losses,
     saves checkpoints, and a run resumed from one ends where the uninterrupted run does."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     script = os.path.join(ROOT, "tests", "data", "hf_trainer_xla.py")
     proc = subprocess.run([kiln_cli, "run-xla", script, str(tmp_path / "out")], capture_output=True, text=True,

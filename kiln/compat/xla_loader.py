@@ -4,21 +4,8 @@ batches, so each training step is one program without the script calling it.
 """
 from __future__ import annotations
 
-import torch
 
 from kiln.compat import xla_model as xm
-
-
-def _to(data, device):
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(data, dict):
-        return type(data)((k, _to(v, device)) for k, v in data.items())
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_to(v, device) for v in data)
-    if hasattr(data, "_fields"):                       # a named tuple
-        return type(data)(*(_to(v, device) for v in data))
-    return data
 
 
 class PerDeviceLoader:
@@ -37,7 +24,7 @@ class PerDeviceLoader:
             if taken and taken % self._per == 0:
                 xm.mark_step()
             taken += 1
-            yield _to(batch, self._device)
+            yield xm.to_device(batch, self._device)
         xm.mark_step()
 
     def __len__(self):

@@ -261,11 +261,23 @@ def get_xla_supported_devices(devkind=None, max_devices=None) -> list:
     return [str(modes.device())]
 
 
+def to_device(data, device):
+    """``data`` (tensors in dicts, lists, tuples and named tuples) with its tensors on ``device``."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, dict):
+        return type(data)((k, to_device(v, device)) for k, v in data.items())
+    if hasattr(data, "_fields"):                       # a named tuple
+        return type(data)(*(to_device(v, device) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(to_device(v, device) for v in data)
+    return data
+
+
 def send_cpu_data_to_device(datas, device, input_sharding=None):
-    """``datas`` (nested containers) with its CPU tensors moved to ``device``; a lone tensor
-    comes back in a list, as torch_xla returns it."""
-    from kiln.compat.xla_loader import _to
-    return _to([datas] if isinstance(datas, torch.Tensor) else datas, device)
+    """``datas`` (nested containers) with its tensors moved to ``device``; a lone tensor comes
+    back in a list, as torch_xla returns it."""
+    return to_device([datas] if isinstance(datas, torch.Tensor) else datas, device)
 
 
 def _maybe_convert_to_cpu(data, convert: bool = True):
