@@ -4,7 +4,6 @@ batches, so each training step is one program without the script calling it.
 """
 from __future__ import annotations
 
-
 from kiln.compat import xla_model as xm
 
 
