@@ -378,3 +378,23 @@ def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher
     assert str(trainer.args.device) == "cpu"
     want = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert got["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_an_accelerate_loop_trains_on_the_device_through_the_launcher(kiln_cli, tmp_path):
+    """An accelerate script under ``kiln run-xla`` (accelerate's XLA path): the same losses as
+    on the CPU, and ``save_state`` writes its files (it read the loader's ``dataset`` through
+    torch_xla's ``MpDeviceLoader``, which kiln's now passes through)."""
+    pytest.importorskip("accelerate")
+    import json
+    script = os.path.join(ROOT, "tests", "data", "accelerate_xla.py")
+    runs = []
+    for command, where in (([kiln_cli, "run-xla"], "kiln"), ([sys.executable], "cpu")):
+        proc = subprocess.run(command + [script, str(tmp_path / where)], capture_output=True, text=True, timeout=600,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    on_device, on_cpu = runs
+    assert on_device["device"] == on_device["param_device"] == "kiln:0" and on_cpu["device"] == "cpu"
+    assert on_device["losses"] == pytest.approx(on_cpu["losses"], rel=1e-5, abs=1e-6)
+    assert on_device["gathered"] == [1.0]
+    assert {"model.safetensors", "optimizer.bin"} <= set(on_device["saved"])

@@ -57,3 +57,10 @@ class MpDeviceLoader:
 
     def __len__(self):
         return len(self._loader)
+
+    def __getattr__(self, name):
+        """The wrapped loader's attributes (``dataset``, ``sampler``, ``batch_size``), which
+        libraries read through the wrapper (accelerate's ``save_state`` reads ``dataset``)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
