@@ -227,8 +227,10 @@ def test_changing_shapes_warn_naming_the_input_and_shapes():
 
 
 def test_backend_names_resolve_in_a_fresh_process():
-    """``backend="kiln"`` works without importing kiln (the entry point), and
-    ``"neuron"`` after kiln's opt-in."""
+    """``backend="kiln"`` works without importing kiln (the entry point), and ``"neuron"``
+    (TorchNeuron's spelling, an entry point too) after kiln's opt-in, or in a TorchNeuron
+    script run with ``KILN_DEVICE_NAME=neuron`` and no kiln import (it was an unknown backend
+    there); without either it is an error saying how to opt in."""
     code = (
         "import torch, warnings\n"
         "warnings.simplefilter('error', RuntimeWarning)\n"
@@ -236,6 +238,12 @@ def test_backend_names_resolve_in_a_fresh_process():
         "x = torch.randn(3, 4)\n"
         "out = torch.compile(m, backend='kiln', options={'optlevel': 1})(x)\n"
         "torch.testing.assert_close(out, m(x))\n"
+        "try:\n"
+        "    torch.compile(m, backend='neuron')(x)\n"
+        "    raise SystemExit('neuron accepted without the opt-in')\n"
+        "except Exception as e:\n"
+        "    assert 'KILN_DEVICE_NAME=neuron' in str(e), e\n"
+        "torch._dynamo.reset()\n"
         "import kiln.device.compile_backend as cb\n"
         "cb.register_neuron_name()\n"
         "torch._dynamo.reset()\n"
@@ -246,6 +254,14 @@ def test_backend_names_resolve_in_a_fresh_process():
     proc = run_py(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiles 2" in proc.stdout
+    torch_neuron = ("import torch\n"
+                    "m = torch.nn.Linear(4, 2).to('neuron')\n"
+                    "x = torch.randn(3, 4, device='neuron')\n"
+                    "out = torch.compile(m, backend='neuron', options={'optlevel': 1})(x)\n"
+                    "torch.testing.assert_close(out.cpu(), m(x).cpu())\n"
+                    "print('ok', out.device)\n")
+    proc = run_py(torch_neuron, env={"KILN_DEVICE_NAME": "neuron", "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+    assert proc.returncode == 0 and "ok neuron:0" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_compiled_graphs_do_not_busy_wait_between_calls():

@@ -7,8 +7,9 @@ business and are allowed; a graph kiln cannot compile runs eagerly with a warnin
 
 Registered under ``"kiln"`` through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(backend="kiln")`` works without importing kiln first;
-:func:`register_neuron_name` adds TorchNeuron's ``"neuron"`` spelling (an opt-in:
-another package may own that name). Options: ``torch.compile(model, backend="kiln",
+``"neuron"`` (TorchNeuron's spelling, :func:`neuron_backend`) is kiln's once the script opts
+into TorchNeuron's names (``KILN_DEVICE_NAME=neuron``) or calls :func:`register_neuron_name`:
+another package may own that name. Options: ``torch.compile(model, backend="kiln",
 options={"optlevel": 1, "engine": "onnxruntime", ...})``, any ``kiln.trace`` option.
 """
 from __future__ import annotations
@@ -59,9 +60,32 @@ def _mixed_batch_norm(x, weight, bias, running_mean, running_var, training, mome
     return out.to(x.dtype), mean, invstd, new_mean, new_var
 
 
+_neuron_name: list = []
+
+
+def neuron_backend(gm, example_inputs, options=None):
+    """``torch.compile(backend="neuron")``, TorchNeuron's spelling, through the
+    ``torch_dynamo_backends`` entry point: kiln's backend once the script has opted into
+    TorchNeuron's names (``KILN_DEVICE_NAME=neuron``, the device then being ``neuron``) or
+    called :func:`register_neuron_name`; otherwise an error saying so, since another
+    installed package may mean something else by that name."""
+    from kiln.device import tensor as dt
+    if dt.device_type() != "neuron" and not _neuron_name:
+        raise RuntimeError("torch.compile(backend='neuron') is kiln's backend when kiln's device carries "
+                           "TorchNeuron's name: run with KILN_DEVICE_NAME=neuron (or call "
+                           "kiln.device.compile_backend.register_neuron_name()), or use backend='kiln'")
+    return backend(gm, example_inputs, options)
+
+
 def register_neuron_name():
     """Make ``torch.compile(backend="neuron")`` mean kiln's backend (TorchNeuron's
-    spelling), unless a backend of that name is registered already."""
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    spelling) whatever kiln's device is called, unless another package registered a
+    backend of that name."""
+    from torch._dynamo.backends.registry import _BACKENDS, lookup_backend, register_backend
+    _neuron_name.append(True)
+    try:
+        lookup_backend("neuron")       # loads an entry point of that name: kiln's, or another package's
+    except Exception:                  # noqa: BLE001 - no backend of that name yet
+        pass
     if "neuron" not in _BACKENDS:
-        register_backend(name="neuron")(backend)
+        register_backend(name="neuron")(neuron_backend)
