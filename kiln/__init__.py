@@ -20,6 +20,7 @@ The package reads as its layers (docs/architecture.md; each imports only those b
 import importlib
 
 from kiln._version import __version__  # noqa: F401
+from kiln.runtime import script_op as _script_op  # noqa: F401  (declares kiln::run: torch.jit.load needs it)
 from kiln.errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: F401
                          EngineUnavailableError, InputError, KilnError, PlacementError, SignatureError,
                          TargetMismatchError, UnsupportedOpError, UntrustedArtifactError, ValidationError)

@@ -1,10 +1,11 @@
 """The ``kiln::run`` operator: what a TorchScript-saved kiln model calls to run.
 
 ``torch.jit.load`` of such a file needs the operator registered before the file is
-read, as Neuron's does after ``import torch_neuronx``; so ``import kiln`` (through
-``kiln.runtime``) registers it. It is the one registration kiln makes at import,
-and it only declares the operator: the artifact embedded in the TorchScript module
-is loaded, and its trust checked, on the first call.
+read, as Neuron's does after ``import torch_neuronx``; so ``import kiln`` (and with it
+every ``import torch`` where kiln is installed: its device's autoload imports kiln)
+registers it. It is the one registration kiln makes at import, and it only declares
+the operator: the runtime is imported, and the artifact embedded in the TorchScript
+module loaded and its trust checked, on the first call.
 """
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import threading
 from typing import List
 
 import torch
-
-from kiln.runtime.loader import load
 
 _cache: dict = {}
 _cache_lock = threading.Lock()
@@ -26,6 +25,7 @@ def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[to
         with _cache_lock:
             model = _cache.get(key)
             if model is None:
+                from kiln.runtime.loader import load
                 model = load(artifact.numpy().tobytes())
                 _cache[key] = model
     model.check(inputs)
