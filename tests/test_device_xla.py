@@ -373,8 +373,7 @@ def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher
     spec = importlib.util.spec_from_file_location("hf_trainer_cpu", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.out_dir = str(tmp_path / "cpu")
-    trainer, _ = module.run()
+    trainer, _ = module.run(str(tmp_path / "cpu"))
     assert str(trainer.args.device) == "cpu"
     want = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert got["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)

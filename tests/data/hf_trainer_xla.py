@@ -10,7 +10,6 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 from transformers.utils import is_torch_xla_available
 
-out_dir = sys.argv[1]
 cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                  max_position_embeddings=32)
 
@@ -24,7 +23,7 @@ class Data(torch.utils.data.Dataset):
         return {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": torch.tensor(i % 2)}
 
 
-def run(resume=None):
+def run(out_dir, resume=None):
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, num_train_epochs=1, logging_steps=1,
                              report_to=[], save_strategy="steps", save_steps=2, seed=0, learning_rate=5e-3)
@@ -35,9 +34,10 @@ def run(resume=None):
 
 
 if __name__ == "__main__":
-    trainer, params = run()
+    out_dir = sys.argv[1]
+    trainer, params = run(out_dir)
     evaluated = trainer.evaluate()
-    _, resumed = run(resume=f"{out_dir}/checkpoint-2")
+    _, resumed = run(out_dir, resume=f"{out_dir}/checkpoint-2")
     print(json.dumps({"xla": is_torch_xla_available(), "device": str(trainer.args.device),
                       "param_device": str(next(trainer.model.parameters()).device),
                       "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
