@@ -62,7 +62,7 @@ def test_to_kiln_with_no_kiln_import_trains_like_cpu_after_a_cpu_backward():
     assert out["compiled"] >= 1 and out["executed"] >= 3   # ran as compiled device programs
     # import torch registered the device (and declared kiln::run, which torch.jit.load of a
     # saved kiln model needs) without kiln's compiler, runtime or engines: every process that
-    # imports torch pays for what autoload imports (they cost ~0.5 s)
+    # imports torch pays for what autoload imports (~0.2 s of import for those)
     light = ("kiln.graph", "kiln.graph.draws", "kiln.graph.draw_ahead", "kiln.runtime", "kiln.runtime.script_op")
     heavy = [m for m in out["at_import"] if m.split(".")[1:2] in (["compiler"], ["runtime"], ["engines"], ["graph"])
              and m not in light]

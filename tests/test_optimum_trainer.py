@@ -24,12 +24,7 @@ SCRIPT = textwrap.dedent("""
     cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=32)
 
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 16
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i)
-            return {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": torch.tensor(i % 2)}
+    from tests.data.hf_trainer_xla import Data       # 16 synthetic two-class examples
 
     dtypes = set()
 

@@ -29,7 +29,7 @@ import torch
 from kiln import config
 from kiln.compat.common import neuron_cache_options
 from kiln.compiler.options import parse_compiler_args
-from kiln.device import metrics, modes
+from kiln.device import metrics, modes, walk
 from kiln.errors import CompilerArgsError
 
 REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "and", "or", "min", "max"
@@ -241,17 +241,13 @@ def reduce_gradients(optimizer, groups=None, pin_layout=True):
     world = xrt_world_size()
     if world <= 1:
         return
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    all_reduce(REDUCE_SUM, grads, scale=1.0 / world)
+    all_reduce(REDUCE_SUM, _fetch_gradients(optimizer), scale=1.0 / world)
 
 
 def broadcast_master_param(model: torch.nn.Module) -> None:
     """Every rank's parameters and buffers made rank 0's (torch_xla's way to start the
     replicas equal), then ``mark_step``."""
-    dist = _collective_dist()
-    if dist is not None:
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(t.data, src=0)
+    collective_broadcast([t.data for t in itertools.chain(model.parameters(), model.buffers())])
     mark_step()
 
 
@@ -261,17 +257,14 @@ def get_xla_supported_devices(devkind=None, max_devices=None) -> list:
     return [str(modes.device())]
 
 
+def _is_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
 def to_device(data, device):
-    """``data`` (tensors in dicts, lists, tuples and named tuples) with its tensors on ``device``."""
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(data, dict):
-        return type(data)((k, to_device(v, device)) for k, v in data.items())
-    if hasattr(data, "_fields"):                       # a named tuple
-        return type(data)(*(to_device(v, device) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_device(v, device) for v in data)
-    return data
+    """``data`` (tensors in any nesting of containers, which keep their types) with its
+    tensors on ``device``."""
+    return walk.rebuild(data, lambda t: t.to(device), _is_tensor)
 
 
 def send_cpu_data_to_device(datas, device, input_sharding=None):
@@ -357,13 +350,7 @@ def optimizer_step(optimizer, barrier: bool = False, optimizer_args=None, groups
 
 
 def _to_cpu(data):
-    if isinstance(data, torch.Tensor):
-        return data.detach().cpu()
-    if isinstance(data, dict):
-        return type(data)((k, _to_cpu(v)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_cpu(v) for v in data)
-    return data
+    return walk.rebuild(data, lambda t: t.detach().cpu(), _is_tensor)
 
 
 def save(data, file_or_path, master_only: bool = True, global_master: bool = False):

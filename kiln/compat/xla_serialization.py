@@ -32,6 +32,7 @@ import tempfile
 import torch
 
 from kiln.atomic import write_atomic
+from kiln.device import walk
 
 
 class TensorReference:
@@ -58,25 +59,6 @@ def _is_device_tensor(v) -> bool:
     return isinstance(v, DeviceTensor)
 
 
-def _rewrite(data, convert, select):
-    """``data`` with every leaf ``select`` accepts replaced by ``convert(leaf)``: dicts
-    (their type kept), lists, tuples (named tuples too) and sets walked."""
-    if select(data):
-        return convert(data)
-    if isinstance(data, dict):
-        out = type(data)() if type(data) is not dict else {}
-        for k, v in data.items():
-            out[k] = _rewrite(v, convert, select)
-        if hasattr(data, "__dict__"):
-            out.__dict__.update(data.__dict__)
-        return out
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_rewrite(v, convert, select) for v in data))
-    if isinstance(data, (list, tuple, set)):
-        return type(data)(_rewrite(v, convert, select) for v in data)
-    return data
-
-
 def save(data, path, master_only: bool = True, global_master: bool = False):
     """Write ``data`` (any nesting of containers) in torch_xla's layout; by the master only
     unless ``master_only`` is False (then each rank needs a path of its own)."""
@@ -97,7 +79,7 @@ def save(data, path, master_only: bool = True, global_master: bool = False):
 
     try:
         buffer = io.BytesIO()
-        torch.save(_rewrite(data, convert, _is_device_tensor), buffer)
+        torch.save(walk.rebuild(data, convert, _is_device_tensor), buffer)
         with open(os.path.join(staging, _HASH), "w") as f:
             f.write(hashlib.sha256(buffer.getvalue()).hexdigest())
         old = None
@@ -135,4 +117,4 @@ def load(path):
                                     "checkpoint's tensors folder is incomplete")
         return torch.load(tensor_path, weights_only=True)
 
-    return _rewrite(refs, convert, lambda v: isinstance(v, TensorReference))
+    return walk.rebuild(refs, convert, lambda v: isinstance(v, TensorReference))

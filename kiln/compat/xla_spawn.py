@@ -30,6 +30,11 @@ import torch.multiprocessing as tmp
 from kiln.errors import InputError
 
 
+def _forking() -> str:
+    """``"fork"`` where the platform has it (module doc), else ``"spawn"``."""
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,8 +70,7 @@ def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method=None):
         return None
     from kiln.host import cores
     cores.share(0, world)            # more ranks than cores: the PlacementError here, not in every rank
-    if start_method is None:
-        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    start_method = start_method or _forking()
     return tmp.start_processes(_rank, args=(fn, tuple(args), world, _free_port()), nprocs=world, join=join,
                                daemon=daemon, start_method=start_method)
 
@@ -87,8 +91,7 @@ class MpSerialExecutor:
     dataset once); here each call runs ``fn()`` holding a lock shared by the ranks."""
 
     def __init__(self):
-        self._lock = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                                 else "spawn").Lock()
+        self._lock = multiprocessing.get_context(_forking()).Lock()
 
     def run(self, fn):
         with self._lock:

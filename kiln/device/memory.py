@@ -140,12 +140,11 @@ def install() -> None:
     accmem.get_memory_info = routed(get_info, mem_get_info, "get_memory_info")
     if hasattr(acc, "get_memory_info"):
         acc.get_memory_info = accmem.get_memory_info
-    for name in ("empty_cache",):
-        original = getattr(accmem, name)
+    original_empty = accmem.empty_cache
 
-        def no_arg(original=original):
-            return empty_cache() if _is_kiln() else original()
-        no_arg._kiln = True
-        setattr(accmem, name, no_arg)
-        if hasattr(acc, name):
-            setattr(acc, name, no_arg)
+    def empty_cache_routed():
+        return empty_cache() if _is_kiln() else original_empty()
+    empty_cache_routed._kiln = True
+    accmem.empty_cache = empty_cache_routed
+    if hasattr(acc, "empty_cache"):
+        acc.empty_cache = empty_cache_routed

@@ -11,10 +11,11 @@ pickled module with ``.to``. Any other ``map_location`` is ``torch.load``'s own.
 """
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
+
+from kiln.device import walk
 
 
 def install(name: str):
@@ -103,21 +104,10 @@ def to_device(obj, device: torch.device, only=None):
             return torch.nn.Parameter(moved, requires_grad=t.requires_grad)
         return moved.requires_grad_(t.requires_grad) if t.requires_grad else moved
 
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            chosen = only is None or v.untyped_storage().data_ptr() in only
-            return move(v) if v.device.type == "cpu" and chosen else v
+    def one(v):
         if isinstance(v, torch.nn.Module):
             return v.to(device)
-        if isinstance(v, dict):
-            out = copy.copy(v)              # its type and attributes (an OrderedDict's _metadata)
-            for k, item in v.items():
-                out[k] = walk(item)
-            return out
-        if isinstance(v, list):
-            return [walk(item) for item in v]
-        if isinstance(v, tuple):
-            items = [walk(item) for item in v]
-            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
-        return v
-    return walk(obj)
+        chosen = only is None or v.untyped_storage().data_ptr() in only
+        return move(v) if v.device.type == "cpu" and chosen else v
+
+    return walk.rebuild(obj, one, lambda v: isinstance(v, (torch.Tensor, torch.nn.Module)))
