@@ -509,3 +509,24 @@ def test_checkpoints_through_every_door(tmp_path):
     back = transformers.BertModel.from_pretrained(tmp_path / "bert")
     for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         torch.testing.assert_close(b, a.cpu(), rtol=0, atol=0, msg=name)
+
+
+def test_rebuilt_containers_keep_their_types_and_attributes():
+    """``kiln.device.walk.rebuild`` (torch.load onto the device, xser, xm's moves): a state
+    dict keeps its ``_metadata``, a ``ModelOutput``'s attributes follow its rebuilt items (a
+    walk that restored the old ``__dict__`` left them on the old tensors), named tuples and
+    sets keep their types."""
+    import collections
+    from kiln.device import walk
+    transformers = pytest.importorskip("transformers")
+    output = transformers.modeling_outputs.SequenceClassifierOutput(logits=torch.ones(2))
+    state = collections.OrderedDict(w=torch.ones(1))
+    state._metadata = {"": {"version": 1}}
+    pair = collections.namedtuple("Pair", "a b")(torch.ones(1), 3)
+    got = walk.rebuild({"out": output, "state": state, "pair": pair, "set": {1}, "list": [torch.ones(1)]},
+                       lambda t: t * 2, lambda v: isinstance(v, torch.Tensor))
+    assert type(got["out"]) is type(output) and got["out"].logits.tolist() == got["out"]["logits"].tolist() == [2, 2]
+    assert output.logits.tolist() == [1, 1]                       # the original is untouched
+    assert type(got["state"]) is collections.OrderedDict and got["state"]._metadata == {"": {"version": 1}}
+    assert type(got["pair"]) is type(pair) and got["pair"].a.tolist() == [2] and got["pair"].b == 3
+    assert got["set"] == {1} and got["list"][0].tolist() == [2]
