@@ -275,13 +275,20 @@ def test_eight_bit_blocks_with_a_minimum_fold_too():
     assert np.allclose(got, weight, rtol=1e-5, atol=1e-6 * np.abs(weight).max())
 
 
-def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds):
+def _timed(fold):
+    """A stand-in for this CPU's timing of the fold (kiln.engines.openvino._fold_timing)."""
+    return lambda precision, shapes: (("fold", fold), ("fold_ms", 2.0 if not fold else 1.0), ("pair_ms", 1.5))
+
+
+def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds, monkeypatch):
     """In bf16 the Wide model's two products reach OpenVINO's CPU plugin as two compressed
     FullyConnected operations, not three: its widest stays int8 in symmetric groups (as an
     LLM's output projection does), the other is int4 with a minimum per block, folded into
     float zero points (no block sums, no offset product), and the answer stays the f32
-    build's within bf16's rounding. The f32 build keeps the offset product."""
+    build's within bf16's rounding, where this CPU runs the folded product faster (here
+    said so by a stand-in). The f32 build keeps the offset product."""
     from kiln.engines import openvino as ov_engine
+    monkeypatch.setattr(ov_engine, "_fold_timing", _timed(True))
     model, want, out = builds
     compiled = kiln.trace(model, X, quantize="int4", engine="openvino", optlevel=1,
                           compiler_args=["--auto-cast", "all", "--auto-cast-type", "bf16"], **WEIGHT_ONLY)
@@ -292,3 +299,60 @@ def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds):
     cos = torch.nn.functional.cosine_similarity(compiled(X).flatten(), want.flatten(), dim=0).item()
     assert cos > 0.99
     assert _fully_connected(out["openvino", "int4"])[0] == 3
+
+
+def test_where_the_pair_runs_faster_the_offset_products_stay(builds, monkeypatch):
+    """Where this CPU runs the pair faster than the folded product (an AMD EPYC's plugin,
+    kiln.engines.ov_zero_points), the bf16 build keeps the block sums and the offset
+    product, records the timings it chose by in the partition's header, and answers as the
+    folded build does within bf16's rounding."""
+    from kiln.engines import openvino as ov_engine
+    model, want, _ = builds
+    args = dict(quantize="int4", engine="openvino", optlevel=1,
+                compiler_args=["--auto-cast", "all", "--auto-cast-type", "bf16"], **WEIGHT_ONLY)
+    built = {}
+    for fold in (True, False):
+        monkeypatch.setattr(ov_engine, "_fold_timing", _timed(fold))
+        built[fold] = kiln.trace(model, X, **args)
+    count, ops = _fully_connected(built[False])
+    assert count == 3 and any(op.startswith("Reduce") for op in ops), ops
+    header = ov_engine._unpack(built[False]._artifact.blobs[_partition(built[False])["blob"]])[0]
+    assert header["onnx"]["zero_points_folded"] == 0
+    assert header["onnx"]["zero_point_timing"] == {"fold": False, "fold_ms": 2.0, "pair_ms": 1.5}
+    paired, folded = built[False](X), built[True](X)
+    assert (paired - folded).abs().max().item() <= 0.05 * want.abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(paired.flatten(), want.flatten(), dim=0).item()
+    assert cos > 0.99
+
+
+def test_the_fold_timing_compares_the_same_products():
+    """The two models the fold is timed on (kiln.engines.ov_zero_points.probe) compute the
+    same chain of products, as pairs and folded, in the graph's proportions of shapes; and
+    the timing this CPU gives (no speed asserted) names its choice and both times."""
+    import numpy as np
+    import onnxruntime as ort
+    from kiln.engines import openvino as ov_engine, ov_zero_points
+    found = [(4, 64, 96, 6), (4, 96, 64, 3)]
+    pair, folded = ov_zero_points.probe(found, limit=6)
+    ops = [n.op_type for n in pair.graph.node]
+    assert ops.count("MatMulNBits") == 6 and ops.count("ReduceSum") == 6
+    assert [n.op_type for n in folded.graph.node].count("MatMulNBits") == 6
+    assert not any(n.op_type == "ReduceSum" for n in folded.graph.node)
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
+    a, b = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x4": x})[0]
+            for m in (pair, folded))
+    # the pair's main product quantizes its activations to int8 (accuracy level 4); ONNX
+    # Runtime computes the folded one in float: ~1e-2 apart, where other weights would be ~1
+    assert a.shape == (4, 96) and np.abs(a - b).max() <= 0.03 * np.abs(a).max()
+    timing = ov_engine._fold_pays("bf16", found)
+    assert set(timing) == {"fold", "fold_ms", "pair_ms"} and timing["fold_ms"] > 0 and timing["pair_ms"] > 0
+    assert timing["fold"] == (timing["fold_ms"] <= timing["pair_ms"] / ov_engine.FOLD_MARGIN)
+
+
+def test_shapes_counts_the_products_that_would_fold():
+    """The fold's timing is asked about the products that would fold, one entry per shape
+    with its rows and count."""
+    import numpy as np
+    from kiln.engines import ov_zero_points
+    weight = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+    assert ov_zero_points.shapes(_int4_onnx(weight)) == [(8, 64, 48, 1)]
