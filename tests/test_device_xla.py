@@ -368,6 +368,9 @@ def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["xla"] and got["device"] == got["param_device"] == "kiln:0"
     assert got["resumed_gap"] < 1e-6
+    # the only process is process zero, locally too: it logs and saves (LOCAL_RANK was -1
+    # without a launcher, so the Trainer's logging was skipped)
+    assert got["process_zero"] == [True, True, True, True]
     # the same script's training on the CPU, here (transformers sees no torch_xla in this process)
     import importlib.util
     spec = importlib.util.spec_from_file_location("hf_trainer_cpu", script)
@@ -396,4 +399,5 @@ def test_an_accelerate_loop_trains_on_the_device_through_the_launcher(kiln_cli, 
     assert on_device["device"] == on_device["param_device"] == "kiln:0" and on_cpu["device"] == "cpu"
     assert on_device["losses"] == pytest.approx(on_cpu["losses"], rel=1e-5, abs=1e-6)
     assert on_device["gathered"] == [1.0]
+    assert on_device["main"] == on_cpu["main"] == [True, True, 0]      # the local main process, as on the CPU
     assert {"model.safetensors", "optimizer.bin"} <= set(on_device["saved"])

@@ -3,9 +3,16 @@ unchanged on kiln's lazy device.
 
 The script's ``import torch_xla...`` resolve to :mod:`kiln.xla`'s modules (and
 ``import torch_neuronx`` to :mod:`kiln.neuronx`) through an import hook installed before
-the script runs as ``__main__``; nothing is written to disk and nothing else in the
-process changes. ``kiln run-xla --metrics`` prints the metrics report to stderr after the
-script.
+the script runs as ``__main__``; nothing is written to disk. ``kiln run-xla --metrics``
+prints the metrics report to stderr after the script.
+
+A script started without a launcher runs as the one worker of ``torchrun
+--nproc_per_node=1``, the way Neuron's guides start even a single worker: ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE`` and the rest are set where none of them is. Without them
+accelerate (on any torch_xla device but a TPU) and so Hugging Face's ``Trainer`` read
+``LOCAL_RANK`` as -1: ``is_local_process_zero()`` was False in the only process, and the
+Trainer's logging (``should_log``) and accelerate's ``is_local_main_process`` work were
+silently skipped.
 """
 from __future__ import annotations
 
@@ -44,8 +51,21 @@ def install():
         sys.meta_path.insert(0, _Alias())
 
 
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def one_worker_environment():
+    """``torchrun --nproc_per_node=1``'s variables, where no launcher set any (module doc)."""
+    import os
+    if not any(name in os.environ for name in _LAUNCHER_VARIABLES):
+        from kiln.compat import xla_spawn
+        for name, value in xla_spawn.torchrun_environment(0, 1, xla_spawn.free_port()).items():
+            os.environ.setdefault(name, value)          # a MASTER_ADDR of the user's stays
+
+
 def run(script: str, args: list) -> int:
     install()
+    one_worker_environment()
     sys.argv = [script] + list(args)
     try:
         runpy.run_path(script, run_name="__main__")

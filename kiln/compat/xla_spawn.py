@@ -35,7 +35,7 @@ def _forking() -> str:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,10 +51,15 @@ def _count(nprocs) -> int:
     return nprocs
 
 
+def torchrun_environment(index: int, world: int, port: int) -> dict:
+    """The variables ``torchrun --nproc_per_node=world`` gives its rank ``index`` on one host."""
+    return dict(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def _rank(index, fn, args, world, port):
     """A child: the launcher's environment, this rank's cores, then the script's function."""
-    os.environ.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(torchrun_environment(index, world, port))
     from kiln.distributed import launch
     from kiln.host import cores
     launch.pin(cores.union(cores.share(index, world)))
@@ -71,7 +76,7 @@ def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method=None):
     from kiln.host import cores
     cores.share(0, world)            # more ranks than cores: the PlacementError here, not in every rank
     start_method = start_method or _forking()
-    return tmp.start_processes(_rank, args=(fn, tuple(args), world, _free_port()), nprocs=world, join=join,
+    return tmp.start_processes(_rank, args=(fn, tuple(args), world, free_port()), nprocs=world, join=join,
                                daemon=daemon, start_method=start_method)
 
 

@@ -29,4 +29,5 @@ acc.wait_for_everyone()
 acc.save_state(out)
 print(json.dumps({"device": str(acc.device), "param_device": str(next(model.parameters()).device),
                   "losses": losses, "gathered": acc.gather(torch.tensor([1.0], device=acc.device)).cpu().tolist(),
-                  "saved": sorted(os.listdir(out))}))
+                  "saved": sorted(os.listdir(out)),
+                  "main": [acc.is_main_process, acc.is_local_main_process, acc.local_process_index]}))

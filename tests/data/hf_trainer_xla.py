@@ -42,4 +42,6 @@ if __name__ == "__main__":
                       "param_device": str(next(trainer.model.parameters()).device),
                       "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                       "eval_loss": evaluated["eval_loss"],
+                      "process_zero": [trainer.is_world_process_zero(), trainer.is_local_process_zero(),
+                                       trainer.args.should_log, trainer.args.should_save],
                       "resumed_gap": max(float((params[k] - resumed[k]).abs().max()) for k in params)}))
