@@ -34,8 +34,8 @@ VARIABLES = {v.name: v for v in (
     _V("KILN_BUILD_LOG", None, "append one JSON line per compiled partition to this file, from every "
        "process: each engine tried (build seconds, refused by the check against eager or failed, and "
        "why), the one kept and why, the operators left on the host (kiln.observe.build_log)", "compile"),
-    _V("NEURON_CC_FLAGS", "", "Neuron compiler flags, read by kiln.neuronx / kiln.neuron traces",
-       "compile"),
+    _V("NEURON_CC_FLAGS", "", "Neuron compiler flags, read by kiln.neuronx / kiln.neuron traces, "
+       "torch_xla's device and NeuronTrainer (kiln.compiler.neuron_env)", "compile"),
     _V("NEURON_COMPILE_CACHE_URL", None, "Neuron's cache location; used when KILN_CACHE_URL is "
        "unset, by the compat layer", "compile"),
     # running

@@ -6,11 +6,14 @@ weights ``from_pretrained`` reads back; ``bf16=True`` reaches the device's opera
 parallelism options and ``fp16`` are refused with what to use. In a fresh process: the
 trainer puts the process's device in lazy mode."""
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from tests.conftest import run_py
+from tests.conftest import ROOT, run_py
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -96,3 +99,33 @@ def test_neuron_trainer_trains_as_the_cpu_trainer(tmp_path):
     assert "tensor_parallel_size=2" in tp and "kiln.neuronx_distributed" in tp
     assert "zero_1=True" in zero and "fp16=True" in fp16 and "bf16=True" in fp16
     assert "NeuronTrainingArguments" in plain
+
+
+def test_neuron_trainer_compiles_with_neuron_cc_flags(tmp_path):
+    """``NEURON_CC_FLAGS`` reaches the trainer's device as it reaches ``xm.xla_device()``'s
+    (kiln.compiler.neuron_env): a Trainium fine-tuning job's ``--auto-cast all
+    --auto-cast-type bf16`` and ``--cache_dir`` were ignored, so it computed in float32 and
+    compiled into another cache without a word. Neuron-only flags get a warning; a bad value
+    is a clear error."""
+    code = textwrap.dedent("""
+    import json, warnings
+    from kiln.optimum.neuron import NeuronTrainingArguments
+    from kiln.device import modes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        device = NeuronTrainingArguments(output_dir=%r, report_to=[]).device
+    print(json.dumps({"device": str(device), "mode": modes.mode(), "options": modes.policy().options,
+                      "warned": [str(w.message) for w in caught if "NEURON_CC_FLAGS" in str(w.message)]}))
+    """ % str(tmp_path / "out"))
+    cache = str(tmp_path / "neuron-cache")
+    flags = f"--model-type transformer -O1 --auto-cast all --auto-cast-type bf16 --cache_dir={cache}"
+    env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_URL"}    # kiln's own would win
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(env, NEURON_CC_FLAGS=flags))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device"] == "kiln:0" and out["mode"] == "lazy"
+    assert out["options"] == {"optlevel": 1, "auto_cast": "all", "auto_cast_type": "bf16", "cache": cache}
+    assert len(out["warned"]) == 1 and "--model-type transformer" in out["warned"][0], out["warned"]
+    proc = run_py(code, env={"NEURON_CC_FLAGS": "--auto-cast-type int3"})
+    assert proc.returncode != 0 and "NEURON_CC_FLAGS" in proc.stderr, proc.stderr[-2000:]

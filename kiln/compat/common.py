@@ -7,10 +7,9 @@ other's helpers.
 from __future__ import annotations
 
 import functools
-import shlex
 
+from kiln.compiler import neuron_env
 from kiln.host import cores
-from kiln import config
 
 
 def split_inputs(example_inputs):
@@ -22,24 +21,8 @@ def split_inputs(example_inputs):
 
 
 def neuron_cache_options() -> dict:
-    """Neuron's cache settings, when kiln's own (KILN_CACHE_URL) are not given:
-    ``NEURON_COMPILE_CACHE_URL``, and ``--cache_dir=`` / ``--retry_failed_compilation``
-    in ``NEURON_CC_FLAGS``."""
-    out: dict = {}
-    flags = shlex.split(config.get("NEURON_CC_FLAGS"))
-    if "--retry_failed_compilation" in flags:
-        out["retry_failed"] = True
-    if config.is_set("KILN_CACHE_URL"):
-        return out
-    url = config.get("NEURON_COMPILE_CACHE_URL")
-    for i, flag in enumerate(flags):
-        if flag.startswith("--cache_dir="):
-            url = flag.split("=", 1)[1]
-        elif flag == "--cache_dir" and i + 1 < len(flags):
-            url = flags[i + 1]
-    if url:
-        out["cache"] = url
-    return out
+    """Neuron's cache settings (:func:`kiln.compiler.neuron_env.cache_options`)."""
+    return neuron_env.cache_options()
 
 
 def neuron_names(fn):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shlex
 import sys
 import time
 import warnings
@@ -27,46 +26,23 @@ import warnings
 import torch
 
 from kiln import config
-from kiln.compat.common import neuron_cache_options
-from kiln.compiler.options import parse_compiler_args
+from kiln.compiler import neuron_env
 from kiln.device import metrics, modes, walk
-from kiln.errors import CompilerArgsError
 
 REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "and", "or", "min", "max"
 _closures: list = []
-_KNOWN = ("-O1", "-O2", "-O3", "--optlevel", "-O", "--auto-cast", "--auto-cast-type", "--target")
 
 
 def device_options() -> dict:
-    """kiln.trace options for the device's graphs, from Neuron's environment."""
-    options = {"optlevel": 2}          # neuronx-cc's default too
-    flags, ignored = [], []
-    tokens = shlex.split(config.get("NEURON_CC_FLAGS"))
-    i = 0
-    while i < len(tokens):
-        flag = tokens[i].split("=", 1)[0]
-        takes_value = "=" not in tokens[i] and flag not in ("-O1", "-O2", "-O3") and i + 1 < len(tokens) \
-            and not tokens[i + 1].startswith("-")
-        group = tokens[i:i + 2] if takes_value else tokens[i:i + 1]
-        if flag in _KNOWN:
-            flags += group
-        elif not flag.startswith("--cache_dir") and flag != "--retry_failed_compilation":
-            ignored += group
-        i += len(group)
-    try:
-        options.update(parse_compiler_args(flags))
-    except CompilerArgsError as e:
-        raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
-    if ignored:
-        warnings.warn(f"kiln: NEURON_CC_FLAGS {' '.join(ignored)} mean nothing to kiln's compiler and are "
-                      "ignored", RuntimeWarning, stacklevel=3)
+    """kiln.trace options for the device's graphs, from Neuron's environment
+    (:mod:`kiln.compiler.neuron_env`)."""
+    options = neuron_env.device_options(stacklevel=3)
     for name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
         if config.flag(name):
             warnings.warn(f"kiln: {name}=1 is not honoured: kiln's device keeps float32 tensors float32, where "
                           "torch_xla would store them as bf16, so this script computes in float32. Use "
                           "model.to(torch.bfloat16), or torch.autocast('xla', dtype=torch.bfloat16), as "
                           "torch-neuronx advises in its place", RuntimeWarning, stacklevel=3)
-    options.update(neuron_cache_options())
     return options
 
 

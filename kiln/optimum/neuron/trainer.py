@@ -4,7 +4,8 @@ fine-tuning script written for Trainium runs with its import swapped.
 
 What it takes beside ``Trainer``, and why:
 
-* **The device.** ``args.device`` is kiln's device in lazy mode (``xm.xla_device()``'s): the
+* **The device.** ``args.device`` is kiln's device in lazy mode (``xm.xla_device()``'s,
+  compiling with ``NEURON_CC_FLAGS``' options: ``--auto-cast``, ``-O``, ``--cache_dir``): the
   Trainer moves the model and every batch there. accelerate, which the Trainer builds on,
   knows no PrivateUse1 device and keeps its own on the CPU; its placement is switched off
   (``device_placement=False``), or it would move the model back to the CPU at ``train()``.
@@ -33,12 +34,17 @@ from kiln.errors import CompilerArgsError
 
 
 def _device() -> torch.device:
-    """kiln's device in lazy mode (what ``xm.xla_device()`` gives, at the default compile
-    options: ``NEURON_CC_FLAGS`` is read by ``kiln.xla``, not here)."""
+    """kiln's device in lazy mode, compiling with ``NEURON_CC_FLAGS``' options as
+    ``xm.xla_device()``'s does (:mod:`kiln.compiler.neuron_env`)."""
+    from kiln.compiler import neuron_env
     from kiln.device import modes
-    if modes.mode() != "lazy":
-        modes.set_mode("lazy")
+    if modes.mode() != "lazy" or not _configured:
+        modes.set_mode("lazy", **neuron_env.device_options(stacklevel=3))
+        _configured.append(True)
     return modes.device()
+
+
+_configured: list = []
 
 
 def _mark_step():
