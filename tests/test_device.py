@@ -131,6 +131,58 @@ def test_recurrent_layers_train_like_cpu(mode, bias, cell):
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_complex_conjugates_are_computed(mode):
+    """``x.conj()`` of a complex tensor is a view PyTorch marks with a conjugate bit; the
+    device's tensors never carried it, so on the device ``x.conj()`` was ``x`` and ``x *
+    x.conj()`` silently gave ``x * x``. Now conjugates (and the negative views a conjugate's
+    ``.imag`` makes) are computed, values and gradients as on the CPU."""
+    modes.set_mode(mode)
+    results = []
+    for where in ("cpu", DEV):
+        x = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(17)).to(where)
+        x.requires_grad_()
+        c = x.conj()
+        power = (x * c).real
+        loss = power.sum() + (c.imag * torch.arange(5.0, device=where)).sum()
+        loss.backward()
+        results.append([t.detach().cpu().resolve_conj() for t in
+                        (c, c.resolve_conj(), power, c.imag, torch.vdot(x, x).real, x.grad)])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_a_stock_transformer_encoder_runs_a_padded_batch_in_eval(mode):
+    """``nn.TransformerEncoder`` in eval mode with a padding mask takes PyTorch's
+    NestedTensor path on any listed device, PrivateUse1 included, and NestedTensors have no
+    form on the device: every such call raised. Now the device runs the padded batch with
+    the mask and zeroes the padding before the final norm, as the nested path leaves it
+    (kiln.device.nn_fastpath): equal to the CPU at every position, boolean and float
+    masks, with and without a final norm; training mode is unchanged."""
+    modes.set_mode(mode)
+    torch.manual_seed(13)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    x = torch.randn(2, 5, 8)
+    bool_mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    float_mask = torch.zeros(2, 5).masked_fill(bool_mask, float("-inf"))
+    for norm in (None, torch.nn.LayerNorm(8)):
+        cpu = torch.nn.TransformerEncoder(layer, 2, norm=norm).eval()
+        dev = copy.deepcopy(cpu).to(DEV)
+        for mask in (bool_mask, float_mask):
+            with torch.no_grad():
+                want = cpu(x, src_key_padding_mask=mask)
+                got = dev(x.to(DEV), src_key_padding_mask=mask.to(DEV)).cpu()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert cpu.use_nested_tensor and dev.use_nested_tensor          # the module as it was
+    cpu.train()
+    dev.train()
+    torch.testing.assert_close(dev(x.to(DEV), src_key_padding_mask=bool_mask.to(DEV)).detach().cpu(),
+                               cpu(x, src_key_padding_mask=bool_mask).detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="no form on kiln's device"):
+        torch._nested_tensor_from_mask(x.to(DEV), bool_mask.logical_not().to(DEV))
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_in_place_shape_changes_act_as_on_cpu(mode):
     """``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_`` and ``as_strided_`` change the
     tensor's own shape; an alias made before keeps its shape and shares memory; a tensor

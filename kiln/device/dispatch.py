@@ -96,6 +96,7 @@ def _any_device_tensor(tree) -> bool:
 
 
 def _dispatch(func, args, kwargs):
+    func = rewrites.WITHOUT_VIEW_BITS.get(func, func)
     info = _info(func)
     if info.foreach:
         out = NotImplemented

@@ -260,9 +260,10 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _registered.extend([library, _per_op(), autocast.register(name)])
         _foreach_capable()
         _pinnable(name)
-        from kiln.device import serialization
+        from kiln.device import nn_fastpath, serialization
         serialization.install(name)
         _memory.install()
+        nn_fastpath.install()
         if probe:
             _probe_autograd(name)
         return name

@@ -20,6 +20,14 @@ aten = torch.ops.aten
 
 _SCALARS: dict = {}
 
+# A complex tensor's ``conj()`` is a view that sets the tensor's conjugate bit, which
+# PyTorch's Conjugate key resolves before the next operation reads it; a device tensor's
+# wrapper never carried the bit, so ``x.conj()`` on the device was ``x`` itself, silently
+# (``x * x.conj()`` gave ``x * x``). The device computes them as new tensors instead: the
+# values are right, and a write into ``x.conj()`` does not reach ``x`` (as on a tensor
+# after ``resolve_conj()``).
+WITHOUT_VIEW_BITS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+
 
 def scalar(value: float, like) -> dt.DeviceTensor:
     """A 0-dim device tensor holding ``value``; the same object for the same value (a
