@@ -183,6 +183,82 @@ def test_a_stock_transformer_encoder_runs_a_padded_batch_in_eval(mode):
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_packed_sequences_train_like_cpu(mode):
+    """An LSTM over ``pack_padded_sequence`` (unsorted lengths) and back through
+    ``pad_packed_sequence`` trains as on the CPU. A packed sequence's batch sizes are a CPU
+    tensor whatever the data's device, which ``pack_padded_sequence`` checks: the device
+    wrapped them, so every packed sequence on it raised."""
+    modes.set_mode(mode)
+    torch.manual_seed(10)
+    cpu = torch.nn.LSTM(3, 4, batch_first=True)
+    dev = copy.deepcopy(cpu).to(DEV)
+    x = torch.randn(3, 5, 3)
+    lengths = torch.tensor([3, 5, 2])
+    runs = []
+    for net, where in ((cpu, "cpu"), (dev, DEV)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x.to(where), lengths, batch_first=True,
+                                                             enforce_sorted=False)
+            assert packed.batch_sizes.device.type == "cpu"
+            out, _ = net(packed)
+            padded, got_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+            assert padded.device.type == torch.device(where).type and got_lengths.tolist() == [3, 5, 2]
+            loss = (padded ** 2).sum()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_runs_on_the_cpu_and_on_the_device():
+    """``nn.DataParallel`` picks the first accelerator PyTorch finds, and kiln's device is
+    one wherever kiln is installed: a CPU script's ``DataParallel(model)`` raised "module
+    must have its parameters and buffers on device kiln:0", and one over a device module
+    raised in CUDA's scatter. The first now calls the module on the CPU, as PyTorch does
+    with no accelerator; the second moves the inputs to the device and calls it there
+    (kiln.device.data_parallel); both train as the bare module does."""
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(6, 4)
+    runs = []
+    for where in ("bare", "cpu", DEV):
+        net = copy.deepcopy(plain)
+        model = net if where == "bare" else torch.nn.DataParallel(net).to(where)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            out = model(x)                  # CPU inputs: DataParallel moves them
+            assert out.device.type == ("cpu" if where in ("bare", "cpu") else DEV.type)
+            loss = (out ** 2).sum()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append(torch.tensor(losses))
+    torch.testing.assert_close(runs[1], runs[0])
+    torch.testing.assert_close(runs[2], runs[0], rtol=1e-5, atol=1e-6)
+    mixed = torch.nn.DataParallel(torch.nn.Linear(2, 2)).to(DEV)
+    mixed.module.bias = torch.nn.Parameter(torch.zeros(2))                  # one parameter left on the CPU
+    with pytest.raises(RuntimeError, match="parameters and buffers on device"):
+        mixed(torch.ones(1, 2))
+
+
+def test_sparse_tensors_are_refused_with_what_to_do():
+    """A sparse tensor moved to the device became a device tensor nothing could read (its
+    first use raised "Cannot access storage of SparseTensorImpl"); now the move says so."""
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+    with pytest.raises(NotImplementedError, match="to_dense"):
+        s.to(DEV)
+    torch.testing.assert_close(s.to_dense().to(DEV).cpu(), s.to_dense())
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_in_place_shape_changes_act_as_on_cpu(mode):
     """``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_`` and ``as_strided_`` change the
     tensor's own shape; an alias made before keeps its shape and shares memory; a tensor

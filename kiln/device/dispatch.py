@@ -86,15 +86,6 @@ def _replay_call(func, args, kwargs):
     return out
 
 
-def _any_device_tensor(tree) -> bool:
-    for a in tree:
-        if isinstance(a, dt.DeviceTensor):
-            return True
-        if isinstance(a, (list, tuple)) and _any_device_tensor(a):
-            return True
-    return False
-
-
 def _dispatch(func, args, kwargs):
     func = rewrites.WITHOUT_VIEW_BITS.get(func, func)
     info = _info(func)
@@ -115,7 +106,10 @@ def _dispatch(func, args, kwargs):
             return out
     target = kwargs.get("device")
     leaving = target is not None and torch.device(target).type != dt.device_type()
-    factory = not (_any_device_tensor(args) or _any_device_tensor(kwargs.values()))
+    if not leaving and kwargs.get("layout") not in (None, torch.strided):
+        raise NotImplementedError(f"{kwargs['layout']} tensors are not supported on kiln's device ({func}): it "
+                                  "keeps dense tensors; move t.to_dense(), or keep the sparse tensor on the CPU")
+    factory = not (dt.any_in(args) or dt.any_in(kwargs.values()))
     if not factory:
         mixing.check(func, info.name, args, kwargs)
     if factory or leaving or not info.recordable or torch.are_deterministic_algorithms_enabled():
@@ -232,6 +226,8 @@ def _results(info, func, out, args, kwargs):
         for i, o in enumerate(outs):
             dt.note_view(o, base, func, args, kwargs, i if isinstance(wrapped, (list, tuple)) else None)
         return wrapped
+    if info.host_outputs:          # outputs PyTorch keeps on the CPU whatever the inputs' device
+        return type(out)(o if i in info.host_outputs else _wrap_one(o) for i, o in enumerate(out))
     return walk.tmap(_wrap_one, out)
 
 

@@ -18,12 +18,16 @@ _ALLOCATIONS = {"empty_like", "new_empty", "new_empty_strided", "empty_strided",
 # offset2bag and max_indices: [4] and [0] on meta, [0] and [2] on the CPU), so a recorded
 # call's outputs would not be what the compiled graph returns: they run now, on host data
 _META_DIFFERS = {"_embedding_bag", "_embedding_bag_forward_only"}
+# outputs PyTorch puts on the CPU whatever the device (a PackedSequence's batch sizes, which
+# pack_padded_sequence checks and the LSTM reads there): such operations run now, and those
+# outputs stay host tensors. Wrapped, every packed sequence on the device raised
+_HOST_OUTPUTS = {"_pack_padded_sequence": (1,)}
 
 
 class Info:
     """One operation's facts (see the module docstring)."""
     __slots__ = ("func", "name", "foreach", "recordable", "mutation", "view", "schema", "written",
-                 "returns", "returns_written", "c10d")
+                 "returns", "returns_written", "c10d", "host_outputs")
 
     def __init__(self, func):
         self.func = func        # kept alive: the table below is keyed by id(func)
@@ -40,6 +44,7 @@ class Info:
         self.returns = bool(ret)
         self.returns_written = bool(ret) and ret[0].alias_info is not None and ret[0].alias_info.is_write
         self.c10d = schema.name.startswith("c10d::")
+        self.host_outputs = _HOST_OUTPUTS.get(self.name, ())
 
 
 _INFO: dict = {}
@@ -58,7 +63,8 @@ def recordable(func, schema) -> bool:
     if func.namespace != "aten":
         return False
     name = schema.name.split("::")[-1]
-    if torch.Tag.nondeterministic_seeded in func.tags or name in _ALLOCATIONS or name in _META_DIFFERS:
+    if torch.Tag.nondeterministic_seeded in func.tags or name in _ALLOCATIONS or name in _META_DIFFERS \
+            or name in _HOST_OUTPUTS:
         return False
     for ret in schema.returns:
         text = str(ret.type)

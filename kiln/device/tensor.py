@@ -143,6 +143,14 @@ class DeviceTensor(torch.Tensor):
         return self.host().detach().clone().__reduce_ex__(protocol)
 
 
+def any_in(tree) -> bool:
+    """Whether a device tensor is among ``tree``'s items (nested lists and tuples too)."""
+    for a in tree:
+        if isinstance(a, DeviceTensor) or (isinstance(a, (list, tuple)) and any_in(a)):
+            return True
+    return False
+
+
 def signature(like) -> tuple:
     """``(dtype, shape, strides, offset, True)``: a device tensor's fixed signature (see
     :func:`kiln.device.replay.walk`), for one shaped like ``like``."""
