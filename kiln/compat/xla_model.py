@@ -106,7 +106,7 @@ def _collective_dist():
     dist = _dist()
     if dist is None and _launched("WORLD_SIZE", 1) > 1:
         import torch.distributed as tdist
-        from kiln.compat import xla_backend
+        from kiln.device import process_group as xla_backend
         xla_backend.register()
         tdist.init_process_group("xla")
         dist = tdist

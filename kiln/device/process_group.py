@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from kiln.device import modes
+from kiln.device import dispatch
 from kiln.distributed.groups import NamedProcessGroup
-from kiln.device.tensor import DeviceTensor
+from kiln.device.tensor import DeviceTensor, device_type
 
 _LOCK = threading.Lock()
 _done: list = []
 
 
 def _host(tensors):
-    modes.synchronize()
+    dispatch.materialize()
     return [t.host() if isinstance(t, DeviceTensor) else t for t in tensors]
 
 
@@ -95,7 +95,7 @@ class KilnProcessGroup(NamedProcessGroup, dist.ProcessGroup):
         return _finished(self._gloo.allreduce_coalesced(_host(tensors), opts), tensors)
 
     def barrier(self, opts=None):
-        modes.synchronize()
+        dispatch.materialize()
         return _finished(self._gloo.barrier(opts or dist.BarrierOptions()), None)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -147,7 +147,7 @@ def register():
     with _LOCK:
         if _done:
             return
-        device = modes.device().type
+        device = device_type()
         for name in ("xla", "kiln"):
             if name not in dist.Backend.backend_list:
                 dist.Backend.register_backend(name, _create, devices=["cpu", device])
