@@ -259,6 +259,33 @@ def test_sparse_tensors_are_refused_with_what_to_do():
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_inference_mode_over_a_model_made_outside_it(mode):
+    """``torch.inference_mode()`` over a model whose buffers were made outside it (how
+    sentence-transformers' ``encode`` runs a BERT): a view of such a tensor is a normal
+    tensor sharing its base's version counter, as on the CPU; the device made it an
+    inference tensor, and PyTorch's view tracking then raised "Cannot set version_counter
+    for inference tensor" at BERT's first line (``self.position_ids[:, :n]``)."""
+    transformers = pytest.importorskip("transformers")
+    modes.set_mode(mode)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=16)
+    cpu = transformers.BertModel(cfg).eval()
+    dev = copy.deepcopy(cpu).to(DEV)
+    ids = torch.tensor([[1, 5, 7, 2], [3, 4, 2, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    buf = torch.arange(6).to(DEV)
+    with torch.inference_mode():
+        want = cpu(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = dev(input_ids=ids.to(DEV), attention_mask=mask.to(DEV)).last_hidden_state
+        view, product = buf[1:4], buf * 2
+        flags = (view.is_inference(), product.is_inference())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    assert flags == (False, True)                   # as the CPU's: torch.arange(6)[1:4], torch.arange(6) * 2
+    assert view.cpu().tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_in_place_shape_changes_act_as_on_cpu(mode):
     """``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_`` and ``as_strided_`` change the
     tensor's own shape; an alias made before keeps its shape and shares memory; a tensor

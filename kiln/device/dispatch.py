@@ -49,6 +49,10 @@ def dispatch(func, args, kwargs):
     stand_in = fused_cells.TABLE.get(func)          # CUDA-only kernels ATen picks for the device
     if stand_in is not None:
         return stand_in(*args, **kwargs)
+    if torch.is_inference_mode_enabled() and args and _info(func).view and isinstance(args[0], torch.Tensor) \
+            and not args[0].is_inference():
+        with torch.inference_mode(False):   # a view of a normal tensor is one (its base's version counter)
+            return dispatch(func, args, kwargs)
     with LOCK:
         return _dispatch_any(func, args, kwargs)
 
