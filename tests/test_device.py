@@ -285,6 +285,36 @@ def test_inference_mode_over_a_model_made_outside_it(mode):
     assert view.cpu().tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("backend", ["kiln", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_torch_compile_of_a_model_on_the_device(mode, backend):
+    """``torch.compile`` of a model already on the device: Dynamo traced into the device's
+    dispatcher and compiled its Python in fragments; with ``backend="kiln"`` a fragment
+    returning a Python int raised StopIteration at the first call. The device's modules
+    are now on Dynamo's skip list from the first ``torch.compile`` (kiln.device.dynamo_skip),
+    so the model runs as the device runs it: training equals the CPU's."""
+    modes.set_mode(mode)
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    dev = copy.deepcopy(cpu).to(DEV)
+    x = torch.randn(3, 8)
+    runs = []
+    for net, where in ((cpu, "cpu"), (dev, DEV)):
+        step = net if where == "cpu" else torch.compile(net, backend=backend)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = (step(x.to(where)) ** 2).sum()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_in_place_shape_changes_act_as_on_cpu(mode):
     """``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_`` and ``as_strided_`` change the
