@@ -96,7 +96,8 @@ FOLD_MARGIN = 0.95
 def _fold_pays(precision: str, shapes: list) -> dict:
     """Whether this CPU runs ``shapes``' products with float zero points (folded) faster
     than as kiln's pair of products, timed on :func:`ov_zero_points.probe`'s models compiled
-    as the partition will be (~0.5 s, once per process and shapes)."""
+    as the partition will be (1.8-2.1 s for SmolLM2's prefill shapes, idle; once per
+    process and shapes)."""
     return dict(_fold_timing(precision, tuple(shapes)))
 
 
