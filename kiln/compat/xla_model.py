@@ -227,6 +227,15 @@ def broadcast_master_param(model: torch.nn.Module) -> None:
     mark_step()
 
 
+def get_memory_info(device=None) -> dict:
+    """torch_xla 2.x's memory report: ``bytes_used`` (what live device tensors hold),
+    ``bytes_limit`` (the host's memory, which is the device's) and ``peak_bytes_used`` (the
+    process's peak resident memory, :mod:`kiln.device.memory`)."""
+    from kiln.device import memory
+    return {"bytes_used": memory.memory_allocated(), "bytes_limit": memory.mem_get_info()[1],
+            "peak_bytes_used": memory.max_memory_allocated()}
+
+
 def get_xla_supported_devices(devkind=None, max_devices=None) -> list:
     """The devices this process may use: one, kiln's device, as torch-neuronx gives one
     NeuronCore to each process."""

@@ -29,6 +29,25 @@ def addressable_device_count() -> int:
 local_device_count = addressable_device_count
 
 
+def local_process_count() -> int:
+    """Ranks on this host: torchrun's (and ``xmp.spawn``'s) ``LOCAL_WORLD_SIZE``, else 1."""
+    import os
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def global_device_count() -> int:
+    return xm.xrt_world_size()
+
+
+def get_master_ip() -> str:
+    import os
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def is_spmd() -> bool:
+    return False
+
+
 def global_runtime_device_count() -> int:
     return xm.xrt_world_size()
 

@@ -10,7 +10,8 @@ in a torch-neuronx training script's imports, or run it unchanged with
   ``torch.distributed`` backend (gloo on the device's host memory).
 * ``kiln.xla.debug.metrics``: ``metrics_report()`` and the counters.
 * ``kiln.xla.runtime``: ``world_size``, ``global_ordinal``, ``local_ordinal``.
-* ``kiln.xla.device()`` and ``kiln.xla.sync()``: torch_xla 2.x's shorter spellings.
+* ``kiln.xla.device()``, ``devices()``, ``device_count()``, ``sync()``, ``step()``,
+  ``compile()``, ``manual_seed()``, ``launch()``: torch_xla 2.x's top-level API.
 * ``kiln.xla.amp.autocast(device)``, and ``torch.autocast("xla", ...)`` once this package is
   imported: bf16 autocast on kiln's device (:mod:`kiln.compat.xla_amp`); ``amp.GradScaler``,
   ``amp.syncfree``.
@@ -33,6 +34,75 @@ def device(index=None):
     return xla_model.xla_device(index)
 
 
-def sync(wait: bool = False):
+def devices() -> list:
+    """The devices this process drives: one, kiln's (one NeuronCore per process)."""
+    return [device()]
+
+
+def real_devices() -> list:
+    return ["NEURON:0"]
+
+
+def device_count() -> int:
+    return len(real_devices())
+
+
+def sync(wait: bool = False, reset_scope: bool = True):
     from kiln.compat import xla_model
     xla_model.mark_step(wait)
+
+
+def manual_seed(seed, device=None):
+    from kiln.compat import xla_model
+    xla_model.set_rng_state(seed, device)
+
+
+def compile(f=None, full_graph: bool = False, name=None, max_different_graphs=None):
+    """torch_xla 2.x's ``torch_xla.compile``: the region (a context, or calls of ``f``) is one
+    step, with the step before it ended first and the region's own ended after it, as
+    torch_xla does. kiln's lazy mode records it as one program; ``full_graph`` and
+    ``max_different_graphs`` (torch_xla's checks that the region ran as one program, and
+    how many programs it may make) are not checked here, and say so."""
+    import contextlib
+    import functools
+    import warnings
+    if full_graph or max_different_graphs is not None:
+        warnings.warn("kiln: torch_xla.compile(full_graph=..., max_different_graphs=...) is not checked on "
+                      "kiln's device; the region runs as one step (kiln.device.metrics counts its programs)",
+                      RuntimeWarning, stacklevel=2)
+
+    @contextlib.contextmanager
+    def region():
+        sync()
+        try:
+            yield
+        finally:
+            sync()
+
+    if f is None:
+        return region()
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with region():
+            return f(*args, **kwargs)
+    return run
+
+
+def step():
+    """``with torch_xla.step(): ...``: the body as one step (:func:`compile`)."""
+    return compile()
+
+
+def launch(fn, args=(), start_method=None, debug_single_process: bool = False):
+    """torch_xla's ``launch``: ``fn(index, *args)`` in each rank. Under torchrun, in this
+    process with its local rank; otherwise through ``xmp.spawn`` (one rank per kiln core, or
+    one with ``debug_single_process``). torch_xla starts them with ``"spawn"``; kiln forks
+    unless asked (a spawned child would not have ``kiln run-xla``'s alias), see
+    :mod:`kiln.compat.xla_spawn`."""
+    import os
+    import torch.distributed as dist
+    from kiln.compat import xla_spawn
+    if dist.is_torchelastic_launched():
+        return fn(int(os.environ.get("LOCAL_RANK", "0")), *args)
+    return xla_spawn.spawn(fn, args=args, nprocs=1 if debug_single_process else None, start_method=start_method)
