@@ -15,7 +15,9 @@ layers run over the padded batch with the padding mask (``enable_nested_tensor=F
 path, each layer still on its fused fast path), the padded positions are zeroed, then the
 final norm, so the output equals the nested path's at every position. Other devices'
 calls are PyTorch's own; ``torch._nested_tensor_from_mask`` given a device tensor anywhere
-else is a clear error.
+else is a clear error. The second call sets the module's ``norm`` and
+``use_nested_tensor`` aside for its duration, so one encoder should not run on the device
+from two threads at once.
 """
 from __future__ import annotations
 
