@@ -98,6 +98,28 @@ def test_tolist_and_torch_load_onto_the_device(tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=False)["w"].device.type == "cpu"
 
 
+def _trains_like_cpu(cpu, loss_of, steps, wrap=None):
+    """Train ``cpu`` and a device copy of it with SGD for ``steps`` steps, ``loss_of(model,
+    where)`` giving a step's loss (``model`` the device copy through ``wrap``, if given), and
+    assert that the losses and final parameters equal the CPU's."""
+    dev = copy.deepcopy(cpu).to(DEV)
+    runs = []
+    for net, where in ((cpu, "cpu"), (dev, DEV)):
+        model = wrap(net) if wrap is not None and where is DEV else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = loss_of(model, where)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
@@ -108,26 +130,15 @@ def test_recurrent_layers_train_like_cpu(mode, bias, cell):
     modes.set_mode(mode)
     torch.manual_seed(0)
     cpu = getattr(torch.nn, cell)(6, 5, num_layers=2, batch_first=True, bias=bias)
-    dev = copy.deepcopy(cpu).to(DEV)
     x = torch.randn(3, 7, 6)
-    runs = []
-    for net, where in ((cpu, "cpu"), (dev, DEV)):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            out, state = net(x.to(where))
-            h, c = state if cell == "LSTM" else (state, state * 0.5)
-            assert out.shape == (3, 7, 5)
-            loss = (out ** 2).mean() + (out[:, -1] * torch.arange(5.0, device=where)).sum() + h.sum() * 0.1 \
-                + c.sum() * 0.01
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
-    for got, want in zip(runs[1][1], runs[0][1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    def loss_of(net, where):
+        out, state = net(x.to(where))
+        h, c = state if cell == "LSTM" else (state, state * 0.5)
+        assert out.shape == (3, 7, 5)
+        return (out ** 2).mean() + (out[:, -1] * torch.arange(5.0, device=where)).sum() + h.sum() * 0.1 \
+            + c.sum() * 0.01
+    _trains_like_cpu(cpu, loss_of, steps=3)
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
@@ -191,29 +202,17 @@ def test_packed_sequences_train_like_cpu(mode):
     modes.set_mode(mode)
     torch.manual_seed(10)
     cpu = torch.nn.LSTM(3, 4, batch_first=True)
-    dev = copy.deepcopy(cpu).to(DEV)
     x = torch.randn(3, 5, 3)
     lengths = torch.tensor([3, 5, 2])
-    runs = []
-    for net, where in ((cpu, "cpu"), (dev, DEV)):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            packed = torch.nn.utils.rnn.pack_padded_sequence(x.to(where), lengths, batch_first=True,
-                                                             enforce_sorted=False)
-            assert packed.batch_sizes.device.type == "cpu"
-            out, _ = net(packed)
-            padded, got_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
-            assert padded.device.type == torch.device(where).type and got_lengths.tolist() == [3, 5, 2]
-            loss = (padded ** 2).sum()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
-    for got, want in zip(runs[1][1], runs[0][1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    def loss_of(net, where):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x.to(where), lengths, batch_first=True, enforce_sorted=False)
+        assert packed.batch_sizes.device.type == "cpu"
+        out, _ = net(packed)
+        padded, got_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        assert padded.device.type == torch.device(where).type and got_lengths.tolist() == [3, 5, 2]
+        return (padded ** 2).sum()
+    _trains_like_cpu(cpu, loss_of, steps=2)
 
 
 def test_data_parallel_runs_on_the_cpu_and_on_the_device():
@@ -296,23 +295,9 @@ def test_torch_compile_of_a_model_on_the_device(mode, backend):
     modes.set_mode(mode)
     torch.manual_seed(0)
     cpu = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-    dev = copy.deepcopy(cpu).to(DEV)
     x = torch.randn(3, 8)
-    runs = []
-    for net, where in ((cpu, "cpu"), (dev, DEV)):
-        step = net if where == "cpu" else torch.compile(net, backend=backend)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = (step(x.to(where)) ** 2).sum()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-        runs.append((torch.tensor(losses), [p.detach().cpu() for p in net.parameters()]))
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
-    for got, want in zip(runs[1][1], runs[0][1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _trains_like_cpu(cpu, lambda step, where: (step(x.to(where)) ** 2).sum(), steps=2,
+                     wrap=lambda net: torch.compile(net, backend=backend))
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
