@@ -163,6 +163,42 @@ def test_complex_conjugates_are_computed(mode):
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_forward_over_reverse_derivatives_equal_the_cpus(mode):
+    """``torch.func.hessian`` (forward-mode AD over a backward pass) and ``jvp`` of ``grad``
+    ended the process on the device ("terminate called without an active exception"):
+    forward AD's zero tangents are ZeroTensors, which have no memory for the device to
+    hold. The device makes real zeros; the derivatives are the CPU's."""
+    modes.set_mode(mode)
+
+    def f(x):
+        return (x.sin() * x).sum() + (x[:2] * x[1:]).prod()
+
+    x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    v = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    got = (torch.func.hessian(f)(x.to(DEV)), torch.func.jvp(torch.func.grad(f), (x.to(DEV),), (v.to(DEV),))[1])
+    want = (torch.func.hessian(f)(x), torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12)
+
+
+def test_an_operation_that_fails_in_a_backward_pass_raises_and_the_process_lives():
+    """An error raised by the device in a backward pass ended the process: autograd runs
+    the device's backward on its own thread under a stream guard whose destructor calls
+    Python while the error is pending (``nn.Embedding(sparse=True)``'s sparse gradient,
+    refused by the device, did it). Now ``backward()`` raises a RuntimeError that names
+    the operation and the device's reason, and the device goes on working."""
+    emb = torch.nn.Embedding(10, 4, sparse=True).to(DEV)
+    loss = emb(torch.tensor([1, 2], device=DEV)).sum()
+    with pytest.raises(RuntimeError, match=r"failed to run .*in a backward pass: NotImplementedError: .*sparse=False"):
+        loss.backward()
+    emb.sparse = False
+    emb(torch.tensor([1, 2], device=DEV)).sum().backward()
+    want = torch.zeros(10, 4)
+    want[1:3] = 1
+    torch.testing.assert_close(emb.weight.grad.cpu(), want)
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_a_stock_transformer_encoder_runs_a_padded_batch_in_eval(mode):
     """``nn.TransformerEncoder`` in eval mode with a padding mask takes PyTorch's
     NestedTensor path on any listed device, PrivateUse1 included, and NestedTensors have no

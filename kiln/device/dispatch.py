@@ -112,7 +112,8 @@ def _dispatch(func, args, kwargs):
     leaving = target is not None and torch.device(target).type != dt.device_type()
     if not leaving and kwargs.get("layout") not in (None, torch.strided):
         raise NotImplementedError(f"{kwargs['layout']} tensors are not supported on kiln's device ({func}): it "
-                                  "keeps dense tensors; move t.to_dense(), or keep the sparse tensor on the CPU")
+                                  "keeps dense tensors; move t.to_dense(), or keep the sparse tensor on the CPU (a "
+                                  "layer that makes sparse gradients, nn.Embedding(sparse=True), trains here with sparse=False)")
     factory = not (dt.any_in(args) or dt.any_in(kwargs.values()))
     if not factory:
         mixing.check(func, info.name, args, kwargs)

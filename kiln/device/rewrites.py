@@ -26,7 +26,13 @@ _SCALARS: dict = {}
 # (``x * x.conj()`` gave ``x * x``). The device computes them as new tensors instead: the
 # values are right, and a write into ``x.conj()`` does not reach ``x`` (as on a tensor
 # after ``resolve_conj()``).
-WITHOUT_VIEW_BITS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+#
+# Forward-mode AD makes a zero tangent with ``_efficientzerotensor``: a tensor with the
+# ZeroTensor key and no memory, which the device's host tensor cannot be (recording one
+# read its storage and failed on autograd's device thread, where PyTorch, unwinding, ended
+# the process: ``torch.func.hessian`` and ``jvp`` of ``grad``). The device makes real zeros.
+WITHOUT_VIEW_BITS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default,
+                     aten._efficientzerotensor.default: aten.zeros.default}
 
 
 def scalar(value: float, like) -> dt.DeviceTensor:

@@ -38,6 +38,35 @@ def set_handlers(dispatch, materialize):
     _HANDLERS["dispatch"], _HANDLERS["materialize"] = dispatch, materialize
 
 
+class BackwardFailure:
+    """What an operation that failed in a backward pass returns instead of raising.
+
+    Why: autograd runs a device's backward operations on its own thread, under a stream
+    guard whose destructor (PyTorch 2.13, a Python backend's guard) calls into Python. An
+    exception raised here leaves Python's error pending while the C++ stack unwinds, that
+    call fails inside a ``noexcept`` destructor, and the process ends (``terminate called
+    without an active exception``) instead of ``backward()`` raising. Returned in place of
+    the tensor, this object makes PyTorch raise a C++ error naming it (its ``str`` is the
+    original error), with no Python error pending: the backward pass stops and the caller
+    gets a RuntimeError that says what failed."""
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+    __repr__ = __str__
+
+    @classmethod
+    def of(cls, func, error: Exception):
+        failure = cls(f"[kiln's device failed to run {func} in a backward pass: {type(error).__name__}: "
+                      f"{error}; the backward pass stopped and no gradient was written by this operation]")
+        returns = len(func._schema.returns) if hasattr(func, "_schema") else 1
+        return failure if returns == 1 else (failure,) * max(returns, 1)
+
+
 def device_type() -> str:
     return _DEVICE[0]
 
@@ -83,7 +112,12 @@ class DeviceTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _HANDLERS["dispatch"](func, args, kwargs or {})
+        try:
+            return _HANDLERS["dispatch"](func, args, kwargs or {})
+        except Exception as error:
+            if torch._C._current_graph_task_id() < 0:       # not in a backward pass
+                raise
+            return BackwardFailure.of(func, error)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
