@@ -198,6 +198,49 @@ def test_an_operation_that_fails_in_a_backward_pass_raises_and_the_process_lives
     torch.testing.assert_close(emb.weight.grad.cpu(), want)
 
 
+def test_deep_copies_made_mid_step_hold_the_values_of_their_time():
+    """``copy.deepcopy`` of a device tensor copied its cell: made while the value was pending
+    (lazy mode, before ``mark_step``), the copy kept an index into a trace already run, and
+    an optimizer's deep-copied ``state_dict`` loaded into a second optimizer failed at the
+    next flush (KeyError), a deep-copied model's BatchNorm statistics likewise. The copies
+    now hold the values of the moment they were made, as on the CPU. And a BatchNorm model
+    in eval mode with trainable parameters failed at its first read ("a compiled graph
+    returned float32[0] where float32[4] was expected": the CPU's kernel returns empty saved
+    statistics in eval mode, the meta kernel the running statistics' shape); it runs, with
+    the CPU's gradients. Run op by op (no compiles), which is where both were found."""
+    import copy
+    modes.set_mode("lazy", compile_after=10 ** 6)
+    results = []
+    for where in ("cpu", DEV):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                  torch.nn.Flatten(), torch.nn.Linear(64, 3)).to(where)
+        x = torch.randn(3, 2, 6, 6, generator=torch.Generator().manual_seed(1)).to(where)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        twin, state = copy.deepcopy(net), copy.deepcopy(opt.state_dict())    # no mark_step yet
+        other = torch.optim.Adam(twin.parameters(), lr=0.01)
+        other.load_state_dict(state)
+        for model, optimizer in ((net, opt), (twin, other), (net, opt)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            if where == DEV:
+                modes.mark_step()
+        twin.eval()
+        twin.zero_grad()
+        evaluated = twin(x)
+        evaluated.sum().item()                      # read before the backward pass
+        evaluated.sum().backward()
+        results.append([t.detach().cpu() for t in (*twin.state_dict().values(), *net.state_dict().values(),
+                                                    evaluated, *(p.grad for p in twin.parameters()))])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_a_stock_transformer_encoder_runs_a_padded_batch_in_eval(mode):
     """``nn.TransformerEncoder`` in eval mode with a padding mask takes PyTorch's

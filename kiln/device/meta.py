@@ -69,6 +69,27 @@ def call(func, args, kwargs, trace):
         if key is not None:
             _CACHE[key] = e
         raise
+    if func in _EVAL_BATCH_NORMS and not (len(args) > 5 and args[5] is True):
+        out = _cpu_statistics(out)
     if key is not None:
         _CACHE[key] = out
     return out
+
+
+aten = torch.ops.aten
+# Batch norm in eval mode returns its saved statistics as empty tensors on the CPU, and as
+# the running statistics' shape ([C]) on any other device, meta included (PyTorch's
+# decomposition says so: "very annoying inconsistency where CPU and CUDA give different
+# shapes"). The device computes on the CPU, so its outputs are the CPU's: with the meta
+# kernel's [C], a BatchNorm model in eval mode with gradients on failed at its first read
+# ("a compiled graph returned float32[0] where float32[4] was expected").
+_EVAL_BATCH_NORMS = {aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,
+                     aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default}
+
+
+def _cpu_statistics(out):
+    """A batch norm's outputs with the saved mean and inverse deviation (outputs 1 and 2)
+    empty, as the CPU's kernel makes them in eval mode."""
+    out = list(out)
+    out[1], out[2] = out[1].new_empty((0,)), out[2].new_empty((0,))
+    return tuple(out)

@@ -23,6 +23,7 @@ backward passes arrive too) and goes to :func:`kiln.device.dispatch.dispatch`.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -170,6 +171,31 @@ class DeviceTensor(torch.Tensor):
         """The values as (nested) Python numbers, read from host memory: PyTorch's own
         ``tolist`` refuses tensor subclasses, and ``loss.tolist()`` is a common line."""
         return self.host().tolist()
+
+    def __deepcopy__(self, memo):
+        """A clone with its own cell, as ``copy.deepcopy`` of a CPU tensor copies its storage.
+
+        PyTorch's default for a wrapper subclass clones, then deep-copies the instance's
+        ``__dict__`` over the clone's: the copy took a *copy of the original's cell*, which
+        no trace knows. Copied while pending (lazy mode, before ``mark_step``: an optimizer's
+        ``state_dict()``, a model's BatchNorm buffers, an EMA model made mid-step), its value
+        index pointed into a trace already run, and read another trace's value at that index
+        or failed at the next flush (KeyError)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            return torch.Tensor.__deepcopy__(self, memo)       # PyTorch's error for non-leaves
+        with torch.no_grad():
+            new = self.clone()
+        if self.requires_grad:
+            new.requires_grad_()
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        extra = {k: v for k, v in self.__dict__.items() if k not in ("_kc", "_ksig")}
+        if extra:                                   # attributes a user set on the tensor
+            new.__dict__.update(copy.deepcopy(extra, memo))
+        memo[id(self)] = new
+        return new
 
     def __reduce_ex__(self, protocol):
         # torch.save writes the host data as an ordinary CPU tensor, so torch.load with
