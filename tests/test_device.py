@@ -241,6 +241,53 @@ def test_deep_copies_made_mid_step_hold_the_values_of_their_time():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output projection sharing one weight, as GPT-2's and T5's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.mix.register_buffer("scale", self.scale)          # a buffer shared by two modules
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))) * self.mix.scale)
+
+
+def test_tied_weights_stay_tied_on_the_device():
+    """``.to("kiln")`` made a new Parameter per module (a CPU and a device tensor cannot
+    share ``.data``), so a weight two modules share became two: AdamW updated them apart
+    and a tied model (GPT-2, T5) silently left the CPU's losses from its second step. The
+    ties now survive moves to the device, between dtypes on it, and back to the CPU."""
+    transformers = pytest.importorskip("transformers")
+    modes.set_mode("lazy", compile_after=10 ** 6)      # run op by op: no compiles to wait for
+    ids = torch.tensor([[1, 5, 9, 2], [3, 3, 7, 0]])
+    losses = {}
+    for where in ("cpu", DEV):
+        torch.manual_seed(0)
+        model = _TiedLM().to(where)
+        assert model.head.weight is model.embed.weight and model.mix.scale is model.scale
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses[where] = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(ids.to(where)).flatten(0, 1), ids.flatten().to(where))
+            loss.backward()
+            opt.step()
+            modes.mark_step()
+            losses[where].append(loss.item())
+    torch.testing.assert_close(losses[DEV], losses["cpu"], rtol=1e-5, atol=1e-6)
+    for move in (torch.bfloat16, "cpu"):
+        model.to(move)
+        assert model.head.weight is model.embed.weight and model.mix.scale is model.scale, move
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2,
+                                                                n_positions=8)).to(DEV)
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+
+
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_a_stock_transformer_encoder_runs_a_padded_batch_in_eval(mode):
     """``nn.TransformerEncoder`` in eval mode with a padding mask takes PyTorch's

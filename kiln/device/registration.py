@@ -260,13 +260,15 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _registered.extend([library, _per_op(), autocast.register(name)])
         _foreach_capable()
         _pinnable(name)
-        from kiln.device import data_parallel, default_backend, dynamo_skip, nn_fastpath, serialization
+        from kiln.device import (data_parallel, default_backend, dynamo_skip, nn_fastpath, serialization,
+                                 tied_parameters)
         serialization.install(name)
         _memory.install()
         nn_fastpath.install()
         data_parallel.install()
         default_backend.install()
         dynamo_skip.install()
+        tied_parameters.install()
         if probe:
             _probe_autograd(name)
         return name
