@@ -242,6 +242,19 @@ def test_deep_copies_made_mid_step_hold_the_values_of_their_time():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_shallow_copy_shares_memory_on_the_device():
+    """``copy.copy`` of a device tensor came back a CPU tensor (through ``__reduce_ex__``,
+    which writes host data for ``torch.save``); as on the CPU it is a tensor on the same
+    device sharing the memory, requiring grad where the original does."""
+    import copy
+    t = torch.arange(4.0).to(DEV).requires_grad_()
+    c = copy.copy(t)
+    assert c.device == t.device and c.requires_grad and c is not t
+    with torch.no_grad():
+        c.add_(1)
+    torch.testing.assert_close(t.detach().cpu(), torch.arange(4.0) + 1)
+
+
 class _TiedLM(torch.nn.Module):
     """An embedding and an output projection sharing one weight, as GPT-2's and T5's do."""
 

@@ -172,6 +172,13 @@ class DeviceTensor(torch.Tensor):
         ``tolist`` refuses tensor subclasses, and ``loss.tolist()`` is a common line."""
         return self.host().tolist()
 
+    def __copy__(self):
+        """``copy.copy``: a new tensor sharing this one's memory, as on the CPU (where it is
+        rebuilt from the same storage). It went through ``__reduce_ex__`` below and came
+        back a CPU tensor."""
+        alias = self.detach()
+        return alias.requires_grad_() if self.requires_grad else alias
+
     def __deepcopy__(self, memo):
         """A clone with its own cell, as ``copy.deepcopy`` of a CPU tensor copies its storage.
 
