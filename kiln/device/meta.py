@@ -69,7 +69,7 @@ def call(func, args, kwargs, trace):
         if key is not None:
             _CACHE[key] = e
         raise
-    if func in _EVAL_BATCH_NORMS and not (len(args) > 5 and args[5] is True):
+    if func in _EVAL_BATCH_NORMS and not _training(func, args, kwargs):
         out = _cpu_statistics(out)
     if key is not None:
         _CACHE[key] = out
@@ -85,6 +85,14 @@ aten = torch.ops.aten
 # ("a compiled graph returned float32[0] where float32[4] was expected").
 _EVAL_BATCH_NORMS = {aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,
                      aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default}
+
+
+def _training(func, args, kwargs) -> bool:
+    """A batch norm call's ``training`` flag (never set for ``_no_training``, whose sixth
+    argument is the momentum)."""
+    if func is aten._native_batch_norm_legit_no_training.default:
+        return False
+    return (args[5] if len(args) > 5 else kwargs.get("training", False)) is True
 
 
 def _cpu_statistics(out):

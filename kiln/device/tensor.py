@@ -24,6 +24,7 @@ backward passes arrive too) and goes to :func:`kiln.device.dispatch.dispatch`.
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 
 import torch
@@ -65,6 +66,8 @@ class BackwardFailure:
         failure = cls(f"[kiln's device failed to run {func} in a backward pass: {type(error).__name__}: "
                       f"{error}; the backward pass stopped and no gradient was written by this operation]")
         returns = len(func._schema.returns) if hasattr(func, "_schema") else 1
+        if returns == 0:            # PyTorch's error for an operation returning nothing names no text
+            warnings.warn(failure.text, RuntimeWarning, stacklevel=2)
         return failure if returns == 1 else (failure,) * max(returns, 1)
 
 
