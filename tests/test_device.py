@@ -255,6 +255,18 @@ def test_a_shallow_copy_shares_memory_on_the_device():
     torch.testing.assert_close(t.detach().cpu(), torch.arange(4.0) + 1)
 
 
+def test_saving_a_tensor_and_its_view_keeps_them_sharing_memory(tmp_path):
+    """``torch.save`` of a device tensor and a view of it wrote two separate tensors (each
+    host copy apart), so after ``torch.load`` the view no longer saw writes to its base;
+    on the CPU they share one storage, saved once. Now the same on the device."""
+    for where in ("cpu", DEV):
+        t = torch.arange(6.0).to(where)
+        torch.save({"t": t, "v": t[2:]}, tmp_path / "x.pt")
+        loaded = torch.load(tmp_path / "x.pt")
+        loaded["t"][3] = 100.0
+        torch.testing.assert_close(loaded["v"], torch.tensor([2.0, 100.0, 4.0, 5.0]), msg=where)
+
+
 class _TiedLM(torch.nn.Module):
     """An embedding and an output projection sharing one weight, as GPT-2's and T5's do."""
 

@@ -209,8 +209,11 @@ class DeviceTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # torch.save writes the host data as an ordinary CPU tensor, so torch.load with
-        # weights_only=True reads it; load_state_dict copies it back onto the device
-        return self.host().detach().clone().__reduce_ex__(protocol)
+        # weights_only=True reads it; load_state_dict copies it back onto the device. Not a
+        # copy: device tensors that share memory (a tensor and its views) share their host
+        # storage, which torch.save then writes once and torch.load shares again, as on the
+        # CPU (a copy each wrote them apart, and the loaded view no longer saw its base)
+        return self.host().detach().__reduce_ex__(protocol)
 
 
 def any_in(tree) -> bool:
