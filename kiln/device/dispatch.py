@@ -61,7 +61,7 @@ _MISS = object()
 
 
 def _dispatch_any(func, args, kwargs):
-    func = rewrites.WITHOUT_VIEW_BITS.get(func, func)      # before a replay compares it
+    func = rewrites.PLAIN_FORMS.get(func, func)      # before a replay compares it
     if _current[0].template is not None:
         out = _replay_call(func, args, kwargs)
         if out is not _MISS:

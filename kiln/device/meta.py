@@ -82,7 +82,10 @@ aten = torch.ops.aten
 # decomposition says so: "very annoying inconsistency where CPU and CUDA give different
 # shapes"). The device computes on the CPU, so its outputs are the CPU's: with the meta
 # kernel's [C], a BatchNorm model in eval mode with gradients on failed at its first read
-# ("a compiled graph returned float32[0] where float32[4] was expected").
+# ("a compiled graph returned float32[0] where float32[4] was expected"). Where the CPU's shapes
+# follow from the arguments, as here, the metas are corrected and the call is recorded as
+# usual; where they depend on the data (EmbeddingBag's), kiln.device.opinfo's _META_DIFFERS
+# runs the call at once instead.
 _EVAL_BATCH_NORMS = {aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,
                      aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_functional.default}
 

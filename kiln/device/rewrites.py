@@ -20,6 +20,9 @@ aten = torch.ops.aten
 
 _SCALARS: dict = {}
 
+# PLAIN_FORMS: operations whose result PyTorch marks with a key or bit the device's wrapper
+# cannot carry, each mapped to the operation that computes the same values plainly.
+#
 # A complex tensor's ``conj()`` is a view that sets the tensor's conjugate bit, which
 # PyTorch's Conjugate key resolves before the next operation reads it; a device tensor's
 # wrapper never carried the bit, so ``x.conj()`` on the device was ``x`` itself, silently
@@ -31,8 +34,8 @@ _SCALARS: dict = {}
 # ZeroTensor key and no memory, which the device's host tensor cannot be (recording one
 # read its storage and failed on autograd's device thread, where PyTorch, unwinding, ended
 # the process: ``torch.func.hessian`` and ``jvp`` of ``grad``). The device makes real zeros.
-WITHOUT_VIEW_BITS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default,
-                     aten._efficientzerotensor.default: aten.zeros.default}
+PLAIN_FORMS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default,
+               aten._efficientzerotensor.default: aten.zeros.default}
 
 
 def scalar(value: float, like) -> dt.DeviceTensor:
