@@ -641,6 +641,39 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
     assert hs[0].dtype == torch.float16 and torch.equal(hs[0].cpu(), cpu[0])
 
 
+
+def test_foreach_calls_compile_to_each_tensors_operation():
+    """A program holding ``_foreach_*`` calls is compiled as each tensor's own operation,
+    found by its arguments' types, and equals CPU's foreach kernels. ``_foreach_pow(xs, 2)``
+    was compiled as ``pow.Scalar`` (a number raised to a tensor; the graph failed and ran
+    eagerly with a warning, then raised) and ``_foreach_norm(xs)`` without its order ended
+    in an IndexError."""
+    calls = {
+        "pow int": lambda xs, ys: torch._foreach_pow(xs, 2),
+        "pow float": lambda xs, ys: torch._foreach_pow(xs, 1.5),
+        "pow lists": lambda xs, ys: torch._foreach_pow(xs, ys),
+        "pow of a number": lambda xs, ys: torch._foreach_pow(0.9, ys),
+        "norm": lambda xs, ys: torch._foreach_norm(xs),
+        "norm 1": lambda xs, ys: torch._foreach_norm(xs, 1),
+        "maximum int": lambda xs, ys: torch._foreach_maximum(xs, 1),
+        "lerp": lambda xs, ys: torch._foreach_lerp(xs, ys, 0.3),
+        "addcmul": lambda xs, ys: torch._foreach_addcmul(xs, ys, xs, value=0.5),
+    }
+    g = torch.Generator().manual_seed(0)
+    xs, ys = ([torch.rand(3, generator=g) + 0.5, torch.rand(2, 2, generator=g) + 0.5] for _ in range(2))
+    expected = {name: call(xs, ys) for name, call in calls.items()}
+    modes.set_mode("lazy", background=False)         # the first flush compiles and runs the program
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # no graph ran eagerly
+        on_device = [[t.to(DEV) for t in v] for v in (xs, ys)]
+        got = {name: call(*on_device) for name, call in calls.items()}
+        modes.mark_step()
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") >= 1
+    for name, want in expected.items():
+        for w, t in zip(want, got[name]):
+            torch.testing.assert_close(t.cpu(), w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_bf16_autocast_training_follows_cpu(recwarn):
     """Compiled whole (the default), every graph of the bf16 step compiles and passes its
     check. (Options set here: set_mode keeps the last ones given, and the test before this

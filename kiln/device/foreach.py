@@ -47,10 +47,29 @@ def element_op(func):
         packet = getattr(aten, base, None)
         if base.rstrip("_") in ("addcdiv", "addcmul") and func._overloadname == "Tensor":
             packet = None        # one 1-D tensor of per-tensor scalars: no per-tensor form
-        for candidate in _ELEMENT_OVERLOADS.get(func._overloadname, ()) if packet is not None else ():
-            found = found or getattr(packet, candidate, None)
+        if packet is not None and found is None:
+            # the overload taking one element of each list, by the arguments' types: the
+            # names do not say (``_foreach_pow.Scalar`` is ``pow.Tensor_Scalar``; ``pow.Scalar``
+            # is a number raised to a tensor)
+            wanted = [_element_type(a) for a in func._schema.arguments]
+            names = list(_ELEMENT_OVERLOADS.get(func._overloadname, ()))
+            names += [n for n in packet.overloads() if n not in names and not n.endswith("out")]
+            found = next((getattr(packet, n) for n in names
+                          if hasattr(packet, n) and _takes(getattr(packet, n), wanted)), None)
         _ELEMENT[func] = found
     return _ELEMENT[func]
+
+
+def _element_type(argument) -> str:
+    t = str(argument.type)
+    return t[len("List["):-1] if t.startswith("List[") else t
+
+
+def _takes(op, wanted: list) -> bool:
+    """Whether ``op``'s arguments are ``wanted``'s types in order (further ones defaulted)."""
+    params = op._schema.arguments
+    return len(params) >= len(wanted) and all(str(p.type) == t for p, t in zip(params, wanted)) \
+        and all(p.has_default_value() for p in params[len(wanted):])
 
 
 def element_call(func, args, kwargs, i):
@@ -114,8 +133,8 @@ def _plan(func, name, args, kwargs):
         if floating and any(isinstance(v, float) for v in values):
             return _functional(func, name, "Scalar"), (selfs, None, args[2]), {}, (args[1], _lifted(values, selfs))
         return _functional(func, name, overload), args, kwargs, None
-    if overload in ("Scalar", "ScalarList") and floating:
-        pos = 2 if root == "lerp" else 1
+    pos = 2 if root == "lerp" else 1
+    if overload in ("Scalar", "ScalarList") and floating and len(args) > pos:   # (norm's ord defaults)
         value = args[pos]
         values = value if overload == "ScalarList" else [value] * len(selfs)
         if any(isinstance(v, float) for v in values):
