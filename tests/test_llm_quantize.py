@@ -181,3 +181,56 @@ def test_weight_only_quantizing_without_value_infos_gives_the_same_model(monkeyp
     assert fast.SerializeToString() == plain.SerializeToString()
     assert any(n.op_type == "MatMulNBits" for n in fast.graph.node)
     assert len(fast.graph.value_info) >= len(infos)
+
+
+def _three_products(seed=0, changed=False):
+    """A small graph of three weight products (two reading one activation), its weights'
+    input dim a multiple of 32 so every quantizer path runs: kiln's Q4_1 and Q8_0 blocks
+    and ONNX Runtime's own; ``changed``: one weight differs in one value."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(seed)
+    nodes, inits, infos, x = [], [], [], "x"
+    for i in range(3):
+        w = rng.standard_normal((64, 64 + 32 * i)).astype(np.float32)
+        if changed and i == 1:
+            w[5, 7] += 0.25
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"y{i}"], name=f"mm{i}"))
+        infos.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [2, 64 + 32 * i]))
+        x = "y0" if i == 0 else x
+    nodes.append(helper.make_node("Concat", ["y1", "y2"], ["out"], name="cat", axis=-1))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 224])], inits,
+                              value_info=infos)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_quantized_once_for_several_graphs_give_the_same_models(bits):
+    """An LLM's graphs each hold every weight; within ``ort_once.sharing()`` (a compile's
+    graphs, ``reuse_captures``) each weight's blocks are computed once. The quantized models
+    are the same bytes as each quantized on its own, a second graph holding the same
+    weights computes nothing new, and a weight that differs in one value is quantized
+    afresh (one new entry), never handed another's blocks."""
+    import onnx
+
+    from kiln.engines import ort_once, ort_quantize
+    names = ["mm0", "mm1", "mm2"]
+
+    def quantized(model):
+        return ort_quantize._weight_only(onnx.ModelProto.FromString(model.SerializeToString()),
+                                         list(names), bits).SerializeToString()
+
+    same, changed = _three_products(), _three_products(changed=True)
+    alone = quantized(same), quantized(changed)
+    assert alone[0] != alone[1]
+    with ort_once.sharing():
+        memo = ort_once._MEMOS[-1]
+        assert quantized(same) == alone[0]
+        computed = len(memo)
+        assert computed >= 2                # the head's Q8_0 (int4) or ONNX Runtime's int8, and the rest
+        assert quantized(same) == alone[0] and len(memo) == computed
+        assert quantized(changed) == alone[1] and len(memo) == computed + 1
+    assert not ort_once.active()

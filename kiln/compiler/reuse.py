@@ -19,7 +19,9 @@ served.
 
 The block also keeps each partition's ONNX export for the next build of the same
 partition (:func:`kiln.engines.onnx_model.reusing_exports`): the float32 export a
-quantized build starts from is the float32 build's.
+quantized build starts from is the float32 build's; and each weight's quantized blocks
+(:func:`kiln.engines.ort_once.sharing`): an int8 and an int4 build of one LLM compute its
+output projection's Q8_0 blocks once.
 
 Outside the block nothing is kept: the entries hold the graph and references to the
 model's weights, so they live exactly as long as the block (a process that compiles one
@@ -37,7 +39,7 @@ import torch
 
 from kiln.compiler import keys
 from kiln.compiler.options import CompileOptions
-from kiln.engines import onnx_model
+from kiln.engines import onnx_model, ort_once
 from kiln.graph.capture import Captured, bind_inputs, capture
 
 _local = threading.local()
@@ -52,7 +54,7 @@ def reuse_captures():
     if outer is None:
         _local.memo = {}
     try:
-        with onnx_model.reusing_exports():
+        with onnx_model.reusing_exports(), ort_once.sharing():
             yield
     finally:
         if outer is None:

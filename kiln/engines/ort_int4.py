@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.engines import ort_rewrites
+from kiln.engines import ort_once, ort_rewrites
 
 BLOCK = 32
 
@@ -106,7 +106,8 @@ def apply(model, nodes: list, accuracy_level: int) -> list:
             out.append(n)
             continue
         k, cols = weight.dims
-        packed, scales, offsets = blocks(numpy_helper.to_array(weight))
+        w = numpy_helper.to_array(weight)
+        packed, scales, offsets = ort_once.once("q4_1", w, (BLOCK,), lambda: blocks(w))
         name = n.name + "/kiln_int4"
         graph.initializer.extend([numpy_helper.from_array(packed, name + "/q"),
                                   numpy_helper.from_array(scales, name + "/scales"),

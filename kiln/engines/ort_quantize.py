@@ -133,12 +133,23 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
         q = quantizer.MatMulNBitsQuantizer(model, bits=group, block_size=width, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, nodes_to_include=chosen,
                                  nodes_to_exclude=others)
+        _share_blocks(q.node_quantizer)
         with _value_infos_aside(model):
             q.process()
         model = q.model.model
     # a tied token embedding read from the output projection's blocks (kiln.engines.ort_tied)
     ort_tied.share_embedding(model)
     return model
+
+
+def _share_blocks(node_quantizer) -> None:
+    """ONNX Runtime's block quantizer (``qbits_block_quant``: a weight in, its packed blocks,
+    scales and zero points out) for this one quantizer, through :func:`kiln.engines.ort_once.once`:
+    a weight the compile's other graphs hold is quantized once (the same arrays back)."""
+    from kiln.engines import ort_once
+    compute, c = node_quantizer.qbits_block_quant, node_quantizer.config
+    settings = (c.bits, c.block_size, c.is_symmetric, str(c.quant_format), bool(getattr(c, "channel_wised_quantize", 0)))
+    node_quantizer.qbits_block_quant = lambda w: ort_once.once("onnxruntime", w, settings, lambda: compute(w))
 
 
 @contextlib.contextmanager
@@ -164,12 +175,13 @@ def _q8_0_head(model, head: str) -> bool:
     blocks' rewrite (:func:`kiln.engines.ort_blocks.q8_0`): exact for a head that came from
     a Q8_0 file, as SmolLM2's Q4 files store it. False (nothing done) without whole blocks."""
     from onnx import numpy_helper
-    from kiln.engines import ort_blocks
+    from kiln.engines import ort_blocks, ort_once
     node = next(n for n in model.graph.node if n.name == head)
     weight = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == node.input[1]))
     if weight.shape[0] % HEAD_GROUP:
         return False        # no whole blocks along K: ONNX Runtime's quantizer takes it
-    with ort_blocks.keeping({ort_blocks.fingerprint(weight): ort_blocks.q8_0(weight, HEAD_GROUP)}):
+    kept = ort_once.once("q8_0", weight, (HEAD_GROUP,), lambda: ort_blocks.q8_0(weight, HEAD_GROUP))
+    with ort_blocks.keeping({ort_blocks.fingerprint(weight): kept}):
         ort_blocks.apply(model, [head], ACCURACY_LEVEL)
     return True
 

@@ -15,7 +15,7 @@ import torch
 
 from kiln.compiler import selection
 from kiln.compiler.api import trace
-from kiln.engines import onnx_model
+from kiln.engines import onnx_model, ort_once
 from kiln.errors import CompilerArgsError, ValidationError
 from kiln.llm import cuda, gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
@@ -115,7 +115,8 @@ def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) ->
 
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast=None) -> list:
-    with onnx_model.decoder_graphs():
+    # each graph holds every weight: quantized once for the graphs this process compiles
+    with onnx_model.decoder_graphs(), ort_once.sharing():
         return _compile_jobs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast)
 
 
