@@ -674,6 +674,54 @@ def test_foreach_calls_compile_to_each_tensors_operation():
             torch.testing.assert_close(t.cpu(), w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_one_hot_of_a_class_out_of_range_is_an_error(mode):
+    """``F.one_hot`` with a class of 7 among 4 (or a negative one) raises, as on the CPU;
+    PyTorch's form for tensors with the Python key gave a row of zeros. In lazy mode the
+    error comes where the step runs, from a compiled program as from the first run."""
+    modes.set_mode(mode, background=False)
+    classes = torch.tensor([[0, 2], [3, 1]])
+    for _ in range(2):                  # lazy: the second step runs the compiled program
+        got = F.one_hot(classes.to(DEV)), F.one_hot(classes.to(DEV), 6)
+        modes.mark_step()
+        assert torch.equal(got[0].cpu(), F.one_hot(classes)) and torch.equal(got[1].cpu(), F.one_hot(classes, 6))
+    for bad in (7, -1):
+        with pytest.raises(RuntimeError):
+            F.one_hot(torch.tensor([1, bad]), 4)                    # the CPU's answer
+        with pytest.raises(RuntimeError, match=f"index {bad} is out of bounds"):
+            F.one_hot(torch.tensor([1, bad]).to(DEV), 4).sum().item()
+    assert F.one_hot(torch.tensor([], dtype=torch.long).to(DEV), 3).shape == (0, 3)
+
+
+
+def test_a_bad_batch_raises_the_cpus_error_and_leaves_the_program_compiled():
+    """A step whose token ids are out of range raises the CPU's own error (IndexError,
+    "index out of range in self"), whether the program is compiled at that step or already
+    compiled (ONNX Runtime's Gather raised InvalidArgument there); and a first batch that
+    bad no longer pins its program to eager for the rest of the process, with a warning
+    blaming the compile: the next good step compiles it."""
+    weights = torch.randn(5, 3)
+    table = weights.to(DEV)
+    modes.set_mode("lazy", background=False)           # the flush compiles, on this step's values
+
+    def step(ids):
+        out = F.embedding(torch.tensor(ids).to(DEV), table * 2).sum()
+        modes.mark_step()
+        return out.item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # no graph runs eagerly
+        with pytest.raises(IndexError, match="index out of range in self"):
+            step([1, 9])
+        assert metrics.counter_value("EagerGraphs") == 0
+        for ids in ([1, 2], [0, 4], [3, 3]):
+            assert step(ids) == pytest.approx(float(F.embedding(torch.tensor(ids), weights * 2).sum()), rel=1e-6)
+        assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") == 1
+        with pytest.raises(IndexError, match="index out of range in self"):
+            step([2, -7])                                   # the compiled program's turn
+        assert metrics.counter_value("CompiledRunFailed") == 0          # eager raised too: no warning
+
+
 def test_bf16_autocast_training_follows_cpu(recwarn):
     """Compiled whole (the default), every graph of the bf16 step compiles and passes its
     check. (Options set here: set_mode keeps the last ones given, and the test before this

@@ -24,7 +24,12 @@ mask is drawn apart, :mod:`kiln.graph.dropout`), an engine that takes every oper
 
 A graph kiln cannot compile (an operation no engine and no host kernel takes, a check
 against eager that fails, symbolic shapes) runs eagerly as PyTorch traced it, with a
-warning that names why: never a crash, never a silently wrong answer.
+warning that names why: never a crash, never a silently wrong answer. A graph that eager
+PyTorch itself fails to run on the values it was to be compiled against (an index out of
+range, a class beyond ``num_classes``) is not such a graph: the values are at fault, the
+caller gets eager's error, and the graph compiles at a later run with good values
+(:class:`InputsFail`). It was pinned to eager for the rest of the process, with a warning
+blaming the compile, after one bad batch.
 """
 from __future__ import annotations
 
@@ -41,6 +46,22 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from kiln.compiler.api import trace
 from kiln.device import metrics
 from kiln.errors import KilnError
+
+
+class InputsFail(Exception):
+    """The graph raises in eager PyTorch on the values it was to be compiled against:
+    nothing is decided about compiling it (module doc)."""
+
+
+def _fails_on(gm, examples) -> bool:
+    """Whether eager PyTorch raises running ``gm`` on ``examples`` (asked only after a
+    compile failed)."""
+    try:
+        with unset_fake_temporarily():
+            gm(*examples)
+    except Exception:       # noqa: BLE001 - any error of eager's own is the values'
+        return True
+    return False
 
 
 def structure_of(gm: torch.fx.GraphModule) -> str:
@@ -87,7 +108,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     shapes = [tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
     metrics.note_compile(structure_of(gm), shapes, _readers(gm), f"graph '{name}' ({ops} ops)")
     if real_inputs:
-        return (build_in_child if in_child else _build)(gm, tuple(inputs), name, options)
+        try:
+            return (build_in_child if in_child else _build)(gm, tuple(inputs), name, options)
+        except InputsFail:
+            return None         # not compiled: the caller runs it op by op (eager's error) and asks again
     return _on_first_call(gm, name, options)
 
 
@@ -110,7 +134,11 @@ def _on_first_call(gm, name, options):
                 if not built:
                     examples = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
                     with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
-                        first = pool.submit(_build, gm, examples, name, options).result()
+                        try:
+                            first = pool.submit(_build, gm, examples, name, options).result()
+                        except InputsFail:          # eager's own error on these values, raised here
+                            out = gm(*args)
+                            return list(out) if isinstance(out, (tuple, list)) else [out]
                         built.append(pool.submit(_inductor_too, gm, examples, name, options, first).result())
                     run.compiled = built[0].compiled
         return built[0](*args)
@@ -156,10 +184,18 @@ def _build(gm, examples, name, options):
                 _warn_misfit(name, misfit)
                 compiled = trace(gm, examples, name=name, quiet=True, **{**options, "cache": False})
         except KilnError as e:
-            return _eager(gm, name, str(e))
+            return _eager_unless_inputs_fail(gm, examples, name, str(e))
         except Exception as e:       # torch itself failing on the graph: still never a crash
-            return _eager(gm, name, f"{type(e).__name__}: {e}")
+            return _eager_unless_inputs_fail(gm, examples, name, f"{type(e).__name__}: {e}")
     return _runner(gm, compiled, started, bool(compiled.manifest.get("cache", {}).get("hit")))
+
+
+def _eager_unless_inputs_fail(gm, examples, name, why, refused=None):
+    """``refused(why)`` (default: run ``gm`` eagerly with a warning), or :class:`InputsFail`
+    where eager PyTorch fails on ``examples`` too."""
+    if _fails_on(gm, examples):
+        raise InputsFail(why)
+    return (refused or (lambda reason: _eager(gm, name, reason)))(why)
 
 
 def build_in_child(gm, examples, name, options, refused=None):
@@ -185,13 +221,13 @@ def build_in_child(gm, examples, name, options, refused=None):
     except compile_process.Closed:              # the process is exiting: no failure to report
         return _eager(gm, name, None)
     except (compile_process.ChildError, KilnError) as e:
-        return refused(str(e))
+        return _eager_unless_inputs_fail(gm, examples, name, str(e), refused)
     for category, message in answer["warnings"]:
         category = getattr(builtins, category, None)
         warnings.warn(message, category if isinstance(category, type) and issubclass(category, Warning)
                       else UserWarning, stacklevel=2)
     if compiled is None:
-        return refused(answer["error"])
+        return _eager_unless_inputs_fail(gm, examples, name, answer["error"], refused)
     return _runner(gm, compiled, started, answer["hit"])
 
 

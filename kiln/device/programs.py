@@ -101,13 +101,32 @@ def flush(trace: Trace, policy: Policy, at_step: bool = False, overlap: bool = F
             _upgrade_in_background(entry)         # it runs again: worth its later build
         if overlap:
             return Overlapped(run, inputs, [cell for _, cell in live], entry.name)
-        return [(cell, data) for (_, cell), data in zip(live, run(*inputs))]
+        try:
+            return [(cell, data) for (_, cell), data in zip(live, run(*inputs))]
+        except Exception as e:      # noqa: BLE001 - run again op by op, below
+            failure = e
+        return [(cell, data) for (_, cell), data in zip(live, _op_by_op_after(entry, trace, outputs, failure))]
     started = time.perf_counter()
     results = trace.interpret(outputs)
     entry.interpreted = True
     metrics.count("InterpretedGraphs")
     metrics.sample("ExecuteTime", time.perf_counter() - started)
     return [(cell, data) for (_, cell), data in zip(live, results)]
+
+
+def _op_by_op_after(entry, trace, outputs, failure):
+    """A compiled program that raised, run again op by op on the same inputs (a program
+    reads its inputs and writes only its outputs). Where eager PyTorch raises too (an index
+    out of range), eager's error is the caller's, of the type and words the CPU gives (ONNX
+    Runtime's Gather raises InvalidArgument where the CPU raises IndexError). Where eager
+    runs, its results are returned, with a warning naming the program's failure
+    (``CompiledRunFailed``): never a crash for a program kiln built."""
+    results = trace.interpret(outputs)          # eager's own error is raised here
+    import warnings
+    metrics.count("CompiledRunFailed")
+    warnings.warn(f"kiln: {entry.name}: its compiled program failed ({type(failure).__name__}: {failure}); "
+                  "this run went op by op", RuntimeWarning, stacklevel=4)
+    return results
 
 
 _OP_BY_OP = object()           # an entry's run after its compile failed: interpret it

@@ -253,11 +253,11 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         dt.set_device_type(name)
         library = torch.library.Library("_", "IMPL")
         library.fallback(_factory, dispatch_key="PrivateUse1")
-        from kiln.device import autocast, dispatch
+        from kiln.device import autocast, dispatch, index_checks
         assert dispatch.current() is not None        # its handlers are installed on the tensor class
         _registered.append(name)
         # kept alive: the registrations live as long as their libraries
-        _registered.extend([library, _per_op(), autocast.register(name)])
+        _registered.extend([library, _per_op(), autocast.register(name), index_checks.register()])
         _foreach_capable()
         _pinnable(name)
         from kiln.device import (data_parallel, default_backend, dynamo_skip, nn_fastpath, serialization,
