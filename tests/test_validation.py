@@ -392,3 +392,30 @@ def test_a_broadcast_example_input_is_probed_in_a_layout_of_its_own():
     for got, want in zip(m(grad, h), Step()(grad, h)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert m.manifest["partitions"], m.manifest
+
+
+def test_values_eager_refuses_are_probed_without_ending_the_compile():
+    """The NaN/infinity probe runs eager on the probe's values too; where eager raises on
+    them (``linalg.eigvalsh`` of a NaN matrix does not converge), a build that raises as well
+    agrees and one that answers is listed as differing. Eager's error ended the compile: the
+    device ran a graph holding ``linalg.eigh`` eagerly, with a warning naming the error."""
+    from kiln.compiler import checks
+    from kiln.compiler.options import CompileOptions
+
+    class Eigen(torch.nn.Module):
+        def forward(self, a):
+            return torch.linalg.eigvalsh(a @ a.mT + 4 * torch.eye(4, dtype=a.dtype))
+
+    a = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        Eigen()(torch.full((4, 4), float("nan"), dtype=torch.float64))
+    reference = checks.Reference(torch.fx.symbolic_trace(Eigen()), [a], CompileOptions())
+
+    def raising(inputs):
+        return [Eigen()(*inputs)]
+    assert checks.nonfinite_probe(raising, reference, CompileOptions()) == []
+
+    def answering(inputs):
+        x = inputs[0]
+        return [Eigen()(torch.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0))]
+    assert checks.nonfinite_probe(answering, reference, CompileOptions()) == ["nan", "+inf", "-inf"]
