@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import aten_graph, one_trace, randomness
+from kiln.graph import aten_graph, one_trace, randomness, state_writes
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -160,16 +160,19 @@ class _Positional(torch.nn.Module):
         return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
 
 
-def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True) -> Captured:
+def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True,
+            check_writes=True) -> Captured:
     """Capture in eval mode (inference graphs), leaving the user's module as it was.
     ``fast``: a graph that is already ATen is traced once with ``make_fx``
-    (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None)."""
+    (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None).
+    ``check_writes``: a forward that writes to its inputs, parameters or buffers is refused
+    (:mod:`kiln.graph.state_writes`); off for graphs PyTorch hands over (:func:`from_graph`)."""
     was_training = isinstance(model, torch.nn.Module) and model.training
     if was_training:
         model.eval()
     try:
         with _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
-            return _capture(model, example_inputs, example_kwargs, decompose, fast)
+            return _capture(model, example_inputs, example_kwargs, decompose, fast, check_writes)
     finally:
         if was_training:
             model.train()
@@ -190,7 +193,7 @@ def _stack_traces(record: bool):
         fx_config.do_not_emit_stack_traces = before
 
 
-def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Captured:
+def _capture(model, example_inputs, example_kwargs, decompose, fast=True, check_writes=True) -> Captured:
     named = bind_inputs(model, example_inputs, example_kwargs)
     names = list(named)
     n_positional = positional_count(model, names)
@@ -198,8 +201,10 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
     structure = {"dict": [[n, specs.encode(v, n, leaves, in_specs)] for n, v in named.items()]}
 
     draws = randomness.Draws()
+    watched = state_writes.versions(model, named) if check_writes else []
     with torch.no_grad():
         eager = call_bound(model, named)
+    state_writes.refuse_writes(_name(model), watched)
     out_leaves, out_specs = [], []
     out_structure = specs.encode(eager, "", out_leaves, out_specs)
     for i, s in enumerate(out_specs):
@@ -252,7 +257,7 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
     bad = [type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)]
     if bad:
         raise CaptureError(f"from_graph takes flat tensor inputs; got {', '.join(bad)}")
-    captured = capture(gm, inputs)
+    captured = capture(gm, inputs, check_writes=False)
     captured.model_name = name
     return captured
 
