@@ -358,6 +358,28 @@ def test_training_mode_batch_norm_on_onnx_runtime_uses_the_batchs_statistics():
 
 
 
+def test_an_accumulating_index_write_on_onnx_runtime_checks_its_indices():
+    """The one-hot product an accumulating ``index_put`` is summed as on ONNX Runtime takes a
+    negative index from the end, as eager does, and raises on one out of range, as eager does:
+    compared with ``arange`` alone, an index of 7 among 4 rows made a row of zeros and its
+    update was silently lost."""
+    from kiln.engines import onnxruntime as ort_engine
+
+    class Accumulate(torch.nn.Module):
+        def forward(self, src, idx):
+            return torch.zeros(4, 3).index_put((idx,), src * 2, accumulate=True)
+    src = torch.randn(3, 3)
+    c = kiln.trace(Accumulate(), (src, torch.tensor([0, 3, 3])), engine="onnxruntime", optlevel=1, cache=False)
+    graph = ort_engine.graph_of(c._artifact.blobs[c.manifest["partitions"][0]["blob"]])
+    assert "ScatterND" not in {n.op_type for n in graph.graph.node}     # the one-hot product
+    for idx in ([1, -1, -4], [2, 2, -2]):
+        torch.testing.assert_close(c(src, torch.tensor(idx)), Accumulate()(src, torch.tensor(idx)))
+    for idx in ([1, 7, 0], [0, -5, 1]):
+        with pytest.raises(IndexError):
+            Accumulate()(src, torch.tensor(idx))                     # eager's answer
+        with pytest.raises(Exception, match="out of"):
+            c(src, torch.tensor(idx))
+
 @pytest.mark.parametrize("rows", [4, 64])
 def test_accumulating_index_writes_never_race_on_onnx_runtime(rows):
     """ONNX Runtime's ScatterND with ``reduction="add"`` (torch's export of an accumulating

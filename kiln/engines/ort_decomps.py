@@ -88,7 +88,10 @@ def index_put(self, indices, values, accumulate=False):
     if not accumulate or not _one_index(self, indices, values):
         return NotImplemented
     rows, idx = self.shape[0], indices[0].reshape(-1)
-    idx = aten.where.self(aten.lt.Scalar(idx, 0), aten.add.Tensor(idx, rows), idx)      # negative: from the end
+    # each index through a gather from 0..rows-1: a negative one counts from the end, and one
+    # out of range raises (ONNX Runtime's Gather checks its indices) where the CPU's index_put
+    # raises; an equality with arange alone gave it a row of zeros, its update silently lost
+    idx = aten.index_select.default(aten.arange.default(rows, dtype=idx.dtype), 0, idx)
     hot = aten.eq.Tensor(aten.unsqueeze.default(idx, 1), aten.arange.default(rows, dtype=idx.dtype))
     hot = aten._to_copy.default(hot, dtype=values.dtype)
     summed = aten.mm.default(aten.permute.default(hot, [1, 0]), aten.reshape.default(values, [idx.shape[0], -1]))
