@@ -26,7 +26,7 @@ from kiln.artifact import specs
 from kiln.artifact.container import FORMAT, FORMAT_VERSION, Artifact
 from kiln.engines.base import Engine
 from kiln.errors import CompilerArgsError, UnsupportedOpError
-from kiln.graph import dropout, randomness
+from kiln.graph import dropout, index_ranges, randomness
 from kiln.graph.analysis import AnalysisReport, report as make_report
 from kiln.graph.capture import Captured
 from kiln.graph.partition import Placement, group, place, split, takes
@@ -265,8 +265,9 @@ def package(b: Build) -> Artifact:
         "engines": sorted({(r["engine"], r["engine_version"]) for r in b.partitions}),
         "target": target_mod.describe(p.options.target, p.options.device),
         "compile_options": p.options.to_dict(),
+        # an input that indexes carries the range eager accepts, checked at each call
         "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
-                   "tensors": [s.to_dict() for s in captured.input_specs]},
+                   "tensors": index_ranges.recorded(captured)},
         "outputs": {"structure": captured.output_structure,
                     "tensors": [s.to_dict() for s in captured.output_specs]},
         "program": b.program,

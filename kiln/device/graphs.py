@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from kiln.compiler.api import trace
 from kiln.device import metrics
 from kiln.errors import KilnError
+from kiln.runtime import value_checks
 
 
 class InputsFail(Exception):
@@ -332,9 +333,12 @@ def _runner(gm, compiled, started, hit):
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
     present = [o is not None for o in outputs]
+    ranges = compiled._ranges         # an index out of range is refused before any engine sees it
 
     def run(*args):
         t0 = time.perf_counter()
+        if ranges:
+            value_checks.check_ranges(args, ranges)
         flat = iter(compiled.run_flat(list(args)))
         out = [next(flat) if p else None for p in present]
         metrics.sample("ExecuteTime", time.perf_counter() - t0)

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import aten_graph, one_trace, randomness, state_writes
+from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -45,6 +45,7 @@ class Captured:
     tensor_mask: list | None = None      # which pytree input leaves are tensors
     draws: object = None                 # randomness.Draws before eager_outputs were computed
     capture_seconds: float | None = None  # set by a caller that captured it for a compile (the cache's hook)
+    index_ranges: dict | None = None     # inputs that index, and eager's range (kiln.graph.index_ranges)
 
 
 def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
@@ -243,6 +244,7 @@ def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_spec
     captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
                         list(leaves), [t.detach() for t in out_leaves], _name(model))
     captured.exported, captured.tensor_mask, captured.draws = ep, tensor_mask, draws
+    captured.index_ranges = index_ranges.of_inputs(gm, captured.input_specs)   # before partitioning
     return captured
 
 

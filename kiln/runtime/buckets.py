@@ -72,6 +72,9 @@ class Bucketed(_Wrapper):
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
         self._cache: dict = {}
         self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
+        # an index range every bucket shares (an embedding's rows); one that grows with the
+        # bucket (an index into a padded dim) is left to the bucket's own size
+        self._ranges = [r for r in first._ranges if all(r in v._ranges for v in self.variants)]
         from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
@@ -147,7 +150,7 @@ class Bucketed(_Wrapper):
 
     def check(self, flat):
         self._select(flat)
-        self._check_nonfinite(flat)
+        self._check_values(flat)
 
     def run_flat(self, flat):
         k, sizes = self._select(flat)
@@ -276,6 +279,7 @@ class DynamicBatch(_Wrapper):
         self.inner = inner
         self.input_specs = inner.input_specs
         self.nonfinite = inner.nonfinite
+        self._ranges = inner._ranges
         lead = [s.shape[0] for s in inner.input_specs if len(s.shape)]
         if not lead:
             raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")
@@ -331,7 +335,7 @@ class DynamicBatch(_Wrapper):
                     f"{self.batch_size}); input '{spec.name}': expected {shown} "
                     f"{specs.dtype_name(spec.dtype)}{' (any batch size N)' if batched else ''}, "
                     f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
-        self._check_nonfinite(flat)
+        self._check_values(flat)
         if self._batch(flat) == 0:
             self._check_empty(flat)
             return

@@ -25,7 +25,7 @@ from kiln import engines
 from kiln.artifact import schema, specs, trust
 from kiln.host import cores, memory
 from kiln.observe import profiler
-from kiln.runtime import program as program_mod
+from kiln.runtime import program as program_mod, value_checks
 from kiln.observe import announce_model
 from kiln.observe.metrics import ModelMetrics
 from kiln.runtime.workers import Worker
@@ -58,27 +58,14 @@ class Model(torch.nn.Module):
         self.check(flat)
         return specs.decode(self.output_structure, self.run_flat(flat))
 
-    def _check_nonfinite(self, flat):
-        if not self.nonfinite:
-            return
-        for t, spec in zip(flat, self.input_specs):
-            # A finite sum proves every element finite (a NaN or an infinity makes any sum
-            # non-finite), in one pass without a mask: an LLM's 8-row decode step's 60 cache
-            # inputs took 19 ms so against 140 ms with isfinite().all() (1 thread). A sum that
-            # is not finite (a NaN, an infinity, or finite values that overflow) is looked at
-            # element by element below.
-            if not t.is_floating_point() or t.device.type == "meta" or bool(torch.isfinite(t.detach().sum())):
-                continue
-            found = [k for k, test in (("nan", torch.isnan), ("+inf", torch.isposinf),
-                                       ("-inf", torch.isneginf))
-                     if k in self.nonfinite and bool(test(t).any())]
-            if found:
-                raise InputError(
-                    f"input '{spec.name}' holds {' and '.join(found)}: an engine of this model was "
-                    "found at compile time not to give PyTorch's answer for such values (NaN, and "
-                    "the NaN that infinities make, through ReLU or max comes out as a number), so "
-                    "kiln refuses them rather than answer differently. Replace them, or compile "
-                    "with another engine (engine=...)")
+    _ranges: list = []     # (position, name, low, high, operator) of inputs that index
+
+    def _check_values(self, flat):
+        """The inputs' values (kiln.runtime.value_checks): indices in range, and no NaN or
+        infinity an engine of this model answers otherwise than PyTorch."""
+        if self._ranges:
+            value_checks.check_ranges(flat, self._ranges)
+        value_checks.check_nonfinite(flat, self.input_specs, self.nonfinite)
 
     # -- asynchronous calls -------------------------------------------------------
     def _executor(self) -> Worker:
@@ -211,6 +198,7 @@ class CompiledModel(Model):
         self._in_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self._checks)
         self._plain = specs.positional_tensors(self.input_structure, self.arg_names)
         self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
+        self._ranges = value_checks.ranges(m["inputs"]["tensors"])
         # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
         self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
         self._worker = None
@@ -302,7 +290,7 @@ class CompiledModel(Model):
             raise InputError(f"expected {len(self._checks)} input tensors, got {len(flat)}")
         if all(t.shape == shape and t.dtype == dtype and t.is_cpu
                for t, (_, shape, dtype) in zip(flat, self._checks)):
-            self._check_nonfinite(flat)     # the common case, without a device object per input
+            self._check_values(flat)     # the common case, without a device object per input
             return
         for t, (name, shape, dtype) in zip(flat, self._checks):
             if t.shape != shape or t.dtype != dtype:
@@ -312,7 +300,7 @@ class CompiledModel(Model):
             if t.device.type not in self._devices:
                 where = " or a CUDA" if len(self._devices) > 1 else ""
                 raise InputError(f"input '{name}': expected a CPU{where} tensor, got one on {t.device}")
-        self._check_nonfinite(flat)
+        self._check_values(flat)
 
     def _build_program(self, runtime_options, loaded=None) -> Program:
         """``loaded``: ``(options, runners)``, the partitions as the compiler's checks loaded

@@ -1,0 +1,114 @@
+"""Integer inputs a model indexes with, and the range eager PyTorch accepts for each.
+
+An index out of range is an error in eager PyTorch (``IndexError: index out of range in
+self``), and engines differ on it: ONNX Runtime raises an error of its own, OpenVINO's
+``Gather`` answers zeros (a token id beyond the vocabulary embedded as a row of zeros: a
+silently wrong answer), and an AOTInductor kernel's bounds check throws inside an OpenMP
+region, which ends the process ("terminate called after throwing an instance of
+'c10::Error'": one bad request took a server down). So the compile finds each input that
+reaches an indexing operation unchanged (through views, copies and integer casts only) and
+records the range that operation accepts; the runtime checks it at every call
+(:mod:`kiln.runtime.value_checks`), before any engine sees the values: a min and a max of
+the index tensors.
+
+The ranges are eager's: ``embedding``, ``index_select``, ``gather`` and the scatters take
+``0 <= i < size``; advanced indexing (``x[i]``, ``index_put``) also takes a negative index
+from the end, ``-size <= i < size``. An input read by several takes all their limits.
+Anything else between the input and the operation (a clamp, a mask, arithmetic) leaves the
+input unchecked: its values are not what the operation reads.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+# operator -> (argument holding the indexed tensor, argument holding the dim or None for
+# dim 0, argument holding the index): indices from 0
+_FROM_ZERO = {aten.embedding.default: (0, None, 1), aten.index_select.default: (0, 1, 2),
+              aten.gather.default: (0, 1, 2), aten.scatter.src: (0, 1, 2), aten.scatter.value: (0, 1, 2),
+              aten.scatter_add.default: (0, 1, 2), aten.scatter_reduce.two: (0, 1, 2)}
+# advanced indexing: a list of optional indices, one per leading dim; negatives from the end
+_ADVANCED = (aten.index.Tensor, aten.index_put.default)
+# operators whose output holds exactly its input's values
+_SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+                aten.permute.default, aten.clone.default, aten.alias.default, aten.t.default,
+                aten.transpose.int, aten._to_copy.default}
+
+
+def input_ranges(gm: torch.fx.GraphModule) -> dict:
+    """``{placeholder position: (low, high, operator)}``: the input at that position must
+    lie in ``low <= i < high`` for ``operator`` (module doc)."""
+    positions = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    ranges: dict = {}
+
+    def limit(index, low, high, what):
+        source = _source(index)
+        if source not in positions or not isinstance(high, int):
+            return
+        i = positions[source]
+        old = ranges.get(i)
+        ranges[i] = (low, high, what) if old is None else (max(old[0], low), min(old[1], high), old[2])
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _FROM_ZERO:
+            data, dim, index = _FROM_ZERO[node.target]
+            if len(node.args) > max(index, dim or 0):
+                limit(node.args[index], 0, _size(node.args[data], node.args[dim] if dim is not None else 0),
+                      str(node.target.overloadpacket.__name__))
+        elif node.target in _ADVANCED and len(node.args) > 1:
+            for d, index in enumerate(node.args[1] or ()):
+                size = _size(node.args[0], d)
+                if index is not None and isinstance(size, int):
+                    limit(index, -size, size, "indexing")
+    return ranges
+
+
+def _source(node):
+    """The placeholder whose values ``node`` holds unchanged, or None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _SAME_VALUES:
+        if node.target is aten._to_copy.default and not (_integer(node) and _integer(node.args[0])):
+            return None
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "placeholder" and _integer(node)):
+        return None
+    return node
+
+
+def _integer(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype in _INTEGER
+
+
+def _size(node, dim):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or not -val.dim() <= dim < max(val.dim(), 1):
+        return None
+    size = val.shape[dim] if val.dim() else 1
+    return size if isinstance(size, int) else None
+
+
+def of_inputs(gm: torch.fx.GraphModule, input_specs: list) -> dict:
+    """``{input position: [low, high, operator]}`` for the captured graph ``gm`` (before
+    partitioning); empty where the graph's inputs are not the specs' (nothing is checked
+    rather than the wrong input)."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(vals) != len(input_specs) or not all(
+            isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(s.shape) and v.dtype == s.dtype
+            for v, s in zip(vals, input_specs)):
+        return {}
+    return {i: [low, high, what] for i, (low, high, what) in input_ranges(gm).items() if low < high}
+
+
+def recorded(captured) -> list:
+    """The input tensor specs' dicts for a manifest, an input with a range holding it as
+    ``"range": [low, high, operator]``."""
+    dicts = [s.to_dict() for s in captured.input_specs]
+    for i, r in (captured.index_ranges or {}).items():
+        dicts[i]["range"] = list(r)
+    return dicts
