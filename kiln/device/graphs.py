@@ -333,7 +333,7 @@ def _runner(gm, compiled, started, hit):
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
     present = [o is not None for o in outputs]
-    ranges = compiled._ranges         # an index out of range is refused before any engine sees it
+    ranges = compiled.index_ranges    # an index out of range is refused before any engine sees it
 
     def run(*args):
         t0 = time.perf_counter()

@@ -167,7 +167,7 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     ``fast``: a graph that is already ATen is traced once with ``make_fx``
     (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None).
     ``check_writes``: a forward that writes to its inputs, parameters or buffers is refused
-    (:mod:`kiln.graph.state_writes`); off for graphs PyTorch hands over (:func:`from_graph`)."""
+    (:mod:`kiln.graph.state_writes`); FX graphs (PyTorch's, the device's) are not watched."""
     was_training = isinstance(model, torch.nn.Module) and model.training
     if was_training:
         model.eval()
@@ -202,7 +202,9 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True, check_
     structure = {"dict": [[n, specs.encode(v, n, leaves, in_specs)] for n, v in named.items()]}
 
     draws = randomness.Draws()
-    watched = state_writes.versions(model, named) if check_writes else []
+    # an FX graph (PyTorch's, the device's) is functional by construction: not watched
+    watched = state_writes.versions(model, named) if check_writes and not isinstance(model, torch.fx.GraphModule) \
+        else []
     with torch.no_grad():
         eager = call_bound(model, named)
     state_writes.refuse_writes(_name(model), watched)

@@ -74,7 +74,7 @@ class Bucketed(_Wrapper):
         self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
         # an index range every bucket shares (an embedding's rows); one that grows with the
         # bucket (an index into a padded dim) is left to the bucket's own size
-        self._ranges = [r for r in first._ranges if all(r in v._ranges for v in self.variants)]
+        self.index_ranges = [r for r in first.index_ranges if all(r in v.index_ranges for v in self.variants)]
         from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
@@ -279,7 +279,7 @@ class DynamicBatch(_Wrapper):
         self.inner = inner
         self.input_specs = inner.input_specs
         self.nonfinite = inner.nonfinite
-        self._ranges = inner._ranges
+        self.index_ranges = inner.index_ranges
         lead = [s.shape[0] for s in inner.input_specs if len(s.shape)]
         if not lead:
             raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")

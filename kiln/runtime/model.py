@@ -58,13 +58,13 @@ class Model(torch.nn.Module):
         self.check(flat)
         return specs.decode(self.output_structure, self.run_flat(flat))
 
-    _ranges: list = []     # (position, name, low, high, operator) of inputs that index
+    index_ranges: list = []     # (position, name, low, high, operator) of inputs that index
 
     def _check_values(self, flat):
         """The inputs' values (kiln.runtime.value_checks): indices in range, and no NaN or
         infinity an engine of this model answers otherwise than PyTorch."""
-        if self._ranges:
-            value_checks.check_ranges(flat, self._ranges)
+        if self.index_ranges:
+            value_checks.check_ranges(flat, self.index_ranges)
         value_checks.check_nonfinite(flat, self.input_specs, self.nonfinite)
 
     # -- asynchronous calls -------------------------------------------------------
@@ -198,7 +198,7 @@ class CompiledModel(Model):
         self._in_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self._checks)
         self._plain = specs.positional_tensors(self.input_structure, self.arg_names)
         self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
-        self._ranges = value_checks.ranges(m["inputs"]["tensors"])
+        self.index_ranges = value_checks.ranges(m["inputs"]["tensors"])
         # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
         self._devices = ("cpu", "cuda") if m.get("target", {}).get("device") == "cuda" else ("cpu",)
         self._worker = None
