@@ -473,3 +473,22 @@ def test_a_cast_from_bfloat16_runs_on_the_host_and_the_float32_rest_on_onnx_runt
     assert part["engine"] == "onnxruntime" and [i["dtype"] for i in part["inputs"]] == ["float32"], part
     assert [a["status"] for a in part["candidates"]] == ["ok"], part["candidates"]
     torch.testing.assert_close(c(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_host_op_raises_eagers_own_error_for_values_eager_rejects():
+    """A host operation runs eager's kernel, so its error for the values it is given (an
+    integer division by zero) is eager's, of its type and in its words; it was a KilnError
+    saying the artifact's program was broken."""
+    class Divide(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.div(a, b, rounding_mode="floor") + 1
+
+    a, b = torch.tensor([7, -7, 9]), torch.tensor([2, 3, 4])
+    c = kiln.trace(Divide(), (a, b), engine="openvino", optlevel=1, cache=False, quiet=True)
+    assert not c.manifest["partitions"]          # OpenVINO takes no integer floor division: the host's
+    assert c(a, b).tolist() == Divide()(a, b).tolist()
+    with pytest.raises(RuntimeError, match="ZeroDivisionError") as eager:
+        Divide()(a, torch.tensor([2, 0, 4]))
+    with pytest.raises(type(eager.value), match="ZeroDivisionError") as got:
+        c(a, torch.tensor([2, 0, 4]))
+    assert any("host operation" in note for note in getattr(got.value, "__notes__", []))

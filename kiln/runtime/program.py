@@ -460,10 +460,13 @@ class Program:
                 env[outs[0]] = what(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
             except KilnError:
                 raise           # kiln's own operators (the collectives) say what went wrong themselves
-            except Exception as e:  # noqa: BLE001 - any failure of a checked call is the program's
-                raise KilnError(f"host op {getattr(what, '__name__', what)} failed on inputs that "
-                                f"match the model's specs: {type(e).__name__}: {e}. The artifact's "
-                                "program is broken, or the op cannot take these values") from e
+            except Exception as e:  # noqa: BLE001 - eager's own error, raised as eager raises it
+                # a host op runs eager's kernel: its error for these values (a division by zero,
+                # an index out of range) is the caller's, of its type and in its words, as eager
+                # raises it (a KilnError blaming the artifact before), with where it came from
+                e.add_note(f"kiln: raised by host operation {getattr(what, '__name__', what)} of the "
+                           "compiled model's program, on inputs that match the model's specs")
+                raise
         elif kind == "getitem":
             env[outs[0]] = _resolve(ins[0], env)[what]
         else:
