@@ -492,3 +492,38 @@ def test_a_host_op_raises_eagers_own_error_for_values_eager_rejects():
     with pytest.raises(type(eager.value), match="ZeroDivisionError") as got:
         c(a, torch.tensor([2, 0, 4]))
     assert any("host operation" in note for note in getattr(got.value, "__notes__", []))
+
+
+def test_integer_division_by_a_tensor_runs_on_the_host_where_zero_raises():
+    """An integer division or remainder by a tensor runs on eager's kernel: for a zero divisor
+    ONNX Runtime answered -9223372036854775807 (7 // 0) and an AOTInductor build ended the
+    process (SIGFPE), where eager raises ZeroDivisionError. Every engine but eager's own
+    declines it (checked here without building each); float division stays compiled."""
+    from kiln import engines
+    from kiln.graph import zero_divisors
+    from kiln.graph.capture import capture
+    from kiln.graph.partition import takes
+
+    class Divide(torch.nn.Module):
+        def forward(self, a, b, x):
+            return (a // b + torch.remainder(a, b) + torch.fmod(a, b)) * 2 + a // 3, x / b
+
+    a, b, x = torch.tensor([7, -7, 9]), torch.tensor([2, 3, 4]), torch.tensor([1.0, 2.0, 3.0])
+    graph = capture(Divide(), (a, b, x)).graph_module
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    dividing = [n for n in nodes if zero_divisors.by_a_tensor(n)]
+    assert len(dividing) == 3                       # a // 3 divides by a number; x / b is a float division
+    for name in ("onnxruntime", "openvino", "inductor"):
+        engine = engines.get(name, purpose="compile")
+        assert all(takes(engine, n) == zero_divisors.WHY_HOST for n in dividing), name
+    assert all(takes(engines.get("eager", purpose="compile"), n) is None for n in dividing)
+
+    c = kiln.trace(Divide(), (a, b, x), engine="onnxruntime", optlevel=1, cache=False, quiet=True)
+    assert {u["op"] for u in c.report["unsupported_ops"]} >= {"aten::div.Tensor_mode", "aten::remainder.Tensor"}
+    for got, want in zip(c(a, b, x), Divide()(a, b, x)):
+        assert torch.equal(got, want)
+    zero = torch.tensor([2, 0, 4])
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        Divide()(a, zero, x)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        c(a, zero, x)

@@ -14,7 +14,7 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from kiln.graph import randomness
+from kiln.graph import randomness, zero_divisors
 from kiln.graph.explain import user_frame
 
 
@@ -40,13 +40,16 @@ class Placement:
 
 
 def takes(engine, node) -> str | None:
-    """None if ``engine`` may run ``node``, else why not: what it supports, and an
-    operation that draws random numbers only where they come from PyTorch's generator."""
+    """None if ``engine`` may run ``node``, else why not: what it supports, an operation
+    that draws random numbers only where they come from PyTorch's generator, and an integer
+    division by a tensor only on eager's kernel (:mod:`kiln.graph.zero_divisors`)."""
     if not getattr(engine, "draws_from_torch", False):
         if randomness.draws(node):
             return randomness.WHY_HOST
         if node.meta.get(randomness.RELAYOUT):
             return randomness.WHY_RELAYOUT
+    if getattr(engine, "name", None) != "eager" and zero_divisors.by_a_tensor(node):
+        return zero_divisors.WHY_HOST
     return engine.supports(node)
 
 
