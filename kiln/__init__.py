@@ -22,7 +22,8 @@ import importlib
 from kiln._version import __version__  # noqa: F401
 from kiln.runtime import script_op as _script_op  # noqa: F401  (declares kiln::run: torch.jit.load needs it)
 from kiln.errors import (ArtifactError, CaptureError, CompileError, CompilerArgsError,  # noqa: F401
-                         EngineUnavailableError, InputError, KilnError, PlacementError, SignatureError,
+                         EngineUnavailableError, IndexRangeError, InputError, KilnError, PlacementError,
+                         SignatureError,
                          TargetMismatchError, UnsupportedOpError, UntrustedArtifactError, ValidationError)
 
 # The API's names, imported on first use (PEP 562). Why: PyTorch imports kiln's device during
@@ -55,7 +56,7 @@ __all__ = ["trace", "analyze", "load", "CompiledModel", "Model", "Output", "core
            "metrics_report", "profile", "bench",
            "dynamic_batch", "Bucketed", "DynamicBatch", "DataParallel", "PlacementError", "KilnError", "ArtifactError",
            "CaptureError", "CompileError", "CompilerArgsError", "EngineUnavailableError",
-           "InputError", "TargetMismatchError", "UnsupportedOpError", "ValidationError",
+           "InputError", "IndexRangeError", "TargetMismatchError", "UnsupportedOpError", "ValidationError",
            "SignatureError", "UntrustedArtifactError"]
 
 from kiln import config as _config  # noqa: E402

@@ -59,6 +59,11 @@ class InputError(KilnError, ValueError):
     """A call's inputs do not match what the model was compiled for."""
 
 
+class IndexRangeError(InputError, IndexError):
+    """An input holds an index out of the range the model indexes with it (checked before
+    any engine runs: :mod:`kiln.runtime.value_checks`); an ``IndexError``, as eager's is."""
+
+
 class CompilerArgsError(KilnError, ValueError):
     """A compiler flag is unknown or not supported yet."""
 

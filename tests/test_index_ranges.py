@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import kiln
 from kiln.graph.capture import capture
 from kiln.graph.index_ranges import input_ranges
-from kiln.runtime.value_checks import IndexRangeError
+from kiln import IndexRangeError
 
 
 class Lookups(torch.nn.Module):

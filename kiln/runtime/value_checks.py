@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.errors import InputError
-
-
-class IndexRangeError(InputError, IndexError):
-    """An input holds an index out of the range the model indexes with it."""
+from kiln.errors import IndexRangeError, InputError
 
 
 def ranges(tensor_dicts: list) -> list:
