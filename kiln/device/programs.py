@@ -120,7 +120,11 @@ def _op_by_op_after(entry, trace, outputs, failure):
     out of range), eager's error is the caller's, of the type and words the CPU gives (ONNX
     Runtime's Gather raises InvalidArgument where the CPU raises IndexError). Where eager
     runs, its results are returned, with a warning naming the program's failure
-    (``CompiledRunFailed``): never a crash for a program kiln built."""
+    (``CompiledRunFailed``): never a crash for a program kiln built. A program holding an
+    operation other than ATen's (kiln's collectives across ranks) is not run again: this rank
+    alone would repeat a collective the others ran once, and wait for ever; its failure is raised."""
+    if any(getattr(op.func, "namespace", None) not in ("aten", "prims") for op in trace.ops):
+        raise failure
     results = trace.interpret(outputs)          # eager's own error is raised here
     import warnings
     metrics.count("CompiledRunFailed")
