@@ -125,3 +125,13 @@ def test_the_device_refuses_a_bad_index_before_its_program_runs():
     finally:
         modes.wait_compiles()
         modes.set_mode("eager", background="auto", engine=None)
+
+
+def test_a_malformed_range_in_a_manifest_is_a_clear_artifact_error():
+    from kiln.artifact import schema
+    from kiln.errors import ArtifactError
+    spec = {"name": "ids", "shape": [1, 2], "dtype": "int64", "range": [0, 10, "embedding"]}
+    assert schema.check_specs(schema.Fail("m.kiln"), [spec], "inputs.tensors") == [spec]
+    for bad in ([0, "10", "embedding"], [10, 0, "embedding"], [0, 10], "0:10"):
+        with pytest.raises(ArtifactError, match=r"inputs.tensors\[0\].range .*corrupt or was edited"):
+            schema.check_specs(schema.Fail("m.kiln"), [dict(spec, range=bad)], "inputs.tensors")
