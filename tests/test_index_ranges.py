@@ -33,10 +33,10 @@ def test_the_ranges_are_eagers_and_only_for_values_an_index_reads_unchanged():
     ranges = input_ranges(capture(Lookups().eval(), _inputs()).graph_module)
     # embedding from 0; index_select and gather from 0 (rows reads both: the narrower); x[:, i]
     # from -size; the float input none
-    assert ranges == {0: (0, 10, "embedding"), 1: (0, 3, "index_select"), 3: (-5, 5, "indexing")}
+    assert ranges == {0: (0, 10, "embedding", None), 1: (0, 3, "index_select", None), 3: (-5, 5, "indexing", None)}
     # a clamped index is not the input's values: only the plain read limits the input
     guarded = input_ranges(capture(Guarded(), (torch.tensor([[0, 1]], dtype=torch.int32), torch.randn(3, 2))).graph_module)
-    assert guarded == {0: (-3, 3, "indexing")}
+    assert guarded == {0: (-3, 3, "indexing", None)}
 
 
 class Embed(torch.nn.Module):
@@ -135,3 +135,25 @@ def test_a_malformed_range_in_a_manifest_is_a_clear_artifact_error():
     for bad in ([0, "10", "embedding"], [10, 0, "embedding"], [0, 10], "0:10"):
         with pytest.raises(ArtifactError, match=r"inputs.tensors\[0\].range .*corrupt or was edited"):
             schema.check_specs(schema.Fail("m.kiln"), [dict(spec, range=bad)], "inputs.tensors")
+
+
+def test_a_losss_targets_may_hold_its_ignore_index_and_nothing_else_out_of_range():
+    """``cross_entropy`` gathers its targets after masking ``ignore_index`` out
+    (``where(t != k, t, 0)``): a target must be a class or ``k``. A label beyond the classes
+    ended a process whose loss ran on Inductor; on ONNX Runtime it is refused like any index."""
+    class Loss(torch.nn.Module):
+        def forward(self, x, t, u):
+            return F.cross_entropy(x, t, reduction="none") + F.cross_entropy(x, u, ignore_index=-1, reduction="none")
+    x = torch.randn(3, 5)
+    args = (x, torch.tensor([0, -100, 4]), torch.tensor([2, -1, 1]))
+    c = kiln.trace(Loss(), args, engine="onnxruntime", optlevel=1, cache=False, quiet=True)
+    assert [t.get("range") for t in c.manifest["inputs"]["tensors"]] == \
+        [None, [0, 5, "gather", -100], [0, 5, "gather", -1]]
+    for t, u in (([0, -100, 4], [2, -1, 1]), ([-100, -100, -100], [-1, -1, 0])):
+        args = (x, torch.tensor(t), torch.tensor(u))
+        torch.testing.assert_close(c(*args), Loss()(*args))
+    for t, u, bad in (([0, 5, 4], [2, 0, 1], 5), ([0, 1, 4], [2, -100, 1], -100)):
+        with pytest.raises(IndexError):
+            Loss()(x, torch.tensor(t), torch.tensor(u))
+        with pytest.raises(IndexRangeError, match=f"holds {bad}, out of range"):
+            c(x, torch.tensor(t), torch.tensor(u))

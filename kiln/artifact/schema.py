@@ -151,9 +151,10 @@ def check_specs(fail: Fail, value, path: str) -> list:
         dtype(fail, f"{p}.dtype", field(fail, spec, "dtype", p, "string"))
         if "range" in spec:         # an indexing input's accepted range (kiln.graph.index_ranges)
             r = spec["range"]
-            if not (isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r[:2])
-                    and isinstance(r[2], str) and r[0] < r[1]):
-                fail(f"{p}.range", f"is {r!r}, not [low, high, operator] with integers low < high")
+            if not (isinstance(r, list) and len(r) in (3, 4) and all(type(x) is int for x in r[:2])
+                    and isinstance(r[2], str) and r[0] < r[1] and (len(r) == 3 or type(r[3]) is int)):
+                fail(f"{p}.range", f"is {r!r}, not [low, high, operator] (and an exempt value) with "
+                     "integers low < high")
     return value
 
 

@@ -15,7 +15,11 @@ The ranges are eager's: ``embedding``, ``index_select``, ``gather`` and the scat
 ``0 <= i < size``; advanced indexing (``x[i]``, ``index_put``) also takes a negative index
 from the end, ``-size <= i < size``. An input read by several takes all their limits.
 Anything else between the input and the operation (a clamp, a mask, arithmetic) leaves the
-input unchecked: its values are not what the operation reads.
+input unchecked: its values are not what the operation reads. One mask is read through:
+``where(x != k, x, fill)``, which a loss's ``ignore_index`` becomes (``cross_entropy``'s
+targets are gathered so): ``x`` must lie in the range or be ``k`` (-100 by default), and
+the range entry carries ``k``. Without it, a label beyond the classes ended a process whose
+loss ran on Inductor.
 """
 from __future__ import annotations
 
@@ -40,18 +44,20 @@ _SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.defau
 
 
 def input_ranges(gm: torch.fx.GraphModule) -> dict:
-    """``{placeholder position: (low, high, operator)}``: the input at that position must
-    lie in ``low <= i < high`` for ``operator`` (module doc)."""
+    """``{placeholder position: (low, high, operator, exempt)}``: the input at that position
+    must lie in ``low <= i < high`` for ``operator``, or equal ``exempt`` where that is not
+    None (module doc)."""
     positions = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     ranges: dict = {}
 
     def limit(index, low, high, what):
-        source = _source(index)
+        source, exempt = _source(index)
         if source not in positions or not isinstance(high, int):
             return
         i = positions[source]
         old = ranges.get(i)
-        ranges[i] = (low, high, what) if old is None else (max(old[0], low), min(old[1], high), old[2])
+        ranges[i] = (low, high, what, exempt) if old is None else (
+            max(old[0], low), min(old[1], high), old[2], old[3] if old[3] == exempt else None)
 
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -70,14 +76,35 @@ def input_ranges(gm: torch.fx.GraphModule) -> dict:
 
 
 def _source(node):
-    """The placeholder whose values ``node`` holds unchanged, or None."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _SAME_VALUES:
-        if node.target is aten._to_copy.default and not (_integer(node) and _integer(node.args[0])):
-            return None
-        node = node.args[0]
+    """``(placeholder, exempt)``: the input whose values ``node`` holds unchanged, but where
+    it equals ``exempt`` (a masked ``ignore_index``, else None); ``(None, None)`` if none."""
+    exempt = None
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target in _SAME_VALUES:
+            if node.target is aten._to_copy.default and not (_integer(node) and _integer(node.args[0])):
+                return None, None
+            node = node.args[0]
+        elif exempt is None and (k := _masked(node)) is not None:
+            exempt, node = k, node.args[1]
+        else:
+            break
     if not (isinstance(node, torch.fx.Node) and node.op == "placeholder" and _integer(node)):
+        return None, None
+    return node, exempt
+
+
+def _masked(node):
+    """``k`` where ``node`` is ``where(x != k, x, fill)`` with a constant ``fill`` (an
+    ``ignore_index`` masked out before a gather), else None."""
+    if node.target is not aten.where.self or len(node.args) != 3:
         return None
-    return node
+    cond, x, fill = node.args
+    if not (isinstance(cond, torch.fx.Node) and cond.op == "call_function" and cond.target is aten.ne.Scalar
+            and cond.args[0] is x and isinstance(cond.args[1], int)):
+        return None
+    constant = isinstance(fill, (int, float)) or (isinstance(fill, torch.fx.Node) and fill.op == "call_function"
+                                                  and fill.target is aten.scalar_tensor.default)
+    return cond.args[1] if constant else None
 
 
 def _integer(node) -> bool:
@@ -102,7 +129,8 @@ def of_inputs(gm: torch.fx.GraphModule, input_specs: list) -> dict:
             isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(s.shape) and v.dtype == s.dtype
             for v, s in zip(vals, input_specs)):
         return {}
-    return {i: [low, high, what] for i, (low, high, what) in input_ranges(gm).items() if low < high}
+    return {i: [low, high, what] + ([exempt] if exempt is not None else [])
+            for i, (low, high, what, exempt) in input_ranges(gm).items() if low < high}
 
 
 def recorded(captured) -> list:

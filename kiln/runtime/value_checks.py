@@ -16,25 +16,32 @@ from kiln.errors import IndexRangeError, InputError
 
 
 def ranges(tensor_dicts: list) -> list:
-    """``(position, name, low, high, operator)`` of each input a manifest gives a range."""
-    return [(i, d["name"], int(d["range"][0]), int(d["range"][1]), str(d["range"][2]))
-            for i, d in enumerate(tensor_dicts) if isinstance(d.get("range"), list) and len(d["range"]) == 3]
+    """``(position, name, low, high, operator, exempt)`` of each input a manifest gives a
+    range (``exempt``: a value allowed besides, a loss's ``ignore_index``, or None)."""
+    return [(i, d["name"], int(r[0]), int(r[1]), str(r[2]), int(r[3]) if len(r) == 4 else None)
+            for i, d in enumerate(tensor_dicts)
+            if isinstance(r := d.get("range"), list) and len(r) in (3, 4)]
 
 
 def check_ranges(flat, checked: list) -> None:
     """Raise :class:`IndexRangeError` where an input of ``checked`` (:func:`ranges`) holds
     an index out of its range: one min and one max per such input."""
-    for i, name, low, high, what in checked:
+    for i, name, low, high, what, exempt in checked:
         t = flat[i]
         if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
             continue
+        if exempt is not None:
+            t = t[t != exempt]
+            if t.numel() == 0:
+                continue
         least, most = int(t.min()), int(t.max())
         if least < low or most >= high:
             bad = least if least < low else most
             size = high
             raise IndexRangeError(
                 f"input '{name}' holds {bad}, out of range for the dimension of {size} it indexes "
-                f"({what}: {low} <= i < {high}), where PyTorch raises IndexError; engines answer such "
+                f"({what}: {low} <= i < {high}{f', or {exempt}' if exempt is not None else ''}), where "
+                "PyTorch raises IndexError; engines answer such "
                 "an index otherwise (OpenVINO with zeros, AOTInductor by ending the process), so "
                 "kiln refuses it. A token id beyond the vocabulary, or a position beyond the "
                 "table, is the usual cause")
