@@ -722,6 +722,47 @@ def test_a_bad_batch_raises_the_cpus_error_and_leaves_the_program_compiled():
         assert metrics.counter_value("CompiledRunFailed") == 0          # eager raised too: no warning
 
 
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_training_goes_on_after_a_step_that_failed(mode):
+    """A step whose labels are out of range raises eager's IndexError; a loop that catches it
+    and goes on trains as on the CPU, where the step raised before changing anything. The
+    failed step's tensors pointed at values of a discarded trace, and the next step failed
+    with "list index out of range"; now the tensors the step updated in place hold their data
+    from before it, and the ones it made raise the step's error where they are read."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 5)
+    model = copy.deepcopy(ref).to(DEV)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(3, 4, generator=g), labels) for labels in ([0, 4, -100], [0, 9, 1], [2, 2, 2], [1, 3, 0])]
+    modes.set_mode(mode, background=False)
+    runs, kept = [], []
+    for net, where in ((ref, "cpu"), (model, DEV)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, labels in batches:
+            opt.zero_grad()
+            try:
+                loss = F.cross_entropy(net(x.to(where)), torch.tensor(labels).to(where))
+                loss.backward()
+                opt.step()
+                modes.mark_step()
+                losses.append(float(loss))
+            except IndexError as e:
+                assert "out of bounds" in str(e)
+                losses.append(None)
+                kept.append(loss if where == DEV else None)
+        runs.append((losses, [p.detach().cpu() for p in net.parameters()]))
+    assert [v is None for v in runs[1][0]] == [v is None for v in runs[0][0]] == [False, True, False, False]
+    assert [v for v in runs[1][0] if v is not None] == pytest.approx([v for v in runs[0][0] if v is not None], rel=1e-5)
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if kept[-1] is not None:                                    # the failed step's own loss
+        for read in (lambda t: t.item(), lambda t: t.detach() * 2):
+            with pytest.raises(RuntimeError, match="was to come from a step whose program failed"):
+                read(kept[-1])
+
+
 def test_bf16_autocast_training_follows_cpu(recwarn):
     """Compiled whole (the default), every graph of the bf16 step compiles and passes its
     check. (Options set here: set_mode keeps the last ones given, and the test before this

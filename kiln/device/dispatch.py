@@ -27,8 +27,8 @@ import weakref
 
 import torch
 
-from kiln.device import (binding, foreach, fused_cells, inflight, inplace_views, meta, metrics, mixing, programs,
-                         replay, rewrites, walk)
+from kiln.device import (binding, failed_steps, foreach, fused_cells, inflight, inplace_views, meta, metrics, mixing,
+                         programs, replay, rewrites, walk)
 from kiln.device.opinfo import info as _info
 from kiln.graph import draws
 from kiln.device import tensor as dt
@@ -170,7 +170,9 @@ def materialize(reason: str = "observed", overlap: bool = False):
         if not len(trace):
             return
         _current[0] = tr.Trace()
-        bound = programs.flush(trace, POLICY, at_step=reason == "optimizer step", overlap=overlap)
+        # a flush that fails gives the trace's tensors their data from before it, or its error
+        bound = failed_steps.flush(programs.flush, trace, POLICY, at_step=reason == "optimizer step",
+                                   overlap=overlap)
         if isinstance(bound, programs.Overlapped):
             metrics.count("OverlappedRuns")
             inflight.launch(bound.run, bound.inputs, [(cell, trace.metas[cell.value]) for cell in bound.cells],
@@ -480,8 +482,7 @@ def _rebind(t, new):
     as an in-place update would (``int_tensor.add_(float_tensor)`` stays int)."""
     if new.dtype != t.dtype:
         new = _record(aten._to_copy.default, (new,), {"dtype": t.dtype})
-    t._kc.data, t._kc.value = None, new._kc.value
-    current().hold(new._kc.value, t._kc)
+    current().rebind(t._kc, new._kc.value)
 
 
 def _rebind_value(t, k: int, sig: tuple):
@@ -491,8 +492,7 @@ def _rebind_value(t, k: int, sig: tuple):
         current().hold(k, cell)
         _rebind(t, dt.made(sig, cell))
         return
-    t._kc.data, t._kc.value = None, k
-    current().hold(k, t._kc)
+    current().rebind(t._kc, k)
 
 
 dt.set_handlers(dispatch, materialize)

@@ -94,6 +94,7 @@ class Trace:
         self._promised: list = []         # inputs a program in flight will compute
         self._mapped_at = -1              # inflight.landings() when they were last asked
         self.holders: dict = {}           # value index -> weakref to the cell holding it
+        self.before: dict = {}            # id(cell) -> (cell, its data before the trace rebound it)
         # the key's text, one chunk per operation (with the inputs it introduced), so a
         # replay that stops part way takes the template's first chunks as its own
         self._chunks: list = []
@@ -104,6 +105,14 @@ class Trace:
 
     def __len__(self):
         return len(self.ops)
+
+    def rebind(self, cell, k: int):
+        """Point ``cell`` (updated in place) at the pending value ``k``, keeping the data it
+        held before this trace, for a flush that fails (:mod:`kiln.device.failed_steps`)."""
+        if cell.value is None and id(cell) not in self.before:
+            self.before[id(cell)] = (cell, cell.data)
+        cell.data, cell.value = None, k
+        self.hold(k, cell)
 
     def index_of(self, data: torch.Tensor, fresh: dict) -> int:
         """The value index ``data`` has, or will have as a new input: ``fresh`` maps the
