@@ -9,7 +9,9 @@ Now, as the flush fails:
 * a tensor the step updated in place (a parameter, an optimizer's state, a buffer) gets
   back the data it held before the step: nothing is lost, and the step is as if not taken
   (eager would have raised part way, at the failing operation; here the whole step is
-  undone, so a parameter is never half-updated);
+  undone, so a parameter is never half-updated). The old data is held weakly: data the
+  step only overwrote (``copy_``), which the trace does not read, is not kept alive for
+  this, and such a tensor raises like the ones below;
 * a tensor the step made (the loss, the gradients, activations) holds :class:`Failed`,
   which raises the step's error, with what to do, wherever its value is asked for.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 class Failed:
     """The data of a tensor whose step's program failed: any use raises."""
-    __slots__ = ("error",)
+    __slots__ = ("error", "__weakref__")
 
     def __init__(self, error: BaseException):
         self.error = error
@@ -41,5 +43,6 @@ def flush(run, trace, *args, **kwargs):
         failed = Failed(error)
         for _, cell in trace.live_outputs():
             before = trace.before.get(id(cell))
-            cell.data, cell.value = (before[1] if before is not None and before[0] is cell else failed), None
+            data = before[1]() if before is not None and before[0] is cell else None
+            cell.data, cell.value = (data if data is not None else failed), None
         raise

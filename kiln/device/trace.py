@@ -94,7 +94,7 @@ class Trace:
         self._promised: list = []         # inputs a program in flight will compute
         self._mapped_at = -1              # inflight.landings() when they were last asked
         self.holders: dict = {}           # value index -> weakref to the cell holding it
-        self.before: dict = {}            # id(cell) -> (cell, its data before the trace rebound it)
+        self.before: dict = {}            # id(cell) -> (cell, weakref to its data before the trace rebound it)
         # the key's text, one chunk per operation (with the inputs it introduced), so a
         # replay that stops part way takes the template's first chunks as its own
         self._chunks: list = []
@@ -107,10 +107,11 @@ class Trace:
         return len(self.ops)
 
     def rebind(self, cell, k: int):
-        """Point ``cell`` (updated in place) at the pending value ``k``, keeping the data it
-        held before this trace, for a flush that fails (:mod:`kiln.device.failed_steps`)."""
+        """Point ``cell`` (updated in place) at the pending value ``k``, remembering the data
+        it held before this trace for a flush that fails (:mod:`kiln.device.failed_steps`):
+        weakly, so memory the trace does not read (overwritten by ``copy_``) is not held."""
         if cell.value is None and id(cell) not in self.before:
-            self.before[id(cell)] = (cell, cell.data)
+            self.before[id(cell)] = (cell, weakref.ref(cell.data))
         cell.data, cell.value = None, k
         self.hold(k, cell)
 
