@@ -38,14 +38,15 @@ def active() -> bool:
     return bool(_MEMOS)
 
 
-def once(kind: str, weight: np.ndarray, settings: tuple, compute):
+def once(kind: str, weight: np.ndarray, settings: tuple, compute, digest=None):
     """``compute()``, or the result it gave in this block for the same ``kind``, the same
-    ``weight`` (values, shape and dtype) and the same ``settings``. The result's arrays
-    (an array, a tuple of them, or an object's array attributes) are made read-only: a
-    caller that wrote into one would change another graph's weights."""
+    ``weight`` (values, shape and dtype) and the same ``settings``. ``digest``: the weight's
+    key where the caller has hashed it already (a 113 MB output projection is hashed once).
+    The result's arrays (an array, a tuple of them, or an object's array attributes) are
+    made read-only: a caller that wrote into one would change another graph's weights."""
     if not _MEMOS:
         return compute()
-    key = (kind, _digest(weight), settings)
+    key = (kind, digest if digest is not None else _digest(weight), settings)
     memo = _MEMOS[-1]
     if key not in memo:
         memo[key] = _frozen(compute())

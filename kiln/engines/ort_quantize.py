@@ -180,8 +180,10 @@ def _q8_0_head(model, head: str) -> bool:
     weight = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == node.input[1]))
     if weight.shape[0] % HEAD_GROUP:
         return False        # no whole blocks along K: ONNX Runtime's quantizer takes it
-    kept = ort_once.once("q8_0", weight, (HEAD_GROUP,), lambda: ort_blocks.q8_0(weight, HEAD_GROUP))
-    with ort_blocks.keeping({ort_blocks.fingerprint(weight): kept}):
+    key = ort_blocks.fingerprint(weight)            # its values, hashed once for both tables
+    kept = ort_once.once("q8_0", weight, (HEAD_GROUP,), lambda: ort_blocks.q8_0(weight, HEAD_GROUP),
+                         digest=(weight.dtype.name, key))
+    with ort_blocks.keeping({key: kept}):
         ort_blocks.apply(model, [head], ACCURACY_LEVEL)
     return True
 

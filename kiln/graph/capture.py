@@ -161,19 +161,18 @@ class _Positional(torch.nn.Module):
         return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
 
 
-def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True,
-            check_writes=True) -> Captured:
+def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True) -> Captured:
     """Capture in eval mode (inference graphs), leaving the user's module as it was.
     ``fast``: a graph that is already ATen is traced once with ``make_fx``
     (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None).
-    ``check_writes``: a forward that writes to its inputs, parameters or buffers is refused
+    A forward that writes to its inputs, parameters or buffers is refused
     (:mod:`kiln.graph.state_writes`); FX graphs (PyTorch's, the device's) are not watched."""
     was_training = isinstance(model, torch.nn.Module) and model.training
     if was_training:
         model.eval()
     try:
         with _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
-            return _capture(model, example_inputs, example_kwargs, decompose, fast, check_writes)
+            return _capture(model, example_inputs, example_kwargs, decompose, fast)
     finally:
         if was_training:
             model.train()
@@ -194,7 +193,7 @@ def _stack_traces(record: bool):
         fx_config.do_not_emit_stack_traces = before
 
 
-def _capture(model, example_inputs, example_kwargs, decompose, fast=True, check_writes=True) -> Captured:
+def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Captured:
     named = bind_inputs(model, example_inputs, example_kwargs)
     names = list(named)
     n_positional = positional_count(model, names)
@@ -203,8 +202,7 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True, check_
 
     draws = randomness.Draws()
     # an FX graph (PyTorch's, the device's) is functional by construction: not watched
-    watched = state_writes.versions(model, named) if check_writes and not isinstance(model, torch.fx.GraphModule) \
-        else []
+    watched = [] if isinstance(model, torch.fx.GraphModule) else state_writes.versions(model, named)
     with torch.no_grad():
         eager = call_bound(model, named)
     state_writes.refuse_writes(_name(model), watched)
@@ -261,7 +259,7 @@ def from_graph(gm: torch.fx.GraphModule, example_inputs, name: str = "graph") ->
     bad = [type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)]
     if bad:
         raise CaptureError(f"from_graph takes flat tensor inputs; got {', '.join(bad)}")
-    captured = capture(gm, inputs, check_writes=False)
+    captured = capture(gm, inputs)
     captured.model_name = name
     return captured
 

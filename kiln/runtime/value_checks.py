@@ -34,7 +34,7 @@ def check_ranges(flat, checked: list) -> None:
             t = t[t != exempt]
             if t.numel() == 0:
                 continue
-        least, most = int(t.min()), int(t.max())
+        least, most = (int(v) for v in torch.aminmax(t))         # one pass
         if least < low or most >= high:
             bad = least if least < low else most
             size = high
