@@ -116,6 +116,29 @@ def test_a_forked_copy_of_the_process_leaves_the_compile_process_alone():
     assert compile_process.shared()._proc is child
 
 
+def test_a_compile_asked_for_as_the_process_exits_starts_nothing_and_leaves_nothing(monkeypatch, tmp_path):
+    """A step's last flush as a script ends asks for a compile on the compile thread, which
+    Python joins after threading's exit hooks ran; registering the compile process's own
+    hook then fails. It made its directory first, and every such run left an empty one in
+    the temporary folder (177 here after a day of tests). Now nothing is made or started:
+    the program runs op by op."""
+    import threading
+
+    def exiting(hook):
+        raise RuntimeError("can't register atexit after shutdown")
+    monkeypatch.setattr(threading, "_register_atexit", exiting)
+    monkeypatch.setattr(compile_process, "_SHARED", [])
+    monkeypatch.setattr(compile_process.tempfile, "tempdir", str(tmp_path))
+    torch.manual_seed(0)
+    ref = Probe().net
+    got = _train(copy.deepcopy(ref).to(DEV), 3, DEV)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(_train(copy.deepcopy(ref), 3)), rtol=1e-5, atol=1e-6)
+    process = compile_process.shared()
+    assert process._proc is None and process._dir is None
+    assert list(tmp_path.glob("kiln-device-compile-*")) == [], "a compile at exit left a directory behind"
+    assert metrics.counter_value("UncachedCompile") == 0
+
+
 def test_a_child_that_dies_leaves_the_program_op_by_op(monkeypatch):
     torch.manual_seed(0)
     ref = Probe().net

@@ -13,7 +13,8 @@ thread of the training process, which made it unsafe to leave on by default:
 Here the capture, the engines' builds and the check against eager run in one child
 process (``python -m kiln.device.compile_process DIR``), started at the first background
 compile and kept for the next ones, so its imports are paid once (about 2-3 s). What
-travels, all in a private temporary directory (mode 0700) removed at exit:
+travels, all in a private temporary directory (mode 0700) made at the first
+compile and removed at exit:
 
 * each request as a pickle this process writes and its own child reads: the program's FX
   graph, copies of its inputs, its name and ``kiln.trace`` options, and this process's
@@ -72,15 +73,23 @@ class CompileProcess:
     def __init__(self):
         self._lock = threading.Lock()
         self._proc = None
-        # programs loaded from here may keep their files open: removed at exit, not before
-        self._dir = tempfile.mkdtemp(prefix="kiln-device-compile-")
+        # made at the first compile (programs loaded from it may keep their files open:
+        # removed at exit, not before)
+        self._dir = None
         self._count = 0
         self._owner = os.getpid()
         self._closed = False
         # at exit, before Python joins the compile thread waiting on the child (threading's
         # exit hooks run last-registered first, and before threads are joined)
         register = getattr(threading, "_register_atexit", atexit.register)
-        register(self.close)
+        try:
+            register(self.close)
+        except RuntimeError:
+            # threading refuses once the interpreter is exiting: a compile asked for by a
+            # step's last flush as the script ended, on the compile thread, which Python
+            # joins. Nothing would stop a child started now or remove its directory (one
+            # left in the temporary folder per such run): none is started.
+            self._closed = True
 
     def compile(self, gm, examples, name: str, options: dict) -> dict:
         """Compile ``gm`` on ``examples`` in the child: ``{"path", "hit", "warnings"}`` on
@@ -89,6 +98,8 @@ class CompileProcess:
         with self._lock:
             if self._closed:       # asked for after the exit hook ran: no child that nothing would stop
                 raise Closed("the process is exiting")
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="kiln-device-compile-")
             proc = self._start()
             self._count += 1
             request = os.path.join(self._dir, f"request-{self._count}.pkl")
@@ -159,7 +170,8 @@ class CompileProcess:
             return
         self._closed = True      # a compile waiting on the child now ends quietly (Closed)
         self._stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _remove(path):
