@@ -33,7 +33,8 @@ a submodule, an output that is an input) takes the public path.
 And it works out each ONNX op's signature once (:func:`_signatures_once`): the exporter made
 it from the op's schema for every node it emitted, a quarter of exporting a 30-layer decode
 step (one SmolLM2 1-row step, alternating: 2.9-3.8 s an export before, 2.0-2.9 s after, the
-same ONNX bytes).
+same ONNX bytes). And the exporter's type-promotion pass runs only on a graph with a node
+it would cast (:mod:`kiln.engines.ort_promotion`).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ import threading
 
 import torch
 
+from kiln.engines import ort_promotion
+
 _LOCK = threading.Lock()
 
 
@@ -50,7 +53,8 @@ def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
     partition = decomposed_locally(partition, registry) or partition
     program = program_of(partition)
-    with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once():
+    with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once(), \
+            ort_promotion.only_where_needed():
         return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
                                  opset_version=opset, optimize=optimize, verbose=False, report=False)
 
