@@ -201,13 +201,49 @@ def test_graph_that_cannot_compile_runs_eagerly_with_the_reason():
     assert metrics.counter_value("EagerGraphs") >= 1
 
 
-def test_dynamic_shapes_run_eagerly_with_a_warning():
-    model = _mlp()
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_symbolic_shapes_compile_once_per_concrete_shape(dynamic):
+    """Dynamo hands a graph with symbolic sizes for ``dynamic=True``, and by default
+    (``None``) once a second shape comes: kiln compiles it for each shape it is called with
+    (it ran eagerly with a warning until 11-30, so every shape after the first ran op by op)."""
+    model = _mlp().eval()
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=dynamic)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # no graph runs eagerly
+        for rows in (2, 3, 5, 3, 2):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    # automatic: the first shape's static graph, then the symbolic one for 3, 5 and 2 (Dynamo
+    # tries its newest graph first, so the first shape is compiled again there)
+    assert metrics.counter_value("UncachedCompile") == (3 if dynamic else 4)
+    assert metrics.counter_value("EagerGraphs") == 0
+
+
+def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkeypatch):
+    """Training with changing batch sizes: AOTAutograd's forward hands the backward sizes it
+    saved, constants of each shape; past ``MAX_SHAPES`` shapes a graph runs eagerly, with
+    one warning saying why."""
+    from kiln.device import per_shape
+    monkeypatch.setattr(per_shape, "MAX_SHAPES", 3)
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = copy.deepcopy(ref)
     compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=True)
-    x = torch.randn(5, 16)
-    with pytest.warns(RuntimeWarning, match="symbolic.*dynamic=False"):
-        torch.testing.assert_close(compiled(x), model(x))
-    assert metrics.counter_value("UncachedCompile") == 0 and metrics.counter_value("EagerGraphs") >= 1
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (2, 3, 5, 3, 7, 2):
+            x, y = torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
+            for m, o, run in ((model, opt, compiled), (ref, ref_opt, ref)):
+                F.cross_entropy(run(x), y).backward()
+                o.step()
+                o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    limit = [str(w.message) for w in caught if "more than 3 input shapes" in str(w.message)]
+    assert len(limit) == 2, [str(w.message) for w in caught]          # the forward's and the backward's
+    assert metrics.counter_value("UncachedCompile") == 6                  # 3 shapes, forward and backward
 
 
 def test_changing_shapes_warn_naming_the_input_and_shapes():

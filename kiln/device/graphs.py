@@ -104,8 +104,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     ops = sum(n.op == "call_function" for n in gm.graph.nodes)
     metrics.sample("TensorsGraphSize", ops)
     if _symbolic(inputs):
-        return _eager(gm, name, "its shapes are symbolic (dynamic); kiln compiles static shapes: "
-                                "use torch.compile(..., dynamic=False)")
+        if real_inputs:
+            return _eager(gm, name, "its shapes are symbolic (dynamic); kiln compiles static shapes")
+        return _per_shape(gm, name, options)
     shapes = [tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
     metrics.note_compile(structure_of(gm), shapes, _readers(gm), f"graph '{name}' ({ops} ops)")
     if real_inputs:
@@ -114,6 +115,23 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
         except InputsFail:
             return None         # not compiled: the caller runs it op by op (eager's error) and asks again
     return _on_first_call(gm, name, options)
+
+
+def _per_shape(gm, name, options):
+    """torch.compile's graph with symbolic shapes (Dynamo's automatic dynamic shapes), compiled
+    for each concrete shape it is called with (:mod:`kiln.device.per_shape`)."""
+    from kiln.device.per_shape import compiled_per_shape
+    eager = _eager(gm, name, None)
+
+    def static(graph, label):
+        examples = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
+        return compile_graph(graph, examples, name=label, **options)
+    per_shape = compiled_per_shape(gm, name, static, eager)
+
+    def run(*args):
+        return eager(*args) if _fake(args) else per_shape(*args)
+    run.compiled, run.shapes = None, per_shape.shapes
+    return run
 
 
 def _on_first_call(gm, name, options):
