@@ -262,6 +262,27 @@ def test_changing_shapes_warn_naming_the_input_and_shapes():
     assert "Metric: CompileTime\n  TotalSamples: 3" in report and "Counter: UncachedCompile\n  Value: 3" in report
 
 
+def test_modes_are_taken_and_unknown_modes_and_options_are_clear_errors():
+    """torch.compile's ``mode`` failed with "backend() got an unexpected keyword argument
+    'mode'", and a misspelt option made every graph run eagerly, each with a warning."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from kiln.device.compile_backend import checked_options
+    assert checked_options(None, "max-autotune") == {"optlevel": 3}
+    assert checked_options({"optlevel": 1}, None) == {"optlevel": 1}
+    model, x = _mlp().eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="kiln", mode="reduce-overhead")(x), model(x),
+                                   rtol=1e-4, atol=1e-5)
+        torch._dynamo.reset()
+        with pytest.raises(BackendCompilerFailed, match="mode='fastest'.*max-autotune"):
+            torch.compile(model, backend="kiln", mode="fastest")(x)
+        torch._dynamo.reset()
+        with pytest.raises(BackendCompilerFailed, match="unknown option.*'optlvel'.*optlevel"):
+            torch.compile(model, backend="kiln", options={"optlvel": 1})(x)
+    assert metrics.counter_value("EagerGraphs") == 0
+
+
 def test_backend_names_resolve_in_a_fresh_process():
     """``backend="kiln"`` works without importing kiln (the entry point), and ``"neuron"``
     (TorchNeuron's spelling, an entry point too) after kiln's opt-in, or in a TorchNeuron

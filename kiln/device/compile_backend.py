@@ -19,14 +19,20 @@ import itertools
 _graph_ids = itertools.count()
 
 
-def backend(gm, example_inputs, options=None):
+# torch.compile's ``mode``, in kiln's terms: max-autotune times every engine and variant
+# (kiln's -O3); reduce-overhead (Inductor's CUDA graphs) asks nothing more of kiln's CPU builds
+MODES = {"default": {}, "reduce-overhead": {}, "max-autotune": {"optlevel": 3},
+         "max-autotune-no-cudagraphs": {"optlevel": 3}}
+
+
+def backend(gm, example_inputs, options=None, mode=None):
     """The Dynamo backend: ``gm`` with AOTAutograd's forward and backward graphs compiled
     by kiln."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     from kiln.device.graphs import compile_graph
-    options = dict(options or {})
+    options = checked_options(options, mode)
     number = next(_graph_ids)
 
     def compiler(kind):
@@ -38,6 +44,29 @@ def backend(gm, example_inputs, options=None):
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                         inference_compiler=compiler("inference"),
                         decompositions=_decompositions())(gm, example_inputs)
+
+
+def checked_options(options, mode) -> dict:
+    """``kiln.trace`` options from torch.compile's ``options`` or ``mode``, or a clear error
+    at the first compile: a misspelt option used to make every graph run eagerly, each with
+    a warning, and any ``mode`` failed with "backend() got an unexpected keyword argument"."""
+    import inspect
+
+    from kiln.compiler import api
+    from kiln.compiler.driver import OPTION_FIELDS
+    from kiln.errors import CompilerArgsError
+    if mode is not None and mode not in MODES:
+        raise CompilerArgsError(f"torch.compile(backend='kiln', mode={mode!r}): kiln knows the modes "
+                                f"{', '.join(MODES)}")
+    options = dict(options or {}, **MODES.get(mode, {}))
+    named = [n for n, p in inspect.signature(api.trace).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    known = set(named) | set(OPTION_FIELDS) | {"threads", "name", "calibration_data"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise CompilerArgsError(f"torch.compile(backend='kiln', options=...): unknown option(s) "
+                                f"{', '.join(map(repr, unknown))}; kiln takes kiln.trace's: "
+                                f"{', '.join(sorted(known))}")
+    return options
 
 
 def _decompositions() -> dict:
@@ -63,7 +92,7 @@ def _mixed_batch_norm(x, weight, bias, running_mean, running_var, training, mome
 _neuron_name: list = []
 
 
-def neuron_backend(gm, example_inputs, options=None):
+def neuron_backend(gm, example_inputs, options=None, mode=None):
     """``torch.compile(backend="neuron")``, TorchNeuron's spelling, through the
     ``torch_dynamo_backends`` entry point: kiln's backend once the script has opted into
     TorchNeuron's names (``KILN_DEVICE_NAME=neuron``, the device then being ``neuron``) or
@@ -74,7 +103,7 @@ def neuron_backend(gm, example_inputs, options=None):
         raise RuntimeError("torch.compile(backend='neuron') is kiln's backend when kiln's device carries "
                            "TorchNeuron's name: run with KILN_DEVICE_NAME=neuron (or call "
                            "kiln.device.compile_backend.register_neuron_name()), or use backend='kiln'")
-    return backend(gm, example_inputs, options)
+    return backend(gm, example_inputs, options, mode)
 
 
 def register_neuron_name():
