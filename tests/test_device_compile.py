@@ -219,6 +219,22 @@ def test_symbolic_shapes_compile_once_per_concrete_shape(dynamic):
     assert metrics.counter_value("EagerGraphs") == 0
 
 
+def test_an_int_argument_made_dynamic_is_compiled_per_value():
+    """``f(x, n)`` called with a second ``n``: Dynamo makes ``n`` a symbolic int input of a
+    graph whose tensor shapes are static. kiln took it for a static graph and its first
+    call failed in the runtime ("'int' object has no attribute 'requires_grad'")."""
+    def f(x, n: int):
+        return torch.tanh(x * n) + n
+
+    compiled = torch.compile(f, backend="kiln", options=OPTIONS)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for n in (2, 3, 5, 3):
+            torch.testing.assert_close(compiled(x, n), f(x, n), rtol=1e-5, atol=1e-6)
+    assert metrics.counter_value("EagerGraphs") == 0 and metrics.counter_value("UncachedCompile") == 3
+
+
 def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkeypatch):
     """Training with changing batch sizes: AOTAutograd's forward hands the backward sizes it
     saved, constants of each shape; past ``MAX_SHAPES`` shapes a graph runs eagerly, with

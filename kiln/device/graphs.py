@@ -84,7 +84,10 @@ def _readers(gm) -> list:
 
 
 def _symbolic(inputs) -> bool:
-    return any(isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape) for x in inputs)
+    """Whether a graph's inputs have symbolic sizes, or are symbolic numbers themselves (an
+    int argument Dynamo made dynamic: ``f(x, n)`` called with a second ``n``)."""
+    return any((isinstance(x, torch.Tensor) and not all(isinstance(d, int) for d in x.shape))
+               or isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in inputs)
 
 
 def _fake(args) -> bool:
