@@ -395,3 +395,33 @@ def test_a_forward_that_writes_its_state_is_refused_with_what_to_do(model, writt
         kiln.trace(model().eval(), (torch.randn(2, 4),), quiet=True, cache=False, optlevel=1)
     assert all(label in str(e.value) for label in written.split(", "))
     assert "atol" not in str(e.value)
+
+
+class _Branches(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda y: y.sin(), lambda y: y.cos(), (x,))
+
+
+class _GradOffInside(nn.Module):
+    """``torch.no_grad`` inside a forward: no operator with a graph of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.fc(x)
+        return y + torch.tanh(self.fc(x))
+
+
+def test_control_flow_operators_are_refused_by_name():
+    """``torch.cond`` (and the other operators that take graphs of their own) reached the
+    artifact's writing and failed there with "host constant true_graph_0 is a <lambda>, not a
+    tensor"; the capture now refuses it, naming the operator and what to do instead."""
+    from kiln.errors import UnsupportedOpError
+    with pytest.raises(UnsupportedOpError, match=r"_Branches uses torch\.ops\.higher_order\.cond: control flow"):
+        kiln.trace(_Branches(), (torch.ones(4),), quiet=True, cache=False, optlevel=1)
+    model, x = _GradOffInside().eval(), torch.randn(2, 4)
+    compiled = kiln.trace(model, (x,), quiet=True, cache=False, optlevel=1)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes
+from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes, subgraph_ops
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -236,6 +236,7 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
 
 def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_specs, leaves, out_leaves,
               tensor_mask, draws) -> Captured:
+    subgraph_ops.refuse(gm, _name(model))
     randomness.lay_out_as_eager(gm)      # random ops draw into eager's layout, wherever they run
     graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if len(graph_outputs) != len(out_leaves):

@@ -1,0 +1,48 @@
+"""Operators that take graphs of their own: ``torch.cond``, ``while_loop``, ``map``,
+``scan``, FlexAttention's score functions (PyTorch's higher-order operators).
+
+A capture keeps such a node with its branch or body as a submodule of the graph. No
+engine kiln drives takes one, and kiln's host program cannot run one either: an artifact
+holds operations and tensors, never code to run a subgraph with (loading one must not run
+code from it). So a capture that meets one is refused, naming the operator, where it used
+to fail later, writing the artifact, with "host constant true_graph_0 is a <lambda>, not
+a tensor" (and ``torch.compile(backend="kiln")`` ran such a graph eagerly behind that
+message).
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import UnsupportedOpError
+
+
+def refuse(gm: torch.fx.GraphModule, name: str) -> None:
+    """Raise :class:`UnsupportedOpError` if a node of ``gm`` takes a graph as an argument."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(_is_graph(gm, a) for a in _flat(node.args, node.kwargs)):
+            op = getattr(node.target, "__name__", None) or str(node.target)
+            if op not in found:
+                found.append(op)
+    if found:
+        who = "the graph" if name.startswith("<") else name      # an FX graph's class: "<lambda>"
+        raise UnsupportedOpError(
+            f"{who} uses {', '.join(f'torch.ops.higher_order.{op}' for op in found)}: control flow "
+            "(an operator that runs graphs of its own), which kiln cannot compile: it compiles one "
+            "straight-line graph. Compute both branches and pick with torch.where, or compile each "
+            "branch as a model of its own and choose in Python")
+
+
+def _flat(args, kwargs):
+    out = []
+    torch.fx.node.map_arg((args, kwargs), out.append)
+    return out
+
+
+def _is_graph(gm, node) -> bool:
+    if node.op != "get_attr":
+        return False
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return isinstance(value, torch.fx.GraphModule)
