@@ -26,11 +26,22 @@ def refuse(gm: torch.fx.GraphModule, name: str) -> None:
                 found.append(op)
     if found:
         who = "the graph" if name.startswith("<") else name      # an FX graph's class: "<lambda>"
+        advice = [ADVICE.get(op, ADVICE["default"]) for op in found]
         raise UnsupportedOpError(
-            f"{who} uses {', '.join(f'torch.ops.higher_order.{op}' for op in found)}: control flow "
-            "(an operator that runs graphs of its own), which kiln cannot compile: it compiles one "
-            "straight-line graph. Compute both branches and pick with torch.where, or compile each "
-            "branch as a model of its own and choose in Python")
+            f"{who} uses {', '.join(f'torch.ops.higher_order.{op}' for op in found)}: an operator that "
+            "runs graphs of its own, which kiln cannot compile (it compiles straight-line graphs). "
+            + " ".join(dict.fromkeys(advice)))
+
+
+# what to write instead, per operator
+ADVICE = {
+    "cond": "For torch.cond, compute both branches and pick with torch.where, or compile each branch "
+            "as a model of its own and choose in Python.",
+    "flex_attention": "For FlexAttention, use torch.nn.functional.scaled_dot_product_attention with its "
+                      "score modification as an additive attn_mask.",
+    "default": "Write the loop or map as straight-line tensor operations, or compile its body as a model "
+               "of its own and loop in Python.",
+}
 
 
 def _flat(args, kwargs):
