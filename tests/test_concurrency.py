@@ -68,6 +68,45 @@ def test_eight_threads_on_a_model_with_host_fallback_and_buckets():
     assert not wrong, wrong[:3]
 
 
+def test_four_threads_tracing_at_once_and_torch_compile_first_calls_from_threads():
+    """torch.export and make_fx keep their tracer in process-wide slots: three of four
+    kiln.trace calls from four threads failed ("ProxyTorchDispatchMode slot already
+    occupied"), and torch.compile(backend="kiln")'s first calls from eight threads failed
+    with "CURRENT_PATCHER is None" (Inductor's and eager's backends do not). Captures now
+    take turns."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).eval()
+            for _ in range(4)]
+    x = torch.randn(2, 8)
+    start = threading.Barrier(4)
+
+    def trace(net):
+        start.wait()
+        return kiln.trace(net, (x,), optlevel=1, cache=False, quiet=True)
+    with ThreadPoolExecutor(4) as pool:
+        compiled = list(pool.map(trace, nets))
+    for c, net in zip(compiled, nets):
+        assert_close(c(x), net(x), atol=1e-5, rtol=1e-5)
+
+    torch._dynamo.reset()
+    fn = torch.compile(nets[0], backend="kiln", options={"optlevel": 1})
+    xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    begin = threading.Barrier(8)
+
+    def first_call(v):
+        begin.wait()
+        with torch.no_grad():
+            return fn(v)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(first_call, xs))
+    finally:
+        torch._dynamo.reset()
+    with torch.no_grad():
+        for got, v in zip(outs, xs):
+            assert_close(got, nets[0](v), atol=1e-5, rtol=1e-5)
+
+
 def test_four_processes_tracing_one_model_into_one_cache(tmp_path):
     """Four fresh processes race on one cache key: one compiles, the others wait and load its
     entry, and all four answer alike."""

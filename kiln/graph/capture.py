@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes, subgraph_ops
+from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes, subgraph_ops, tracing_lock
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -213,25 +213,26 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
             out_specs[i] = specs.TensorSpec(f"output{i}", s.shape, s.dtype)
 
     tensor_mask = [isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tuple(named.values()))]
-    gm = aten_graph.traced(model, list(named.values()), decompositions) if decompose and fast else None
-    if gm is not None:
-        _reshape_views_of_whole_ops(gm)
-        return _captured(gm, None, model, names, structure, in_specs, out_structure, out_specs, leaves,
-                         out_leaves, tensor_mask, draws)
-    module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
-    wrapper = _Positional(module, names, n_positional)
-    ep = one_trace.export_decomposed(wrapper, tuple(named.values()), decompositions) if decompose else None
-    if ep is None:
-        try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecations
-                ep = torch.export.export(wrapper, tuple(named.values()), strict=False)
-        except Exception as e:  # torch raises many unrelated types here
-            raise CaptureError(explain_export_failure(e, _name(model))) from e
-        if decompose:
-            ep = decompose_program(ep, _name(model))
-    return _captured(graph_module(ep, tensor_mask), ep, model, names, structure, in_specs, out_structure,
-                     out_specs, leaves, out_leaves, tensor_mask, draws)
+    with tracing_lock.held():      # one trace at a time in a process, after the eager run
+        gm = aten_graph.traced(model, list(named.values()), decompositions) if decompose and fast else None
+        if gm is not None:
+            _reshape_views_of_whole_ops(gm)
+            return _captured(gm, None, model, names, structure, in_specs, out_structure, out_specs, leaves,
+                             out_leaves, tensor_mask, draws)
+        module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
+        wrapper = _Positional(module, names, n_positional)
+        ep = one_trace.export_decomposed(wrapper, tuple(named.values()), decompositions) if decompose else None
+        if ep is None:
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecations
+                    ep = torch.export.export(wrapper, tuple(named.values()), strict=False)
+            except Exception as e:  # torch raises many unrelated types here
+                raise CaptureError(explain_export_failure(e, _name(model))) from e
+            if decompose:
+                ep = decompose_program(ep, _name(model))
+        return _captured(graph_module(ep, tensor_mask), ep, model, names, structure, in_specs, out_structure,
+                         out_specs, leaves, out_leaves, tensor_mask, draws)
 
 
 def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_specs, leaves, out_leaves,
