@@ -23,7 +23,7 @@ from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_preci
 from kiln.compiler.selection import resolve_device
 from kiln.compiler.reuse import capture_for, copy_of
 from kiln.errors import ValidationError
-from kiln.graph import randomness, widened
+from kiln.graph import randomness, tracing_lock, widened
 from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
@@ -117,6 +117,14 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, opts: CompileOptions | 
 
 
 def _compile_captured(captured, opts, model, threads, calibration_data, progress, started):
+    # engines' builds trace too (Inductor's AOTAutograd, the exporter's decompositions), in
+    # process-wide slots: one build at a time (kiln.graph.tracing_lock; four Inductor builds
+    # from four threads: three failed)
+    with tracing_lock.held():
+        return _compile_planned(captured, opts, model, threads, calibration_data, progress, started)
+
+
+def _compile_planned(captured, opts, model, threads, calibration_data, progress, started):
     plan = phases.plan(captured, opts, progress)
     if not plan.narrow_whole:
         return _build_checked(plan, model, threads, calibration_data, progress, started)

@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from kiln.compiler.api import trace
 from kiln.device import metrics
 from kiln.errors import KilnError
+from kiln.graph import tracing_lock
 from kiln.runtime import value_checks
 
 
@@ -155,6 +156,8 @@ def _on_first_call(gm, name, options):
             with lock:
                 if not built:
                     examples = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                    if tracing_lock.mine():        # called inside a compile on this thread (its eager
+                        return _first_build_here(gm, examples, name, options, built, run, args)
                     with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
                         try:
                             first = pool.submit(_build, gm, examples, name, options).result()
@@ -166,6 +169,20 @@ def _on_first_call(gm, name, options):
         return built[0](*args)
     run.compiled = None
     return run
+
+
+def _first_build_here(gm, examples, name, options, built, run, args):
+    """:func:`_on_first_call`'s build on the calling thread: a graph first called inside a
+    compile this thread is running (a compiled model whose checks run a model holding a
+    ``torch.compile(backend="kiln")`` part) would wait forever for a compile thread that
+    waits for this one's lock."""
+    try:
+        built.append(_build(gm, examples, name, options))
+    except InputsFail:
+        out = gm(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+    run.compiled = built[0].compiled
+    return built[0](*args)
 
 
 def _inductor_too(gm, examples, name, options, first):

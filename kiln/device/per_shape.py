@@ -24,6 +24,8 @@ import warnings
 
 import torch
 
+from kiln.graph import tracing_lock
+
 # shapes compiled per graph (Dynamo's default recompile_limit is 8 as well)
 MAX_SHAPES = 8
 
@@ -93,7 +95,8 @@ def _specialize(gm, args):
         constants[:] = [_TENSOR if isinstance(o, torch.Tensor) else o for o in out]
         return [o for o in out if isinstance(o, torch.Tensor)]
 
-    static = make_fx(concrete, tracing_mode="fake")(*(args[i] for i in tensors))
+    with tracing_lock.held():       # make_fx's tracer lives in process-wide slots
+        static = make_fx(concrete, tracing_mode="fake")(*(args[i] for i in tensors))
     if any(isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)) for c in constants):
         raise ValueError("an output size stayed symbolic")
     return static, tensors, constants

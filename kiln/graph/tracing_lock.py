@@ -23,3 +23,10 @@ def held():
             compile_lock = threading.RLock()
         _LOCK.append(compile_lock)
     return _LOCK[0]
+
+
+def mine() -> bool:
+    """Whether this thread holds the lock (a compile waiting on another thread that would
+    trace must then trace on this one instead, or wait for itself)."""
+    owned = getattr(held(), "_is_owned", None)
+    return bool(owned and owned())
