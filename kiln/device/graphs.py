@@ -156,7 +156,7 @@ def _on_first_call(gm, name, options):
             with lock:
                 if not built:
                     examples = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-                    if tracing_lock.mine():        # called inside a compile on this thread (its eager
+                    if tracing_lock.mine():        # called inside a compile this thread runs
                         return _first_build_here(gm, examples, name, options, built, run, args)
                     with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
                         try:
