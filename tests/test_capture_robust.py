@@ -425,3 +425,22 @@ def test_control_flow_operators_are_refused_by_name():
     model, x = _GradOffInside().eval(), torch.randn(2, 4)
     compiled = kiln.trace(model, (x,), quiet=True, cache=False, optlevel=1)
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_torchscript_is_refused_with_what_to_pass_and_training_mode_is_captured_for_inference():
+    """A TorchScript module (what torch_neuron users hold) failed with "torch.export failed
+    (TypeError)" or "no signature found for <torch.ScriptMethod ...>"; the message now says to
+    pass the nn.Module. A model left in training mode is compiled for inference, as eval mode
+    computes (dropout off), and keeps its mode."""
+    from kiln.errors import CaptureError
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(2, 8)
+    for scripted in (torch.jit.script(model), torch.jit.trace(model.eval(), x)):
+        with pytest.raises(CaptureError, match="is TorchScript.*pass the original nn.Module"):
+            kiln.trace(scripted, (x,), quiet=True, cache=False, optlevel=1)
+    model.train()
+    compiled = kiln.trace(model, (x,), quiet=True, cache=False, optlevel=1)
+    assert model.training
+    model.eval()
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled(x), compiled(x), rtol=0, atol=0)

@@ -167,6 +167,9 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None).
     A forward that writes to its inputs, parameters or buffers is refused
     (:mod:`kiln.graph.state_writes`); FX graphs (PyTorch's, the device's) are not watched."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise CaptureError(f"{_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
+                           "torch.export cannot trace: pass the original nn.Module (or function) instead")
     was_training = isinstance(model, torch.nn.Module) and model.training
     if was_training:
         model.eval()
