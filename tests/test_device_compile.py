@@ -204,18 +204,20 @@ def test_graph_that_cannot_compile_runs_eagerly_with_the_reason():
 @pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
 def test_symbolic_shapes_compile_once_per_concrete_shape(dynamic):
     """Dynamo hands a graph with symbolic sizes for ``dynamic=True``, and by default
-    (``None``) once a second shape comes: kiln compiles it for each shape it is called with
-    (it ran eagerly with a warning until 11-30, so every shape after the first ran op by op)."""
+    (``None``) once a second shape comes: kiln compiles it for each shape that comes back,
+    at its second call (it ran eagerly with a warning until 11-30, so every shape after the
+    first ran op by op); a shape met once runs eagerly, costing no compile."""
     model = _mlp().eval()
     compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=dynamic)
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)          # no graph runs eagerly
-        for rows in (2, 3, 5, 3, 2):
+        warnings.simplefilter("error", RuntimeWarning)          # no graph runs eagerly behind a warning
+        for rows in (2, 3, 5, 3, 2, 3):
             x = torch.randn(rows, 16)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-    # automatic: the first shape's static graph, then the symbolic one for 3, 5 and 2 (Dynamo
-    # tries its newest graph first, so the first shape is compiled again there)
-    assert metrics.counter_value("UncachedCompile") == (3 if dynamic else 4)
+    # dynamic: 3 and 2, at their second calls (5 came once). automatic: the first shape's
+    # static graph, then the symbolic one for 3 (the 2 after it is that graph's first 2:
+    # Dynamo tries its newest graph first)
+    assert metrics.counter_value("UncachedCompile") == 2
     assert metrics.counter_value("EagerGraphs") == 0
 
 
@@ -232,7 +234,8 @@ def test_an_int_argument_made_dynamic_is_compiled_per_value():
         warnings.simplefilter("error", RuntimeWarning)
         for n in (2, 3, 5, 3):
             torch.testing.assert_close(compiled(x, n), f(x, n), rtol=1e-5, atol=1e-6)
-    assert metrics.counter_value("EagerGraphs") == 0 and metrics.counter_value("UncachedCompile") == 3
+    # 2 in the first (static) graph; 3 compiled at its second call; 5 came once
+    assert metrics.counter_value("EagerGraphs") == 0 and metrics.counter_value("UncachedCompile") == 2
 
 
 def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkeypatch):
@@ -240,7 +243,7 @@ def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkey
     saved, constants of each shape; past ``MAX_SHAPES`` shapes a graph runs eagerly, with
     one warning saying why."""
     from kiln.device import per_shape
-    monkeypatch.setattr(per_shape, "MAX_SHAPES", 3)
+    monkeypatch.setattr(per_shape, "MAX_SHAPES", 2)
     torch.manual_seed(0)
     ref = _mlp()
     model = copy.deepcopy(ref)
@@ -249,7 +252,7 @@ def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkey
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for rows in (2, 3, 5, 3, 7, 2):
+        for rows in (2, 3, 2, 3, 5, 5, 2):
             x, y = torch.randn(rows, 16, generator=g), torch.randint(0, 4, (rows,), generator=g)
             for m, o, run in ((model, opt, compiled), (ref, ref_opt, ref)):
                 F.cross_entropy(run(x), y).backward()
@@ -257,9 +260,11 @@ def test_symbolic_shapes_train_like_eager_and_stop_compiling_at_the_limit(monkey
                 o.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    limit = [str(w.message) for w in caught if "more than 3 input shapes" in str(w.message)]
-    assert len(limit) == 2, [str(w.message) for w in caught]          # the forward's and the backward's
-    assert metrics.counter_value("UncachedCompile") == 6                  # 3 shapes, forward and backward
+    limit = [str(w.message) for w in caught if "more than 2 input shapes" in str(w.message)]
+    assert len(limit) == 1 and "forward" in limit[0], [str(w.message) for w in caught]
+    # the forward: 2 and 3; the backward sees other strides after a compiled forward than
+    # after an eager one (a shape's key holds its strides), so its two are 5 and 2
+    assert metrics.counter_value("UncachedCompile") == 4
 
 
 def test_changing_shapes_warn_naming_the_input_and_shapes():

@@ -13,9 +13,11 @@ of the model's Python), which gives the static graph the shape's sizes bake in, 
 that graph is compiled like any other (:func:`kiln.device.graphs.compile_graph`: engines
 by measurement, the check against eager on that call's values). Sizes the graph
 returns (AOTAutograd's forward hands its backward the sizes it saved) are constants
-of the shape, returned beside the compiled outputs. At most :data:`MAX_SHAPES` shapes
-are compiled per graph, as Dynamo's own recompile limit; further shapes run eagerly,
-with one warning saying so.
+of the shape, returned beside the compiled outputs. A shape is compiled at its second
+call (:data:`SIGHTINGS`): the first runs eagerly, so shapes that never come back (a
+decode loop's growing lengths) cost no compile. At most :data:`MAX_SHAPES` shapes are
+compiled per graph, as Dynamo's own recompile limit; further shapes run eagerly, with one
+warning saying so.
 """
 from __future__ import annotations
 
@@ -28,13 +30,17 @@ from kiln.graph import tracing_lock
 
 # shapes compiled per graph (Dynamo's default recompile_limit is 8 as well)
 MAX_SHAPES = 8
+# calls of a shape before it is compiled: a shape met once (each step of a decode loop
+# whose length grows) runs eagerly rather than pay a compile it never reuses; one that
+# comes back (a training loop's batch sizes, a server's padded lengths) is compiled
+SIGHTINGS = 2
 
 
 def compiled_per_shape(gm, name: str, compile_static, eager):
     """``f(*args) -> list``: ``gm`` (symbolic shapes) compiled by ``compile_static(static_gm,
     name)`` (a callable on tensors) for each concrete shape it meets; ``eager`` beyond
     :data:`MAX_SHAPES` shapes, or for a shape that cannot be specialized."""
-    lock, shapes, warned = threading.Lock(), {}, []
+    lock, shapes, seen, warned = threading.Lock(), {}, {}, []
 
     def run(*args):
         key = _key(args)
@@ -43,6 +49,9 @@ def compiled_per_shape(gm, name: str, compile_static, eager):
             with lock:
                 entry = shapes.get(key)
                 if entry is None:
+                    seen[key] = seen.get(key, 0) + 1
+                    if seen[key] < SIGHTINGS:
+                        return eager(*args)
                     entry = shapes[key] = _entry(gm, name, args, len(shapes), compile_static, eager, warned)
         return entry(args)
     run.compiled = None
