@@ -59,3 +59,24 @@ def test_mixed_types_compile_on_onnx_runtime_and_equal_eager(always, monkeypatch
     for got, want in zip(compiled(x, i), model(x, i)):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_skipping_the_pass_writes_the_same_onnx_bytes(monkeypatch):
+    """Where no node needs a cast the pass would change nothing: the exported model is the
+    same, byte for byte, as with the pass run."""
+    from kiln.engines import ort_export
+    from kiln.engines.onnx_model import EXPORT_OPSET
+    from kiln.graph.capture import capture
+    x = torch.randn(2, 8)
+    partition = capture(Plain().eval(), (x,)).graph_module        # what an engine is given
+
+    def exported():
+        program = ort_export.export(partition, (x,), opset=EXPORT_OPSET, optimize=False,
+                                    registry=ort_export.registry_for(EXPORT_OPSET))
+        return program.model_proto.SerializeToString()
+    asked, real = [], ort_promotion.needs_promotion
+    monkeypatch.setattr(ort_promotion, "needs_promotion", lambda gm: asked.append(real(gm)) or asked[-1])
+    skipped = exported()
+    assert asked == [False]                         # the pass was skipped
+    monkeypatch.setattr(ort_promotion, "needs_promotion", lambda gm: True)
+    assert exported() == skipped
