@@ -209,3 +209,14 @@ def test_a_step_that_writes_the_cache_itself_is_not_written_again(tiny_llm, monk
     assert len(writes) > 3                                    # now every decode step writes too
     assert tokens2 == tokens
     assert torch.equal(keys2, keys) and torch.equal(values2, values)
+
+
+def test_a_prompt_of_non_integer_token_ids_is_refused():
+    """A float id was cut to an int on its way into the graph (``[1.5, 2]`` answered for
+    ``[1, 2]``); integers of any kind (Python, NumPy, integer tensors) are taken."""
+    import numpy as np
+    for bad in ([1.5, 2], [1, True], ["3"], torch.tensor([1.0, 2.0]), [torch.tensor(2.5)]):
+        with pytest.raises(InputError, match="token ids must be integers"):
+            Request(bad, 3)
+    for good in ([1, 2], [np.int64(1), np.int32(2)], torch.tensor([1, 2]), [torch.tensor(1), torch.tensor(2)]):
+        assert Request(good, 3).prompt == [1, 2]
