@@ -110,7 +110,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     if _symbolic(inputs):
         if real_inputs:
             return _eager(gm, name, "its shapes are symbolic (dynamic); kiln compiles static shapes")
-        return _per_shape(gm, name, options)
+        return _per_shape(gm, name, options, inputs)
     shapes = [tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else None for x in inputs]
     metrics.note_compile(structure_of(gm), shapes, _readers(gm), f"graph '{name}' ({ops} ops)")
     if real_inputs:
@@ -121,7 +121,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     return _on_first_call(gm, name, options)
 
 
-def _per_shape(gm, name, options):
+def _per_shape(gm, name, options, inputs):
     """torch.compile's graph with symbolic shapes (Dynamo's automatic dynamic shapes), compiled
     for each concrete shape it is called with (:mod:`kiln.device.per_shape`)."""
     from kiln.device.per_shape import compiled_per_shape
@@ -130,7 +130,7 @@ def _per_shape(gm, name, options):
     def static(graph, label):
         examples = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
         return compile_graph(graph, examples, name=label, **options)
-    per_shape = compiled_per_shape(gm, name, static, eager)
+    per_shape = compiled_per_shape(gm, name, static, eager, inputs)
 
     def run(*args):
         return eager(*args) if _fake(args) else per_shape(*args)
@@ -151,38 +151,34 @@ def _on_first_call(gm, name, options):
     def run(*args):
         if not built:
             if _fake(args):
-                out = gm(*args)
-                return list(out) if isinstance(out, (tuple, list)) else [out]
+                return _listed(gm(*args))
             with lock:
                 if not built:
                     examples = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-                    if tracing_lock.mine():        # called inside a compile this thread runs
-                        return _first_build_here(gm, examples, name, options, built, run, args)
-                    with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
-                        try:
-                            first = pool.submit(_build, gm, examples, name, options).result()
-                        except InputsFail:          # eager's own error on these values, raised here
-                            out = gm(*args)
-                            return list(out) if isinstance(out, (tuple, list)) else [out]
-                        built.append(pool.submit(_inductor_too, gm, examples, name, options, first).result())
+                    try:
+                        first = _on_compile_thread(_build, gm, examples, name, options)
+                    except InputsFail:          # eager's own error on these values, raised here
+                        return _listed(gm(*args))
+                    built.append(_on_compile_thread(_inductor_too, gm, examples, name, options, first))
                     run.compiled = built[0].compiled
         return built[0](*args)
     run.compiled = None
     return run
 
 
-def _first_build_here(gm, examples, name, options, built, run, args):
-    """:func:`_on_first_call`'s build on the calling thread: a graph first called inside a
-    compile this thread is running (a compiled model whose checks run a model holding a
-    ``torch.compile(backend="kiln")`` part) would wait forever for a compile thread that
-    waits for this one's lock."""
-    try:
-        built.append(_build(gm, examples, name, options))
-    except InputsFail:
-        out = gm(*args)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-    run.compiled = built[0].compiled
-    return built[0](*args)
+def _on_compile_thread(fn, *args):
+    """``fn(*args)`` on a thread of its own (:func:`_on_first_call`), or on this one where it
+    holds kiln's tracing lock: a graph first called inside a compile this thread runs (a
+    compiled model whose checks run a model holding a ``torch.compile(backend="kiln")``
+    part) would wait forever for a compile thread waiting for this thread's lock."""
+    if tracing_lock.mine():
+        return fn(*args)
+    with ThreadPoolExecutor(1, thread_name_prefix="kiln-compile") as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _listed(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _inductor_too(gm, examples, name, options, first):
@@ -411,7 +407,6 @@ def _eager(gm, name, why):
         metrics.count("EagerGraphs")
 
     def run(*args):
-        out = gm(*args)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
+        return _listed(gm(*args))
     run.compiled = None
     return run

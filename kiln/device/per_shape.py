@@ -36,14 +36,18 @@ MAX_SHAPES = 8
 SIGHTINGS = 2
 
 
-def compiled_per_shape(gm, name: str, compile_static, eager):
+def compiled_per_shape(gm, name: str, compile_static, eager, examples):
     """``f(*args) -> list``: ``gm`` (symbolic shapes) compiled by ``compile_static(static_gm,
     name)`` (a callable on tensors) for each concrete shape it meets; ``eager`` beyond
-    :data:`MAX_SHAPES` shapes, or for a shape that cannot be specialized."""
+    :data:`MAX_SHAPES` shapes, or for a shape that cannot be specialized. ``examples``: the
+    graph's example inputs, whose symbolic ones are the inputs a call's shape is read from
+    (Dynamo's guards hold the others to their sizes and strides: an AOTAutograd graph's
+    parameters, read on every call, cost 166 us a call for 200 of them)."""
     lock, shapes, seen, warned = threading.Lock(), {}, {}, []
+    varying = [i for i, x in enumerate(examples) if _symbolic(x)]
 
     def run(*args):
-        key = _key(args)
+        key = _key(args, varying)
         entry = shapes.get(key)
         if entry is None:
             with lock:
@@ -54,14 +58,21 @@ def compiled_per_shape(gm, name: str, compile_static, eager):
                         return eager(*args)
                     entry = shapes[key] = _entry(gm, name, args, len(shapes), compile_static, eager, warned)
         return entry(args)
-    run.compiled = None
     run.shapes = shapes
     return run
 
 
-def _key(args) -> tuple:
+def _symbolic(x) -> bool:
+    """Whether an example input varies between calls: a symbolic number, or a tensor with a
+    symbolic size or stride."""
+    if isinstance(x, torch.Tensor):
+        return not all(isinstance(d, int) for d in (*x.shape, *x.stride()))
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _key(args, varying) -> tuple:
     return tuple((tuple(a.shape), a.dtype, a.stride(), a.requires_grad) if isinstance(a, torch.Tensor)
-                 else (type(a).__name__, a) for a in args)
+                 else (type(a).__name__, a) for a in (args[i] for i in varying))
 
 
 def _entry(gm, name, args, count, compile_static, eager, warned):

@@ -17,13 +17,15 @@ from kiln.errors import UnsupportedOpError
 
 
 def refuse(gm: torch.fx.GraphModule, name: str) -> None:
-    """Raise :class:`UnsupportedOpError` if a node of ``gm`` takes a graph as an argument."""
+    """Raise :class:`UnsupportedOpError` if a node of ``gm`` takes a graph as an argument: the
+    graph is an attribute of ``gm``, read by a ``get_attr`` node that operator uses."""
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and any(_is_graph(gm, a) for a in _flat(node.args, node.kwargs)):
-            op = getattr(node.target, "__name__", None) or str(node.target)
-            if op not in found:
-                found.append(op)
+        if node.op == "get_attr" and isinstance(_attribute(gm, node.target), torch.fx.GraphModule):
+            for user in node.users:
+                op = getattr(user.target, "__name__", None) or str(user.target)
+                if op not in found:
+                    found.append(op)
     if found:
         who = "the graph" if name.startswith("<") else name      # an FX graph's class: "<lambda>"
         advice = [ADVICE.get(op, ADVICE["default"]) for op in found]
@@ -44,16 +46,8 @@ ADVICE = {
 }
 
 
-def _flat(args, kwargs):
-    out = []
-    torch.fx.node.map_arg((args, kwargs), out.append)
-    return out
-
-
-def _is_graph(gm, node) -> bool:
-    if node.op != "get_attr":
-        return False
+def _attribute(gm, target: str):
     value = gm
-    for part in node.target.split("."):
+    for part in target.split("."):
         value = getattr(value, part, None)
-    return isinstance(value, torch.fx.GraphModule)
+    return value

@@ -87,8 +87,7 @@ class Request:
     draft_accepted: int = 0                # ... and those the target kept (kiln.runtime.spec_step)
 
     def __post_init__(self):
-        value_checks.check_token_ids(self.prompt)      # int() would cut a float id to another token
-        self.prompt = [int(t) for t in self.prompt]
+        self.prompt = value_checks.token_ids(self.prompt)
         self.stop_token_ids = frozenset(int(t) for t in self.stop_token_ids)
         self.generator = self.params.generator()
 

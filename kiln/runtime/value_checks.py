@@ -7,7 +7,7 @@ before any engine sees them, where engines would answer otherwise than eager PyT
   ``IndexError`` too, as eager's is.
 * NaN and infinities where an engine of the model was found at compile time to answer
   them otherwise (:func:`kiln.compiler.checks.nonfinite_probe`).
-* an LLM prompt's token ids that are not integers (:func:`check_token_ids`).
+* an LLM prompt's token ids that are not integers (:func:`token_ids`).
 """
 from __future__ import annotations
 
@@ -73,14 +73,17 @@ def check_nonfinite(flat, input_specs, nonfinite) -> None:
                 "with another engine (engine=...)")
 
 
-def check_token_ids(prompt) -> None:
-    """Raise :class:`InputError` unless every token of ``prompt`` is an integer (a Python or
-    NumPy int, or an integer tensor): a float id (``1.5``) was cut to an int on its way into
-    the graph, and the request answered for another prompt."""
+def token_ids(prompt) -> list:
+    """``prompt`` as a list of Python ints, or :class:`InputError` where a token is not an
+    integer (a Python or NumPy int, or an integer tensor): ``int()`` alone cut a float id
+    (``1.5``) to another token, and the request answered for another prompt."""
     if isinstance(prompt, torch.Tensor):
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise InputError(f"token ids must be integers; the prompt is a {prompt.dtype} tensor")
-        return
+        if prompt.dim() != 1:
+            raise InputError(f"a prompt is one row of token ids; got a tensor of shape {tuple(prompt.shape)}")
+        return prompt.tolist()
+    out = []
     for t in prompt:
         if isinstance(t, torch.Tensor):
             ok = t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
@@ -88,3 +91,5 @@ def check_token_ids(prompt) -> None:
             ok = isinstance(t, numbers.Integral) and not isinstance(t, bool)
         if not ok:
             raise InputError(f"token ids must be integers; the prompt holds {t!r} ({type(t).__name__})")
+        out.append(int(t))
+    return out
