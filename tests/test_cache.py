@@ -1,5 +1,6 @@
 """The persistent compile cache: hits, misses, keys, integrity, races, failures, eviction, S3."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -174,6 +175,7 @@ def test_two_processes_racing_on_one_key_compile_once(tmp_path):
     results = [_result(p) for p in procs]
     assert sum(r["stats"]["compiles"] for r in results) == 1
     assert results[0]["key"] == results[1]["key"]
+
     assert results[0]["out"] == pytest.approx(results[1]["out"], abs=1e-5)
 
 
@@ -248,6 +250,25 @@ def test_cli_cache_commands(tmp_path, kiln_cli):
     assert "0 entries" in r.stdout
 
 
+def test_an_unusable_cache_location_warns_and_compiles_without_it(tmp_path, kiln_cli, caplog):
+    """A cache only saves time: a location that fails (here a file where the directory should
+    be; a full disk or an unreachable store alike) gets one warning saying what to do, and the
+    trace compiles and answers as without a cache. It used to end the trace with the OS's
+    NotADirectoryError, and a store that failed a write after the compile lost the model."""
+    where = tmp_path / "not-a-directory"
+    where.write_text("a file")
+    model, x = models.mlp()
+    s = snap()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        compiled = kiln.trace(model, x, cache=str(where))
+    assert_close(compiled(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    assert delta(s)["compiles"] == 1 and delta(s)["errors"] >= 1
+    assert compiled.manifest["cache"]["stored"] is False
+    assert str(where) in caplog.text and "KILN_CACHE_URL=off" in caplog.text
+    r = subprocess.run([kiln_cli, "cache", "ls", "--url", str(where)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is a file, not a directory" in r.stderr and "Traceback" not in r.stderr
+
+
 # -- an S3-compatible store on loopback ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def s3():
@@ -292,6 +313,32 @@ def test_s3_cache_hits_and_races(s3, tmp_path):
     results = [_result(p) for p in procs]
     assert sum(r["stats"]["compiles"] for r in results) == 1
     assert results[0]["key"] == results[1]["key"]
+
+def test_a_store_that_is_down_costs_one_warning_not_the_trace(s3, caplog):
+    """An S3 endpoint that refuses connections (botocore's errors are no OSError): the trace
+    warns once, stops using the store for the rest of the trace (each request would cost the
+    client's retries), and compiles."""
+    import fsspec.config
+    import s3fs
+    server = pytest.importorskip("moto.server").ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    server.stop()
+    endpoint = fsspec.config.conf["s3"]["endpoint_url"]
+    fsspec.config.conf["s3"]["endpoint_url"] = f"http://{host}:{port}"
+    s3fs.S3FileSystem.clear_instance_cache()
+    model, x = models.mlp()
+    s = snap()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln"):
+            compiled = kiln.trace(model, x, cache="s3://kiln-fleet/down")
+    finally:
+        fsspec.config.conf["s3"]["endpoint_url"] = endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert_close(compiled(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    assert delta(s)["compiles"] == 1 and delta(s)["errors"] == 1
+    assert "EndpointConnectionError" in caplog.text and "kiln goes on without it" in caplog.text
+
 
 
 PARALLEL_SCRIPT = textwrap.dedent('''

@@ -32,6 +32,7 @@ def cmd_cache(a, console):
     from kiln.compiler import cache as cache_mod
     url = a.url or cache_mod.resolve_url(None) or cache_mod.default_url()
     store = cache_mod.Cache(url)
+    store.check_usable()
     entries = sorted(store.entries(), key=lambda e: e.get("last_used", ""), reverse=True)
     if a.action == "ls":
         return _ls(a, console, url, entries)

@@ -110,7 +110,8 @@ def cmd_compile(a, console):
                   f"{compiled.report['support_percentage']:.1f}% of ops on {compiled.manifest['engine']['name']}")
     if compiled.manifest.get("cache"):
         c = compiled.manifest["cache"]
-        console.print(f"cache: {'hit' if c['hit'] else 'miss, stored'} {c['key'][:16]} in {c['url']}")
+        how = "hit" if c["hit"] else "miss, stored" if c.get("stored", True) else "miss, NOT stored (the cache failed)"
+        console.print(f"cache: {how} {c['key'][:16]} in {c['url']}")
     if v:
         console.print(f"validation: {validation_line(v)}")
     return 0

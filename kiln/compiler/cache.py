@@ -52,6 +52,8 @@ log = logging.getLogger("kiln")
 LOCK_STALE_SECONDS = 60.0  # a lock not refreshed for this long belongs to a dead process
 LOCK_REFRESH_SECONDS = 10.0
 
+_warned: set = set()       # cache URLs already reported unusable in this process
+
 # Process-wide counters (also per Cache instance): they live in kiln.observe, which reports them
 # and may not import the compiler; ``stats`` is that same dict, for readers.
 stats = compile_cache.values
@@ -109,6 +111,10 @@ class Cache:
                              "(s3fs for s3://) or pass cache=False") from None
         self.root = self.root.rstrip("/")
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        # What a failing location raises: the OS's errors locally; an object store's client has
+        # its own (botocore's EndpointConnectionError is no OSError), so there any error is one.
+        self.failures = OSError if self.local else Exception
+        self.broken = False       # set at the first failure: this Cache is then skipped (see unusable)
         self.max_bytes = max_bytes if max_bytes is not None else max_bytes_from_env()
         self.stats = {k: 0 for k in stats}
 
@@ -120,18 +126,65 @@ class Cache:
         self.stats[name] += 1
         compile_cache.count(name)
 
+    def unusable(self, doing: str, error: BaseException):
+        """The location failed an operation (not a directory, no permission, a full disk, an
+        unreachable store). A cache only saves time, so the trace goes on without it: a
+        read is a miss, a failed write keeps nothing, and the compile runs without the lock.
+        Warned once per location and process. This object then stops using the location: an
+        unreachable store costs a client's retries (a minute for S3), which every later read
+        and write of the same trace would pay again; the next ``kiln.trace`` tries afresh."""
+        self.broken = True
+        self.count("errors")
+        if self.url not in _warned:
+            _warned.add(self.url)
+            log.warning("kiln cache %s failed (%s: %s: %s); kiln goes on without it, so while this "
+                        "lasts compiles are neither reused nor kept. Fix the location, point "
+                        "KILN_CACHE_URL (or cache=) elsewhere, or turn the cache off with "
+                        "KILN_CACHE_URL=off (cache=False)",
+                        self.url, doing, type(error).__name__, error)
+
+    def check_usable(self):
+        """Raise :class:`CacheError` if the location is not a directory that can be listed:
+        for ``kiln cache``, which manages the location and has nothing to fall back on."""
+        try:
+            if self.fs.exists(self.root) and not self.fs.isdir(self.root):
+                raise NotADirectoryError(f"{self.root} is a file, not a directory")
+            self.fs.ls(self._path("entries"), detail=False)
+        except FileNotFoundError:
+            return
+        except self.failures as e:
+            raise CacheError(f"cache {self.url!r} cannot be read: {type(e).__name__}: {e}. "
+                             "Pass --url (or set KILN_CACHE_URL) to a directory or store URL") from None
+
     def _path(self, *parts):
         return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
 
     # -- primitive file operations ------------------------------------------------------------
     def _read(self, path):
+        if self.broken:
+            return None
         try:
             with self.fs.open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None
+        except self.failures as e:
+            self.unusable("reading", e)
+            return None
 
-    def _write_atomic(self, path, data: bytes):
+    def _write_atomic(self, path, data: bytes) -> bool:
+        """Write ``data`` to ``path`` atomically; False (and a warning) if the location
+        refuses it."""
+        if self.broken:
+            return False
+        try:
+            self._write(path, data)
+            return True
+        except self.failures as e:
+            self.unusable("writing", e)
+            return False
+
+    def _write(self, path, data: bytes):
         self.fs.makedirs(self._path("tmp"), exist_ok=True)
         if self.local:    # temp files of this host's killed writers go before they pile up
             sweep_temps(self._path("tmp"))
@@ -139,21 +192,30 @@ class Cache:
         parent = path.rsplit("/", 1)[0] if not self.local else os.path.dirname(path)
         self.fs.makedirs(parent, exist_ok=True)
         if self.local:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError:          # a full disk: no half-written file left behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             return
         with self.fs.open(tmp, "wb") as f:
             f.write(data)
         self.fs.mv(tmp, path)
 
     def _rm(self, path, recursive=False):
+        if self.broken:
+            return
         try:
             self.fs.rm(path, recursive=recursive)
         except FileNotFoundError:
             pass
+        except self.failures as e:
+            self.unusable("deleting", e)
 
     # -- entries --------------------------------------------------------------------------------
     def _meta(self, key):
@@ -195,20 +257,28 @@ class Cache:
         return "ok", data, meta
 
     def touch(self, key, meta):
-        """Record a use, for least-recently-used eviction (best effort)."""
+        """Record a use, for least-recently-used eviction (best effort: a store that can be
+        read but not written, such as a read-only mount of a fleet's cache, still serves)."""
         meta = dict(meta, last_used=_now(), uses=int(meta.get("uses", 0)) + 1)
+        if self.broken:
+            return
         try:
-            self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())
-        except OSError as e:
+            self._write(self._path("entries", key, "meta.json"), json.dumps(meta).encode())
+        except self.failures as e:
             log.debug("kiln cache: could not update last-used of %s: %s", key[:16], e)
 
     def store(self, key, data: bytes, info: dict):
+        """Keep an entry; its meta, or None when the location refused it (see :meth:`unusable`)."""
         # No digest of the whole file: every blob's digest is checked when it is read.
         meta = dict(info, key=key, status="ok", size=len(data),
                     created=_now(), last_used=_now(), uses=0)
-        self._write_atomic(self._path("entries", key, "artifact.kiln"), data)
-        self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())
-        self.evict()
+        if not (self._write_atomic(self._path("entries", key, "artifact.kiln"), data)
+                and self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())):
+            return None
+        try:
+            self.evict()
+        except self.failures as e:
+            self.unusable("evicting", e)
         return meta
 
     def store_failure(self, key, error: BaseException, info: dict):
@@ -247,12 +317,20 @@ class Cache:
         the last writer wins and everyone agrees who that was. A holder refreshes
         its lock; a lock not refreshed for LOCK_STALE_SECONDS is broken."""
         path = self._path("locks", f"{key}.lock")
-        self.fs.makedirs(self._path("locks"), exist_ok=True)
         token = f"{os.getpid()}-{uuid.uuid4().hex}"
         waited = False
         while True:
-            if self._try_lock(path, token):
-                break
+            if self.broken:
+                yield None
+                return
+            try:
+                self.fs.makedirs(self._path("locks"), exist_ok=True)
+                if self._try_lock(path, token):
+                    break
+            except self.failures as e:     # no lock to be had: compile anyway, as without a cache
+                self.unusable("locking", e)
+                yield None
+                return
             if not waited:
                 waited = True
                 self.count("lock_waits")
@@ -304,7 +382,7 @@ class Cache:
                 else:
                     with self.fs.open(path, "wb") as f:
                         f.write(self._lock_body(token))
-            except OSError:
+            except self.failures:   # a store that went away: the compile goes on; others may break the lock
                 pass
 
     def _break_if_stale(self, path):

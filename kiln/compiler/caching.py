@@ -104,6 +104,9 @@ def reader(store, retry_failed, threads):
         except ArtifactError as e:   # a corrupt entry; a missing engine or bad setting is no reason to drop it
             store.discard(key, e)
             return None
+        except OSError as e:         # a local entry there but unreadable (permissions, a flaky mount)
+            store.unusable("reading", e)
+            return None
         store.touch(key, meta)
         store.count("hits")
         compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
@@ -149,8 +152,9 @@ def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache):
         if key in getattr(from_cache, "untrusted", ()):
             log.info("kiln cache: keeping entry %s (signed by a key this host does not trust) "
                      "for the hosts that trust it", key[:16])
-        else:
-            store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host"))
+        elif store.store(key, compiled.to_bytes(), dict(info, engine=",".join(engines) or "host")) is None:
+            compiled.manifest["cache"]["stored"] = False   # the store warned; no alias to an absent entry
+            return compiled
         if fp:
             store.set_alias(fp, key)
         return compiled
