@@ -183,6 +183,50 @@ def test_shapes_dynamic_batch_and_bad_input_are_clear(exported, tmp_path):
         model(input_ids=long["input_ids"][:, :4], pixel_values=torch.zeros(1))
 
 
+def test_a_model_whose_answers_padding_or_default_token_types_would_change_is_exported_as_it_answers(
+        tmp_path, caplog):
+    """Two silent wrong answers found by probing: GPT-2 embeds token types through its word
+    embeddings, so the zeros kiln filled in for absent token_type_ids moved its logits by 0.08
+    (and `kiln export` validated it with the same zeros); a Llama classifier with no
+    pad_token_id reads the last position, which padding made a pad token (0.14 off). Now an
+    input whose default is not the same as leaving it out is not exported, and a model that
+    padding changes takes inputs of the compiled length only, with a clear error otherwise."""
+    from kiln.optimum.neuron import exporter
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64, num_labels=3,
+                                   pad_token_id=0)
+    transformers.GPT2ForSequenceClassification(gpt2).save_pretrained(tmp_path / "gpt2")
+    report = exporter.export(str(tmp_path / "gpt2"), str(tmp_path / "gpt2-kiln"), batch_size=1, sequence_length=16,
+                             **FAST)
+    assert "logits (shorter input, padded)" in report["validation"]["max_abs_difference"]
+    model = neuron.NeuronModelForSequenceClassification.from_pretrained(tmp_path / "gpt2-kiln")
+    eager = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "gpt2").eval()
+    assert model.input_names == ("input_ids", "attention_mask")
+    for length in (16, 5):
+        ids = torch.randint(1, 97, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, eager(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    (logits,) = model(input_ids=ids, return_dict=False)             # a tuple, as transformers gives
+    assert isinstance(logits, torch.Tensor)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(5,\).*unsqueeze\(0\)"):
+        model(input_ids=ids[0])
+
+    llama = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_labels=3, pad_token_id=None)
+    transformers.LlamaForSequenceClassification(llama).save_pretrained(tmp_path / "llama")
+    with caplog.at_level(logging.WARNING, logger="kiln.optimum"):
+        model = neuron.NeuronModelForSequenceClassification.from_pretrained(tmp_path / "llama", export=True,
+                                                                            batch_size=1, sequence_length=16, **FAST)
+    assert "answers differently when its input is padded" in caplog.text
+    eager = transformers.LlamaForSequenceClassification.from_pretrained(tmp_path / "llama").eval()
+    ids = torch.randint(1, 97, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, eager(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="takes exactly sequence_length=16 tokens; got 5.*pad_token_id"):
+        model(input_ids=ids[:, :5])
+
+
 def test_optimum_export_keywords_are_applied_noted_or_refused(exported, caplog):
     cls = neuron.NeuronModelForSequenceClassification
     path, _ = exported[cls]
@@ -302,8 +346,9 @@ def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])          # right-padded, as Optimum asks
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8)
-    # kiln's generate stops a row at the model's end-of-sequence token (2), as transformers' does
-    want = [_until_eos(_hf_greedy(hf, p, 8)) for p in prompts]
+    # generate()'s defaults are the directory's generation_config.json, as transformers' are: this
+    # one names no end-of-sequence token (the helper model's), so no row stops early
+    want = [_hf_greedy(hf, p, 8) for p in prompts]
     assert out.shape == (2, width + max(map(len, want))) and torch.equal(out[:, :width], ids)
     assert [out[k, width:width + len(w)].tolist() for k, w in enumerate(want)] == want
     model.save_pretrained(tmp_path / "saved")
@@ -321,10 +366,28 @@ def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(
                                                            num_cores=1, auto_cast_type="fp32")
     one = torch.tensor([prompts[0]])
     assert legacy.generate(one, max_new_tokens=8)[0, len(prompts[0]):].tolist() == want[0]
-
-
-def _until_eos(tokens, eos=2):
-    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+    # generation_config.json is saved, and its stop tokens (Llama 3's are a list) and length are
+    # generate()'s defaults, as in transformers; a config given to generate() sets its length
+    assert (tmp_path / "saved" / "generation_config.json").exists()
+    config = transformers.GenerationConfig(eos_token_id=[2, _hf_greedy(hf, prompts[0], 8)[2]], max_new_tokens=6,
+                                           pad_token_id=0)
+    config.save_pretrained(tmp_path / "saved")
+    again = neuron.NeuronModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        hf_stopped = hf.generate(one, attention_mask=torch.ones_like(one), generation_config=config, do_sample=False)
+        five = transformers.GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
+        hf_five = hf.generate(one, attention_mask=torch.ones_like(one), generation_config=five, do_sample=False)
+    assert torch.equal(again.generate(one), hf_stopped) and hf_stopped.shape[1] == one.shape[1] + 3
+    assert torch.equal(again.generate(one, generation_config=five), hf_five)
+    # transformers' text-generation pipeline (Optimum Neuron's pipeline has the task): Hugging Face's text
+    with open(tmp_path / "vocab.txt", "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(92)]))
+    tok = transformers.BertTokenizer(str(tmp_path / "vocab.txt"))
+    kiln_pipe = neuron.pipeline("text-generation", model=model, tokenizer=tok)
+    hf_pipe = transformers.pipeline("text-generation", model=hf, tokenizer=tok)
+    ask = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert kiln_pipe(["w5 w17 w3", "w40"], **ask) == hf_pipe(["w5 w17 w3", "w40"], **ask)
+    assert "TextGenerationPipeline" in repr(kiln_pipe) and "'input_modalities': 'text'" in repr(kiln_pipe)
 
 
 def _vit(directory):

@@ -19,22 +19,31 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError
-from kiln.optimum.neuron.modeling import MODEL_FILE, preprocessors_of, require_transformers
+from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of, require_transformers
 from kiln.runtime.loader import load
 
 NEURON_CONFIG = "neuron_config.json"
 
 
-class NeuronModelForCausalLM:
+class NeuronModelForCausalLM(CpuModel):
     task = "text-generation"
     main_input_name = "input_ids"
 
-    def __init__(self, llm, config, neuron_config: dict, preprocessors=None):
+    device = torch.device("cpu")
+
+    def __init__(self, llm, config, neuron_config: dict, preprocessors=None, generation_config=None):
         self.llm, self.config, self.neuron_config = llm, config, dict(neuron_config)
         self.preprocessors = list(preprocessors or [])
-        self.generation_config = _generation_config(config)
+        self.generation_config = generation_config or _generation_config(config)
+
+    @property
+    def static(self) -> dict:
+        """The compiled shapes, as the encoders' ``static``: rows per step and tokens in all."""
+        return {"batch_size": self.neuron_config["batch_size"], "sequence_length": self.neuron_config["sequence_length"]}
 
     # -- Optimum >= 0.4 -------------------------------------------------------------------
 
@@ -73,7 +82,8 @@ class NeuronModelForCausalLM:
         llm = compile_llm(model, batch_size=nc["batch_size"], context_buckets=(min(nc["prefill_chunk_size"], seq - 1),),
                           cache_length=seq, prefill_chunk=min(nc["prefill_chunk_size"], seq - 1),
                           tp_degree=nc.get("tp_degree", 1), tokenizer=tokenizer, **compile_options)
-        return cls(llm, model.config, nc, [tokenizer] if tokenizer is not None else preprocessors_of(path))
+        return cls(llm, model.config, nc, [tokenizer] if tokenizer is not None else preprocessors_of(path),
+                   _generation_config(model.config, path))
 
     # -- both -----------------------------------------------------------------------------
 
@@ -104,12 +114,14 @@ class NeuronModelForCausalLM:
         if nc.get("compiler") != "kiln":
             raise ArtifactError(f"{path}/{NEURON_CONFIG} was not written by kiln")
         config = require_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
-        return cls(load(file), config, nc, preprocessors_of(path))
+        return cls(load(file), config, nc, preprocessors_of(path), _generation_config(config, path))
 
     def save_pretrained(self, save_directory) -> None:
         os.makedirs(save_directory, exist_ok=True)
         self.llm.save(os.path.join(save_directory, MODEL_FILE))
         self.config.save_pretrained(save_directory)
+        if self.generation_config is not None:    # its stop tokens and lengths are generate()'s defaults
+            self.generation_config.save_pretrained(save_directory)
         text = json.dumps(self.neuron_config, indent=2, sort_keys=True).encode()
         write_atomic(os.path.join(save_directory, NEURON_CONFIG), lambda f: f.write(text))
         for p in self.preprocessors:
@@ -123,21 +135,33 @@ class NeuronModelForCausalLM:
         if input_ids.shape[-1] >= seq:
             raise ValueError(f"a prompt of {input_ids.shape[-1]} tokens leaves no room in the compiled "
                              f"sequence_length {seq}")
+        config = generation_config or self.generation_config
         if "max_new_tokens" not in kwargs and "max_length" not in kwargs:
-            kwargs["max_length"] = seq
+            # the config's length when it sets one (a default max_length of 20 is no setting), else
+            # up to the compiled sequence_length, as Optimum Neuron does
+            if config is not None and config.max_new_tokens is not None:
+                kwargs["max_new_tokens"] = config.max_new_tokens
+            elif config is not None and "max_length" in config.to_diff_dict():
+                kwargs["max_length"] = config.max_length
+            else:
+                kwargs["max_length"] = seq
         if "max_length" in kwargs:
             kwargs["max_new_tokens"] = max(1, min(kwargs.pop("max_length"), seq) - input_ids.shape[-1])
         kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], seq - input_ids.shape[-1])
-        return self.llm.hf_generate(input_ids, attention_mask=attention_mask,
-                                    generation_config=generation_config or self.generation_config, **kwargs)
+        return self.llm.hf_generate(input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
 
     def can_generate(self) -> bool:
         return True
 
 
-def _generation_config(config):
+def _generation_config(config, path=None):
+    """The directory's ``generation_config.json`` (its stop tokens, such as Llama 3's list, and
+    lengths are what ``generate`` defaults to, as in transformers), else one made from the
+    model's config."""
     try:
         from transformers import GenerationConfig
+        if path is not None and os.path.exists(os.path.join(path, "generation_config.json")):
+            return GenerationConfig.from_pretrained(path, local_files_only=True)
         return GenerationConfig.from_model_config(config)
     except Exception:  # noqa: BLE001 - defaults then come from hf_generate's own
         return None

@@ -49,6 +49,7 @@ class NeuronModelForImageClassification(_BatchPadded):
     output_names = ("logits",)
     output_class = "ImageClassifierOutput"
     main_input_name = "pixel_values"
+    input_modalities = "image"
     shapes = ("batch_size", "num_channels", "height", "width")
     dims_names = ("num_channels", "height", "width")
     defaults = {"num_channels": "num_channels", "height": "image_size", "width": "image_size"}
@@ -78,6 +79,7 @@ class NeuronModelForAudioClassification(_BatchPadded):
     output_names = ("logits",)
     output_class = "SequenceClassifierOutput"
     main_input_name = "input_values"
+    input_modalities = "audio"
     shapes = ("batch_size", "audio_sequence_length")
     dims_names = ("audio_sequence_length",)
 

@@ -53,8 +53,12 @@ class _Traced(torch.nn.Module):
 
 
 class CpuModel:
-    """What transformers asks of any model it is handed: ``eval()``, and ``to(device)``,
-    which must refuse a device the compiled graphs do not run on."""
+    """What transformers asks of any model it is handed: ``eval()``, ``to(device)``, which
+    must refuse a device the compiled graphs do not run on, and what a pipeline's ``repr``
+    reads (``input_modalities``; ``output_modalities`` of a model that generates)."""
+
+    input_modalities = "text"
+    output_modalities = "text"
 
     def eval(self):
         return self
@@ -120,15 +124,31 @@ class NeuronTracedModel(CpuModel):
         if limit and opts.shapes.get("sequence_length", 0) > limit:
             raise CompilerArgsError(f"sequence_length={opts.shapes['sequence_length']} exceeds the {limit} positions "
                                     f"{config.model_type} has position embeddings for; use sequence_length <= {limit}")
-        model = getattr(tf, cls.auto_class).from_pretrained(path, config=config, local_files_only=True).eval()
+        model, info = getattr(tf, cls.auto_class).from_pretrained(path, config=config, local_files_only=True,
+                                                                  output_loading_info=True)
+        model.eval()
+        if info.get("missing_keys"):
+            log.warning("kiln.optimum: %s has no weights for %s of %s, so transformers initialised them at "
+                        "random and the exported model's %s answers are random too: is the task right, and "
+                        "is this checkpoint trained for it?", path, ", ".join(sorted(info["missing_keys"])[:4]),
+                        type(model).__name__, cls.task)
         example = cls._example(model, config, opts.shapes)
         with torch.no_grad():
             eager = model(**example, return_dict=True)
+        example = _inert_defaults_only(model, example, eager)
         outputs = [k for k in cls.output_names if eager.get(k) is not None]
-        compiled = trace(_Traced(model, example, outputs).eval(), tuple(example.values()),
-                         name=f"{type(model).__name__} ({cls.task})", **opts.trace)
+        traced = _Traced(model, example, outputs).eval()
+        padding = _padding_effect(cls, traced, example, getattr(config, "pad_token_id", None))
+        if padding:
+            log.warning("kiln.optimum: %s answers differently when its input is padded to sequence_length=%d "
+                        "(by up to %.3g: e.g. a classifier that reads the last position and has no "
+                        "pad_token_id); this export takes inputs of exactly that length", type(model).__name__,
+                        opts.shapes["sequence_length"], padding)
+        compiled = trace(traced, tuple(example.values()), name=f"{type(model).__name__} ({cls.task})", **opts.trace)
         neuron = dict(opts.neuron, input_names=list(example), output_names=outputs,
                       model_type=config.model_type)
+        if padding:
+            neuron["padding_changes_answers"] = padding
         model = cls(compiled, config, neuron, preprocessors_of(path))
         if model.cache_hit:
             log.info("kiln.optimum: %s came from the compile cache (%s): nothing was recompiled", path,
@@ -202,7 +222,7 @@ class NeuronTracedModel(CpuModel):
     def forward(self, *args, **kwargs):
         given = dict(zip(self.input_names, args))
         given.update(kwargs)
-        given.pop("return_dict", None)
+        return_dict = given.pop("return_dict", None)
         for flag in ("output_attentions", "output_hidden_states"):
             if given.pop(flag, None):
                 raise ValueError(f"{flag}=True: this model was exported without those outputs")
@@ -214,7 +234,8 @@ class NeuronTracedModel(CpuModel):
         if self.main_input_name not in given:
             raise ValueError(f"{self.main_input_name} is required")
         outs = self._run(self._inputs(given))
-        return _output(self.output_class, dict(zip(self.output_names, outs)))
+        out = _output(self.output_class, dict(zip(self.output_names, outs)))
+        return out.to_tuple() if return_dict is False else out
 
     def _accept(self, given: dict) -> dict:
         """The inputs a caller gave, less those this model may drop (none for text models)."""
@@ -232,7 +253,13 @@ class NeuronTracedModel(CpuModel):
         return inputs
 
     def _run(self, inputs: dict) -> list:
-        batch, static_batch = inputs[self.main_input_name].shape[0], self.static["batch_size"]
+        x, dims = inputs[self.main_input_name], self._dims(self.static)
+        if x.dim() != len(dims) or x.shape[0] == 0:
+            raise ValueError(f"{self.main_input_name} has shape {tuple(x.shape)}; this model takes "
+                             f"{len(dims)} dimensions like its compiled {tuple(dims)}, with at least one row"
+                             + (" (a single sequence is [1, length]: add .unsqueeze(0))" if x.dim() == len(dims) - 1
+                                else ""))
+        batch, static_batch = x.shape[0], self.static["batch_size"]
         if batch <= static_batch:
             return self._run_padded(inputs)
         if not self.neuron.get("dynamic_batch_size"):
@@ -250,29 +277,91 @@ class NeuronTracedModel(CpuModel):
         if length > want:
             raise ValueError(f"Unable to pad a sequence of {length} tokens to the compiled sequence_length "
                              f"{want}: export with a larger sequence_length, or truncate the input")
-        pad_id = getattr(self.config, "pad_token_id", None) or 0
-        padded = []
-        for n in self.input_names:
-            v = inputs[n]
-            fill = pad_id if n == "input_ids" else 0
-            v = torch.nn.functional.pad(v, (0, want - length), value=fill)
-            if batch < self.static["batch_size"]:
-                v = torch.cat([v, v[:1].expand(self.static["batch_size"] - batch, *v.shape[1:])])
-            padded.append(v.contiguous())
+        changes = self.neuron.get("padding_changes_answers")
+        if changes and length < want:
+            raise ValueError(f"this {self.config.model_type} model answers differently when its input is padded "
+                             f"(by up to {changes:.3g}, measured at export: e.g. a classifier that reads the last "
+                             f"position and has no pad_token_id), so it takes exactly sequence_length={want} "
+                             f"tokens; got {length}. Pad the input yourself the way the model expects, or set "
+                             "the config's pad_token_id and export again")
+        padded = pad_inputs(inputs, self.input_names, self.static["batch_size"], want,
+                            getattr(self.config, "pad_token_id", None))
         outs = self.model(*padded)
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         return [self._trim(name, o, batch, length, seq_axis) for name, o in zip(self.output_names, outs)]
 
     def _trim(self, name, out, batch, length, seq_axis):
         out = out[:batch]
-        if name in PER_TOKEN or (name == "logits" and self.task in ("token-classification", "fill-mask")):
-            out = out.narrow(seq_axis, 0, length)
-        return out
+        return out.narrow(seq_axis, 0, length) if per_token(self.task, name) else out
 
     # -- what transformers' pipelines ask of a model --------------------------------------
 
     def can_generate(self) -> bool:
         return False
+
+
+def pad_inputs(inputs: dict, names, rows: int, length: int, pad_id) -> list:
+    """``inputs`` padded to the compiled shapes, in ``names``' order: each sequence on the right
+    to ``length`` (the ids with ``pad_id``, or 0 when the model has none; masks and token types
+    with 0), the batch to ``rows`` with copies of its first row."""
+    out = []
+    for n in names:
+        v = inputs[n]
+        v = torch.nn.functional.pad(v, (0, length - v.shape[-1]), value=(pad_id or 0) if n == "input_ids" else 0)
+        if v.shape[0] < rows:
+            v = torch.cat([v, v[:1].expand(rows - v.shape[0], *v.shape[1:])])
+        out.append(v.contiguous())
+    return out
+
+
+def _inert_defaults_only(model, example: dict, eager) -> dict:
+    """``example`` less ``token_type_ids`` when leaving them out is not the same as zeros.
+
+    A compiled graph cannot tell an input left out from one filled with the default, so an
+    input is exported only if its default (zeros, as callers leave token types out) gives the
+    model's answers without it. GPT-2 embeds token types through its word embeddings: zeros
+    add ``wte[0]`` to every position, and its logits moved by 0.08."""
+    if "token_type_ids" not in example:
+        return example
+    without = {k: v for k, v in example.items() if k != "token_type_ids"}
+    with torch.no_grad():
+        other = model(**without, return_dict=True)
+    same = all(torch.allclose(eager[k], other[k], atol=1e-6, rtol=1e-6)
+               for k in eager.keys() if isinstance(eager[k], torch.Tensor))
+    if not same:
+        log.info("kiln.optimum: %s answers differently with token_type_ids of zeros than without them; "
+                 "exported without token_type_ids", type(model).__name__)
+    return example if same else without
+
+
+def _padding_effect(cls, traced, example: dict, pad_id) -> float:
+    """The largest change padding makes to the model's answers, 0.0 if none (within 1e-4).
+
+    The model runs on a third shorter input as given and padded the way calls are
+    (:func:`pad_inputs`), and the outputs are compared on the real positions. Masked keys get
+    exactly zero attention, so encoders agree; a classifier that finds its last token by the
+    pad id, with no pad id set, reads a padding position instead."""
+    if "input_ids" not in example:          # images and audio: padded along the batch only
+        return 0.0
+    length = example["input_ids"].shape[-1]
+    short = length - length // 3
+    if short == length:
+        return 0.0
+    given = {k: v[..., :short] for k, v in example.items()}
+    padded = pad_inputs(given, list(example), example["input_ids"].shape[0], length, pad_id)
+    with torch.no_grad():
+        want, got = traced(*given.values()), traced(*padded)
+    worst, seq_axis = 0.0, example["input_ids"].dim() - 1
+    for name, w, g in zip(traced.outputs, want, got):
+        g = g.narrow(seq_axis, 0, short) if per_token(cls.task, name) else g
+        if not torch.allclose(g, w, atol=1e-4, rtol=1e-4):
+            worst = max(worst, float((g - w).abs().max()))
+    return worst
+
+
+def per_token(task: str, name: str) -> bool:
+    """Whether output ``name`` has a sequence axis, trimmed back to the caller's length."""
+    return name in PER_TOKEN or (name == "logits" and task in ("token-classification", "fill-mask"))
 
 
 def _output(class_name: str, values: dict):

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 
-from kiln.optimum.neuron import media, modeling, seq2seq
+from kiln.optimum.neuron import causal, media, modeling, seq2seq
 
 log = logging.getLogger("kiln.optimum")
 
@@ -20,6 +20,7 @@ TASKS = {
     "sentiment-analysis": modeling.NeuronModelForSequenceClassification,
     "token-classification": modeling.NeuronModelForTokenClassification,
     "ner": modeling.NeuronModelForTokenClassification,
+    "text-generation": causal.NeuronModelForCausalLM,
     "image-classification": media.NeuronModelForImageClassification,
     "audio-classification": media.NeuronModelForAudioClassification,
     "automatic-speech-recognition": media.NeuronModelForCTC,
