@@ -28,14 +28,42 @@ def _run(mode, workdir):
         return json.load(f)
 
 
-def test_trace_tp2_equals_eager_and_save_load_round_trip(tmp_path):
-    traced = _run("trace", tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The script's trace run, then its load run in a fresh process (one launch each, shared)."""
+    workdir = tmp_path_factory.mktemp("nxd-trace")
+    traced = _run("trace", workdir)
+    return traced, _run("load", workdir)
+
+
+def test_trace_tp2_equals_eager_and_save_load_round_trip(runs):
+    traced, loaded = runs
     assert traced["tp_degree"] == 2
     assert traced["diff"] <= ATOL, traced
     assert traced["files"] == ["tp_0.pt", "tp_1.pt"]
-    loaded = _run("load", tmp_path)          # a fresh process: only the saved files
-    assert loaded["tp_degree"] == 2
+    assert loaded["tp_degree"] == 2          # a fresh process: only the saved files
     assert loaded["diff"] <= ATOL, loaded
+
+
+def _assert_bad_calls_leave_it_working(result):
+    # rank 0 checks the inputs before the other ranks hear of the call: the kiln InputError
+    assert result["bad_call"].startswith("InputError: input 'x': expected (2, 8, 32)"), result
+    assert "(1, 8, 32)" in result["bad_call"]
+    # a call that fails on every rank: each rank's error, for that call, and the ranks serve on
+    assert result["ranks_fail"].startswith("NxDTraceError"), result
+    assert "rank 1" in result["ranks_fail"] and "InputError" in result["ranks_fail"], result
+    assert "gone" not in result["ranks_fail"], result
+    assert result["diff_after_bad"] <= ATOL, result
+
+
+def test_a_bad_call_is_an_error_for_that_call_only(runs):
+    """After a wrong-shaped call the traced model (and the same model loaded from its saved
+    files in a fresh process) still answers correct calls, and parallel_model_save works
+    (the trace run saves after its bad calls)."""
+    traced, loaded = runs
+    _assert_bad_calls_leave_it_working(traced)
+    assert traced["files"] == ["tp_0.pt", "tp_1.pt"]
+    _assert_bad_calls_leave_it_working(loaded)
 
 
 def _module_level():

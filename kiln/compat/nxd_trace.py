@@ -20,6 +20,22 @@ pieces:
   :class:`kiln.runtime.lockstep.ProcessChannel` does), every rank runs its compiled model
   (the all-reduces meet in the graphs' host steps), and rank 0's output is returned.
 
+A failed call is an error for that call, never the end of the model:
+
+* rank 0 checks the inputs (names, shapes, dtypes, values: what a one-process kiln model
+  checks) before the other ranks hear of the call, so a wrong-shaped call is the same
+  :class:`~kiln.errors.InputError` and no rank runs anything;
+* every command ends with the ranks telling rank 0 whether it failed on them (one small
+  all-reduce, and the errors only when there are some), and a rank keeps serving after
+  a failure: an error raised on another rank is an :class:`NxDTraceError` naming each
+  failed rank and its error;
+* the ranks are in step after a failure when each started as many collectives in the
+  call as the others (they are counted): then the model keeps working. Otherwise (an
+  error on some ranks only, before a collective the others waited in: the waiting ranks
+  give up at the collective timeout, ``launch.start_ranks``'s, and the failed rank says
+  at once on its stderr that they may be waiting) the model is stopped with an error
+  saying so, and later calls say why it stopped.
+
 ``func`` runs in the children by import path, as NxD's workers import it: it must be a
 module-level function. A function of the script that was run (``__main__``) is imported
 in the children from the script's file under another module name, so - exactly as NxD
@@ -141,11 +157,13 @@ def _build(payload: dict, rank: int):
 
 
 def _load(payload: dict, rank: int):
-    import kiln.runtime.script_op  # noqa: F401 - registers the kiln::run op the TorchScript calls
+    from kiln.runtime import script_op      # registers the kiln::run op the TorchScript calls
     import kiln.distributed.ops  # noqa: F401
     from kiln.distributed import state
     state.initialize_model_parallel(payload["tp_degree"])
-    return torch.jit.load(os.path.join(payload["model_dir"], f"tp_{rank}.pt"))
+    module = torch.jit.load(os.path.join(payload["model_dir"], f"tp_{rank}.pt"))
+    script_op.model_for(module.artifact)     # loaded now on every rank, not in its first call
+    return module
 
 
 def _setup(payload: dict, rank: int):
@@ -169,19 +187,89 @@ def _channel():
     return ProcessChannel(dist.new_group(backend="gloo"))
 
 
+class _Counted:
+    """A collective group that counts the collectives this rank starts (module doc: whether
+    the ranks are still in step after a call failed somewhere)."""
+
+    def __init__(self, group):
+        self.group, self.count = group, 0
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def all_reduce(self, x, op="sum"):
+        self.count += 1
+        return self.group.all_reduce(x, op)
+
+    def all_gather(self, x, dim):
+        self.count += 1
+        return self.group.all_gather(x, dim)
+
+    def reduce_scatter(self, x, dim):
+        self.count += 1
+        return self.group.reduce_scatter(x, dim)
+
+
+def _count_collectives() -> list:
+    """Wrap every collective group the graphs can name in a :class:`_Counted`."""
+    from kiln.distributed import groups
+    counted = []
+    for name in groups.names():
+        group = groups.get(name)
+        if not isinstance(group, _Counted):
+            group = _Counted(group)
+            groups.register(name, group)
+        counted.append(group)
+    return counted
+
+
+def _collectives(counted) -> int:
+    return sum(g.count for g in counted)
+
+
+def _attempt(fn, *args):
+    """``(result, None)`` or ``(None, exception)``."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - reported to rank 0 by _report
+        return None, e
+
+
+def _report(channel, error, collectives: int):
+    """Every rank's ``(error text or None, collectives started)`` for one command, on every
+    rank; None when no rank failed (one all-reduce of a flag: the common case)."""
+    import torch.distributed as dist
+    flag = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=channel.group)
+    if not int(flag):
+        return None
+    everyone = [None] * dist.get_world_size(channel.group)
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(everyone, (text, collectives), group=channel.group)
+    return everyone
+
+
 def _serve(model, channel, rank: int):
-    """A child's loop: run what rank 0 sends until it says stop."""
+    """A child's loop: run what rank 0 sends until it says stop. A command that fails here
+    is reported to rank 0 (:func:`_report`), and the loop goes on."""
+    counted = _count_collectives()
     while True:
         command, arg = channel.recv()
         if command == "stop":
             return
+        before = _collectives(counted)
         if command == "run":
             with torch.no_grad():
-                model(*arg)
+                _, error = _attempt(lambda: model(*arg))
         elif command == "save":
-            import torch.distributed as dist
-            torch.jit.save(model, os.path.join(arg, f"tp_{rank}.pt"))
-            dist.barrier(group=channel.group)      # rank 0 returns once every file is written
+            _, error = _attempt(torch.jit.save, model, os.path.join(arg, f"tp_{rank}.pt"))
+        else:
+            error = NxDTraceError(f"unknown command {command!r}")
+        if error is not None:
+            print(f"[kiln nxd_trace rank {rank}] {command} failed here ({type(error).__name__}: {error}); "
+                  "reporting it to rank 0 (ranks waiting for this one in a collective give up at the "
+                  "collective timeout, 30 minutes by default)", file=sys.stderr, flush=True)
+        _report(channel, error, _collectives(counted) - before)
 
 
 def rank_main(info, payload: dict):
@@ -202,12 +290,26 @@ class TensorParallelNeuronModel(torch.nn.Module):
         super().__init__()
         self.models = torch.nn.ModuleList([model]) if isinstance(model, torch.nn.Module) else [model]
         self._ranks, self._channel, self.tp_degree = ranks, channel, tp_degree
+        self._stopped = None        # why the ranks were stopped, when not by close()
+        self._checker = _input_checker(model)
+        self._counted = _count_collectives()
 
     def forward(self, *tensors):
+        self._check_open()
+        self._checker.check(self._checker.flatten(tensors, {}))   # before any rank hears of it
+        return self._run_ranks(tuple(tensors))
+
+    def _run_ranks(self, tensors):
+        """Run every rank on ``tensors`` (unchecked) and return rank 0's output."""
+        self._command("run", tensors)
+        before = _collectives(self._counted)
+        out, error = _attempt(self.models[0], *tensors)
+        self._settle("run", error, _collectives(self._counted) - before)
+        return out
+
+    def _check_open(self):
         if self._ranks is None:
-            raise NxDTraceError("this TensorParallelNeuronModel was closed; trace or load it again")
-        self._command("run", tuple(tensors))
-        return self.models[0](*tensors)
+            raise NxDTraceError(self._stopped or "this TensorParallelNeuronModel was closed; trace or load it again")
 
     def _command(self, command, arg=None):
         try:
@@ -215,14 +317,33 @@ class TensorParallelNeuronModel(torch.nn.Module):
         except Exception as e:  # noqa: BLE001 - a rank is gone
             raise NxDTraceError(f"a rank is gone ({e}); failures: {self._ranks.failures}") from e
 
+    def _settle(self, command, error, collectives):
+        """Hear from every rank how ``command`` went here and raise what failed (module doc)."""
+        try:
+            everyone = _report(self._channel, error, collectives)
+        except Exception as e:  # noqa: BLE001 - a rank is gone
+            raise NxDTraceError(f"a rank is gone ({e}); failures: {self._ranks.failures}") from e
+        if everyone is None:
+            return
+        failed = "; ".join(f"rank {r}: {text}" for r, (text, _) in enumerate(everyone) if text is not None)
+        if len({n for _, n in everyone}) > 1:
+            counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(everyone))
+            self._stopped = (f"a {command} failed on some ranks only ({failed}), after different numbers of "
+                             f"collectives ({counts}): the ranks were out of step and were stopped; trace or "
+                             "load the model again")
+            self.close()
+            raise NxDTraceError(self._stopped) from error
+        if [r for r, (text, _) in enumerate(everyone) if text is not None] == [0]:
+            raise error                     # rank 0 alone: its own error, as one process raises it
+        raise NxDTraceError(f"{command} failed ({failed}); the ranks are in step and the model keeps "
+                            "working") from error
+
     def save(self, save_dir: str):
-        if self._ranks is None:
-            raise NxDTraceError("this TensorParallelNeuronModel was closed; trace or load it again")
+        self._check_open()
         os.makedirs(save_dir, exist_ok=True)
         self._command("save", os.path.abspath(save_dir))
-        torch.jit.save(self.models[0], os.path.join(save_dir, "tp_0.pt"))
-        import torch.distributed as dist
-        dist.barrier(group=self._channel.group)
+        _, error = _attempt(torch.jit.save, self.models[0], os.path.join(save_dir, "tp_0.pt"))
+        self._settle("save", error, 0)      # returns once every rank's file is written
 
     def close(self):
         ranks, self._ranks = getattr(self, "_ranks", None), None
@@ -243,6 +364,15 @@ class TensorParallelNeuronModel(torch.nn.Module):
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _input_checker(model):
+    """What checks a call's inputs as the model will: rank 0's compiled kiln model itself,
+    or, for a loaded TorchScript module, the kiln model its ``kiln::run`` op runs."""
+    if hasattr(model, "check") and hasattr(model, "flatten"):
+        return model
+    from kiln.runtime import script_op
+    return script_op.model_for(model.artifact)
 
 
 def _stop(ranks):

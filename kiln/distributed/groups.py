@@ -34,6 +34,11 @@ def unregister(name: str) -> None:
     _process.pop(name, None)
 
 
+def names() -> list:
+    """The names bound process-wide."""
+    return list(_process)
+
+
 def clear() -> None:
     _process.clear()
 

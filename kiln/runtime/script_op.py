@@ -18,8 +18,13 @@ _cache: dict = {}
 _cache_lock = threading.Lock()
 
 
-@torch.library.custom_op("kiln::run", mutates_args=())
-def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+def model_for(artifact: torch.Tensor, key: str | None = None):
+    """The kiln model a TorchScript module's ``artifact`` buffer holds, loaded once per
+    process (``key``: the artifact's sha256, computed when not given) and shared with
+    :func:`run`, e.g. to check a call's inputs before it is run elsewhere too."""
+    if key is None:
+        from kiln.artifact.container import sha256
+        key = sha256(artifact.numpy().tobytes())
     model = _cache.get(key)
     if model is None:
         with _cache_lock:
@@ -28,6 +33,12 @@ def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[to
                 from kiln.runtime.loader import load
                 model = load(artifact.numpy().tobytes())
                 _cache[key] = model
+    return model
+
+
+@torch.library.custom_op("kiln::run", mutates_args=())
+def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+    model = model_for(artifact, key)
     model.check(inputs)
     return [t.clone() if _aliases(t, inputs) else t for t in model.run_flat(list(inputs))]
 
