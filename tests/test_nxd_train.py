@@ -8,7 +8,8 @@ degree; each rank's final parameters are compared with its slice of the TP=1 one
 
 Four launches: the device run (which also saves after step 2 and resumes from it in a
 fresh model), the one-process reference (which also tries to load the TP=2 checkpoint:
-a clear error naming both degrees), and the DP x TP run.
+a clear error naming both degrees), and the DP x TP run (which also loads ZeRO-1 optimizer
+state into a plain optimizer and the other way round: clear errors).
 """
 import json
 import os
@@ -115,9 +116,27 @@ def test_loading_a_tp2_checkpoint_at_tp1_is_a_clear_error(reference):
     assert "TP=2" in error and "TP=1" in error and "does not reshard" in error
 
 
-def test_dp2_x_tp2_on_cpu_equals_one_process(tmp_path, cache, reference):
-    report, params = _launch(tmp_path, 4, "--tp", "2", cpu=True, cache=cache)
+@pytest.fixture(scope="module")
+def cpu_dp2_tp2(tmp_path_factory, cache):
+    directory = tmp_path_factory.mktemp("dp2-tp2-cpu")
+    return _launch(directory, 4, "--tp", "2", "--kind-check", str(directory / "kinds"), cpu=True, cache=cache)
+
+
+def test_dp2_x_tp2_on_cpu_equals_one_process(cpu_dp2_tp2, reference):
+    report, params = cpu_dp2_tp2
     assert (report["tp"], report["dp"]) == (2, 2)
     _assert_equal_to_reference(report, params, reference)
     # TP halves the optimizer state and ZeRO-1 halves it again (plus dim-0 padding to DP)
     assert report["optimizer_state_bytes"] < 0.27 * reference[0]["optimizer_state_bytes"]
+
+
+def test_optimizer_state_of_the_other_zero1_kind_is_a_clear_error(cpu_dp2_tp2):
+    """At DP=2 x TP=2: ZeRO-1 state into a plain AdamW (torch's load_state_dict took it and
+    kept no state at all) and plain state into a ZeRO-1 optimizer (the error blamed the DP
+    degree: without ZeRO-1 only DP rank 0 writes optim/) each name the optimizer kinds."""
+    errors = cpu_dp2_tp2[0]["kind_errors"]
+    into_plain, into_zero1 = errors["zero1_into_plain"], errors["plain_into_zero1"]
+    assert into_plain is not None and into_plain.startswith("CheckpointError"), errors
+    assert "saved with ZeRO-1" in into_plain and "is not ZeRO-1" in into_plain, errors
+    assert into_zero1 is not None and into_zero1.startswith("CheckpointError"), errors
+    assert "saved without ZeRO-1" in into_zero1 and "DP=" not in into_zero1, errors

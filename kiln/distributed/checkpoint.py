@@ -22,7 +22,9 @@ arbitrary objects.
 
 Degrees are not resharded: a checkpoint saved at another TP or PP degree (or, under
 ZeRO-1, another DP degree) is a :class:`CheckpointError` naming the saved and current
-degrees, read from the per-rank file names.
+degrees, read from the per-rank file names. Nor is optimizer state converted between
+ZeRO-1 and a plain optimizer: loading one kind's state into the other is a
+:class:`CheckpointError` saying which was saved.
 """
 from __future__ import annotations
 
@@ -210,7 +212,9 @@ def _resolve_dir(checkpoint_dir_str, path, who):
 # -- loading ----------------------------------------------------------------------------------
 def saved_degrees(root: str) -> dict:
     """The TP, PP (and, from ``optim/``, DP) degrees a checkpoint was saved at, from its
-    per-rank file names."""
+    per-rank file names. ``optim/``'s DP is the save's only for ZeRO-1 state (every DP rank
+    writes its shard); without ZeRO-1 DP rank 0 alone writes, so it reads 1 whatever the
+    save's DP was (:func:`check_optimizer_kind` tells the two apart first)."""
     found = {}
     for sub in ("model", "optim"):
         names = os.listdir(os.path.join(root, sub)) if os.path.isdir(os.path.join(root, sub)) else []
@@ -238,6 +242,33 @@ def check_degrees(root: str, zero1: bool) -> None:
                 "(or load the model weights unsharded with parallel_layers.load(..., sharded=False))")
 
 
+def _is_zero1_state(sd) -> bool:
+    """Whether an optimizer state dict is ZeRO-1's: NxD's (torch_xla's ZeroRedundancyOptimizer)
+    and kiln's keep the shards' states under ``base_state``."""
+    return isinstance(sd, dict) and "base_state" in sd
+
+
+def check_optimizer_kind(root: str, saved_zero1: bool, zero1: bool) -> None:
+    """A :class:`CheckpointError` when the checkpoint's optimizer state and this run's
+    optimizer differ in ZeRO-1: nothing is converted (torch's ``load_state_dict`` would take
+    a ZeRO-1 dict into a plain optimizer and keep no state at all)."""
+    if saved_zero1 == zero1:
+        return
+    if saved_zero1:
+        raise CheckpointError(
+            f"checkpoint {root}: its optimizer state was saved with ZeRO-1 (zero_one_enabled=True: each DP "
+            "rank's shard of the state) and this run's optimizer is not ZeRO-1; kiln does not convert "
+            "between the two. Resume with optimizer_config={'zero_one_enabled': True, ...} as it was saved, "
+            "or load only the model (load_checkpoint(..., model=model) without optimizer=) and start the "
+            "optimizer afresh")
+    raise CheckpointError(
+        f"checkpoint {root}: its optimizer state was saved without ZeRO-1 (DP rank 0's whole state, one file "
+        "per TP/PP rank) and this run's optimizer is ZeRO-1 (zero_one_enabled=True); kiln does not convert "
+        "between the two. Resume with optimizer_config={'zero_one_enabled': False, ...} as it was saved, "
+        "or load only the model (load_checkpoint(..., model=model) without optimizer=), then call "
+        "optimizer.optimizer.init_zero() and start the optimizer state afresh")
+
+
 def _load_into(obj, sd, strict=True):
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(sd, strict=strict)
@@ -251,11 +282,13 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
                     use_zero1_dcp=False):
     """Load what :func:`save_checkpoint` wrote into ``model``/``optimizer``/``scheduler``
     (each rank its own files) and return ``user_content`` (None when none was saved).
+    The optimizer must be of the kind that saved the state, ZeRO-1 or not
+    (:func:`check_optimizer_kind`); the degrees must be the saved ones.
 
     ``tag=None`` loads the newest completed tag. Load the model before (or with) the
     optimizer: a ZeRO-1 optimizer re-cuts its shards from the loaded parameters. An
     optimizer passed as a dict is filled in place; whether it is ZeRO-1 state is read
-    from the files (``optim/dp_rank_01_tp_rank_00_pp_rank_00.pt`` exists), as NxD does.
+    from the file (its ``base_state``).
     """
     checkpoint_dir = _resolve_dir(path, None, "load_checkpoint")
     if use_zero1_dcp:
@@ -273,15 +306,20 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     if not os.path.isfile(os.path.join(root, "done")):
         raise CheckpointError(f"checkpoint {root} is not complete (no 'done' file: the save was interrupted "
                               f"or the tag does not exist); completed tags: {completed_tags(checkpoint_dir)}")
-    zero1 = False
-    if optimizer is not None:
-        zero1 = (os.path.exists(os.path.join(root, "optim", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
-                 if isinstance(optimizer, dict) else _is_zero1(optimizer, False))
-    check_degrees(root, zero1)
+    check_degrees(root, False)                  # TP and PP first: the files below are this rank's
+    zero1, optim_sd = False, None
+    if optimizer is not None:                   # DP rank 0's file of this TP/PP rank: saved by either kind
+        optim_sd = load_file(os.path.join(root, rank_file("optim")), "optimizer checkpoint")
+        saved_zero1 = _is_zero1_state(optim_sd)
+        zero1 = saved_zero1 if isinstance(optimizer, dict) else _is_zero1(optimizer, False)
+        check_optimizer_kind(root, saved_zero1, zero1)
+        check_degrees(root, zero1)
+        if rank_file("optim", dp=zero1) != rank_file("optim"):
+            optim_sd = load_file(os.path.join(root, rank_file("optim", dp=zero1)), "optimizer checkpoint")
     if model is not None:
         _load_into(model, load_file(os.path.join(root, rank_file("model")), "model checkpoint"), strict)
     if optimizer is not None:
-        _load_into(optimizer, load_file(os.path.join(root, rank_file("optim", dp=zero1)), "optimizer checkpoint"))
+        _load_into(optimizer, optim_sd)
     if scheduler is not None:
         scheduler.load_state_dict(load_file(os.path.join(root, "scheduler.pt"), "scheduler checkpoint"))
     user_content = None

@@ -13,7 +13,8 @@ resumed with load_checkpoint.
 Run under torchrun. NXD_CPU_MODE=1: CPU tensors over gloo (NxD's CPU mode); otherwise
 kiln's device in lazy mode over the "xla" process group. Global rank 0 writes a JSON
 report (losses, grad norms, resumed losses, an error if asked to load a checkpoint that
-does not fit) and each DP-rank-0 rank writes its final local parameters.
+does not fit, the errors of loading ZeRO-1 optimizer state into a plain optimizer and the
+other way round) and each DP-rank-0 rank writes its final local parameters.
 """
 import argparse
 import json
@@ -51,6 +52,8 @@ p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps, and resume")
 p.add_argument("--ckpt", default=None)
 p.add_argument("--load-check", default=None, help="try to load this checkpoint at the end, report the error")
+p.add_argument("--kind-check", default=None,
+               help="save ZeRO-1 and plain optimizer state here and load each into the other kind, report the errors")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -167,6 +170,23 @@ def train(model, opt, data, steps, device, save_dir=None):
     return (losses / dp).tolist(), [float(n) for n in torch.stack(norms).cpu()], times
 
 
+def _load_error(directory, tag, model, opt):
+    try:
+        load_checkpoint(directory, tag=tag, model=model, optimizer=opt)
+    except Exception as e:                                        # noqa: BLE001  the test checks which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def kind_checks(model, opt, directory):
+    """ZeRO-1 optimizer state loaded into a plain optimizer, and plain state into a ZeRO-1 one."""
+    plain = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    save_checkpoint(directory, "zero1", model=model, optimizer=opt)
+    save_checkpoint(directory, "plain", model=model, optimizer=plain)
+    return {"zero1_into_plain": _load_error(directory, "zero1", model, plain),
+            "plain_into_zero1": _load_error(directory, "plain", model, opt)}
+
+
 def memory_per_rank(model, opt):
     """Each rank's resident memory (now and peak) and what it holds of the model and optimizer."""
     import resource
@@ -210,6 +230,8 @@ def main():
             report["load_error"] = None
         except Exception as e:                                    # noqa: BLE001  the test checks which
             report["load_error"] = f"{type(e).__name__}: {e}"
+    if args.kind_check is not None:
+        report["kind_errors"] = kind_checks(model, opt, args.kind_check)
     if parallel_state.get_data_parallel_rank() == 0:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
