@@ -79,6 +79,8 @@ def test_rank_layout_on_four_ranks(tmp_path):
     assert [r["pp_group_ranks"] for r in pp["ranks"]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [(r["next"], r["prev"]) for r in pp["ranks"]] == [(2, 2), (3, 3), (0, 0), (1, 1)]
     assert lay["tp3"].startswith("ParallelSizeError") and "not divisible" in lay["tp3"]
+    for name, option in (("tp0", "tensor_model_parallel_size"), ("pp0", "pipeline_model_parallel_size")):
+        assert lay[name].startswith("ParallelDegreeError") and f"{option}=0" in lay[name], lay[name]
 
 
 # -- in-process ------------------------------------------------------------------------------
@@ -123,6 +125,14 @@ def test_non_divisible_world_is_a_runtime_error():
     assert sizes["dp"] == 2 and meshes["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.layout(2, tp=8)[0]["tp"] == 2                     # clamped to the world
     assert mesh.layout(8, tp=2, cp=2)[1]["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # stride TP*CP
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=0), dict(pp=0), dict(cp=-1), dict(ep=0), dict(tp=1.5), dict(tp=True)])
+def test_a_degree_below_one_is_a_value_error(sizes):
+    from kiln.distributed import mesh
+    option = next(iter(sizes))
+    with pytest.raises(ValueError, match=f"{mesh.OPTION_NAMES[option]}={sizes[option]!r}: expected an int >= 1"):
+        mesh.layout(4, **sizes)
 
 
 def test_layers_self_initialize_with_a_warning(fresh_state):

@@ -7,6 +7,7 @@ can be computed (and tested) for any world size in one process.
 from __future__ import annotations
 
 import itertools
+import operator
 
 from kiln.errors import KilnError
 
@@ -15,9 +16,29 @@ from kiln.errors import KilnError
 class ParallelSizeError(KilnError, RuntimeError):
     """The world does not divide into the requested parallel degrees (NxD: RuntimeError)."""
 
+class ParallelDegreeError(KilnError, ValueError):
+    """A parallel degree that is not a whole number of ranks (0, negative, not an int)."""
+
+
+OPTION_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
+
+
+def _degree(key: str, size) -> int:
+    try:
+        whole = operator.index(size) if not isinstance(size, bool) else 0
+    except TypeError:
+        whole = 0
+    if whole < 1:
+        raise ParallelDegreeError(f"{OPTION_NAMES[key]}={size!r}: expected an int >= 1 (the number of ranks in "
+                                  "each such group; 1 turns that parallelism off)")
+    return whole
+
+
 def layout(world: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> tuple:
     """NxD's meshes for a world of ``world`` ranks: ``(sizes, meshes)``, each mesh a list
     of rank lists (the ``*_replica_groups``). Pure arithmetic: no process group needed."""
+    tp, pp, cp, ep = (_degree(key, size) for key, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
     tp, pp, cp, ep = (min(s, world) for s in (tp, pp, cp, ep))
     if world % (tp * pp * cp) != 0:
         raise ParallelSizeError(

@@ -39,11 +39,12 @@ def main():
         except AssertionError as e:
             out[name]["again"] = str(e)
         ps.destroy_model_parallel()
-    for name, kw in (("tp3", dict(tensor_model_parallel_size=3)),):
+    for name, kw in (("tp3", dict(tensor_model_parallel_size=3)), ("tp0", dict(tensor_model_parallel_size=0)),
+                     ("pp0", dict(pipeline_model_parallel_size=0))):
         try:
             ps.initialize_model_parallel(**kw)
             out[name] = "initialized"
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, ZeroDivisionError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     if dist.get_rank() == 0:
         print("LAYOUT " + json.dumps(out), flush=True)
