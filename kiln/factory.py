@@ -9,6 +9,7 @@ importing the other.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 
@@ -28,6 +29,15 @@ def load_factory(spec: str, path: str | None):
     factory = getattr(module, attr, None)
     if factory is None:
         raise KilnError(f"{module_name} has no attribute {attr!r}")
+    if not callable(factory):
+        raise KilnError(f"{spec} is a {type(factory).__name__}, not a function returning (model, example_inputs)")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise KilnError(f"{spec}{inspect.signature(factory)} needs arguments; a factory is called with none "
+                        "and returns (model, example_inputs)") from None
+    except ValueError:          # no signature to read (a builtin): let the call say
+        pass
     made = factory()
     if not (isinstance(made, tuple) and len(made) == 2):
         raise KilnError(f"{spec} must return (model, example_inputs)")

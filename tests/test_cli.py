@@ -70,6 +70,32 @@ def test_cli_errors_are_clear(kiln_cli, tmp_path):
     np.save(tmp_path / "wrong.npy", np.zeros((3, 16), dtype=np.float32))
     r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "wrong.npy")
     assert r.returncode == 2 and "expected (2, 16) float32, got (3, 16) float32" in r.stderr
+    # a pickled array, an output path that is a directory, a count below one: each a clear error
+    # (they were numpy's ValueError, numpy appending ".npy" to the directory's name, silently one)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "objects.npy")
+    assert r.returncode == 2 and "not a readable .npy array" in r.stderr and "Traceback" not in r.stderr
+    np.save(tmp_path / "x.npy", x.numpy())
+    r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "x.npy", "--output", tmp_path)
+    assert r.returncode == 2 and "is a directory" in r.stderr
+    r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "x.npy", "--threads", "0")
+    assert r.returncode == 2 and "--threads: must be at least 1, got 0" in r.stderr
+
+
+def test_a_directory_or_a_factory_that_is_not_one_is_a_clear_error(tmp_path):
+    """kiln.load of a directory (an Optimum export's, say) raised IsADirectoryError, and `kiln
+    compile os:path` a TypeError from calling a module."""
+    import pytest
+    import kiln
+    from kiln.errors import ArtifactError, KilnError
+    from kiln.factory import load_factory
+    (tmp_path / "model.kiln").write_bytes(b"")
+    with pytest.raises(ArtifactError, match="is a directory, not a kiln artifact file: it holds .*model.kiln"):
+        kiln.load(tmp_path)
+    with pytest.raises(KilnError, match="os:path is a module, not a function"):
+        load_factory("os:path", None)
+    with pytest.raises(KilnError, match=r"json:loads\(s, .*needs arguments"):
+        load_factory("json:loads", None)
 
 
 def test_a_gated_compile_reports_its_gate_and_inspects(kiln_cli, tmp_path):

@@ -257,6 +257,11 @@ class Artifact:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ArtifactError(f"{path}: no such file")
+        if os.path.isdir(path):
+            inside = [n for n in ("model.kiln", "encoder/model.kiln") if os.path.isfile(os.path.join(path, n))]
+            raise ArtifactError(f"{path} is a directory, not a kiln artifact file" + (
+                f": it holds {os.path.join(path, inside[0])} (an Optimum-style export: load that file, or the "
+                "directory with kiln.optimum.neuron's from_pretrained)" if inside else ""))
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if st.st_size == 0:

@@ -6,6 +6,8 @@ import json
 
 from rich.table import Table
 
+from kiln.cli.common import positive_int
+
 
 def add_cache(sub):
     sp = sub.add_parser("cache", help="show and manage the compile cache")
@@ -21,7 +23,7 @@ def add_cache(sub):
 def add_parallel_compile(sub):
     sp = sub.add_parser("parallel-compile", help="collect the graphs a script compiles, then compile "
                         "them in parallel into the cache: kiln parallel-compile -- python train.py ...")
-    sp.add_argument("--workers", type=int, default=None, help="compile processes (default: one per CPU)")
+    sp.add_argument("--workers", type=positive_int, default=None, help="compile processes (default: one per CPU)")
     sp.add_argument("--cache", default=None, help="cache URL (default: KILN_CACHE_URL or ~/.cache/kiln)")
     sp.add_argument("--json", default=None, help="write the per-graph results to this file")
     sp.add_argument("command", nargs=argparse.REMAINDER, help="the script to run, after --")

@@ -1,4 +1,5 @@
-"""Help text more than one ``kiln`` command shares, so the flags read the same everywhere."""
+"""Help text and argument types more than one ``kiln`` command shares, so the flags read the same everywhere."""
+import argparse
 
 TRUST_HELP = ("load native code (TorchInductor partitions) from an artifact that no key trusted here "
               "signed (as KILN_TRUST_NATIVE_CODE=1); only for artifacts from a source you trust")
@@ -20,3 +21,16 @@ def validation_line(v: dict) -> str:
     line = (f"max abs error {v['max_abs_error']:.3g}, max rel {v['max_rel_error']:.3g}, "
             f"cosine {v['min_cosine_similarity']:.6f} (atol {v['atol']}, rtol {v['rtol']})")
     return line + (f", at {v['precision']} precision" if v.get("precision") else "")
+
+
+def positive_int(text) -> int:
+    """An argparse type for counts (threads, rows, tokens, workers): a bad one fails at parse
+    time with the usage line, before a model is loaded, instead of deep in a compile or
+    silently as one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

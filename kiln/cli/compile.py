@@ -11,7 +11,8 @@ import time
 
 from rich.table import Table
 
-from kiln.cli.common import TRUST_HELP, validation_line
+from kiln.atomic import write_atomic
+from kiln.cli.common import TRUST_HELP, positive_int, validation_line
 from kiln.factory import load_factory
 
 # Commands whose unrecognised arguments are compiler flags: ``kiln compile m:f -O3 --target generic``.
@@ -61,8 +62,8 @@ def add_run(sub):
     sp.add_argument("artifact")
     sp.add_argument("--input", nargs="+", default=[], help=".npy files, one per input tensor in order")
     sp.add_argument("--output", nargs="*", default=None, help=".npy file(s) to write the outputs to")
-    sp.add_argument("--threads", type=int, default=None)
-    sp.add_argument("--repeat", type=int, default=1)
+    sp.add_argument("--threads", type=positive_int, default=None)
+    sp.add_argument("--repeat", type=positive_int, default=1)
     sp.add_argument("--trust-native-code", action="store_true", help=TRUST_HELP)
     sp.set_defaults(fn=cmd_run)
 
@@ -126,7 +127,11 @@ def cmd_run(a, console):
     model = kiln.load(a.artifact, threads=a.threads, trust_native_code=a.trust_native_code or None)
     inputs = []
     for path in a.input:
-        arr = np.load(path, allow_pickle=False)
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise kiln.KilnError(f"--input {path}: not a readable .npy array ({e}); write inputs with numpy.save "
+                                 "(object arrays are refused: loading them would unpickle code)") from None
         inputs.append(torch.from_numpy(arr))
     flat = inputs
     model.check(flat)
@@ -142,7 +147,10 @@ def cmd_run(a, console):
         if len(paths) != len(outs):
             raise kiln.KilnError(f"the model has {len(outs)} outputs but {len(paths)} --output paths were given")
         for p, o in zip(paths, outs):
-            np.save(p, o.numpy(), allow_pickle=False)
+            if os.path.isdir(p):
+                raise kiln.KilnError(f"--output {p} is a directory; give a file name per output")
+            array = o.numpy()
+            write_atomic(p, lambda f, array=array: np.save(f, array, allow_pickle=False))   # no ".npy" appended
             console.print(f"wrote {p}: {tuple(o.shape)} {o.dtype}")
     else:
         for spec, o in zip(model.output_specs, outs):

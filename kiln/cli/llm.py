@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
+from kiln.cli.common import positive_int
+
 
 def add_parser(sub):
     p = sub.add_parser("llm", help="compile an LLM (Llama family) and generate or chat with it")
@@ -18,10 +20,10 @@ def add_parser(sub):
     c = llm_sub.add_parser("compile", help="compile a Hugging Face checkpoint directory or .gguf file")
     c.add_argument("source", help="checkpoint directory (config + safetensors) or a .gguf file")
     c.add_argument("-o", "--output", required=True, help="the .kiln artifact to write")
-    c.add_argument("--batch-size", type=int, default=4, help="requests generating at once (default 4)")
+    c.add_argument("--batch-size", type=positive_int, default=4, help="requests generating at once (default 4)")
     c.add_argument("--context-buckets", default="128",
                    help="prompt widths prefill is compiled for, comma-separated (default 128)")
-    c.add_argument("--cache-length", type=int, default=256,
+    c.add_argument("--cache-length", type=positive_int, default=256,
                    help="KV-cache positions per request, prompt + generated (default 256)")
     c.add_argument("--sequence-buckets", default=None,
                    help="smaller cache windows to compile decode graphs for as well, comma-separated "
@@ -30,10 +32,10 @@ def add_parser(sub):
     c.add_argument("-O", "--optlevel", type=int, choices=(1, 2, 3), default=None,
                    help="kiln's optimisation level (default 2: engines chosen by measurement)")
     c.add_argument("--engine", default=None, help="compile every graph with this engine")
-    c.add_argument("--tp-degree", type=int, default=1,
+    c.add_argument("--tp-degree", type=positive_int, default=1,
                    help="shard the model over N tensor-parallel ranks (processes on their own kiln cores "
                         "when served or run; see docs/distributed.md) (default 1)")
-    c.add_argument("--prefill-chunk", type=int, default=None,
+    c.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="also compile a chunk graph of this many tokens: long prompts are prefilled a "
                         "chunk per step between decode steps, and may exceed the largest context bucket")
     c.add_argument("--quantize", choices=("gguf", "int8", "int4", "none"), default=None,
@@ -49,10 +51,10 @@ def add_parser(sub):
                    help="the gate's most perplexity relative to float32 (default: int8 and gguf 1.05, int4 1.25)")
     c.add_argument("--min-agreement", type=float, default=None,
                    help="the gate's least greedy agreement with float32 (default: int8 0.90, gguf 0.85, int4 0.75)")
-    c.add_argument("--workers", type=int, default=None,
+    c.add_argument("--workers", type=positive_int, default=None,
                    help="processes compiling graphs side by side (default: one per CPU for models "
                         "of 20M parameters or more)")
-    c.add_argument("--speculation-length", type=int, default=None,
+    c.add_argument("--speculation-length", type=positive_int, default=None,
                    help="also compile the graph that verifies this many draft tokens at once "
                         "(speculative decoding: `kiln llm generate --draft`)")
     c.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -70,7 +72,7 @@ def add_parser(sub):
             g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message")
         else:
             g.add_argument("--system", default=None, help="a system message to start with")
-        g.add_argument("--max-tokens", type=int, default=None,
+        g.add_argument("--max-tokens", type=positive_int, default=None,
                        help="most tokens to generate (default: as many as the KV cache holds)")
         g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
         g.add_argument("--top-p", type=float, default=1.0)
@@ -78,14 +80,14 @@ def add_parser(sub):
         g.add_argument("--repetition-penalty", type=float, default=1.0)
         g.add_argument("--seed", type=int, default=None)
         g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-        g.add_argument("--threads", type=int, default=None, help="engine threads (default: all CPUs)")
+        g.add_argument("--threads", type=positive_int, default=None, help="engine threads (default: all CPUs)")
         g.add_argument("--draft", default=None,
                        help="speculative decoding: a smaller LLM artifact with the same vocabulary proposing "
                             "tokens for this one to verify, or 'ngram' (prompt lookup, no second model); the "
                             "same text as without it; this artifact needs --speculation-length")
-        g.add_argument("--prompt-lookup-max", type=int, default=4,
+        g.add_argument("--prompt-lookup-max", type=positive_int, default=4,
                        help="--draft ngram: the longest suffix looked up in the text so far (default 4)")
-        g.add_argument("--prompt-lookup-min", type=int, default=2,
+        g.add_argument("--prompt-lookup-min", type=positive_int, default=2,
                        help="--draft ngram: the shortest suffix looked up (default 2)")
         g.set_defaults(fn=cmd_generate if name == "generate" else cmd_chat)
 

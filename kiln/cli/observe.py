@@ -5,6 +5,8 @@ import json
 
 from rich.table import Table
 
+from kiln.cli.common import positive_int
+
 
 def add_ls(sub):
     sp = sub.add_parser("ls", help="this host's kiln cores, ISA, memory, engines and kiln processes")
@@ -16,7 +18,7 @@ def add_ls(sub):
 def add_monitor(sub):
     sp = sub.add_parser("monitor", help="a neuron-monitor style JSON report on stdout every period")
     sp.add_argument("--period", type=float, default=5.0, help="seconds between reports (default 5)")
-    sp.add_argument("--count", type=int, default=None, help="stop after this many reports")
+    sp.add_argument("--count", type=positive_int, default=None, help="stop after this many reports")
     sp.add_argument("--run-dir", default=None)
     sp.set_defaults(fn=cmd_monitor)
 
@@ -25,7 +27,7 @@ def add_top(sub):
     sp = sub.add_parser("top", help="live per-core and per-model view of the kiln processes (q quits)")
     sp.add_argument("--period", type=float, default=1.0, help="refresh period in seconds (default 1)")
     sp.add_argument("--once", action="store_true", help="print one frame after one period and exit")
-    sp.add_argument("--width", type=int, default=None, help="render width (default: the terminal's)")
+    sp.add_argument("--width", type=positive_int, default=None, help="render width (default: the terminal's)")
     sp.add_argument("--run-dir", default=None)
     sp.set_defaults(fn=cmd_top)
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 
+from kiln.cli.common import positive_int
+
 
 def add_parser(sub):
     p = sub.add_parser("port", help="try a model and report its porting tier, blockers, cost and pictures")
     p.add_argument("model", help="package.module:factory, file.py[:factory] or a Hugging Face checkpoint directory")
     p.add_argument("--out", default=None, help="write report.md, report.html, report.json and the pictures here")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
-    p.add_argument("--batch-size", "--batch_size", type=int, default=None, dest="batch_size",
+    p.add_argument("--batch-size", "--batch_size", type=positive_int, default=None, dest="batch_size",
                    help="a Hugging Face directory's batch (default 1)")
-    p.add_argument("--sequence-length", "--sequence_length", type=int, default=None, dest="sequence_length",
+    p.add_argument("--sequence-length", "--sequence_length", type=positive_int, default=None, dest="sequence_length",
                    help="a Hugging Face text model's tokens (default 128)")
     p.add_argument("--timing", type=float, default=0.5, help="seconds to time eager and kiln each (default 0.5)")
     p.add_argument("--compiler-args", default=None, help="kiln compiler flags for the -O1 compile")

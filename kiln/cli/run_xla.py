@@ -3,6 +3,7 @@ unchanged on kiln's lazy device (``import torch_xla`` resolves to ``kiln.xla``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -30,6 +31,9 @@ def main(argv) -> int:
             return 2
     if not argv:
         print("usage: kiln run-xla [--metrics] script.py [args...]", file=sys.stderr)
+        return 2
+    if not os.path.isfile(argv[0]):
+        print(f"kiln run-xla: {argv[0]}: no such script", file=sys.stderr)
         return 2
     from kiln.compat import xla_launch
     code = xla_launch.run(argv[0], argv[1:])
