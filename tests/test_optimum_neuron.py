@@ -301,8 +301,8 @@ def test_kiln_export_takes_optimums_flags_validates_and_hits_the_cache(tmp_path)
     assert "validated against the source model: max abs difference" in first.stdout
     assert "instance_type is accepted and has no effect" in first.stderr
     assert "compile cache hit" not in first.stdout
-    again = _kiln("export", "--model", path, "--batch-size", "2", "--sequence_length", "16", "-O1",
-                  str(tmp_path / "b"), env=env)
+    again = _kiln("export", "neuron", "--model", path, "--batch-size", "2", "--sequence_length", "16", "-O1",
+                  str(tmp_path / "b"), env=env)               # optimum-cli export neuron's spelling
     assert again.returncode == 0, again.stderr
     assert "compile cache hit: nothing was recompiled" in again.stdout
     model = neuron.NeuronModelForTokenClassification.from_pretrained(tmp_path / "b")

@@ -36,6 +36,8 @@ def main(argv=None) -> int:
         return serve.main(argv[1:])
     if argv[:1] == ["run-xla"]:  # the script's arguments are the script's, flags included
         return run_xla.main(argv[1:])
+    if argv[:2] == ["export", "neuron"]:   # optimum-cli export neuron ..., with kiln for optimum-cli
+        argv = ["export", *argv[2:]]
     args, extra = build_parser().parse_known_args(argv)
     takes_flags = args.cmd in compile_cmds.TAKES_BARE_COMPILER_FLAGS
     if extra:
