@@ -87,6 +87,8 @@ def test_neuron_analyze_model_prints(capsys):
     ("--optlevel 3", {"optlevel": 3}),
     (["--optlevel=2", "--target", "generic"], {"optlevel": 2, "target": "generic"}),
     (["--auto-cast", "none", "--auto-cast-type=fp32"], {"auto_cast": "none", "auto_cast_type": "fp32"}),
+    # a type alone casts the matmuls, as neuronx-cc's default --auto-cast does (it was fp32)
+    (["--auto-cast-type", "fp16"], {"auto_cast": "matmult", "auto_cast_type": "fp16"}),
 ])
 def test_compiler_args_parse(args, expected):
     assert parse_compiler_args(args) == expected
@@ -115,3 +117,53 @@ def test_generic_target_and_o1_compile():
     assert generic.manifest["target"]["target"] == "generic"
     assert set(generic.manifest["target"]["isa"]) <= {"sse4_2"}
     assert_close(generic(x), model(x).detach())
+
+
+class _Biased(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(16, 4)
+
+    def forward(self, x, bias):            # bias: one row every row of the batch shares
+        return self.linear(x) + bias
+
+
+class _Across(torch.nn.Module):
+    def forward(self, x):                  # neither output follows the batch on dim 0
+        return x.t() * 2, x.mean()
+
+
+def test_a_jit_loaded_model_in_neurons_wrappers_and_outputs_that_do_not_follow_the_batch(tmp_path):
+    """Found by probing: a model back from torch.jit.load (Neuron's serving pattern) was refused
+    by dynamic_batch, move_trace_to_device and lazy_load; and dynamic_batch handed back the
+    first chunk's value of an output that does not follow the batch (x.mean() over 8 rows
+    was the mean of the first 4; x.t() lost half its columns)."""
+    model, x, bias = _Biased().eval(), torch.randn(2, 16), torch.randn(4)
+    torch.jit.save(torch_neuronx.trace(model, (x, bias)), str(tmp_path / "m.pt"))
+    loaded = torch.jit.load(str(tmp_path / "m.pt"))
+    five = torch.randn(5, 16)
+    assert_close(torch_neuronx.dynamic_batch(loaded)(five, bias), model(five, bias).detach(), atol=1e-5, rtol=1e-5)
+    torch_neuronx.move_trace_to_device(loaded, 0)
+    torch_neuronx.lazy_load(loaded)
+    assert_close(loaded(x, bias), model(x, bias).detach(), atol=1e-5, rtol=1e-5)
+    across = torch_neuronx.dynamic_batch(torch_neuronx.trace(_Across(), torch.randn(4, 8)))
+    four = torch.randn(4, 8)
+    assert_close(across(four)[1], four.mean(), atol=1e-6, rtol=1e-6)         # the compiled batch: one chunk
+    with pytest.raises(kiln.InputError, match=r"output\(s\) \[0\], \[1\] do not follow the batch"):
+        across(torch.randn(8, 8))
+
+
+def test_neuron_cc_flags_reach_neurons_traces(monkeypatch):
+    """NEURON_CC_FLAGS, where Neuron scripts set compiler flags, was read by the device and
+    the trainer but not by torch_neuronx.trace / torch_neuron.trace: an fp16 run computed in
+    fp32. Flags kiln does not take are ignored with a warning; compiler_args given win."""
+    model, x = models.mlp()
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--auto-cast all --auto-cast-type fp16 --model-type transformer")
+    with pytest.warns(RuntimeWarning, match="--model-type transformer mean nothing"):
+        traced = torch_neuronx.trace(model, x)
+    assert traced.manifest["precision"]["auto_cast"] == "all" and traced.manifest["precision"]["type"] == "fp16"
+    with pytest.warns(RuntimeWarning, match="--model-type"):
+        plain = torch_neuron.trace(model, x, compiler_args=["--auto-cast", "none"])
+    assert not plain.manifest.get("precision")
+    assert_close(plain(x), model(x).detach(), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ other's helpers.
 from __future__ import annotations
 
 import functools
+import shlex
 
 from kiln.compiler import neuron_env
 from kiln.host import cores
@@ -25,6 +26,17 @@ def neuron_cache_options() -> dict:
     return neuron_env.cache_options()
 
 
+def with_neuron_cc_flags(compiler_args) -> list | None:
+    """``compiler_args`` after ``NEURON_CC_FLAGS``' compile flags, as Neuron's traces read
+    both (the given ones come later, so they win). A trace that ignored the variable
+    computed in fp32 where the script's environment asked for fp16."""
+    env = neuron_env.compile_flags(stacklevel=3)
+    if not env:
+        return compiler_args
+    given = shlex.split(compiler_args) if isinstance(compiler_args, str) else list(compiler_args or [])
+    return env + [str(a) for a in given]
+
+
 def neuron_names(fn):
     """Run ``fn`` with Neuron's core variables (``NEURON_RT_VISIBLE_CORES``,
     ``NEURON_RT_NUM_CORES``) honoured, so a model traced or replicated through a Neuron
@@ -35,3 +47,19 @@ def neuron_names(fn):
         with cores.neuron_names():
             return fn(*args, **kwargs)
     return call
+
+
+def as_model(obj):
+    """The kiln model behind ``obj``: ``obj`` itself, or for a TorchScript module kiln wrote
+    (``torch.jit.save`` of a traced model, back from ``torch.jit.load``: Neuron scripts hand
+    it to ``DataParallel``) the model its ``kiln::run`` operator runs, loaded once per
+    process; None for anything else."""
+    import torch
+    from kiln.runtime.model import Model
+    if isinstance(obj, Model):
+        return obj
+    if (isinstance(obj, torch.jit.ScriptModule) and isinstance(getattr(obj, "artifact", None), torch.Tensor)
+            and "ops.kiln.run" in obj.code):
+        from kiln.runtime.script_op import model_for
+        return model_for(obj.artifact)      # keyed by the bytes' sha256, as its kiln::run calls are
+    return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from kiln.compat.common import neuron_cache_options, neuron_names, split_inputs
+from kiln.compat.common import as_model, neuron_cache_options, neuron_names, split_inputs, with_neuron_cc_flags
 from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError
 from kiln.host import cores
@@ -25,9 +25,9 @@ class DataParallel(replicas.DataParallel):
     """Neuron's ``torch_neuron.DataParallel``: kiln's, with dynamic batching on
     (``.disable_dynamic_batching()``) and its cores chosen under Neuron's names."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, module, *args, **kwargs):
         with cores.neuron_names():
-            super().__init__(*args, **kwargs)
+            super().__init__(as_model(module) or module, *args, **kwargs)
 
 
 @neuron_names
@@ -47,7 +47,7 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
     args, kwargs = split_inputs(example_inputs)
     for k, v in neuron_cache_options().items():
         kiln_options.setdefault(k, v)
-    compiled = compiler.trace(model, args, kwargs, compiler_args=compiler_args, fallback=fallback,
+    compiled = compiler.trace(model, args, kwargs, compiler_args=with_neuron_cc_flags(compiler_args), fallback=fallback,
                               min_partition_size=max(1, int(minimum_segment_size)), **kiln_options)
     if compiler_workdir:
         os.makedirs(compiler_workdir, exist_ok=True)

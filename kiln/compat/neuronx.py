@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from kiln.compat.common import neuron_cache_options, neuron_names, split_inputs
+from kiln.compat.common import as_model, neuron_cache_options, neuron_names, split_inputs, with_neuron_cc_flags
 from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.host.cores import honour_neuron_env
@@ -27,7 +27,7 @@ __all__ = ["DataParallel", "PartitionerConfig", "analyze", "async_load", "dynami
 @neuron_names
 def DataParallel(module, device_ids=None, dim=0, set_dynamic_batching=True, **kwargs):  # noqa: N802
     """Neuron's ``torch_neuronx.DataParallel``: one replica per kiln core."""
-    return replicas.DataParallel(module, device_ids=device_ids, dim=dim,
+    return replicas.DataParallel(as_model(module) or module, device_ids=device_ids, dim=dim,
                                  dynamic_batching=set_dynamic_batching, **kwargs)
 
 
@@ -62,7 +62,7 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
         if pc.ops_to_partition:
             options["ops_on_host"] = set(pc.ops_to_partition)
     options.update(kiln_options)
-    compiled = compiler.trace(func, args, kwargs, compiler_args=compiler_args, **options)
+    compiled = compiler.trace(func, args, kwargs, compiler_args=with_neuron_cc_flags(compiler_args), **options)
     if pc is not None:
         _check_partitioner(compiled, pc)
     if compiler_workdir:
@@ -107,13 +107,15 @@ def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=
 @neuron_names
 def dynamic_batch(traced):
     """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks."""
-    return buckets.dynamic_batch(traced)
+    return buckets.dynamic_batch(as_model(traced) or traced)
 
 
+@neuron_names
 def move_trace_to_device(traced, device_id: int):
     """Neuron's ``move_trace_to_device``: the traced model runs on kiln core ``device_id``
-    from now on (its engines reloaded on that core's CPUs; ``Model.to_core``)."""
-    traced.to_core(int(device_id))
+    (numbered among the visible cores, ``NEURON_RT_VISIBLE_CORES`` honoured) from now on,
+    its engines reloaded on that core's CPUs (``Model.to_core``)."""
+    _require_model(traced, "move_trace_to_device").to_core(int(device_id))
 
 
 def lazy_load(traced):
@@ -141,7 +143,9 @@ def replace_weights(traced, weights):
 
 
 def _require_model(traced, what: str):
-    from kiln.runtime.model import Model
-    if not isinstance(traced, Model):
+    """The kiln model of a traced model or of one back from ``torch.jit.load``."""
+    model = as_model(traced)
+    if model is None:
         raise TypeError(f"{what}() takes a model returned by kiln.neuronx.trace or torch.jit.load; got "
                         f"{type(traced).__name__}")
+    return model

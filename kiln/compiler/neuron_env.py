@@ -27,6 +27,18 @@ def device_options(stacklevel: int = 2) -> dict:
     """kiln.trace options for a device's graphs: optlevel 2 (neuronx-cc's default too),
     then ``NEURON_CC_FLAGS``' compile flags, then :func:`cache_options`."""
     options = {"optlevel": 2}
+    try:
+        options.update(parse_compiler_args(compile_flags(stacklevel + 1)))
+    except CompilerArgsError as e:
+        raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
+    options.update(cache_options())
+    return options
+
+
+def compile_flags(stacklevel: int = 2) -> list:
+    """The flags of ``NEURON_CC_FLAGS`` kiln's compiler takes (the module doc's list), as
+    tokens: a Neuron trace puts them before its own ``compiler_args``, which win. The
+    others are ignored with a warning."""
     flags, ignored = [], []
     tokens = shlex.split(config.get("NEURON_CC_FLAGS"))
     i = 0
@@ -40,15 +52,10 @@ def device_options(stacklevel: int = 2) -> dict:
         elif not flag.startswith("--cache_dir") and flag != "--retry_failed_compilation":
             ignored += group
         i += len(group)
-    try:
-        options.update(parse_compiler_args(flags))
-    except CompilerArgsError as e:
-        raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
     if ignored:
         warnings.warn(f"kiln: NEURON_CC_FLAGS {' '.join(ignored)} mean nothing to kiln's compiler and are "
                       "ignored", RuntimeWarning, stacklevel=stacklevel + 1)
-    options.update(cache_options())
-    return options
+    return flags
 
 
 def cache_options() -> dict:

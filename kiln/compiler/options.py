@@ -132,6 +132,10 @@ def parse_compiler_args(args) -> dict:
                 f"unknown compiler flag {tok!r}; kiln understands -O1/-O2/-O3, --optlevel, "
                 "--auto-cast, --auto-cast-type, --target, --neuroncore-pipeline-cores and --compile-budget")
         i += 1
+    if "auto_cast_type" in out and "auto_cast" not in out:
+        # a type named alone casts the matmuls, as neuronx-cc's default --auto-cast matmult does
+        # (it computed in fp32 here, without a word; kiln's default with neither flag stays none)
+        out["auto_cast"] = "matmult"
     return out
 
 

@@ -309,7 +309,9 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
     if native is not None:
         return dataclasses.replace(opts, engine=native, engine_by=opts.engine_by if opts.engine else "auto_cast"), {
             "auto_cast": kind, "type": cast, "emulated": False,
-            "note": f"{cast} computed natively by {engines.get(native).title}"}
+            "note": f"{cast} computed natively by {engines.get(native).title}, which chooses the ops that compute "
+                    f"in it: matmuls and convolutions; element-wise ops may keep fp32 accuracy, so --auto-cast "
+                    f"{kind} can answer as matmult does"}
     n = precision.emulate(captured.graph_module, kind, cast)
     note = (f"{cast} is emulated: inputs of {n} op(s) are rounded to {cast} and computed in "
             "fp32, to show its accuracy, not to gain speed")

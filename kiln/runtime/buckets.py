@@ -318,6 +318,17 @@ class DynamicBatch(_Wrapper):
             out.append(t)
         return out
 
+    @property
+    def fixed_outputs(self) -> list:
+        """Outputs that do not follow the batch on dim 0 (a sum over rows, the batch moved to
+        another dim), unless the compile-time batch check (``kiln.trace(dynamic_batch=True)``,
+        :func:`kiln.compiler.padcheck.check_dynamic_batch`) found the first chunk's value
+        right for a split batch. A split batch has no answer for these: each chunk gives its
+        own, and taking the first one's was a wrong answer without a word."""
+        if "max_abs_error" in (self.manifest.get("batch_check") or {}):
+            return []
+        return [s.name for s, b in zip(self.inner.output_specs, self._batched_out) if not b]
+
     def check(self, flat):
         if len(flat) != len(self.input_specs):
             raise InputError(f"expected {len(self.input_specs)} input tensors, got {len(flat)}")
@@ -336,9 +347,15 @@ class DynamicBatch(_Wrapper):
                     f"{specs.dtype_name(spec.dtype)}{' (any batch size N)' if batched else ''}, "
                     f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
         self._check_values(flat)
-        if self._batch(flat) == 0:
+        n = self._batch(flat)
+        if n == 0:
             self._check_empty(flat)
             return
+        if n != self.batch_size and self.fixed_outputs:
+            raise InputError(f"dynamic batch: output(s) {', '.join(self.fixed_outputs)} do not follow the batch "
+                             f"on dim 0, so a batch of {n} rows, run as chunks of the compiled {self.batch_size}, "
+                             f"has no answer for them (each chunk gives its own): call with {self.batch_size} "
+                             "rows, or trace with kiln.trace(..., dynamic_batch=True), which checks the model")
         probe = [t[:1].expand(self.batch_size, *t.shape[1:]) if b and t.dim() else t
                  for t, b in zip(flat, self._batched_in)]
         try:
@@ -395,7 +412,8 @@ def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested
 
 
 def dynamic_batch(model: Model) -> DynamicBatch:
-    """Let ``model`` take any batch size on dim 0 (Neuron's ``dynamic_batch``)."""
+    """Let ``model`` take any batch size on dim 0 (Neuron's ``dynamic_batch``, which also
+    takes a model back from ``torch.jit.load``: :mod:`kiln.compat.neuronx`)."""
     if not isinstance(model, Model):
         raise CompilerArgsError(f"dynamic_batch takes a kiln model, got {type(model).__name__}")
     return model if isinstance(model, DynamicBatch) else DynamicBatch(model)

@@ -161,10 +161,13 @@ class DataParallel(Model):
             from kiln.runtime.loader import load
             module = load(module)
         if not isinstance(module, Model) or isinstance(module, DataParallel):
-            raise KilnError(f"DataParallel takes a kiln model (kiln.trace / kiln.load), "
-                            f"got {type(module).__name__}")
-        if dynamic_batching and dim != 0:
-            raise KilnError("dynamic batching splits dim 0; use dim=0 or dynamic_batching=False")
+            raise KilnError(f"DataParallel takes a kiln model (kiln.trace / kiln.load; kiln.neuronx.DataParallel "
+                            f"also takes torch.jit.load's), got {type(module).__name__}")
+        if dynamic_batching and dim != 0:    # as Neuron's DataParallel: no dynamic batching off dim 0
+            log.warning("DataParallel: dynamic batching splits dim 0 only, so with dim=%d it is off "
+                        "(set_dynamic_batching=False / dynamic_batching=False says so): each chunk must "
+                        "be the compiled size along dim %d", dim, dim)
+            dynamic_batching = False
         self.module = module
         self.dim = dim
         self.dynamic_batching = dynamic_batching
@@ -179,8 +182,13 @@ class DataParallel(Model):
         self.input_structure, self.output_structure = module.input_structure, module.output_structure
         lead = self.input_specs[0].shape
         self.batch_size = lead[dim] if len(lead) > dim else 1
+        # which inputs are split and which outputs gathered: those with the compiled batch on
+        # ``dim`` (others, such as a bias every row shares, go whole to every replica)
+        self._batched_in = [len(s.shape) > dim and s.shape[dim] == self.batch_size for s in self.input_specs]
         self._batched_out = [len(s.shape) > dim and s.shape[dim] == self.batch_size
                              for s in self.output_specs]
+        proven = "max_abs_error" in (module.manifest.get("batch_check") or {})
+        self._fixed_out = [] if proven else [s.name for s, b in zip(self.output_specs, self._batched_out) if not b]
         from kiln.runtime.buckets import DynamicBatch
         self._checker = DynamicBatch(module) if dynamic_batching else None
 
@@ -252,7 +260,7 @@ class DataParallel(Model):
             fut.set_result(result)
 
     def _chunks(self, flat):
-        batched = [t.dim() > self.dim for t in flat]
+        batched = [b and t.dim() > self.dim for t, b in zip(flat, self._batched_in)]
         sizes = {t.shape[self.dim] for t, b in zip(flat, batched) if b}
         if len(sizes) > 1:
             raise InputError(f"DataParallel: inputs disagree on the batch size along dim {self.dim}: "
@@ -269,8 +277,13 @@ class DataParallel(Model):
                 raise InputError(
                     f"DataParallel without dynamic batching needs batches that split into the "
                     f"compiled batch size {self.batch_size} along dim {self.dim}; got {n}")
-        pieces = [t.split(split, self.dim) if b else None for t, b in zip(flat, batched)]
         count = math.ceil(n / split)
+        if count > 1 and self._fixed_out:
+            raise InputError(f"DataParallel: output(s) {', '.join(self._fixed_out)} do not follow the batch along dim "
+                             f"{self.dim} (the compiled {self.batch_size}), so a batch split into {count} chunks "
+                             "has no answer for them (each chunk gives its own): call with one chunk's rows, or "
+                             "trace with kiln.trace(..., dynamic_batch=True), which checks the model")
+        pieces = [t.split(split, self.dim) if b else None for t, b in zip(flat, batched)]
         return [[p[k] if p is not None else t for p, t in zip(pieces, flat)] for k in range(count)]
 
     def _scatter(self, flat) -> Future:

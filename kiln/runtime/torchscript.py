@@ -53,3 +53,4 @@ def to_torchscript(compiled) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.jit.trace(_Wrapper(compiled), tuple(example), check_trace=False, strict=False)
+
