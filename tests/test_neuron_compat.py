@@ -167,3 +167,14 @@ def test_neuron_cc_flags_reach_neurons_traces(monkeypatch):
         plain = torch_neuron.trace(model, x, compiler_args=["--auto-cast", "none"])
     assert not plain.manifest.get("precision")
     assert_close(plain(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_ops_to_partition_takes_bare_names_and_warns_of_names_the_graph_lacks():
+    """PartitionerConfig(ops_to_partition={"relu"}) kept nothing on the host, without a word
+    (only "aten::relu" matched); a misspelt name did the same."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval(), torch.randn(2, 8)
+    bare = torch_neuronx.trace(model, x, partitioner_config=torch_neuronx.PartitionerConfig(ops_to_partition={"relu"}))
+    assert bare.report["host_ops"] == 1
+    assert_close(bare(x), model(x).detach(), atol=1e-6, rtol=1e-6)
+    with pytest.warns(UserWarning, match="ops_on_host names aten::rleu, which this graph has no operation of"):
+        torch_neuronx.trace(model, x, partitioner_config=torch_neuronx.PartitionerConfig(ops_to_partition={"rleu"}))

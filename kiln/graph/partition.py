@@ -8,6 +8,7 @@ the host, runs on the host with PyTorch. This is torch-neuron's fallback model.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) ->
     whole to Inductor (11-29)."""
     placement = Placement()
     host_ops = {_normalise(o) for o in options.ops_on_host}
+    named = set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -78,6 +80,7 @@ def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) ->
             placement.on_device[node] = True   # follows its producer (see below)
             continue
         packet = node.target._schema.name if isinstance(node.target, torch._ops.OpOverload) else name
+        named.update({name, packet})
         if name in host_ops or packet in host_ops:
             placement.reasons[node] = "placed on the host by ops_on_host"
             placement.on_device[node] = False
@@ -87,6 +90,10 @@ def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) ->
         if reason is not None:
             placement.reasons[node] = reason
             placement.unsupported.add(node)
+    if host_ops - named:      # a misspelt name would otherwise keep nothing on the host, silently
+        warnings.warn(f"kiln: ops_on_host names {', '.join(sorted(host_ops - named))}, which this graph has no "
+                      f"operation of (names are ATen's, e.g. aten::relu; the graph's: "
+                      f"{', '.join(sorted(n for n in named if '::' in n)[:12])}...)", stacklevel=2)
     # getitem of a host op stays on the host with it.
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:
@@ -141,7 +148,7 @@ def _normalise(op) -> str:
         if "::" not in s and "." in s:                    # aten.sort.default -> aten::sort
             ns, rest = s.split(".", 1)
             s = f"{ns}::{rest.split('.')[0]}"
-        return s.split(".")[0] if "::" in s else s
+        return s.split(".")[0] if "::" in s else f"aten::{s}"   # a bare name is ATen's: relu -> aten::relu
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op._qualified_op_name
     return op_name(op)
