@@ -66,6 +66,9 @@ def test_neuron_env_names_are_honoured_by_the_compat_layer(one_cpu_per_core, mon
     assert len(placement.visible()) == len(CPUS)          # plain kiln ignores Neuron's names
     monkeypatch.setattr(placement, "neuron_env", True)    # what honour_neuron_env() sets
     assert [c.host_index for c in placement.visible()] == [1]
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-5")
+    with pytest.raises(placement.PlacementError, match="NEURON_RT_VISIBLE_CORES=4-5 names core"):
+        placement.visible()                               # the variable set is the one named
     monkeypatch.setenv("KILN_VISIBLE_CORES", "0")         # kiln's own name wins
     assert [c.host_index for c in placement.visible()] == [0]
 

@@ -149,10 +149,18 @@ def host_cores() -> list:
 
 
 def _env(name):
+    return _setting(name)[1]
+
+
+def _setting(name) -> tuple:
+    """``(variable, value)`` of a core setting: kiln's name, else Neuron's where it applies;
+    errors name the variable the user set."""
     value = config.get(f"KILN_{name}")
     if value is None and (neuron_env or _neuron_scope.get()) and name in ("VISIBLE_CORES", "NUM_CORES"):
         value = config.get(f"NEURON_RT_{name}")
-    return value
+        if value is not None:
+            return f"NEURON_RT_{name}", value
+    return f"KILN_{name}", value
 
 
 def restricted() -> bool:
@@ -163,22 +171,22 @@ def restricted() -> bool:
 def visible() -> list:
     """The cores this process may use, numbered from 0."""
     cores = host_cores()
-    vis, num = _env("VISIBLE_CORES"), _env("NUM_CORES")
+    (vis_name, vis), (num_name, num) = _setting("VISIBLE_CORES"), _setting("NUM_CORES")
     if vis:
-        wanted = parse_list(vis, "KILN_VISIBLE_CORES")
+        wanted = parse_list(vis, vis_name)
         bad = [w for w in wanted if not 0 <= w < len(cores)]
         if bad:
             raise PlacementError(
-                f"KILN_VISIBLE_CORES={vis} names core(s) {bad}, but this process has {len(cores)} "
+                f"{vis_name}={vis} names core(s) {bad}, but this process has {len(cores)} "
                 f"core(s) (0-{len(cores) - 1}) on CPUs {format_cpus(process_cpus())}")
         chosen = [cores[w] for w in dict.fromkeys(wanted)]
     elif num:
         try:
             n = int(num)
         except ValueError:
-            raise PlacementError(f"KILN_NUM_CORES={num!r}: expected a number") from None
+            raise PlacementError(f"{num_name}={num!r}: expected a number") from None
         if not 1 <= n <= len(cores):
-            raise PlacementError(f"KILN_NUM_CORES={num}: this process has {len(cores)} core(s)")
+            raise PlacementError(f"{num_name}={num}: this process has {len(cores)} core(s)")
         chosen = cores[:n]
     else:
         chosen = cores
