@@ -166,3 +166,15 @@ def test_the_check_of_a_tf32_gpu_build_uses_the_tf32_rule_and_says_so(monkeypatc
     assert cpu["validation"]["precision"] == "fp32" and not cpu["report"]["notes"]
     with pytest.raises(kiln.ValidationError):             # the same rounding on a CPU fails
         _checked(options.CompileOptions(device="cpu", **tight), None, 2 ** -10)
+
+
+def test_a_cache_hit_of_an_emulated_compile_warns_as_the_compile_did(monkeypatch, tmp_path):
+    """The warning that emulated bf16/fp16 is slower than fp32 came only with the compile: the
+    next process, taking the model from the cache, ran slower without a word."""
+    _emulating(monkeypatch)
+    model, x = models.mlp()
+    with pytest.warns(UserWarning, match="fp16 is emulated"):
+        kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type fp16", cache=str(tmp_path))
+    with pytest.warns(UserWarning, match="fp16 is emulated"):
+        hit = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type fp16", cache=str(tmp_path))
+    assert hit.manifest["cache"]["hit"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 from kiln._version import __version__
 from kiln.artifact import trust
@@ -110,6 +111,9 @@ def reader(store, retry_failed, threads):
         store.touch(key, meta)
         store.count("hits")
         compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
+        precision = compiled.manifest.get("precision") or {}
+        if precision.get("emulated"):    # as the compile warned: slower than fp32, not faster
+            warnings.warn(f"kiln: {precision.get('note')}", stacklevel=5)
         return compiled
 
     from_cache.untrusted = untrusted
