@@ -332,7 +332,7 @@ def test_kiln_export_sends_a_decoder_through_the_llm_path(tmp_path):
     assert neuron.NeuronModelForCausalLM.from_pretrained(tmp_path / "out").neuron_config["batch_size"] == 1
 
 
-def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(tmp_path):
+def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(tmp_path, caplog):
     from tests.test_llm_decoder import PROMPTS, _hf_greedy, _model
     hf = _model("llama")
     hf.save_pretrained(tmp_path / "llama")
@@ -366,6 +366,9 @@ def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(
                                                            num_cores=1, auto_cast_type="fp32")
     one = torch.tensor([prompts[0]])
     assert legacy.generate(one, max_new_tokens=8)[0, len(prompts[0]):].tolist() == want[0]
+    with caplog.at_level(logging.WARNING, logger="kiln.optimum"):      # capped as on Neuron, and said so
+        assert legacy.generate(one, max_new_tokens=100).shape == (1, 32)
+    assert "exported with sequence_length=32: generating at most 25 new tokens" in caplog.text
     # generation_config.json is saved, and its stop tokens (Llama 3's are a list) and length are
     # generate()'s defaults, as in transformers; a config given to generate() sets its length
     assert (tmp_path / "saved" / "generation_config.json").exists()

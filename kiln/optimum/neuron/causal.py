@@ -17,6 +17,7 @@ and the tokenizer; loading needs neither the model's code nor transformers' weig
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -27,6 +28,7 @@ from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of,
 from kiln.runtime.loader import load
 
 NEURON_CONFIG = "neuron_config.json"
+log = logging.getLogger("kiln.optimum")
 
 
 class NeuronModelForCausalLM(CpuModel):
@@ -146,7 +148,13 @@ class NeuronModelForCausalLM(CpuModel):
             else:
                 kwargs["max_length"] = seq
         if "max_length" in kwargs:
-            kwargs["max_new_tokens"] = max(1, min(kwargs.pop("max_length"), seq) - input_ids.shape[-1])
+            asked = kwargs.pop("max_length")
+            kwargs["max_new_tokens"] = max(1, min(asked, seq) - input_ids.shape[-1])
+        else:
+            asked = input_ids.shape[-1] + kwargs["max_new_tokens"]
+        if asked > seq:     # capped, as on Neuron; said, so a short answer is not a mystery
+            log.warning("kiln.optimum: %d tokens asked for in all, but this model was exported with "
+                        "sequence_length=%d: generating at most %d new tokens", asked, seq, seq - input_ids.shape[-1])
         kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], seq - input_ids.shape[-1])
         return self.llm.hf_generate(input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
 
