@@ -216,7 +216,7 @@ def test_an_export_without_the_kv_cache_still_loads_and_generates(legacy_dir, hf
         neuron.NeuronModelForSeq2SeqLM.from_pretrained(newer)
 
 
-def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
+def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, beam, hf):
     three = torch.cat([IDS, torch.tensor([[9, 1, 0, 0, 0, 0, 0, 0]])])
     three_mask = (three != 0).to(torch.int64)
     want = _hf_generate(hf, three, three_mask)
@@ -229,6 +229,15 @@ def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, hf):
                                              dict(greedy.neuron, dynamic_batch_size=True), greedy.generation_config,
                                              cross=greedy.cross)
     assert dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == want.tolist()
+    # chunks are padded with what generate fills finished rows with: the call's pad_token_id, and under
+    # beam search the end-of-sequence id for a pad id of 0 (they were padded with the config's pad id)
+    assert (dynamic.generate(three, attention_mask=three_mask, max_new_tokens=NEW, pad_token_id=5).tolist()
+            == _hf_generate(hf, three, three_mask, pad_token_id=5).tolist())
+    beams = neuron.NeuronModelForSeq2SeqLM(beam.encoder, beam.decoder, beam.config,
+                                           dict(beam.neuron, dynamic_batch_size=True), beam.generation_config,
+                                           cross=beam.cross)
+    want = _hf_generate(hf, three, three_mask, num_beams=2)
+    assert beams.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == want.tolist()
 
 
 def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir, tmp_path):
@@ -249,6 +258,12 @@ def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir, tmp_path)
         beam.generate(IDS, attention_mask=MASK, max_new_tokens=9)
     with pytest.raises(ValueError, match="max_length=12 \\(11 new tokens\\) exceeds the 10 new tokens"):
         greedy.generate(IDS, attention_mask=MASK, max_length=12)
+    # a generation_config given to generate asks as a keyword does (it was cut to fit without a word)
+    with pytest.raises(ValueError, match="the generation_config's max_new_tokens=11 exceeds the 10 new tokens"):
+        greedy.generate(IDS, attention_mask=MASK, generation_config=transformers.GenerationConfig(
+            max_new_tokens=11, decoder_start_token_id=0, eos_token_id=1, pad_token_id=0))
+    with pytest.raises(ValueError, match="num_return_sequences=2 samples 4 decoder rows for 2 prompt"):
+        greedy.generate(IDS, attention_mask=MASK, do_sample=True, num_return_sequences=2, max_new_tokens=2)
     prefix = torch.zeros(2, 3, dtype=torch.int64)       # a forced decoder prefix takes decoder positions too
     with pytest.raises(ValueError, match="max_new_tokens=9 exceeds the 8 new tokens.*decoder_sequence_length=11"):
         greedy.generate(IDS, attention_mask=MASK, decoder_input_ids=prefix, max_new_tokens=9)

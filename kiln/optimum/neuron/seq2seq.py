@@ -349,7 +349,15 @@ class NeuronModelForSeq2SeqLM(CpuModel):
                              f"which generate() cannot change; export with num_beams={beams}")
         if kwargs.get("use_cache") and not self.kv_cache:
             raise ValueError("use_cache=True: this model's decoder graph has no KV cache (exported without one)")
-        self._limit_new_tokens(config, kwargs)
+        self._limit_new_tokens(config, kwargs, given=generation_config is not None)
+        sequences = kwargs.get("num_return_sequences") or config.num_return_sequences or 1
+        if beams == 1 and sequences > 1:     # each sequence is a decoder row: the compiled rows hold that many
+            rows = min(torch.as_tensor(input_ids).shape[0], self.static["batch_size"])
+            if rows * sequences > self._rows:
+                raise ValueError(f"num_return_sequences={sequences} samples {rows * sequences} decoder rows for "
+                                 f"{rows} prompt(s), more than the {self._rows} this model was exported with "
+                                 f"(batch_size x num_beams): pass fewer prompts at once, or export with "
+                                 f"batch_size={rows * sequences}")
         ids = torch.as_tensor(input_ids)
         mask = None if attention_mask is None else torch.as_tensor(attention_mask)
         self._fits(ids.shape[-1], self.static["sequence_length"], "input tokens", "sequence_length")
@@ -363,8 +371,22 @@ class NeuronModelForSeq2SeqLM(CpuModel):
         parts = [self._hf_generate(ids[i:i + rows], None if mask is None else mask[i:i + rows], config, beams, kwargs)
                  for i in range(0, ids.shape[0], rows)]
         width = max(p.shape[1] for p in parts)
-        pad = config.pad_token_id if config.pad_token_id is not None else self._pad_id   # as generate pads rows
-        return torch.cat([pad_right(p, 1, width, pad) for p in parts])
+        return torch.cat([pad_right(p, 1, width, self._fill_value(config, kwargs, beams)) for p in parts])
+
+    def _fill_value(self, config, kwargs, beams) -> int:
+        """What transformers' generate fills a finished row with, so chunks of a larger batch
+        are padded to one width as the whole batch would be: the call's ``pad_token_id`` (a
+        keyword wins over the config), else the first end-of-sequence id; beam search takes
+        the end-of-sequence id for a pad id of 0 too (its ``pad_token_id or eos_token_id[0]``)."""
+        merged = copy.deepcopy(config)
+        merged.update(**{k: v for k, v in kwargs.items() if k in ("pad_token_id", "eos_token_id")})
+        pad, eos = merged.pad_token_id, merged.eos_token_id
+        eos = [eos] if isinstance(eos, int) else (list(eos) if eos is not None else None)
+        if pad is None and eos:
+            pad = eos[0]
+        if beams > 1:
+            return (pad or eos[0]) if eos else -1
+        return pad if pad is not None else self._pad_id
 
     def _hf_generate(self, ids, mask, config, beams, kwargs):
         config = copy.deepcopy(config)
@@ -372,17 +394,28 @@ class NeuronModelForSeq2SeqLM(CpuModel):
         rest = config.update(num_beams=beams, **kwargs)     # the model's inputs remain
         return self._generator().generate(ids, attention_mask=mask, generation_config=config, **rest)
 
-    def _limit_new_tokens(self, config, kwargs) -> None:
+    def _limit_new_tokens(self, config, kwargs, given: bool = False) -> None:
         """At most ``decoder_sequence_length`` decoder tokens (the start token, or the given
-        ``decoder_input_ids``, and the new ones but the last): asking for more is an error; a
-        default larger than that is cut."""
+        ``decoder_input_ids``, and the new ones but the last): asking for more is an error,
+        by keyword or in a ``generation_config`` given to ``generate`` (``given``); the
+        model's own default larger than that is cut, with a warning where its config set it."""
         prefix, length = _prefix_length(kwargs), self.static[DECODER_LENGTH]
         limit = length - prefix + 1
         asked, what = kwargs.get("max_new_tokens"), "max_new_tokens={}"
         if asked is None and kwargs.get("max_length") is not None:
             asked, what = kwargs["max_length"] - prefix, f"max_length={kwargs['max_length']} ({{}} new tokens)"
+        set_in_config = config.max_new_tokens is not None or "max_length" in config.to_diff_dict()
+        if asked is None and given and set_in_config:
+            asked = config.max_new_tokens or config.max_length - prefix
+            what = "the generation_config's max_new_tokens={}" if config.max_new_tokens else \
+                f"the generation_config's max_length={config.max_length} ({{}} new tokens)"
+            if asked <= limit:
+                asked = None            # it fits: generate takes it from the config
         if asked is None:
             default = config.max_new_tokens or ((config.max_length or 20) - prefix)
+            if default > limit and set_in_config:
+                log.warning("kiln.optimum: the model's generation_config asks for %d new tokens; this export's "
+                            "%s=%d holds %d: generating at most that many", default, DECODER_LENGTH, length, limit)
             kwargs["max_new_tokens"] = min(default, limit)
         elif asked > limit:
             raise ValueError(f"{what.format(asked)} exceeds the {limit} new tokens the compiled {DECODER_LENGTH} "
