@@ -279,3 +279,10 @@ def test_activation_checkpointing_in_nxds_spelling_recomputes_and_keeps_names():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
     linear = nn.Linear(3, 3)
     assert checkpoint_wrapper(linear) is linear and linear._kiln_checkpointed
+
+
+def test_nxd_names_kiln_does_not_provide_say_what_to_use_instead():
+    import kiln.neuronx_distributed as nxd
+    with pytest.raises(AttributeError, match="ModelBuilder v2 inference flow.*parallel_model_trace"):
+        nxd.ModelBuilder
+    assert not hasattr(nxd, "shard_checkpoint")

@@ -21,6 +21,13 @@ _LAZY = {
     "finalize_checkpoint": ("kiln.distributed.checkpoint", "finalize_checkpoint"),
 }
 _SUBMODULES = ("trace", "pipeline", "optimizer", "trainer", "kernels", "lightning")
+# NxD's names kiln does not provide, with what to use instead: an AttributeError that says so
+_ABSENT = {name: "NxD's ModelBuilder v2 inference flow (ModelBuilder, NxDModel, shard_checkpoint, "
+                 "NxDParallelState) is not provided: trace a tensor-parallel model with "
+                 "neuronx_distributed.trace.parallel_model_trace (kiln.compat.nxd_trace), or compile a decoder "
+                 "LLM with kiln's LLM path (kiln.llm.build.compile_llm, tp_degree=)"
+           for name in ("ModelBuilder", "NxDModel", "shard_checkpoint", "NxDParallelState", "BaseNxDModel",
+                        "TorchScriptNxDModel", "convert_nxd_model_to_torchscript_model")}
 
 
 def __getattr__(name):
@@ -29,6 +36,8 @@ def __getattr__(name):
         value = getattr(importlib.import_module(module), attr)
     elif name in _SUBMODULES:
         value = importlib.import_module(f"{__name__}.{name}")
+    elif name in _ABSENT:
+        raise AttributeError(f"neuronx_distributed.{name}: {_ABSENT[name]}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r} (kiln's NxD does not provide it)")
     globals()[name] = value
