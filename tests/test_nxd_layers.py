@@ -179,6 +179,23 @@ def test_pad_is_inference_only(fresh_state):
     assert emb(torch.tensor([1, 6])).shape == (2, 4)
 
 
+def test_an_unpadded_checkpoint_loads_into_a_padded_layer_with_a_bias(fresh_state):
+    """NxD's preshard_hook pads the weight only: the bias of a pad=True layer then failed the
+    size check (gather_output=True) or the sharding on one rank (found at TP=2 by probing)."""
+    layers = _fallback_layers()
+    from kiln.distributed.shard import shard_state_dict
+    for gather in (True, False):
+        col = layers.ColumnParallelLinear(4, 5, pad=True, pad_alignment_size_per_rank=2, gather_output=gather).eval()
+        full = {"weight": torch.randn(5, 4), "bias": torch.randn(5)}
+        shard = shard_state_dict(col, dict(full), tp_rank=0, tp_size=1)
+        assert shard["bias"].shape == (6,) and torch.equal(shard["bias"][:5], full["bias"])
+        col.load_state_dict(shard)
+        x = torch.randn(3, 4)
+        y = col(x)              # without gather_output the padded column stays, for the row-parallel layer
+        assert y.shape == (3, 5 if gather else 6) and (gather or torch.equal(y[:, 5], torch.zeros(3)))
+        torch.testing.assert_close(y[:, :5], torch.nn.functional.linear(x, full["weight"], full["bias"]))
+
+
 def test_shard_state_dict_and_stride(fresh_state):
     """An unsharded state dict is cut as the layers' own init is (stride chunks r::tp)."""
     layers = _fallback_layers()

@@ -141,7 +141,10 @@ class ColumnParallelLinear(TensorParallelModule):
         return (out, self.bias) if self.skip_bias_add else out
 
     def preshard_hook(self, model_state_dict, prefix):
-        """Pad an unsharded checkpoint's weight the way the layer was padded."""
+        """Pad an unsharded checkpoint's weight the way the layer was padded, and its bias,
+        which the layer pads too. NxD's hook pads the weight only, so a padded layer with a
+        bias could not load an unpadded checkpoint: the bias failed the size check, or its
+        odd size failed the sharding on one rank while the others waited."""
         if not self.pad or self.pad_size == 0:
             return
         size = model_state_dict[prefix].shape[0]
@@ -149,6 +152,9 @@ class ColumnParallelLinear(TensorParallelModule):
             raise RuntimeError(f"State dict {prefix} is of an unexpected size {size} expected "
                                f"{self.output_size - self.pad_size}")
         model_state_dict[prefix] = F.pad(model_state_dict[prefix], (0, 0, 0, self.pad_size))
+        bias = prefix[: -len("weight")] + "bias" if prefix.endswith("weight") else None
+        if bias in model_state_dict and model_state_dict[bias].shape[0] == size:
+            model_state_dict[bias] = F.pad(model_state_dict[bias], (0, self.pad_size))
 
 
 class RowParallelLinear(TensorParallelModule):
