@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from kiln.compat.common import as_model, neuron_cache_options, neuron_names, split_inputs, with_neuron_cc_flags
 from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError
@@ -62,5 +64,26 @@ def analyze_model(model, example_inputs, compiler_args=None, **kwargs):
     rep = compiler.analyze(model, args, kw, compiler_args=compiler_args)
     supported = sum(rep.supported_ops.values())
     print(f"{rep.support_percentage:.2f}% of all operations ({supported} of {rep.total_ops}) are supported")
+    arithmetic = {op: n for op, n in rep.supported_ops.items() if _arithmetic(op)}
+    missing = {u["op"]: u["count"] for u in rep.unsupported_ops if _arithmetic(u["op"])}
+    total = sum(arithmetic.values()) + sum(missing.values())
+    share = 100.0 * sum(arithmetic.values()) / total if total else 100.0
+    print(f"{share:.2f}% of arithmetic operations ({sum(arithmetic.values())} of {total}) are supported")
     print(str(rep))
     return rep
+
+
+def _arithmetic(op: str) -> bool:
+    """Whether an operator computes (torch_neuron's "arithmetic operations"), rather than
+    only viewing or moving data: an ATen op whose result aliases its input (a view,
+    reshape, transpose) or that copies it whole is not."""
+    if op.split("::")[-1] in ("clone", "contiguous", "_to_copy", "copy", "cat", "stack", "expand_copy", "lift_fresh_copy",
+                              "_unsafe_view"):
+        return False
+    namespace, _, name = op.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None) if name else None
+    functional = [o for o in (packet.overloads() if packet is not None else ()) if "out" not in o]
+    if not functional:
+        return True
+    overload = getattr(packet, "default" if "default" in functional else functional[0])
+    return not any(r.alias_info is not None for r in overload._schema.returns)
