@@ -80,6 +80,13 @@ class TensorParallelLLM:
         the existing group is used whatever is asked."""
         if self.mode is not None:
             return self
+        # Which decode graphs to run is agreed by all ranks (a collective probe, once per
+        # start): a plan kept from ranks started before (compile_llm's check runs threads,
+        # then closes them) would leave rank 0 skipping the probe that fresh followers run,
+        # and the ranks waiting on each other for good
+        for llm in self.ranks:
+            if llm is not None:
+                llm._invariance = None
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.tp_degree:
             self._join_group()
