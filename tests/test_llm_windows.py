@@ -2,6 +2,8 @@
 for the smallest window holding the running sequences, decode and chunk graphs compiled
 per window run on it, and every request still gets Hugging Face's greedy tokens, alone
 or batched, as windows grow and shrink, before and after a save and load."""
+import threading
+
 import pytest
 import torch
 
@@ -67,6 +69,37 @@ def test_windows_grow_and_shrink_and_answers_are_hugging_faces(windowed, tmp_pat
             assert r.tokens == want[(tuple(r.prompt), r.max_new_tokens)], r.prompt
         assert set(sched.window_steps) == {8, 16, 32} and sched.cache.relayouts >= 3
         assert sched.cache.window == 16            # the late request ended at 2 + 12 positions
+
+
+def test_a_prompt_as_long_as_a_window_and_a_step_that_fails(windowed, monkeypatch):
+    """Found by probing: a prompt exactly as long as a window (8 here; 16 through the chunk
+    graph) failed the first decode ("sequence 0 needs 9 cache positions ... laid out for 8"):
+    the prefill laid the cache out for the prompt only, and the same step's decode writes one
+    position further. In the server's thread that error ended the thread: the request never
+    finished and every later one waited forever. Now such prompts run, and a step that fails
+    ends its requests with the error while the thread serves on."""
+    model, llm = windowed
+    for prompt in ([5] * 8, list(range(3, 19))):
+        assert llm.generate([prompt], 4) == [_hf_greedy(model, prompt, 4)]
+    sched = llm.scheduler()
+    sched.start()
+    try:
+        real = sched._decode
+        calls = []
+
+        def fails_once():
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("an engine failed")
+            return real()
+        monkeypatch.setattr(sched, "_decode", fails_once)
+        ended = [threading.Event(), threading.Event()]
+        first = sched.add(Request([5] * 3, 3, on_finish=lambda r: ended[0].set()))
+        assert ended[0].wait(60) and first.finish_reason == "error" and "an engine failed" in str(first.error)
+        later = sched.add(Request(PROMPTS[1], 3, on_finish=lambda r: ended[1].set()))
+        assert ended[1].wait(60) and later.tokens == _hf_greedy(model, PROMPTS[1], 3)
+    finally:
+        sched.close(60)
 
 
 def test_graphs_warm_and_bad_buckets_are_clear_errors(windowed):

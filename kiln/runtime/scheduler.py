@@ -51,6 +51,7 @@ server's 429) rather than queueing without bound.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -276,7 +277,8 @@ class Scheduler:
             self._finish(request, "error")
             return
         self.cache.reset(slot)
-        self.cache.fit(n, shrink=False)
+        # one position more once the prompt is in: this step's decode writes there (a window's length failed)
+        self.cache.fit(min(n + (n == len(request.prompt)), self.cache.capacity), shrink=False)
         self.slots[slot], request.prefilled = request, n
         if request.prefilling:
             self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
@@ -325,7 +327,8 @@ class Scheduler:
         width = self.chunk[0]
         start = request.prefilled
         real = min(width, len(request.prompt) - start)
-        self.cache.fit(start + real, shrink=False)
+        end = start + real          # and one more after the last chunk, as in _prefill
+        self.cache.fit(min(end + (end == len(request.prompt)), self.cache.capacity), shrink=False)
         step = self.graphs[self.cache.window][1]
         ids = torch.tensor([request.prompt[start:start + real] + [0] * (width - real)])
         try:
@@ -447,7 +450,14 @@ class Scheduler:
                     self.cond.wait()
                 if self.closing and not self.has_work():
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the thread serves on
+                logging.getLogger("kiln").exception("kiln LLM scheduler: a step failed; its requests end with it")
+                for slot, r in enumerate(self.slots):
+                    if r is not None:
+                        r.error = r.error or e
+                        self._free(slot, "error")
 
     def close(self, timeout: float | None = None):
         """Finish what was added, then stop the thread; later adds are refused."""
