@@ -1,5 +1,7 @@
 """An NxD Inference script after swapping its package for kiln.neuronx_distributed_inference:
 config, compile to a directory, load, generate through the Hugging Face adapter."""
+import json
+
 import pytest
 import torch
 
@@ -9,20 +11,28 @@ from kiln.errors import ArtifactError, CompilerArgsError, InputError  # noqa: E4
 from tests.test_llm_decoder import _hf_greedy, _model  # noqa: E402
 
 
-def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny Llama and the directory it is saved in."""
+    model = _model("llama")
+    path = str(tmp_path_factory.mktemp("nxdi") / "ckpt")
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_URL", "off")
     from kiln.neuronx_distributed_inference.models.config import NeuronConfig, OnDeviceSamplingConfig
     from kiln.neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig,
                                                                                NeuronLlamaForCausalLM)
     from kiln.neuronx_distributed_inference.utils.hf_adapter import (HuggingFaceGenerationAdapter,
                                                                     load_pretrained_config)
-    model = _model("llama")
-    path, out = str(tmp_path / "ckpt"), str(tmp_path / "compiled")
-    model.save_pretrained(path)
+    model, path = checkpoint
+    out = str(tmp_path / "compiled")
     nc = NeuronConfig(tp_degree=1, batch_size=2, max_context_length=8, seq_len=32,
                       on_device_sampling_config=OnDeviceSamplingConfig(top_k=1))
     cfg = LlamaInferenceConfig(nc, load_config=load_pretrained_config(path))
-    assert cfg.hf_config.num_hidden_layers == 2
+    assert cfg.num_hidden_layers == 2
     m = NeuronLlamaForCausalLM(path, cfg)
     with pytest.raises(InputError, match="compile"):
         m.load(out)
@@ -39,12 +49,16 @@ def test_nxd_inference_script_runs_after_swapping_the_package(tmp_path, monkeypa
     gc = transformers.GenerationConfig(do_sample=False, top_k=1, pad_token_id=0, eos_token_id=None)
     reloaded = NeuronLlamaForCausalLM(out)
     reloaded.load(out)
-    assert reloaded.config.neuron_config.max_length == 32 and reloaded.config.hf_config.num_hidden_layers == 2
+    assert reloaded.config.neuron_config.max_length == 32 and reloaded.config.num_hidden_layers == 2
     again = HuggingFaceGenerationAdapter(reloaded).generate(ids, generation_config=gc, attention_mask=mask,
                                                             max_length=14)
     assert torch.equal(again, got)
     with pytest.raises(InputError, match="holds no neuron_config.json"):
         NeuronLlamaForCausalLM(path)
+    saved = (tmp_path / "compiled" / "neuron_config.json")
+    # a directory compiled before the checkpoint's fields were saved with the NeuronConfig
+    saved.write_text(json.dumps({"neuron_config": json.loads(saved.read_text())["neuron_config"]}))
+    assert NeuronLlamaForCausalLM(out).config.vocab_size == model.config.vocab_size
     (tmp_path / "compiled" / "neuron_config.json").write_text('{"neuron_config": {"seq_len": "x", "bogus": 1}}')
     with pytest.raises(ArtifactError, match="is not the config compile\\(\\) writes"):
         NeuronLlamaForCausalLM(out)
@@ -71,3 +85,37 @@ def test_token_generation_buckets_become_sequence_buckets():
     assert NeuronConfig(seq_len=64).sequence_buckets() is None
     assert NeuronConfig(seq_len=64, enable_bucketing=True, token_generation_buckets=[32, 16]).sequence_buckets() == [16, 32]
     assert NeuronConfig(seq_len=1024, enable_bucketing=True).sequence_buckets() == [128, 256, 512]
+
+
+def test_inference_config_takes_the_checkpoint_fields_as_nxd_inference_does(checkpoint, tmp_path):
+    """NxD Inference's contract: ``load_config(self)`` puts the Hugging Face fields on the
+    config itself (not under ``hf_config``), keywords set more, required ones are checked,
+    and save()/load() round-trip them with the NeuronConfig."""
+    from kiln.neuronx_distributed_inference.models.config import (InferenceConfig, NeuronConfig,
+                                                                  OnDeviceSamplingConfig)
+    from kiln.neuronx_distributed_inference.models.llama.modeling_llama import LlamaInferenceConfig
+    from kiln.neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+    model, path = checkpoint
+    nc = NeuronConfig(batch_size=2, seq_len=32, on_device_sampling_config=OnDeviceSamplingConfig(
+        top_k=1, deterministic=True, global_topk=64, top_k_kernel_enabled=True, dynamic=True))
+    cfg = LlamaInferenceConfig(nc, load_config=load_pretrained_config(path), max_batch_size=4)
+    assert (cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id) == (2, model.config.vocab_size,
+                                                                         model.config.pad_token_id)
+    assert cfg.rope_theta == model.config.rope_parameters["rope_theta"] and cfg.max_batch_size == 4
+    assert LlamaInferenceConfig(nc, load_config=load_pretrained_config(hf_config=model.config)).hidden_size == 32
+
+    def own_loader(config):                 # a user's own hook, NxD Inference's signature
+        config.hidden_size, config.vocab_size = 16, 50
+
+    own = InferenceConfig(nc, load_config=own_loader)
+    assert (own.hidden_size, own.vocab_size, own.neuron_config) == (16, 50, nc)
+    with pytest.raises(CompilerArgsError, match="Config must define .*num_hidden_layers"):
+        LlamaInferenceConfig(nc, load_config=own_loader)
+    cfg.save(str(tmp_path))
+    back = LlamaInferenceConfig.load(str(tmp_path))
+    assert (back.num_hidden_layers, back.max_batch_size, back.neuron_config.seq_len) == (2, 4, 32)
+    assert back.neuron_config.on_device_sampling_config.global_topk == 64
+    with pytest.raises(CompilerArgsError, match="deterministic=True"):
+        OnDeviceSamplingConfig(top_k=5, deterministic=True)
+    with pytest.raises(CompilerArgsError, match="global_topk"):
+        OnDeviceSamplingConfig(do_sample=True, top_k=300)

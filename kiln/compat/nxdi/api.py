@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
@@ -18,13 +19,35 @@ NEURON_ONLY = {"flash_decoding_enabled": False, "fused_qkv": False, "sequence_pa
 
 
 class OnDeviceSamplingConfig:
+    """NxD Inference's sampling defaults for the adapter's ``generate``. ``top_k_kernel_enabled``
+    (a Neuron top-k kernel) and ``on_device_sampling_config`` are accepted at any value: on a
+    CPU they choose nothing, and the tokens are the same. ``deterministic=True`` (NxD picks
+    the token at a fixed point of the distribution instead of drawing one) and ``global_topk``
+    (NxD samples among that many candidates first) are accepted where they change no token:
+    greedy decoding, and for ``global_topk`` a ``top_k`` within it; elsewhere they are an
+    error, kiln's sampler does neither."""
+
     def __init__(self, top_k: int = 1, top_p: float = 1.0, temperature: float = 1.0, do_sample: bool = False,
-                 dynamic: bool = False, **kwargs):
+                 dynamic: bool = False, deterministic: bool = False, global_topk: int = 256,
+                 top_k_kernel_enabled: bool = False, on_device_sampling_config: bool = True, **kwargs):
         if kwargs:
             raise CompilerArgsError(f"OnDeviceSamplingConfig options kiln does not know yet: {sorted(kwargs)}")
         self.top_k, self.top_p, self.temperature = top_k, top_p, temperature
         self.do_sample = do_sample or top_k > 1
-        self.dynamic = dynamic
+        self.dynamic, self.deterministic, self.global_topk = dynamic, deterministic, global_topk
+        self.top_k_kernel_enabled, self.on_device_sampling_config = top_k_kernel_enabled, on_device_sampling_config
+        if self.do_sample and deterministic:
+            raise CompilerArgsError("OnDeviceSamplingConfig(deterministic=True) with sampling: NxD Inference then "
+                                    "takes the token at a fixed point of the distribution, which kiln's sampler "
+                                    "does not; leave deterministic=False (seed generate for repeatable draws)")
+        if self.do_sample and not 1 <= top_k <= global_topk:
+            raise CompilerArgsError(f"OnDeviceSamplingConfig(top_k={top_k}, global_topk={global_topk}): NxD "
+                                    "Inference samples among the global_topk best tokens first, which kiln's "
+                                    "sampler does not; give a top_k between 1 and global_topk")
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("top_k", "top_p", "temperature", "do_sample", "dynamic",
+                                              "deterministic", "global_topk", "top_k_kernel_enabled")}
 
 
 class NeuronConfig:
@@ -64,9 +87,7 @@ class NeuronConfig:
                 "max_context_length": self.max_context_length, "max_length": self.max_length,
                 "enable_bucketing": self.enable_bucketing, "context_encoding_buckets": self.context_encoding_buckets,
                 "token_generation_buckets": self.token_generation_buckets,
-                "on_device_sampling_config": None if sampling is None else {
-                    "top_k": sampling.top_k, "top_p": sampling.top_p, "temperature": sampling.temperature,
-                    "do_sample": sampling.do_sample, "dynamic": sampling.dynamic}}
+                "on_device_sampling_config": None if sampling is None else sampling.to_json()}
 
     @classmethod
     def from_json(cls, data: dict) -> "NeuronConfig":
@@ -89,24 +110,129 @@ class NeuronConfig:
         return [1 << k for k in range(7, 32) if 1 << k < self.seq_len]
 
 
-def load_pretrained_config(model_path):
-    """A loader of the checkpoint's Hugging Face config (NxD Inference's ``load_config``)."""
-    def load():
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(model_path)
-    return load
+def load_pretrained_config(model_path_or_name=None, hf_config=None):
+    """NxD Inference's ``load_config`` hook: a callable that copies the Hugging Face config's
+    fields (from ``model_path_or_name``, or the given ``hf_config``) onto the InferenceConfig
+    it is called with. Its dtype is left out: kiln compiles float32. transformers 5 keeps
+    ``rope_theta`` in ``rope_parameters``; it is copied up, where NxD's Llama config wants it."""
+    def load_config(self):
+        if (model_path_or_name is None) == (hf_config is None):
+            raise InputError('give load_pretrained_config one of "model_path_or_name" or "hf_config"')
+        if model_path_or_name is not None:
+            from transformers import AutoConfig
+            config = AutoConfig.from_pretrained(model_path_or_name)
+        else:
+            config = hf_config
+        fields = config.to_dict()
+        for key in ("torch_dtype", "dtype"):
+            fields.pop(key, None)
+        for key, value in fields.items():
+            if isinstance(value, dict) and hasattr(getattr(config, key, None), "to_dict"):   # a nested config
+                fields[key] = SimpleNamespace(**value)
+        rope = fields.get("rope_parameters")
+        if "rope_theta" not in fields and isinstance(rope, dict) and "rope_theta" in rope:
+            fields["rope_theta"] = rope["rope_theta"]
+        self.__dict__.update(fields)
+        if getattr(config, "attribute_map", None):
+            self.attribute_map = dict(config.attribute_map)
+    return load_config
 
 
 class InferenceConfig:
-    def __init__(self, neuron_config: NeuronConfig, load_config=None, **kwargs):
+    """NxD Inference's model config: ``load_config(self)`` (:func:`load_pretrained_config`, or
+    the subclass's own ``load_config`` method) puts the checkpoint's fields on the config
+    itself, keywords then set more, and :meth:`get_required_attributes` must all be there.
+    :meth:`save` / :meth:`load` write and read them with the NeuronConfig as JSON."""
+    attribute_map: dict = {}
+
+    def __init__(self, neuron_config: NeuronConfig, fused_spec_config=None, load_config=None, metadata=None,
+                 **kwargs):
+        if fused_spec_config is not None:
+            raise CompilerArgsError("fused_spec_config: kiln's NxD Inference layer has no fused speculation; "
+                                    "kiln.llm.build.compile_llm(speculation_length=k) with a draft model does "
+                                    "speculative decoding (docs/llm.md)")
         self.neuron_config = neuron_config
-        self.hf_config = load_config() if load_config is not None else None
+        self.fused_spec_config = None
+        if load_config is not None:
+            load_config(self)
+        else:
+            self.load_config()
+        self.metadata = metadata
         for key, value in kwargs.items():
             setattr(self, key, value)
+        self.add_derived_config()
+        self.validate_config()
+
+    def __setattr__(self, key, value):
+        super().__setattr__(self.attribute_map.get(key, key), value)
+
+    def __getattr__(self, key):             # only for names not set: a Hugging Face alias
+        mapped = type(self).__getattribute__(self, "attribute_map").get(key)
+        if mapped is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
+        return getattr(self, mapped)
+
+    def load_config(self):
+        """Subclasses may set their attributes here (NxD Inference's hook)."""
+
+    def add_derived_config(self):
+        self.num_cores_per_group = 1
+
+    def get_required_attributes(self) -> list:
+        return []
+
+    def validate_config(self):
+        missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
+        if missing:
+            raise CompilerArgsError(f"Config must define {missing}: give load_config=load_pretrained_config(path) "
+                                    "or set them as keywords")
+
+    def to_json(self) -> dict:
+        return {k: (v.to_json() if k == "neuron_config" else _plain(v)) for k, v in vars(self).items()}
+
+    def save(self, model_path):
+        """Write ``neuron_config.json`` (the NeuronConfig and every other attribute) into the directory."""
+        os.makedirs(model_path, exist_ok=True)
+        text = json.dumps(self.to_json(), indent=2, sort_keys=True).encode()
+        write_atomic(os.path.join(model_path, SAVED_CONFIG), lambda f: f.write(text))
+
+    @classmethod
+    def load(cls, model_path, **kwargs) -> "InferenceConfig":
+        """The config :meth:`save` wrote (keywords override its fields). A directory compiled
+        before the checkpoint's fields were saved there gets them from its ``config.json``."""
+        saved = os.path.join(str(model_path), SAVED_CONFIG)
+        if not os.path.exists(saved):
+            raise InputError(f"{model_path} holds no {SAVED_CONFIG}: give NeuronLlamaForCausalLM a config, or the "
+                             "directory compile() wrote")
+        try:
+            with open(saved) as f:
+                fields = json.load(f)
+            nc = NeuronConfig.from_json(fields.pop("neuron_config"))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:   # not JSON, or not the fields save() writes
+            raise ArtifactError(f"{saved} is not the config compile() writes ({type(e).__name__}: {e}); compile "
+                                "the model again") from None
+        fields.pop("fused_spec_config", None)
+        fields.pop("num_cores_per_group", None)
+        older = not fields and os.path.exists(os.path.join(str(model_path), "config.json"))
+        fields.update(kwargs)
+        return cls(nc, load_config=load_pretrained_config(model_path) if older else None, **fields)
+
+
+def _plain(value):
+    """``value`` as JSON holds it (namespaces from nested Hugging Face configs as dicts)."""
+    if isinstance(value, SimpleNamespace):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 class LlamaInferenceConfig(InferenceConfig):
-    pass
+    def get_required_attributes(self) -> list:
+        return ["hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "pad_token_id",
+                "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "hidden_act"]
 
 
 class NeuronLlamaForCausalLM:
@@ -130,8 +256,7 @@ class NeuronLlamaForCausalLM:
         os.makedirs(compiled_model_path, exist_ok=True)
         llm.save(os.path.join(compiled_model_path, ARTIFACT))
         model.config.save_pretrained(compiled_model_path)
-        text = json.dumps({"neuron_config": nc.to_json()}, indent=2, sort_keys=True).encode()
-        write_atomic(os.path.join(compiled_model_path, SAVED_CONFIG), lambda f: f.write(text))
+        self.config.save(compiled_model_path)
 
     def load(self, compiled_model_path):
         from kiln.runtime.loader import load
@@ -162,14 +287,4 @@ class HuggingFaceGenerationAdapter:
 
 def _saved_config(path) -> LlamaInferenceConfig:
     """The config :meth:`NeuronLlamaForCausalLM.compile` saved beside its artifact."""
-    saved = os.path.join(str(path), SAVED_CONFIG)
-    if not os.path.exists(saved):
-        raise InputError(f"{path} holds no {SAVED_CONFIG}: give NeuronLlamaForCausalLM a config, or the directory "
-                         "compile() wrote")
-    try:
-        with open(saved) as f:
-            nc = NeuronConfig.from_json(json.load(f)["neuron_config"])
-    except (ValueError, KeyError, TypeError) as e:        # not JSON, or not the fields compile() writes
-        raise ArtifactError(f"{saved} is not the config compile() writes ({type(e).__name__}: {e}); compile "
-                            "the model again") from None
-    return LlamaInferenceConfig(nc, load_config=load_pretrained_config(path))
+    return LlamaInferenceConfig.load(path)
