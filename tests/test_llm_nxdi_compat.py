@@ -29,7 +29,8 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
                                                                     load_pretrained_config)
     model, path = checkpoint
     out = str(tmp_path / "compiled")
-    nc = NeuronConfig(tp_degree=1, batch_size=2, max_context_length=8, seq_len=32,
+    # padding_side="left", as NxD Inference's adapter examples batch prompts (kiln refused it until 11-30)
+    nc = NeuronConfig(tp_degree=1, batch_size=2, max_context_length=8, seq_len=32, padding_side="left",
                       on_device_sampling_config=OnDeviceSamplingConfig(top_k=1))
     cfg = LlamaInferenceConfig(nc, load_config=load_pretrained_config(path))
     assert cfg.num_hidden_layers == 2
@@ -43,6 +44,13 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
     got = HuggingFaceGenerationAdapter(m).generate(ids, attention_mask=mask, max_new_tokens=10)
     assert got[0, 4:].tolist() == _hf_greedy(model, [5, 17, 3], 10)
     assert got[1, 4:].tolist() == _hf_greedy(model, [11, 2, 9, 4], 10)
+    # a left-padded batch: Hugging Face's own batched generate, token for token
+    left = torch.tensor([[0, 0, 0, 5, 17, 3, 88], [11, 2, 9, 4, 60, 61, 62]])
+    left_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = model.generate(left, attention_mask=left_mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(HuggingFaceGenerationAdapter(m).generate(left, attention_mask=left_mask,
+                                                                max_new_tokens=12), want)
     # NxD Inference's own examples pass a GenerationConfig and max_length (the prompt's padded
     # width and the new tokens together); max_length was an unknown setting before
     # and reload the compiled directory with no config, as their examples do
@@ -50,6 +58,7 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
     reloaded = NeuronLlamaForCausalLM(out)
     reloaded.load(out)
     assert reloaded.config.neuron_config.max_length == 32 and reloaded.config.num_hidden_layers == 2
+    assert reloaded.config.neuron_config.padding_side == "left"
     again = HuggingFaceGenerationAdapter(reloaded).generate(ids, generation_config=gc, attention_mask=mask,
                                                             max_length=14)
     assert torch.equal(again, got)
@@ -77,6 +86,9 @@ def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
 def test_neuron_only_options_at_their_defaults_are_accepted():
     from kiln.neuronx_distributed_inference.models.config import NeuronConfig
     nc = NeuronConfig(seq_len=64, flash_decoding_enabled=False, fused_qkv=False, padding_side="right")
+    assert NeuronConfig(padding_side="left").padding_side == "left"
+    with pytest.raises(CompilerArgsError, match="padding_side='middle'"):
+        NeuronConfig(padding_side="middle")
     assert nc.max_length == 64 and NeuronConfig(seq_len=64, max_length=48).max_length == 48
 
 

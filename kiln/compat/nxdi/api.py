@@ -15,7 +15,7 @@ SAVED_CONFIG = "neuron_config.json"     # what compile() used, for NeuronLlamaFo
 # their defaults (tutorials pass them so), an error at any other value: kiln cannot honour it
 NEURON_ONLY = {"flash_decoding_enabled": False, "fused_qkv": False, "sequence_parallel_enabled": False,
                "attn_kernel_enabled": None, "qkv_kernel_enabled": False, "mlp_kernel_enabled": False,
-               "logical_nc_config": 1, "padding_side": "right"}
+               "logical_nc_config": 1}
 
 
 class OnDeviceSamplingConfig:
@@ -55,8 +55,10 @@ class NeuronConfig:
                  seq_len: int = 128, on_device_sampling_config: OnDeviceSamplingConfig | None = None,
                  enable_bucketing: bool = False, context_encoding_buckets=None, token_generation_buckets=None,
                  torch_dtype="float32", quantized: bool = False, max_batch_size: int | None = None,
-                 max_length: int | None = None, **kwargs):
+                 max_length: int | None = None, padding_side: str = "right", **kwargs):
         problems = []
+        if padding_side not in ("left", "right"):
+            problems.append(f"padding_side={padding_side!r}: must be 'left' or 'right'")
         if not isinstance(tp_degree, int) or tp_degree < 1:
             problems.append(f"tp_degree={tp_degree!r}: must be a positive integer")
         if quantized:
@@ -79,6 +81,9 @@ class NeuronConfig:
         self.context_encoding_buckets = context_encoding_buckets
         self.token_generation_buckets = token_generation_buckets
         self.torch_dtype = "float32"
+        # the adapter's generate reads each row's real tokens from attention_mask, so left- and
+        # right-padded batches both give Hugging Face's tokens: the side changes no graph
+        self.padding_side = padding_side
 
     def to_json(self) -> dict:
         """The options :meth:`from_json` makes this config again from."""
@@ -86,7 +91,7 @@ class NeuronConfig:
         return {"tp_degree": self.tp_degree, "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "max_context_length": self.max_context_length, "max_length": self.max_length,
                 "enable_bucketing": self.enable_bucketing, "context_encoding_buckets": self.context_encoding_buckets,
-                "token_generation_buckets": self.token_generation_buckets,
+                "token_generation_buckets": self.token_generation_buckets, "padding_side": self.padding_side,
                 "on_device_sampling_config": None if sampling is None else sampling.to_json()}
 
     @classmethod
