@@ -44,6 +44,43 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
                        want)
 
 
+def test_a_neuron_config_save_and_load(tmp_path, monkeypatch):
+    """transformers-neuronx's NeuronConfig (it had no such class: the tutorials' import failed)
+    sets the rows decoded at once and sample()'s defaults, its layouts change nothing; save()
+    and load() keep the compiled model, as on Neuron (they were AttributeErrors)."""
+    monkeypatch.setenv("KILN_CACHE_URL", "off")
+    from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
+    from kiln.transformers_neuronx.config import (GQA, ContinuousBatchingConfig, GenerationConfig, NeuronConfig,
+                                                  QuantizationConfig)
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(max_num_seqs=2), fuse_qkv=True,
+                          on_device_generation=GenerationConfig(top_k=1), group_query_attention=GQA.SHARD_OVER_HEADS)
+    neuron = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), n_positions=32,
+                                                        context_length_estimate=8, neuron_config=config)
+    assert neuron.batch_size == 2
+    neuron.to_neuron()
+    prompt = [5, 17, 3, 88]
+    out = neuron.sample(torch.tensor([prompt]), sequence_length=12)          # on_device_generation: greedy
+    assert out[0, 4:].tolist() == _hf_greedy(model, prompt, 8)
+    neuron.save(tmp_path / "compiled")
+    again = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), n_positions=32,
+                                                       context_length_estimate=8, neuron_config=config)
+    again.load(tmp_path / "compiled").to_neuron()                            # read, not compiled
+    assert torch.equal(again.sample(torch.tensor([prompt]), sequence_length=12), out)
+    with pytest.raises(InputError, match=r"input_ids of shape \[batch, tokens\]"):
+        again.sample(torch.tensor(prompt), sequence_length=12)
+    with pytest.raises(InputError, match="longer than the largest context_length_estimate \\(8\\)"):
+        again.sample(torch.tensor([list(range(3, 12))]), sequence_length=16)
+    assert NeuronConfig(quant=QuantizationConfig(quant_dtype="s8")).compile_options() == {"quantize": "int8"}
+    with pytest.raises(CompilerArgsError, match="quant_dtype='f8e4m3'"):
+        NeuronConfig(quant=QuantizationConfig(quant_dtype="f8e4m3")).compile_options()
+    with pytest.raises(CompilerArgsError, match="sparse attention changes the answer"):
+        NeuronConfig(sparse_attn=object())
+    with pytest.raises(CompilerArgsError, match="NeuronConfig options kiln does not know: \\['bogus'\\]"):
+        NeuronConfig(bogus=1)
+
+
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"amp": "bf16"}, "fp32 today"),
                                      ({"fuse_qkv": True}, "does not know yet")])
 def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
