@@ -51,6 +51,11 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
         want = model.generate(left, attention_mask=left_mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(HuggingFaceGenerationAdapter(m).generate(left, attention_mask=left_mask,
                                                                 max_new_tokens=12), want)
+    # lengths past the compiled shapes name NxD Inference's options
+    with pytest.raises(InputError, match="larger max_context_length"):
+        HuggingFaceGenerationAdapter(m).generate(torch.tensor([list(range(3, 12))]), max_new_tokens=2)
+    with pytest.raises(InputError, match="4 prompt tokens \\+ 40 new ones exceed seq_len=32"):
+        HuggingFaceGenerationAdapter(m).generate(ids, attention_mask=mask, max_new_tokens=40)
     # NxD Inference's own examples pass a GenerationConfig and max_length (the prompt's padded
     # width and the new tokens together); max_length was an unknown setting before
     # and reload the compiled directory with no config, as their examples do
@@ -73,7 +78,15 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
         NeuronLlamaForCausalLM(out)
 
 
-@pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"quantized": True}, "quantized"),
+@pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"),
+                                     # what to do instead (the message said 'no quantized weights yet' until 11-30)
+                                     ({"quantized": True, "quantization_type": "per_channel_symmetric",
+                                       "quantization_dtype": "int8"}, "compile_llm\\(model, quantize='int8'"),
+                                     # NxD Inference's names, not compile_llm's context bucket / cache_length
+                                     ({"max_context_length": 64, "seq_len": 32},
+                                      "max_context_length=64 exceeds seq_len=32"),
+                                     ({"enable_bucketing": True, "seq_len": 32, "token_generation_buckets": [16, 64]},
+                                      "token_generation_buckets=\\[16, 64\\]: each must lie in \\[1, seq_len=32\\]"),
                                      ({"torch_dtype": "bfloat16"}, "float32 today"),
                                      ({"fused_qkv": True}, "Neuron kernel or layout kiln does not have"),
                                      ({"flash_decoding": True}, "does not know yet")])
@@ -87,6 +100,7 @@ def test_neuron_only_options_at_their_defaults_are_accepted():
     from kiln.neuronx_distributed_inference.models.config import NeuronConfig
     nc = NeuronConfig(seq_len=64, flash_decoding_enabled=False, fused_qkv=False, padding_side="right")
     assert NeuronConfig(padding_side="left").padding_side == "left"
+    assert NeuronConfig(quantization_type="per_channel_symmetric", quantization_dtype="int8").seq_len == 128
     with pytest.raises(CompilerArgsError, match="padding_side='middle'"):
         NeuronConfig(padding_side="middle")
     assert nc.max_length == 64 and NeuronConfig(seq_len=64, max_length=48).max_length == 48

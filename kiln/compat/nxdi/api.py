@@ -18,6 +18,30 @@ NEURON_ONLY = {"flash_decoding_enabled": False, "fused_qkv": False, "sequence_pa
                "logical_nc_config": 1}
 
 
+# how NxD Inference's quantized=True quantizes: nothing without it (NxD stores them and reads none)
+QUANTIZATION = ("quantization_type", "quantization_dtype", "quantized_checkpoints_path")
+
+
+def _shape_problems(batch_size, seq_len, max_context_length, context_buckets, token_buckets) -> list:
+    """What is wrong with the NeuronConfig's shapes, in NxD Inference's names (kiln's
+    compile_llm would say cache_length and context bucket)."""
+    def positive(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    problems = [f"{name}={value!r}: must be a positive integer" for name, value in
+                (("batch_size", batch_size), ("seq_len", seq_len), ("max_context_length", max_context_length))
+                if not positive(value)]
+    if problems:
+        return problems
+    if max_context_length > seq_len:
+        problems.append(f"max_context_length={max_context_length} exceeds seq_len={seq_len}: the prompt's keys must "
+                        "fit in the KV cache's seq_len positions; raise seq_len or lower max_context_length")
+    for name, buckets in (("context_encoding_buckets", context_buckets), ("token_generation_buckets", token_buckets)):
+        bad = [b for b in buckets or () if not positive(b) or b > seq_len]
+        if bad:
+            problems.append(f"{name}={list(buckets)}: each must lie in [1, seq_len={seq_len}]; {bad} do not")
+    return problems
+
+
 class OnDeviceSamplingConfig:
     """NxD Inference's sampling defaults for the adapter's ``generate``. ``top_k_kernel_enabled``
     (a Neuron top-k kernel) and ``on_device_sampling_config`` are accepted at any value: on a
@@ -62,11 +86,18 @@ class NeuronConfig:
         if not isinstance(tp_degree, int) or tp_degree < 1:
             problems.append(f"tp_degree={tp_degree!r}: must be a positive integer")
         if quantized:
-            problems.append("quantized=True: kiln's LLM path has no quantized weights yet")
+            problems.append("quantized=True: NxD Inference's quantized checkpoints (quantized_checkpoints_path, "
+                            "per-tensor or per-channel scales) are not mapped onto kiln, whose int8/int4 builds "
+                            "are weight-only on grids of their own (int8: symmetric groups of 32) and must pass "
+                            "an accuracy gate; build one with kiln.llm.build.compile_llm(model, quantize='int8' "
+                            "or 'int4') or `kiln llm compile --quantize int8` (docs/llm.md, Quantized weights)")
+        problems += _shape_problems(max_batch_size or batch_size, seq_len, max_context_length or seq_len,
+                                    context_encoding_buckets if enable_bucketing else None,
+                                    token_generation_buckets if enable_bucketing else None)
         if str(torch_dtype).replace("torch.", "") not in ("float32", "fp32"):
             problems.append(f"torch_dtype={torch_dtype}: kiln's LLM path compiles float32 today")
         honoured = {k: v for k, v in kwargs.items() if k in NEURON_ONLY and v == NEURON_ONLY[k]}
-        unknown = sorted(k for k in kwargs if k not in NEURON_ONLY)
+        unknown = sorted(k for k in kwargs if k not in NEURON_ONLY and k not in QUANTIZATION)
         if unknown:
             problems.append(f"options kiln does not know yet: {unknown}")
         problems += [f"{k}={v!r}: a Neuron kernel or layout kiln does not have (leave it at {NEURON_ONLY[k]!r})"
@@ -282,12 +313,39 @@ class HuggingFaceGenerationAdapter:
     def generate(self, input_ids, attention_mask=None, generation_config=None, **settings):
         if self.model.llm is None:
             raise InputError("load() the compiled model before generate()")
-        sampling = self.model.config.neuron_config.on_device_sampling_config
+        nc = self.model.config.neuron_config
+        sampling = nc.on_device_sampling_config
         if sampling is not None and generation_config is None:
             settings = {"do_sample": sampling.do_sample, "top_k": sampling.top_k, "top_p": sampling.top_p,
                         "temperature": sampling.temperature, **settings}
+        _check_lengths(self.model.llm, nc, input_ids, attention_mask, generation_config, settings)
         return self.model.llm.hf_generate(input_ids, attention_mask=attention_mask,
                                           generation_config=generation_config, **settings)
+
+
+def _check_lengths(llm, nc, input_ids, attention_mask, generation_config, settings) -> None:
+    """A prompt past the context buckets, or prompt and new tokens past the cache, as an
+    InputError in NxD Inference's names; anything else is left to ``hf_generate``."""
+    import torch
+    from kiln.runtime import hf_settings
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2:
+        return
+    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+    if mask.shape != ids.shape:
+        return
+    longest = int(mask.bool().sum(1).max())
+    if longest > llm.max_context:
+        raise InputError(f"a prompt of {longest} tokens is longer than the largest context-encoding bucket "
+                         f"({llm.max_context}): compile with a larger max_context_length (or "
+                         "context_encoding_buckets), at most seq_len")
+    try:
+        _, new = hf_settings.resolve(generation_config, dict(settings), ids.shape[1])
+    except Exception:               # hf_generate says what is wrong with the settings
+        return
+    if longest + new > nc.seq_len:
+        raise InputError(f"{longest} prompt tokens + {new} new ones exceed seq_len={nc.seq_len} (the KV cache "
+                         "the model was compiled with): ask for fewer new tokens, or compile with a larger seq_len")
 
 
 def _saved_config(path) -> LlamaInferenceConfig:
