@@ -65,9 +65,11 @@ def test_neuronx_analyze_dict():
     assert u["kind"] == "kilntest::odd_scale" and "models.py" in u["call"]
 
 
-def test_neuron_trace_falls_back_with_minimum_segment_size():
+def test_neuron_trace_falls_back_with_minimum_segment_size(caplog):
     model, x = models.custom_op()
-    traced = torch_neuron.trace(model, x)          # fallback=True, minimum_segment_size=2
+    with caplog.at_level("WARNING", logger="kiln"):
+        traced = torch_neuron.trace(model, x, separate_weights=True)   # fallback=True, minimum_segment_size=2
+    assert "separate_weights=True is accepted and has no effect" in caplog.text      # said, not silently dropped
     assert_close(traced(x), model(x).detach())
     traced = torch_neuron.trace(model, x, minimum_segment_size=3)
     assert len(traced.manifest["partitions"]) == 1

@@ -9,6 +9,7 @@ and ``NEURON_RT_NUM_CORES`` (``KILN_*`` win); importing it changes nothing.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -21,6 +22,7 @@ from kiln.host.cores import honour_neuron_env
 from kiln.runtime import replicas
 
 __all__ = ["DataParallel", "analyze_model", "honour_neuron_env", "trace"]
+log = logging.getLogger("kiln")
 
 
 class DataParallel(replicas.DataParallel):
@@ -46,6 +48,14 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
                                 "kiln.trace(..., ops_on_host={...}) to keep ops on the CPU")
     if optimizations:
         raise CompilerArgsError("optimizations= is not supported; use compiler_args=['-O1'|'-O2'|'-O3']")
+    for name, given, default, why in (
+            ("compiler_timeout", compiler_timeout, None, "kiln's compiles have no hard time limit (compile_budget= "
+             "bounds the engine search)"),
+            ("separate_weights", separate_weights, False, "the weights are always stored in the artifact"),
+            ("single_fusion_ratio_threshold", single_fusion_ratio_threshold, 0.6, "kiln's partitioner has no "
+             "fusion ratio (min_partition_size= bounds the partitions)")):
+        if given != default:
+            log.warning("kiln.neuron.trace: %s=%r is accepted and has no effect: %s", name, given, why)
     args, kwargs = split_inputs(example_inputs)
     for k, v in neuron_cache_options().items():
         kiln_options.setdefault(k, v)
