@@ -45,10 +45,55 @@ def test_scores_equal_hugging_face_processors(params):
 
 
 def test_bad_parameters_are_clear_errors():
+    """Values and types. Before: ``top_k=2.5`` was accepted and its first draw a TypeError
+    in topk, ``seed=1.5`` cut to 1, ``seed=2**64`` an OverflowError at the first request,
+    ``temperature="0.7"`` a TypeError comparing a str."""
+    import numpy as np
     for kw, msg in [({"temperature": 0}, "temperature"), ({"top_k": -1}, "top_k"),
-                    ({"top_p": 0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty")]:
+                    ({"top_p": 0}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                    ({"do_sample": True, "top_k": 2.5}, "top_k must be an integer"),
+                    ({"top_k": True}, "top_k must be an integer"),
+                    ({"seed": 1.5}, "seed must be an integer"), ({"seed": 2 ** 64}, "seed must be an integer"),
+                    ({"seed": "1"}, "seed must be an integer"), ({"temperature": "0.7"}, "temperature must be a number"),
+                    ({"top_p": None}, "top_p must be a number")]:
         with pytest.raises(InputError, match=msg):
             sampling.SamplingParams(**kw)
+    # NumPy's integers are integers (as ints), and the widest seeds a torch.Generator takes still run
+    p = sampling.SamplingParams(do_sample=True, top_k=np.int64(3), seed=np.int64(5))
+    assert type(p.top_k) is int and type(p.seed) is int and p.top_k == 3 and p.seed == 5
+    for seed in (2 ** 64 - 1, -2 ** 63):
+        assert sampling.SamplingParams(seed=seed).generator() is not None
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 5}, {"top_p": 0.5}, {"top_k": 5, "top_p": 0.5}])
+def test_a_tiny_temperature_draws_the_most_likely_token(extra):
+    """``logits / temperature`` overflowed to inf for ``temperature=1e-45``, the softmax was
+    NaN, and the draw inverted a NaN CDF: the last id of the vocabulary (96 of 97), every
+    time. The limit of a vanishing temperature is the most likely token; a merely small
+    one that does not overflow (``0.01``) keeps transformers' arithmetic."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 97, generator=gen) * 3
+    logits[3] -= 50                                           # all negative: every score overflows to -inf
+    for temperature in (1e-45, 1e-38, 1e-30):
+        params = sampling.SamplingParams(do_sample=True, temperature=temperature, seed=1, **extra)
+        for _ in range(3):
+            assert torch.equal(sampling.choose(logits, params, generator=params.generator()), logits.argmax(-1))
+        index, probs = sampling.distribution(logits[:1], params)
+        assert torch.isfinite(probs).all() and float(probs.max()) == 1.0
+    small = sampling.SamplingParams(do_sample=True, temperature=0.01, **extra)
+    index, probs = sampling.distribution(logits[:1], small)
+    want = _hf_scores(logits[:1], None, small).softmax(-1)[0]
+    torch.testing.assert_close(torch.zeros(97).index_put_((index,), probs), want)
+
+
+def test_logits_with_no_distribution_are_an_error_not_the_last_token():
+    """NaN logits (or all -inf) leave no distribution to draw from: an error, as transformers'
+    torch.multinomial raises, where the search of a NaN CDF answered the last id."""
+    from kiln.errors import KilnError
+    params = sampling.SamplingParams(do_sample=True, seed=0)
+    for bad in (torch.full((1, 97), float("nan")), torch.full((1, 97), float("-inf"))):
+        with pytest.raises(KilnError, match="no token can be drawn"):
+            sampling.choose(bad, params, generator=params.generator())
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,14 @@ what they meant under transformers. Seeded sampling draws from a per-request
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kiln.errors import InputError
+from kiln.errors import InputError, KilnError
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,21 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # the types first: a string or a float top_k used to pass here and fail in a draw
+        # (a TypeError in topk), a float seed was cut to an int, 2**64 overflowed
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise InputError(f"{name} must be a number; got {value!r} ({type(value).__name__})")
+        if not _integer(self.top_k):
+            raise InputError(f"top_k must be an integer (0 turns it off); got {self.top_k!r} "
+                             f"({type(self.top_k).__name__})")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        if self.seed is not None:
+            if not _integer(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
+                raise InputError(f"seed must be an integer in [-2**63, 2**64) (a torch.Generator's seed) or None; "
+                                 f"got {self.seed!r} ({type(self.seed).__name__})")
+            object.__setattr__(self, "seed", int(self.seed))
         checks = [(self.temperature > 0, "temperature must be > 0 (use do_sample=False for greedy)"),
                   (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -37,6 +54,23 @@ class SamplingParams:
         if self.seed is None:
             return None
         return torch.Generator().manual_seed(int(self.seed))
+
+
+def checked(params) -> SamplingParams:
+    """``params`` as ``generate`` takes it: a :class:`SamplingParams` (None: greedy), or
+    :class:`InputError` (a dict failed later with an AttributeError)."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        hint = " (SamplingParams(**params) makes one of a dict)" if isinstance(params, dict) else ""
+        raise InputError(f"params must be a kiln.runtime.sampling.SamplingParams or None; got "
+                         f"{type(params).__name__}{hint}")
+    return params
+
+
+def _integer(value) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +113,7 @@ def distribution(logits: torch.Tensor, params: SamplingParams, history=None) -> 
     vocabulary), which for a language model's peaked distribution is almost always the
     first try. The kept set can differ from transformers' only where a token's cumulative
     probability is within float rounding of ``top_p``. ``logits``: ``[1, V]``."""
-    scores = _penalized(logits.float(), params, history)[0] / params.temperature
+    scores = _tempered(_penalized(logits.float(), params, history)[0], params.temperature)
     vocab = scores.shape[0]
     if params.top_k and params.top_k < vocab:
         kth = torch.topk(scores, params.top_k)[0][-1]
@@ -98,6 +132,19 @@ def distribution(logits: torch.Tensor, params: SamplingParams, history=None) -> 
         keep = max(1, int((before < params.top_p).sum()))
         values, index = values[:keep], index[:keep]
     return index, values.softmax(0)
+
+
+def _tempered(scores, temperature):
+    """``scores / temperature``, the distribution's logits. Where that overflows (a
+    temperature so far below 1 that the largest score passes float32's range:
+    ``temperature=1e-45``) the scores are shifted by their maximum first, which leaves the
+    softmax as it is and cannot overflow: the limit, all the probability on the most
+    likely tokens. Unshifted, the largest scores became inf, the softmax NaN, and the
+    draw picked the last token of the vocabulary."""
+    scaled = scores / temperature
+    if temperature < 1 and scores.numel() and math.isinf(float(scaled.max())):
+        scaled = (scores - scores.max()) / temperature
+    return scaled
 
 
 def _nucleus_candidates(scores, top_p):
@@ -135,6 +182,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, history=None, generator
         index, probs = distribution(logits[row:row + 1], params,
                                     None if history is None else history[row:row + 1])
         cdf = probs.double().cumsum(0)
+        if not (torch.isfinite(cdf[-1]) and cdf[-1] > 0):
+            # transformers' torch.multinomial raises here too; a search of a NaN CDF picked the last id
+            raise KilnError("the sampling distribution holds NaN or no probability (the model's logits are NaN, "
+                            "or all -inf): no token can be drawn from it")
         u = torch.rand((), dtype=torch.float64, generator=generator)
         pick = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(index) - 1)
         out.append(index[pick])
