@@ -47,11 +47,16 @@ def test_generate_streams_the_models_text(tiny_llm):
 def test_chat_keeps_the_conversation(tiny_llm):
     _, llm, path = tiny_llm
     tok = Tokenizer(llm.tokenizer_files)
-    r = kiln("llm", "chat", path, "--max-tokens", "1", stdin="A\n/reset\nB\n")
+    r = kiln("llm", "chat", path, "--max-tokens", "4", stdin="A\n/reset\nB\n")
     assert r.returncode == 0, r.stderr
-    first = expected(llm, tok.encode_chat([{"role": "user", "content": "A"}]), 1)
-    second = expected(llm, tok.encode_chat([{"role": "user", "content": "B"}]), 1)
-    assert r.stdout == first + second
+    first = expected(llm, tok.encode_chat([{"role": "user", "content": "A"}]), 4)
+    second = expected(llm, tok.encode_chat([{"role": "user", "content": "B"}]), 4)
+    # each reply on its own line (they ran together: ";8BB;8BB")
+    assert r.stdout == first + "\n" + second + "\n"
+    # --temperature's error names the flag's spelling (it said "use do_sample=False", not a flag)
+    r = kiln("llm", "chat", path, "--temperature", "-1", stdin="A\n")
+    assert r.returncode == 2 and "--temperature must be >= 0 (0, the default, decodes greedily)" in r.stderr
+    assert "do_sample" not in r.stderr
     # a conversation that outgrows the context bucket is a message, not a crash
     r = kiln("llm", "chat", path, "--max-tokens", "1", stdin="A\nB\n")
     assert r.returncode == 0 and "/reset starts a new conversation" in r.stderr

@@ -74,7 +74,7 @@ def add_parser(sub):
             g.add_argument("--system", default=None, help="a system message to start with")
         g.add_argument("--max-tokens", type=positive_int, default=None,
                        help="most tokens to generate (default: as many as the KV cache holds)")
-        g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+        g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled")
         g.add_argument("--top-p", type=float, default=1.0)
         g.add_argument("--top-k", type=int, default=0)
         g.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -173,6 +173,8 @@ def _setup(args):
     if not isinstance(llm, (LLM, TensorParallelLLM)):
         raise InputError(f"{args.artifact} is not an LLM artifact (compile one with `kiln llm compile`)")
     tokenizer = Tokenizer(llm.tokenizer_files)
+    if not args.temperature >= 0:       # NaN too; SamplingParams' message names do_sample=, not a flag
+        raise InputError(f"--temperature must be >= 0 (0, the default, decodes greedily); got {args.temperature}")
     greedy = args.temperature == 0
     params = SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else args.temperature,
                             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
@@ -266,4 +268,5 @@ def cmd_chat(args, console) -> int:
             messages.pop()
             print(f"kiln llm chat: {e}; /reset starts a new conversation", file=sys.stderr, flush=True)
             continue
+        print(flush=True)                   # each reply on its own line, as generate ends its text
         messages.append({"role": "assistant", "content": reply})
