@@ -52,6 +52,35 @@ def test_bad_requests_are_clear_errors(compiled):
         llm.generate([[]], 2)
 
 
+def test_generate_arguments_are_checked_or_read_as_meant(compiled):
+    """``max_new_tokens`` is an integer: 2.5 gave 3 tokens (``hf_generate`` gave 2), True
+    gave 1, "3" a TypeError. The prompts are a list of id lists or a 2-D integer tensor,
+    a row per prompt (a tensor was "Boolean value of Tensor ... is ambiguous"); a flat list
+    is an error naming the spelling (it was "'int' object is not iterable"), a dict of
+    params one naming SamplingParams (it was an AttributeError)."""
+    import numpy as np
+    _, llm, _ = compiled
+    want = llm.generate([[5, 17, 3], [9, 4]], 3, stop_at_eos=False)
+    for n in (2.5, True, "3", None):
+        with pytest.raises(InputError, match="max_new_tokens must be an integer"):
+            llm.generate([[5, 17, 3]], n)
+    assert llm.generate([[5, 17, 3]], np.int64(3), stop_at_eos=False) == want[:1]
+    assert llm.generate(torch.tensor([[5, 17, 3]]), 3, stop_at_eos=False) == want[:1]
+    assert llm.generate(np.array([[5, 17, 3]]), 3, stop_at_eos=False) == want[:1]
+    assert llm.generate(([5, 17, 3], torch.tensor([9, 4])), 3, stop_at_eos=False) == want
+    for bad, msg in [([5, 17, 3], r"one flat list of ids: for one prompt give \[\[5, 17, 3\]\]"),
+                     (torch.tensor([5, 17, 3]), r"\[batch, tokens\].*one prompt is \[1, tokens\]"),
+                     (torch.tensor([[5.0, 17.0]]), "token ids must be integers"),
+                     ([[5, 17], 3], "a prompt is a list of token ids; got 3"),
+                     ("hello", "list of prompts"), ([], "at least one prompt"),
+                     (torch.zeros(0, 3, dtype=torch.long), "at least one prompt"),
+                     (torch.zeros(1, 0, dtype=torch.long), "at least one token")]:
+        with pytest.raises(InputError, match=msg):
+            llm.generate(bad, 2)
+    with pytest.raises(InputError, match=r"SamplingParams\(\*\*params\)"):
+        llm.generate([[5, 17, 3]], 2, params={"do_sample": True})
+
+
 def test_bad_compile_options_are_clear_errors():
     model = _model("llama")
     with pytest.raises(CompilerArgsError, match="exceeds cache_length"):
@@ -60,6 +89,18 @@ def test_bad_compile_options_are_clear_errors():
         compile_llm(torch.nn.Linear(2, 2))
     with pytest.raises(CompilerArgsError, match="exceeds the 128 positions GPT2LMHeadModel has learned"):
         compile_llm(_model("gpt2"), context_buckets=(8,), cache_length=256)
+    # 0 compiled no verify (chunk) graph without a word while -1 was an error; a float size was a
+    # TypeError (batch_size) or cut to an int (a bucket); all are refused before compiling anything
+    for kw, msg in [({"speculation_length": 0}, "speculation_length must be a positive integer, or None"),
+                    ({"prefill_chunk": 0}, "prefill_chunk must be a positive integer, or None"),
+                    ({"speculation_length": 2.0}, "speculation_length must be a positive integer"),
+                    ({"batch_size": 1.5}, "batch_size must be a positive integer; got 1.5"),
+                    ({"batch_size": 0}, "batch_size must be a positive integer"),
+                    ({"cache_length": "32"}, "cache_length must be a positive integer"),
+                    ({"context_buckets": (4.5,)}, "a context bucket must be a positive integer; got 4.5"),
+                    ({"decode_batches": (0,)}, "a decode batch must be a positive integer")]:
+        with pytest.raises(CompilerArgsError, match=msg):
+            compile_llm(model, **{"context_buckets": (4,), "cache_length": 16, **kw})
 
 
 def test_hugging_face_generate_signature_with_left_padding_and_eos(compiled):
@@ -109,6 +150,94 @@ def test_hugging_face_lengths_and_settings_kiln_does_not_do(compiled):
     # a refused setting at its default is harmless, and None is a setting's default, as there
     assert llm.hf_generate(ids, attention_mask=mask, num_beams=1, max_new_tokens=2).shape == (2, 7)
     assert llm.hf_generate(ids, attention_mask=mask, temperature=None, max_new_tokens=2).shape == (2, 7)
+    for n in (2.5, "2", True):
+        with pytest.raises(InputError, match="max_new_tokens must be an integer"):
+            llm.hf_generate(ids, attention_mask=mask, max_new_tokens=n)
+    with pytest.raises(InputError, match="max_length must be an integer"):
+        llm.hf_generate(ids, attention_mask=mask, max_length=9.0)
+
+
+def test_hugging_face_greedy_calls_transformers_accepts(compiled):
+    """transformers ignores the sampling settings when ``do_sample=False`` and takes values
+    that change nothing (``min_new_tokens=0``, ``suppress_tokens=[]``, ``use_cache``):
+    each was an InputError (``temperature must be > 0``, "not implemented", "unknown
+    setting"). The same tokens as transformers' ``generate``; an eos id of NumPy's counts."""
+    import numpy as np
+    model, llm, _ = compiled
+    ids = torch.tensor([[0, 0, 5, 17, 3], [11, 2, 9, 4, 8]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0]])).long()
+    base = dict(attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, do_sample=False, **base)
+    for kw in ({"do_sample": False, "temperature": 0.0}, {"do_sample": False, "top_p": 0.0},
+               {"do_sample": False, "top_k": -1, "temperature": -1.0, "seed": 1.5},
+               {"min_new_tokens": 0}, {"suppress_tokens": []}, {"begin_suppress_tokens": ()},
+               {"use_cache": True}, {"use_cache": False}, {"min_p": 0.0}, {"guidance_scale": 1.0}):
+        hf = {k: v for k, v in kw.items() if k != "seed"}        # kiln's own setting
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, **{"do_sample": False, **base, **hf}), want), kw
+        assert torch.equal(llm.hf_generate(ids, **{**base, **kw}), want), kw
+    with pytest.raises(InputError, match="temperature must be > 0"):       # sampling reads it
+        llm.hf_generate(ids, do_sample=True, temperature=0.0, **base)
+    with pytest.raises(InputError, match="min_new_tokens=2"):
+        llm.hf_generate(ids, min_new_tokens=2, **base)
+    with pytest.raises(InputError, match="suppress_tokens=\\[5\\]"):
+        llm.hf_generate(ids, suppress_tokens=[5], **base)
+    eos = int(want[0, 6])
+    with torch.no_grad():
+        stopped = model.generate(ids, do_sample=False, eos_token_id=eos, **base)
+    for spelling in (np.int64(eos), torch.tensor(eos), [np.int32(eos)], np.array([eos])):
+        assert torch.equal(llm.hf_generate(ids, eos_token_id=spelling, **base), stopped), spelling
+
+
+class _Recording:
+    """transformers' streamer protocol, recorded: put(tensor) per piece, end() once."""
+
+    def __init__(self):
+        self.pieces, self.ended = [], 0
+
+    def put(self, value):
+        self.pieces.append((tuple(value.shape), value.tolist()))
+
+    def end(self):
+        self.ended += 1
+
+
+def test_hugging_face_streamer_gets_what_transformers_gives_it(compiled, capsys):
+    """``hf_generate(streamer=)`` (behind transformers-neuronx's and NxD Inference's HF
+    adapters) was an unknown setting. transformers' ``TextStreamer`` prints the text
+    transformers' ``generate`` prints, and a recording streamer gets the same pieces in the
+    same shapes (the input ids, then each token), sampled as well as greedy; several rows
+    are refused, as transformers' streamers refuse them."""
+    from transformers import TextStreamer
+
+    from tests.conftest import tiny_tokenizer
+    model, llm, _ = compiled
+    ids = torch.tensor([[5, 17, 3, 88]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=2)
+    theirs, ours = _Recording(), _Recording()
+    with torch.no_grad():
+        want = model.generate(ids, streamer=theirs, **kw)
+    assert torch.equal(llm.hf_generate(ids, streamer=ours, **kw), want)
+    assert ours.pieces == theirs.pieces and ours.ended == theirs.ended == 1
+    assert len(ours.pieces) == want.shape[1] - 3            # the prompt, then each new token
+    tok = tiny_tokenizer()
+    with torch.no_grad():
+        model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True), **kw)
+    printed = capsys.readouterr().out
+    llm.hf_generate(ids, streamer=TextStreamer(tok, skip_prompt=True), **kw)
+    assert capsys.readouterr().out == printed and printed.strip()
+    sampled, plain = _Recording(), None
+    settings = dict(max_new_tokens=6, do_sample=True, top_k=20, temperature=1.5, seed=3)
+    plain = llm.hf_generate(ids, **settings)
+    assert torch.equal(llm.hf_generate(ids, streamer=sampled, **settings), plain)
+    assert [p[1] for p in sampled.pieces[1:]] == [[t] for t in plain[0, 4:].tolist()] and sampled.ended == 1
+    refused = _Recording()
+    with pytest.raises(InputError, match="a streamer takes one sequence"):
+        llm.hf_generate(ids.repeat(2, 1), streamer=refused, max_new_tokens=2)
+    with pytest.raises(InputError, match="longer than the largest context bucket"):
+        llm.hf_generate(torch.arange(3, 13).unsqueeze(0), streamer=refused, max_new_tokens=2)
+    assert refused.pieces == [] and refused.ended == 0         # nothing streamed for a call that cannot run
 
 
 def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):

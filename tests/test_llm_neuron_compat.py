@@ -42,6 +42,13 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
         want = model.generate(ids, attention_mask=mask, do_sample=False, max_length=16, pad_token_id=0)
     assert torch.equal(adapter.generate(ids, attention_mask=mask, do_sample=False, max_length=16, pad_token_id=0),
                        want)
+    # transformers' streamer through the adapter (an unknown setting before), one row as there
+    streamer = _Streamer()
+    one = adapter.generate(ids[1:], do_sample=False, max_new_tokens=6, pad_token_id=0, streamer=streamer)
+    assert torch.equal(one, want[1:, :11])
+    assert streamer.pieces == [ids[1:].tolist()] + [[t] for t in one[0, 5:].tolist()] and streamer.ended
+    with pytest.raises(InputError, match="a streamer takes one sequence"):
+        adapter.generate(ids, attention_mask=mask, max_new_tokens=2, streamer=_Streamer())
 
 
 def test_a_neuron_config_save_and_load(tmp_path, monkeypatch):

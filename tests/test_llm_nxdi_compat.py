@@ -67,6 +67,11 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
     again = HuggingFaceGenerationAdapter(reloaded).generate(ids, generation_config=gc, attention_mask=mask,
                                                             max_length=14)
     assert torch.equal(again, got)
+    # transformers' streamer through the adapter (an unknown setting before): the input, then each token
+    pieces = []
+    streamer = type("Streamer", (), {"put": lambda self, v: pieces.append(v.tolist()), "end": lambda self: None})()
+    one = HuggingFaceGenerationAdapter(reloaded).generate(ids[1:], max_new_tokens=5, streamer=streamer)
+    assert torch.equal(one, got[1:, :9]) and pieces == [ids[1:].tolist()] + [[t] for t in got[1, 4:9].tolist()]
     with pytest.raises(InputError, match="holds no neuron_config.json"):
         NeuronLlamaForCausalLM(path)
     saved = (tmp_path / "compiled" / "neuron_config.json")

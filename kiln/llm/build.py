@@ -6,6 +6,7 @@ LLM accuracy gate (:mod:`kiln.llm.gate`).
 """
 from __future__ import annotations
 
+import numbers
 import os
 import shlex
 import tempfile
@@ -60,6 +61,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     Other keywords go to ``kiln.trace``."""
     family = check_supported(model)
     cuda.check_options(trace_options, tp_degree)
+    batch_size = _positive_int("batch_size", batch_size)
+    cache_length = _positive_int("cache_length", cache_length)
+    speculation_length, prefill_chunk = _optional_sizes(speculation_length, prefill_chunk)
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     buckets, rows = _shapes(model, batch_size, context_buckets, cache_length, decode_batches)
@@ -102,16 +106,37 @@ def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) ->
     if limit is not None and cache_length > limit:
         raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
                                 f"has learned position embeddings for; use cache_length <= {limit}")
-    buckets = sorted({int(w) for w in context_buckets})
-    if batch_size < 1 or not buckets or buckets[0] < 1:
-        raise CompilerArgsError("batch_size and every context bucket must be positive")
-    rows = sorted({1, batch_size} if decode_batches is None else {int(b) for b in decode_batches} | {batch_size})
+    buckets = sorted({_positive_int("a context bucket", w) for w in context_buckets})
+    if not buckets:
+        raise CompilerArgsError("give at least one context bucket")
+    rows = sorted({1, batch_size} if decode_batches is None
+                  else {_positive_int("a decode batch", b) for b in decode_batches} | {batch_size})
     if rows[0] < 1 or rows[-1] > batch_size:
         raise CompilerArgsError(f"decode_batches must lie in [1, batch_size={batch_size}]; got {decode_batches}")
     if buckets[-1] > cache_length:
         raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
                                 "the prompt's keys must fit in the cache")
     return buckets, rows
+
+
+def _positive_int(name, value) -> int:
+    """``value`` as an int, or CompilerArgsError where it is not a positive integer (a
+    float ``batch_size`` was a raw TypeError, a float bucket cut to an int)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise CompilerArgsError(f"{name} must be a positive integer; got {value!r}")
+    return int(value)
+
+
+def _optional_sizes(*values) -> list:
+    """``speculation_length`` and ``prefill_chunk``: None (the default: no such graph) or a
+    positive integer, as ints; 0 compiled nothing and said nothing, while -1 was an error."""
+    out = []
+    for name, value in zip(("speculation_length", "prefill_chunk"), values):
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
+            raise CompilerArgsError(f"{name} must be a positive integer, or None (the default) for none; got "
+                                    f"{value!r}")
+        out.append(None if value is None else int(value))
+    return out
 
 
 def _compile_graphs(model, jobs, trace_options, workers, on_graph, prefill_auto_cast=None) -> list:

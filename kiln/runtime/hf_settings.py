@@ -6,16 +6,24 @@ Scripts ported from transformers, Optimum Neuron or NxD Inference call ``generat
 * **honoured**, with transformers' own defaults and precedence (an override over the
   config, ``max_new_tokens`` over ``max_length``, ``max_length`` counting the prompt's
   padded width, 20 new tokens when neither is set);
+* **ignored when greedy**, as transformers ignores them: ``temperature``, ``top_k``,
+  ``top_p`` (and kiln's ``seed``) with ``do_sample=False``, so ``temperature=0.0`` with
+  ``do_sample=False`` is greedy decoding, not an error;
 * **refused** when set to anything but its default: beam search, several sequences per
   prompt, minimum lengths, n-gram bans, other logits processors, dict outputs. Those change
   the answer, and ignoring one would hand back tokens transformers would not, with no word
-  about it. The error names the setting;
-* anything else passed as an override is an unknown setting (also an error). Settings of a
-  config that change no token (``use_cache``, ``bos_token_id``) are not read.
+  about it. The error names the setting. A value that does nothing is a default too:
+  ``min_new_tokens=0``, ``min_p=0``, ``guidance_scale=1``, an empty list of token ids
+  (``suppress_tokens=[]``);
+* ``use_cache`` is accepted (it changes no token), ``streamer`` is
+  :meth:`~kiln.runtime.llm.LLM.hf_generate`'s own; anything else passed as an override is
+  an unknown setting (also an error). Settings of a config that change no token
+  (``use_cache``, ``bos_token_id``) are not read.
 """
 from __future__ import annotations
 
 from kiln.errors import InputError
+from kiln.runtime import value_checks
 
 # transformers.GenerationConfig's settings kiln honours, with that class's defaults
 # (``seed`` is kiln's: a sampled request's generator).
@@ -35,16 +43,39 @@ REFUSED = {"num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "min
            "sequence_bias": None, "guidance_scale": None, "stop_strings": None, "output_scores": False,
            "output_logits": False, "return_dict_in_generate": False}
 
+# Values of refused settings that do nothing (transformers adds no processor, or one that
+# keeps every token), accepted as their defaults are; an empty collection is one too.
+NO_OP = {"min_new_tokens": 0, "min_p": 0.0, "guidance_scale": 1.0}
+
+# Settings that change no token: accepted as overrides, not read.
+ACCEPTED = {"use_cache"}
+
+
+def _is_default(name, value) -> bool:
+    """``value`` of the refused setting ``name`` does what its default does."""
+    if value is None:
+        return True
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and not value:
+        return True
+    for harmless in (REFUSED[name], NO_OP.get(name)):
+        try:
+            if harmless is not None and bool(value == harmless):
+                return True
+        except (TypeError, ValueError, RuntimeError):     # a tensor or an array of several values
+            pass
+    return False
+
 
 def resolve(generation_config, overrides: dict, width: int) -> tuple:
     """``(settings, max_new_tokens)`` for prompts padded to ``width`` tokens, or InputError."""
+    overrides = {k: v for k, v in overrides.items() if k not in ACCEPTED}
     unknown = set(overrides) - set(HONOURED) - set(REFUSED)
     if unknown:
         raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
     given = {k: getattr(generation_config, k) for k in (*HONOURED, *REFUSED)
              if generation_config is not None and getattr(generation_config, k, None) is not None}
     given.update(overrides)          # an override of None too, as transformers' generate(**kwargs)
-    refused = {k: v for k, v in given.items() if k in REFUSED and v is not None and v != REFUSED[k]}
+    refused = {k: v for k, v in given.items() if k in REFUSED and not _is_default(k, v)}
     if refused:
         named = ", ".join(f"{k}={v!r}" for k, v in sorted(refused.items()))
         raise InputError(f"kiln's generate does not do {named}: it decodes greedily or samples one sequence per "
@@ -52,11 +83,11 @@ def resolve(generation_config, overrides: dict, width: int) -> tuple:
                          "defaults; transformers' own generate would give other tokens")
     cfg = {**HONOURED, **{k: v for k, v in given.items() if k in HONOURED and v is not None}}   # None: the default
     if cfg["max_new_tokens"] is not None:
-        new = int(cfg["max_new_tokens"])
+        new = value_checks.count(cfg["max_new_tokens"], "max_new_tokens")
     elif cfg["max_length"] is None:
         new = DEFAULT_NEW_TOKENS
     else:
-        new = int(cfg["max_length"]) - width
+        new = value_checks.count(cfg["max_length"], "max_length") - width
         if new < 1:
             raise InputError(f"the input is {width} tokens wide, but max_length is {cfg['max_length']}: nothing "
                              "is left to generate. Set max_new_tokens (the new tokens alone), or a larger "
@@ -68,8 +99,11 @@ def resolve(generation_config, overrides: dict, width: int) -> tuple:
 
 def sampling_params(cfg: dict):
     """The scheduler's :class:`kiln.runtime.sampling.SamplingParams` for settings
-    :func:`resolve` gave (``top_k`` only when sampling, as transformers applies it)."""
+    :func:`resolve` gave. Greedy decoding reads the repetition penalty alone: transformers
+    applies ``temperature``, ``top_k`` and ``top_p`` only when sampling, so their values
+    (``temperature=0.0``) are neither used nor checked then, as there."""
     from kiln.runtime.sampling import SamplingParams
-    return SamplingParams(do_sample=bool(cfg["do_sample"]), temperature=cfg["temperature"],
-                          top_k=cfg["top_k"] if cfg["do_sample"] else 0, top_p=cfg["top_p"],
+    if not cfg["do_sample"]:
+        return SamplingParams(repetition_penalty=cfg["repetition_penalty"])
+    return SamplingParams(do_sample=True, temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
                           repetition_penalty=cfg["repetition_penalty"], seed=cfg["seed"])

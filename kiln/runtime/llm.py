@@ -18,15 +18,23 @@ over the whole cache, as it did. Generation runs :mod:`kiln.runtime.scheduler` o
 from __future__ import annotations
 
 import collections
+import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, InputError
-from kiln.runtime import cuda_llm, hf_settings, invariance, kv, ort_pool
+from kiln.runtime import cuda_llm, hf_settings, invariance, kv, ort_pool, sampling, value_checks
 from kiln.runtime.scheduler import Scheduler, generate, run_all
 
 FORMAT = 2          # the graphs' interface (module doc); load refuses others
+
+def generate_args(prompts, max_new_tokens, params) -> tuple:
+    """``generate``'s arguments checked (:mod:`kiln.runtime.value_checks`): the prompts as
+    lists of ids, ``max_new_tokens`` an int, ``params`` a SamplingParams; or InputError."""
+    return (value_checks.prompt_batch(prompts), value_checks.count(max_new_tokens, "max_new_tokens"),
+            sampling.checked(params))
+
 
 class LLM:
     """``generate(prompts, max_new_tokens, params=...)``: continuations of token-id lists."""
@@ -162,28 +170,31 @@ class LLM:
 
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True,
                  draft=None) -> list:
-        """The continuation of each prompt (a list of token ids): greedy, or sampled per
-        ``params`` (:class:`kiln.runtime.sampling.SamplingParams`); each ends after the
-        model's end-of-sequence token (kept) unless ``stop_at_eos=False``, or after
-        ``max_new_tokens``. Any number of prompts: they run through the continuous-batching
-        scheduler, ``batch_size`` at a time, each getting the tokens it would get alone.
-        ``draft``: speculative decoding, as for :meth:`scheduler` (the same tokens)."""
-        if not prompts:
-            raise InputError("give at least one prompt")
+        """The continuation of each prompt (a list of token ids, or a row of a 2-D integer
+        tensor): greedy, or sampled per ``params`` (:class:`kiln.runtime.sampling.SamplingParams`);
+        each ends after the model's end-of-sequence token (kept) unless ``stop_at_eos=False``,
+        or after ``max_new_tokens`` (an integer). Any number of prompts: they run through
+        the continuous-batching scheduler, ``batch_size`` at a time, each getting the tokens
+        it would get alone. ``draft``: speculative decoding, as for :meth:`scheduler` (the
+        same tokens). A flat list of ids is an error naming ``[[...]]``."""
+        prompts, max_new_tokens, params = generate_args(prompts, max_new_tokens, params)
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
         if draft is not None:
             return run_all(self.scheduler(draft=draft), prompts, max_new_tokens, params, eos)
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
-    def hf_generate(self, input_ids, attention_mask=None, generation_config=None, **overrides):
+    def hf_generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None, **overrides):
         """Hugging Face's ``generate`` for decoder-only models: ``[B, T]`` ids (left or right
         padded, ``attention_mask`` marking the real tokens) → ``[B, T + N]``, the input
         followed by each row's new tokens, rows that stopped early padded with
         ``pad_token_id``. Settings come from ``generation_config`` (a transformers
         ``GenerationConfig`` or anything with its attributes) and keyword overrides,
-        with GenerationConfig's defaults and precedence (``max_length=20`` counting the
-        prompt when no length is set, ``top_k=50`` when sampling, as there); settings kiln
-        does not implement are errors, not ignored (:mod:`kiln.runtime.hf_settings`)."""
+        with GenerationConfig's defaults and precedence (20 new tokens when no length is
+        set, as transformers 5 generates; ``max_length`` counts the padded prompt;
+        ``top_k=50`` when sampling, as there); settings kiln does not implement are errors,
+        not ignored (:mod:`kiln.runtime.hf_settings`). ``streamer``: transformers' protocol
+        (``TextStreamer``), one row only, as there: ``put`` the input ids, then each new token
+        (shape ``[1]``) as the scheduler makes it, then ``end()``."""
         import torch
         ids = torch.as_tensor(input_ids)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
@@ -191,17 +202,53 @@ class LLM:
             raise InputError(f"input_ids must be [batch, tokens] with attention_mask of the same shape; got "
                              f"{tuple(ids.shape)} and {tuple(mask.shape)}")
         cfg, max_new_tokens = hf_settings.resolve(generation_config, overrides, ids.shape[1])
-        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        prompts = [value_checks.token_ids(row[m.bool()]) for row, m in zip(ids, mask)]
         if any(not p for p in prompts):
             raise InputError("every row of attention_mask needs at least one real token")
         eos = cfg["eos_token_id"]
-        eos = self.meta["eos_token_ids"] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if eos is None:
+            eos = self.meta["eos_token_ids"]
+        else:      # an int of Python's or NumPy's, or a list, tensor or array of them
+            one = isinstance(eos, numbers.Integral) or (isinstance(eos, torch.Tensor) and eos.dim() == 0)
+            eos = value_checks.token_ids([eos] if one else eos)
         params = hf_settings.sampling_params(cfg)
-        rows = self._generate_rows(prompts, max_new_tokens, params, eos)
-        pad = cfg["pad_token_id"] if cfg["pad_token_id"] is not None else (eos[0] if eos else 0)
+        if streamer is not None:
+            if ids.shape[0] != 1:
+                raise InputError(f"a streamer takes one sequence, as in transformers (whose TextStreamer only "
+                                 f"supports batch size 1); input_ids has {ids.shape[0]} rows")
+            rows = [self._streamed(ids, prompts[0], max_new_tokens, params, eos, streamer)]
+        else:
+            rows = self._generate_rows(prompts, max_new_tokens, params, eos)
+        pad = cfg["pad_token_id"]
+        pad = (eos[0] if eos else 0) if pad is None else value_checks.token_ids([pad])[0]
         width = max(len(r) for r in rows)
         new = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=ids.dtype)
         return torch.cat([ids, new], dim=1)
+
+    def _streamed(self, ids, prompt, max_new_tokens, params, eos, streamer) -> list:
+        """One row's new tokens through a scheduler of its own, each handed to
+        ``streamer`` as it is made (the same tokens as without it); ``end()`` follows the
+        last, or an error. transformers' order: the input ids first."""
+        import torch
+
+        from kiln.runtime.scheduler import Request
+
+        def on_token(_request, token) -> bool:
+            streamer.put(torch.tensor([token], dtype=ids.dtype))
+            return False                    # never ends the request: EOS and the length do
+
+        scheduler = self.scheduler()
+        request = Request(prompt, max_new_tokens, params, eos, on_token=on_token)
+        scheduler.check(request)            # a request that cannot run streams nothing
+        streamer.put(ids)
+        try:
+            scheduler.add(request)
+            scheduler.run()
+        finally:
+            streamer.end()
+        if request.error is not None:
+            raise request.error
+        return request.tokens
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         decode, windows = self._decode_plan()

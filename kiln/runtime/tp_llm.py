@@ -27,7 +27,7 @@ from kiln.artifact.container import Artifact, wrapper_manifest
 from kiln.distributed import ops  # noqa: F401 - registers the kiln:: collectives the ranks' graphs run
 from kiln.errors import ArtifactError, InputError, KilnError
 from kiln.runtime import lockstep
-from kiln.runtime.llm import LLM
+from kiln.runtime.llm import LLM, generate_args
 from kiln.runtime.scheduler import run_all
 
 KIND = "llm_tp"
@@ -239,13 +239,13 @@ class TensorParallelLLM:
     def generate(self, prompts: list, max_new_tokens: int, *, params=None, stop_at_eos: bool = True,
                  draft=None) -> list:
         """As :meth:`kiln.runtime.llm.LLM.generate` (``draft``: refused, as by :meth:`scheduler`)."""
-        if not prompts:
-            raise InputError("give at least one prompt")
+        prompts, max_new_tokens, params = generate_args(prompts, max_new_tokens, params)
         _refuse_draft(draft)
         eos = self.meta["eos_token_ids"] if stop_at_eos else ()
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
     hf_generate = LLM.hf_generate
+    _streamed = LLM._streamed
 
     def _generate_rows(self, prompts, max_new_tokens, params, eos):
         return run_all(self.scheduler(), prompts, max_new_tokens, params, eos)

@@ -7,12 +7,16 @@ before any engine sees them, where engines would answer otherwise than eager PyT
   ``IndexError`` too, as eager's is.
 * NaN and infinities where an engine of the model was found at compile time to answer
   them otherwise (:func:`kiln.compiler.checks.nonfinite_probe`).
-* an LLM prompt's token ids that are not integers (:func:`token_ids`).
+* an LLM prompt's token ids that are not integers (:func:`token_ids`), prompts that are
+  not a batch of them (:func:`prompt_batch`), a count that is not an integer
+  (:func:`count`).
 """
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from kiln.errors import IndexRangeError, InputError
@@ -83,13 +87,55 @@ def token_ids(prompt) -> list:
         if prompt.dim() != 1:
             raise InputError(f"a prompt is one row of token ids; got a tensor of shape {tuple(prompt.shape)}")
         return prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+        raise InputError(f"a prompt is a list of token ids; got {prompt!r} ({type(prompt).__name__})")
     out = []
     for t in prompt:
-        if isinstance(t, torch.Tensor):
-            ok = t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-        else:
-            ok = isinstance(t, numbers.Integral) and not isinstance(t, bool)
-        if not ok:
+        if not _integer_id(t):
             raise InputError(f"token ids must be integers; the prompt holds {t!r} ({type(t).__name__})")
         out.append(int(t))
     return out
+
+
+def _integer_id(t) -> bool:
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def prompt_batch(prompts) -> list:
+    """``LLM.generate``'s prompts as a list of token-id lists, or :class:`InputError`. A
+    list of prompts, or a 2-D integer tensor or array whose every row is one whole prompt
+    (``[batch, tokens]``, no padding: padded rows go to ``hf_generate`` with their
+    ``attention_mask``). A flat list of ids (or a 1-D tensor) is refused, naming the
+    spelling, rather than read as one prompt: ``generate`` returns one list of new tokens
+    per prompt, and a flat input would leave which shape comes back a guess."""
+    if isinstance(prompts, np.ndarray):
+        prompts = torch.from_numpy(prompts) if prompts.dtype != object else list(prompts)
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise InputError(f"prompts as a tensor are [batch, tokens], a row per prompt; got shape "
+                             f"{tuple(prompts.shape)}" + (" (one prompt is [1, tokens])" if prompts.dim() == 1 else ""))
+        prompts = list(prompts)
+    elif isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
+        raise InputError(f"prompts are a list of prompts, each a list of token ids; got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise InputError("give at least one prompt")
+    if all(_integer_id(t) for t in prompts):
+        raise InputError(f"prompts are a list of prompts, each a list of token ids; got one flat list of ids: "
+                         f"for one prompt give [{_shown(prompts)}]")
+    return [token_ids(p) for p in prompts]
+
+
+def _shown(ids) -> str:
+    return "[" + ", ".join(str(int(t)) for t in ids[:4]) + (", ...]" if len(ids) > 4 else "]")
+
+
+def count(value, name: str) -> int:
+    """``value`` as an int, or :class:`InputError` where it is not an integer (a Python or
+    NumPy int): ``max_new_tokens=2.5`` gave 3 tokens from ``generate`` and 2 from
+    ``hf_generate``, ``True`` gave 1, a string a TypeError."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise InputError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
