@@ -325,7 +325,7 @@ def test_a_store_that_is_down_costs_one_warning_not_the_trace(s3, caplog):
     host, port = server.get_host_and_port()
     server.stop()
     before = dict(fsspec.config.conf["s3"])
-    # the endpoint refuses connections; one attempt each from s3fs and botocore is enough to see it
+    # the endpoint refuses connections; one attempt of botocore's is enough to see it
     fsspec.config.conf["s3"].update(endpoint_url=f"http://{host}:{port}",
                                     config_kwargs={"retries": {"max_attempts": 1}})
     s3fs.S3FileSystem.clear_instance_cache()
