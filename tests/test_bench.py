@@ -70,3 +70,27 @@ def test_bench_peer_errors(monkeypatch):
     monkeypatch.setitem(peers._MODULE, "openvino", "kiln_no_such_engine")
     assert "not installed" in peers.unavailable("openvino")
     assert peers.unavailable("eager") is None and os.path.exists(os.path.join(ROOT, "tests", "models.py"))
+
+
+class _Biased(torch.nn.Module):
+    def forward(self, x, bias):
+        return x + bias
+
+
+def test_a_window_with_no_finished_call_and_an_input_every_row_shares(tmp_path, monkeypatch):
+    """Found by probing: a window in which no call finished crashed the run formatting its
+    p50 (None), and the benchmark resized every input's dim 0 to the batch, a shared bias
+    too (of 8 it became one of 2: a crash, or at batch 1 another computation)."""
+    from kiln.benchmark.inputs import factory_inputs
+    monkeypatch.setattr("tests.test_bench.biased", lambda: (_Biased(), (torch.randn(4, 8), torch.randn(8))),
+                        raising=False)
+    _, args, _ = factory_inputs("tests.test_bench:biased", ROOT, 2)
+    assert [tuple(a.shape) for a in args] == [(2, 8), (8,)]
+    torch.manual_seed(0)
+    m = kiln.trace(torch.nn.Linear(16, 8), torch.randn(2, 16), quiet=True)
+    m.save(tmp_path / "m.kiln")
+    report = kiln.bench(str(tmp_path / "m.kiln"), batch_sizes=[2], copies=[1], workers=[2], duration=1e-6, warmup=0,
+                        quiet=True, plot_path=str(tmp_path / "b.png"))
+    (row,) = report["results"]
+    assert row["calls"] == 0 and row["latency_ms"]["p50"] is None     # a microsecond holds no call
+    assert (tmp_path / "b.png").exists()

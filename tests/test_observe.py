@@ -169,3 +169,16 @@ def test_build_log_has_a_line_per_partition_from_every_process(tmp_path, monkeyp
         warnings.simplefilter("always")
         kiln.trace(models.MLP().eval(), torch.randn(2, 16), optlevel=1, cache=False)
     assert any("KILN_BUILD_LOG" in str(w.message) for w in caught)
+
+
+def test_histogram_percentiles_are_within_half_a_bin():
+    """docs/observability.md says about ±12 %: a bin answered with its upper bound, up to 26 %
+    high (60 calls at 10.5 ms and 40 at 20 ms had a p50 of 12.6 ms)."""
+    from kiln.observe.metrics import ModelMetrics
+    for value in (1.3e-5, 2.2e-4, 0.0105, 0.37, 4.9):
+        m = ModelMetrics("histogram")
+        for _ in range(60):
+            m.record_call(value, 0)
+        for _ in range(40):
+            m.record_call(value * 2, 0)
+        assert abs(m.percentile(50) / value - 1) <= 10 ** 0.05 - 1 + 1e-9, (value, m.percentile(50))

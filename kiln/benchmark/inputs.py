@@ -22,8 +22,13 @@ def factory_inputs(spec, path, batch):
     args, kwargs = ((), example) if isinstance(example, dict) else \
         ((example,) if isinstance(example, torch.Tensor) else tuple(example), {})
 
+    # the example's batch is its first tensor's dim 0; an input without it (a bias every row
+    # shares) is not resized (it was, to the batch: a broadcast bias of 8 became one of 1 or 2)
+    first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()), None)
+    example_batch = None if first is None else first.shape[0]
+
     def resize(t):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == batch:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != example_batch or t.shape[0] == batch:
             return t
         reps = -(-batch // t.shape[0])
         return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous()

@@ -119,7 +119,8 @@ def plot(report, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for runner in dict.fromkeys(r["runner"] for r in report["results"]):
-        rows = sorted((r for r in report["results"] if r["runner"] == runner), key=lambda r: r["latency_ms"]["p50"])
+        rows = sorted((r for r in report["results"] if r["runner"] == runner and r["latency_ms"]["p50"] is not None),
+                      key=lambda r: r["latency_ms"]["p50"])        # a window with no finished call has no point
         xs = [r["latency_ms"]["p50"] for r in rows]
         ys = [r["throughput"] for r in rows]
         ax.plot(xs, ys, marker="o", label=_label(report, runner))
@@ -127,8 +128,12 @@ def plot(report, path):
             ax.annotate(f"b{r['batch_size']} c{r['copies']} w{r['workers']}", (x, y), fontsize=7,
                         textcoords="offset points", xytext=(4, 4))
     from matplotlib.ticker import FormatStrFormatter
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if not any(r["latency_ms"]["p50"] is not None and r["throughput"] > 0 for r in report["results"]):
+        ax.text(0.5, 0.5, "no call finished in any window: give a longer duration", ha="center",
+                transform=ax.transAxes)
+    else:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):   # plain numbers, not 10^x, on the log axes
         axis.set_major_formatter(FormatStrFormatter("%g"))
         axis.set_minor_formatter(FormatStrFormatter("%g"))

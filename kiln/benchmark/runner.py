@@ -103,8 +103,10 @@ def _run_copies(report, cfg, n_copies, workers, cores, duration, log):
             if c > len(cores):
                 row["note"] = f"{c} copies on {len(cores)} kiln cores: oversubscribed"
             report["results"].append(row)
+            p50 = row["latency_ms"]["p50"]        # None when the window held no finished call
             log(f"{runner}: batch {b}, copies {c}, workers {w}: {row['throughput']:.1f} inf/s, "
-                f"p50 {row['latency_ms']['p50']:.2f} ms")
+                + (f"p50 {p50:.2f} ms" if p50 is not None else "no call finished within the window: "
+                   "give a longer --duration"))
     finally:
         for g in group:
             g.close()

@@ -163,7 +163,9 @@ def metrics() -> dict:
 
 def hist_percentile(hist: dict, q: float, cap: float | None = None):
     """Percentile (seconds) of a sparse histogram ``{bin: count}`` such as the
-    difference of two snapshots' ``latency_hist``; None when it is empty."""
+    difference of two snapshots' ``latency_hist``; None when it is empty. A bin answers with
+    its geometric middle, so the answer is within a half bin (10^0.05, about ±12 %) of the
+    true value; its upper bound was up to 26 % high (p50 of calls at 10.5 ms read 12.6)."""
     items = sorted((int(k), n) for k, n in hist.items() if n > 0)
     total = sum(n for _, n in items)
     if not total:
@@ -172,7 +174,7 @@ def hist_percentile(hist: dict, q: float, cap: float | None = None):
     for i, n in items:
         seen += n
         if seen >= rank:
-            bound = _BOUNDS[i] if i < len(_BOUNDS) else (cap if cap is not None else _BOUNDS[-1])
+            bound = _BOUNDS[i] / 10 ** 0.05 if i < len(_BOUNDS) else (cap if cap is not None else _BOUNDS[-1])
             return bound if cap is None else min(bound, cap)
     return cap
 
