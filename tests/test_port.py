@@ -150,3 +150,17 @@ def test_clear_errors(tmp_path, kiln_cli):
     r = subprocess.run([kiln_cli, "port", str(tmp_path / "missing.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "missing.py: no such file" in r.stderr
+
+
+def test_json_on_stdout_is_the_report_alone(kiln_cli, tmp_path):
+    """What a model or its factory prints went to stdout before the JSON report, so a script's
+    json.load of `kiln port --json` failed: it goes to stderr now."""
+    (tmp_path / "chatty.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    print('loading the model')\n"
+        "    return torch.nn.Linear(4, 2), torch.randn(1, 4)\n")
+    r = subprocess.run([kiln_cli, "port", str(tmp_path / "chatty.py") + ":make", "--json", "--timing", "0.05"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tier"] == 1 and "loading the model" in r.stderr

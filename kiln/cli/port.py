@@ -22,10 +22,16 @@ def add_parser(sub):
 
 
 def run(args, console) -> int:
+    import contextlib
+    import sys
     from kiln.port import port
     from kiln.port import report as report_mod
-    report = port(args.model, batch_size=args.batch_size, sequence_length=args.sequence_length,
-                  compiler_args=args.compiler_args.split() if args.compiler_args else None, timing_budget=args.timing)
+    # what the model prints while it is traced and timed goes to stderr: with --json, stdout is
+    # the report alone, for a script to parse (a model's own prints had come before it there)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        report = port(args.model, batch_size=args.batch_size, sequence_length=args.sequence_length,
+                      compiler_args=args.compiler_args.split() if args.compiler_args else None,
+                      timing_budget=args.timing)
     files = report_mod.write(report, args.out) if args.out else {}
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
