@@ -182,3 +182,18 @@ def test_histogram_percentiles_are_within_half_a_bin():
         for _ in range(40):
             m.record_call(value * 2, 0)
         assert abs(m.percentile(50) / value - 1) <= 10 ** 0.05 - 1 + 1e-9, (value, m.percentile(50))
+
+
+def test_a_dynamic_batch_model_counts_the_callers_calls_not_its_chunks():
+    """Found by probing: 10 calls of 7 rows on a model compiled for 2 rows read as 40 calls
+    (and the padded bytes) in kiln.metrics(), kiln top and kiln monitor."""
+    import kiln
+    model = torch.nn.Linear(16, 4)
+    dynamic = kiln.trace(model, torch.randn(2, 16), dynamic_batch=True, validate=False)
+    for _ in range(3):
+        dynamic(torch.randn(7, 16))
+    snaps = {s["id"]: s for s in kiln.metrics()["models"]}
+    mine = snaps[dynamic.metrics.id]
+    assert mine["kind"] == "dynamic_batch" and mine["parent"] is None
+    assert mine["calls_completed"] == 3 and mine["bytes_in"] == 3 * 7 * 16 * 4
+    assert snaps[dynamic.inner.metrics.id]["parent"] == dynamic.metrics.id      # its chunks: a detail

@@ -270,7 +270,7 @@ def _shared_worker(core, worker):
 class DynamicBatch(_Wrapper):
     """Any batch size on dim 0 for a model compiled at one batch size."""
 
-    def __init__(self, inner: Model, manifest: dict | None = None):
+    def __init__(self, inner: Model, manifest: dict | None = None, track: bool = True):
         super().__init__()
         if isinstance(inner, DynamicBatch):
             inner = inner.inner
@@ -289,6 +289,19 @@ class DynamicBatch(_Wrapper):
         self._init_common(manifest or wrapper_manifest(
             "dynamic_batch", inner.manifest, dynamic_batch={"batch_size": self.batch_size,
                                                             "inner": "inner.kiln"}), inner)
+        # the caller's calls and bytes, as a bucketed model counts them: the inner model's
+        # counters are its chunks (a 7-row call on a 2-row model was 4 calls in kiln.metrics(),
+        # kiln top and kiln monitor, and its padded bytes). ``track=False``: a checker only
+        # (DataParallel's), which runs nothing
+        self.metrics = None
+        if track:
+            from kiln.observe import announce_model
+            from kiln.observe.metrics import ModelMetrics
+            self.metrics = ModelMetrics(self.name, "dynamic_batch")
+            self.metrics.core = inner.core.id if inner.core is not None else None
+            if getattr(inner, "metrics", None) is not None:
+                inner.metrics.parent = self.metrics.id
+            announce_model(self.metrics)
 
     def inner_models(self):
         return [self.inner]
@@ -377,6 +390,18 @@ class DynamicBatch(_Wrapper):
                              "do not follow the batch dim, so there is no answer for 0 rows")
 
     def run_flat(self, flat):
+        if self.metrics is None:
+            return self._run(flat)
+        start = time.perf_counter()
+        try:
+            outs = self._run(flat)
+        except BaseException:
+            self.metrics.record_failure()
+            raise
+        self.metrics.record_call(time.perf_counter() - start, flat, outs, device=0.0, host=0.0)  # the chunks'
+        return outs
+
+    def _run(self, flat):
         n = self._batch(flat)
         if n == self.batch_size:
             return self.inner.run_flat(flat)

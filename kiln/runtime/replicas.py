@@ -190,7 +190,7 @@ class DataParallel(Model):
         proven = "max_abs_error" in (module.manifest.get("batch_check") or {})
         self._fixed_out = [] if proven else [s.name for s, b in zip(self.output_specs, self._batched_out) if not b]
         from kiln.runtime.buckets import DynamicBatch
-        self._checker = DynamicBatch(module) if dynamic_batching else None
+        self._checker = DynamicBatch(module, track=False) if dynamic_batching else None
 
         self._dir = tempfile.mkdtemp(prefix="kiln-dp-")
         path = os.path.join(self._dir, "model.kiln")
