@@ -117,3 +117,26 @@ def test_training_mode_model_compiled_in_eval_and_left_untouched():
     assert model.training  # the user's module is left as it was
     model.eval()
     assert_close(compiled(x), model(x).detach())   # BatchNorm used running stats
+
+
+def test_a_data_dependent_branch_is_named_at_the_users_line(tmp_path, monkeypatch):
+    """torch cuts the start off the path in its message ("Caused by: (mp/.../m.py:30 in
+    forward)"), and the error (and kiln port's report) named a file that does not exist."""
+    import importlib
+    import sys
+    (tmp_path / "branchy_model.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        v = x.max().item()\n"
+        "        if v > 100:\n"
+        "            x = x - 1\n"
+        "        return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("branchy_model")
+    try:
+        with pytest.raises(kiln.CaptureError) as e:
+            kiln.trace(module.M(), torch.randn(2, 3))
+    finally:
+        sys.modules.pop("branchy_model", None)
+    assert f"at {tmp_path / 'branchy_model.py'}:5 in forward: if v > 100:" in str(e.value)

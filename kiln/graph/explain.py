@@ -2,8 +2,10 @@
 the innermost source line outside torch itself, from the stack traces torch.export records."""
 from __future__ import annotations
 
+import linecache
 import os
 import re
+import sys
 
 import torch
 
@@ -26,6 +28,21 @@ def user_frame(stack_trace: str | None) -> str | None:
     return f"{path}:{line} in {func}: {code.strip()}"
 
 
+def _real_path(path: str) -> str:
+    """``path``, or the imported module's file it is the tail of: torch cuts the start off the
+    path in some messages ("Caused by: (mp/probe/m.py:30 in forward)" for /tmp/probe/m.py)."""
+    if os.path.exists(path):
+        return path
+    parts = path.strip("/").split("/")
+    for k in range(len(parts)):
+        tail = "/" + "/".join(parts[k:])
+        for module in list(sys.modules.values()):
+            f = getattr(module, "__file__", None)
+            if isinstance(f, str) and f.endswith(tail):
+                return f
+    return path
+
+
 def explain_export_failure(exc: Exception, model_name: str, stage: str | None = None) -> str:
     """Turn a torch.export failure into a short message pointing at the user's line.
     ``stage`` names a later step that failed (decomposition) instead of export itself."""
@@ -37,9 +54,12 @@ def explain_export_failure(exc: Exception, model_name: str, stage: str | None = 
         path, line, func, code = frames[-1]
         where = f"\n  at {path}:{line} in {func}: {code.strip()}"
     else:
-        m = re.search(r'(/[^\s"]+\.py):(\d+)', text)
-        if m and not m.group(1).startswith(_TORCH_DIR):
-            where = f"\n  at {m.group(1)}:{m.group(2)}"
+        m = re.search(r'\(([^\s()"]+\.py):(\d+) in (\S+)\)', text) or re.search(r'(/[^\s"]+\.py):(\d+)', text)
+        path = _real_path(m.group(1)) if m else _TORCH_DIR
+        if not path.startswith(_TORCH_DIR):
+            line = int(m.group(2))
+            code = linecache.getline(path, line).strip()
+            where = f"\n  at {path}:{line}" + (f" in {m.group(3)}: {code}" if m.lastindex == 3 and code else "")
     if "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
         why = ("the model branches or sizes something on a tensor's *value* (data-dependent control "
                "flow), which a compiled static graph cannot represent")
