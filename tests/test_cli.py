@@ -110,3 +110,15 @@ def test_a_gated_compile_reports_its_gate_and_inspects(kiln_cli, tmp_path):
     r = kiln_run(kiln_cli, "inspect", art)
     assert r.returncode == 0, r.stderr
     assert "accuracy gate passed" in r.stdout
+
+
+def test_periods_and_counts_below_their_range_are_usage_errors(capsys):
+    """`kiln monitor --period 0` exited with status 1 from inside the command and `kiln top
+    --period 0` was taken; both are argparse's usage error (status 2) before anything runs."""
+    import pytest
+    from kiln.cli.app import build_parser
+    for argv in (["monitor", "--period", "0"], ["top", "--once", "--period", "-1"], ["monitor", "--count", "0"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+    assert "must be above 0 seconds" in capsys.readouterr().err

@@ -34,3 +34,15 @@ def positive_int(text) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def positive_seconds(text) -> float:
+    """An argparse type for periods and durations: above 0 (``--period 0`` exited with status 1
+    from inside the command, or was taken, and busy-looped, by ``kiln top``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value

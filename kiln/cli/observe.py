@@ -5,7 +5,7 @@ import json
 
 from rich.table import Table
 
-from kiln.cli.common import positive_int
+from kiln.cli.common import positive_int, positive_seconds
 
 
 def add_ls(sub):
@@ -17,7 +17,7 @@ def add_ls(sub):
 
 def add_monitor(sub):
     sp = sub.add_parser("monitor", help="a neuron-monitor style JSON report on stdout every period")
-    sp.add_argument("--period", type=float, default=5.0, help="seconds between reports (default 5)")
+    sp.add_argument("--period", type=positive_seconds, default=5.0, help="seconds between reports (default 5)")
     sp.add_argument("--count", type=positive_int, default=None, help="stop after this many reports")
     sp.add_argument("--run-dir", default=None)
     sp.set_defaults(fn=cmd_monitor)
@@ -25,7 +25,7 @@ def add_monitor(sub):
 
 def add_top(sub):
     sp = sub.add_parser("top", help="live per-core and per-model view of the kiln processes (q quits)")
-    sp.add_argument("--period", type=float, default=1.0, help="refresh period in seconds (default 1)")
+    sp.add_argument("--period", type=positive_seconds, default=1.0, help="refresh period in seconds (default 1)")
     sp.add_argument("--once", action="store_true", help="print one frame after one period and exit")
     sp.add_argument("--width", type=positive_int, default=None, help="render width (default: the terminal's)")
     sp.add_argument("--run-dir", default=None)
@@ -85,8 +85,6 @@ def _print_processes(info, console):
 
 def cmd_monitor(a, console):
     from kiln.observe import monitor
-    if a.period <= 0:
-        raise SystemExit("kiln monitor: --period must be positive")
     return monitor.run(a.period, a.count, a.run_dir)
 
 
