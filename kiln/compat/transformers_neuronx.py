@@ -126,37 +126,8 @@ class NeuronAutoModelForCausalLM:
             raise InputError(f"sequence_length={sequence_length} leaves no room after the "
                              f"{input_ids.shape[1]}-token prompt")
         greedy = top_k == 1
-        if streamer is not None:
-            return self._streamed(input_ids, new, streamer, do_sample=not greedy, top_k=top_k,
-                                  temperature=temperature, top_p=top_p)
-        return self.compiled.hf_generate(input_ids, max_new_tokens=new, do_sample=not greedy,
-                                         top_k=top_k, temperature=temperature, top_p=top_p)
-
-    def _streamed(self, input_ids, new: int, streamer, **settings):
-        """One sequence through the compiled model's scheduler, each token handed to
-        ``streamer`` as the scheduler makes it; the same tokens as without a streamer."""
-        import torch
-
-        from kiln.runtime import hf_settings
-        from kiln.runtime.scheduler import Request
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise InputError(f"sample(streamer=) takes one sequence ([1, n] input_ids); got {tuple(input_ids.shape)}")
-        prompt = input_ids[0].tolist()
-        cfg, _ = hf_settings.resolve(None, dict(settings, max_new_tokens=new), len(prompt))
-        params = hf_settings.sampling_params(cfg)       # as hf_generate reads the same settings
-
-        def on_token(_request, token) -> bool:
-            streamer.put(torch.tensor([token]))
-            return False                    # never ends the request: EOS and the length do
-
-        streamer.put(input_ids)
-        scheduler = self.compiled.scheduler()
-        request = scheduler.add(Request(prompt, new, params, self.compiled.meta["eos_token_ids"], on_token=on_token))
-        scheduler.run()
-        streamer.end()
-        if request.error is not None:
-            raise request.error
-        return torch.tensor([prompt + request.tokens], dtype=input_ids.dtype)
+        return self.compiled.hf_generate(input_ids, max_new_tokens=new, do_sample=not greedy, top_k=top_k,
+                                         temperature=temperature, top_p=top_p, streamer=streamer)
 
 
 class LlamaForSampling(NeuronAutoModelForCausalLM):

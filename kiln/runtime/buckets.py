@@ -333,14 +333,8 @@ class DynamicBatch(_Wrapper):
 
     @property
     def fixed_outputs(self) -> list:
-        """Outputs that do not follow the batch on dim 0 (a sum over rows, the batch moved to
-        another dim), unless the compile-time batch check (``kiln.trace(dynamic_batch=True)``,
-        :func:`kiln.compiler.padcheck.check_dynamic_batch`) found the first chunk's value
-        right for a split batch. A split batch has no answer for these: each chunk gives its
-        own, and taking the first one's was a wrong answer without a word."""
-        if "max_abs_error" in (self.manifest.get("batch_check") or {}):
-            return []
-        return [s.name for s, b in zip(self.inner.output_specs, self._batched_out) if not b]
+        """:func:`fixed_outputs` on dim 0."""
+        return fixed_outputs(self.manifest, self.inner.output_specs, self._batched_out)
 
     def check(self, flat):
         if len(flat) != len(self.input_specs):
@@ -423,6 +417,18 @@ class DynamicBatch(_Wrapper):
 
     def __repr__(self):
         return f"kiln.DynamicBatch({self.inner!r}, compiled batch {self.batch_size})"
+
+
+def fixed_outputs(manifest: dict, output_specs, follows: list) -> list:
+    """The outputs that do not follow the batch (``follows``: per output; a sum over rows,
+    the batch moved to another dim), unless the compile-time batch check
+    (``kiln.trace(dynamic_batch=True)``, :func:`kiln.compiler.padcheck.check_dynamic_batch`,
+    in ``manifest``) found the first chunk's value right for a split batch. A split batch
+    has no answer for these (each chunk gives its own): dynamic batch and DataParallel
+    refuse such a call, where they had returned the first chunk's value without a word."""
+    if "max_abs_error" in (manifest.get("batch_check") or {}):
+        return []
+    return [s.name for s, b in zip(output_specs, follows) if not b]
 
 
 def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested=None):

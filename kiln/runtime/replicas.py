@@ -187,9 +187,8 @@ class DataParallel(Model):
         self._batched_in = [len(s.shape) > dim and s.shape[dim] == self.batch_size for s in self.input_specs]
         self._batched_out = [len(s.shape) > dim and s.shape[dim] == self.batch_size
                              for s in self.output_specs]
-        proven = "max_abs_error" in (module.manifest.get("batch_check") or {})
-        self._fixed_out = [] if proven else [s.name for s, b in zip(self.output_specs, self._batched_out) if not b]
-        from kiln.runtime.buckets import DynamicBatch
+        from kiln.runtime.buckets import DynamicBatch, fixed_outputs
+        self._fixed_out = fixed_outputs(module.manifest, self.output_specs, self._batched_out)
         self._checker = DynamicBatch(module, track=False) if dynamic_batching else None
 
         self._dir = tempfile.mkdtemp(prefix="kiln-dp-")
