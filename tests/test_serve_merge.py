@@ -134,6 +134,29 @@ def test_check_merging_finds_rows_that_interact():
     assert not big.safe and big.case == "16 rows" and big.row == 15 and big.max_diff == pytest.approx(1)
 
 
+class IntStat(torch.nn.Module):
+    """Rows interact through an integer statistic of the batch: each row's pooled embedding
+    over the batch's largest id (found by probing: ids of 0/1 all have the same max)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(64, 4)
+
+    def forward(self, ids):
+        return self.e(ids).sum(1) / ids.max().clamp(min=1).float()
+
+
+def test_check_merging_draws_ids_over_their_range():
+    """A compiled model's index inputs get random ids over the range its artifact records, so
+    a statistic of the ids across the batch shows; 0/1 ids alone proved this model mergeable
+    and the server mixed two clients' answers (off by 1.9)."""
+    torch.manual_seed(9)
+    model = kiln.trace(IntStat().eval(), torch.randint(0, 64, (2, 5)), dynamic_batch=True, validate=False)
+    assert [r[2:4] for r in model.index_ranges] == [(0, 64)]
+    check = check_merging(model, _dynamic(), 4)
+    assert not check.safe and check.max_diff > 1e-3 and "rows interact" in check.describe()
+
+
 def test_check_merging_pads_a_bucketed_axis_as_the_batcher_does():
     # rows of one bucket (lengths 1..4 of bucket 4) are padded to the group's longest with the
     # pad value: a masked mean cannot see it, a plain mean over the axis can

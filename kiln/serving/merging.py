@@ -117,9 +117,12 @@ class MergeCheck:
                 f"{self.row}, beyond {self.tolerance})")
 
 
-def _synthetic_row(spec, i, layout: Layout, lengths, gen) -> torch.Tensor:
-    """One row (batch 1) of flat input ``i``: random floats, or 0/1 for ints and bools (valid
-    ids and masks), the first entry 1 (no all-masked row); bucketed axes at ``lengths``."""
+def _synthetic_row(spec, i, layout: Layout, lengths, gen, index_range=None) -> torch.Tensor:
+    """One row (batch 1) of flat input ``i``: random floats; for an input that indexes
+    (``index_range``, ``(low, high)`` from the artifact), random ids over its whole range, so
+    rows differ in their ids' statistics too (a model dividing by ``ids.max()`` across the
+    batch was proven mergeable on 0/1 ids, and mixed clients' answers); other ints and bools
+    0/1 (masks), the first entry 1 (no all-masked row); bucketed axes at ``lengths``."""
     shape = [1] + [int(n) for n in spec.shape[1:]]
     for a, ax in enumerate(layout.axes):
         for ii, d in ax.inputs:
@@ -128,6 +131,8 @@ def _synthetic_row(spec, i, layout: Layout, lengths, gen) -> torch.Tensor:
     dtype = spec.dtype
     if dtype.is_floating_point:
         t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    elif index_range is not None and index_range[1] - index_range[0] > 2:
+        t = torch.randint(index_range[0], index_range[1], shape, generator=gen).to(dtype)
     else:
         t = torch.randint(0, 2, shape, generator=gen).to(dtype)
         if t.numel():
@@ -218,7 +223,8 @@ def _compare_rows(model, rows, merged, n: int, case: str, alone: dict, names, re
 def check_merging(model, layout: Layout, max_rows: int, seed: int = 0) -> MergeCheck:
     """Prove on synthetic inputs that the batcher's merging does not change ``model``'s answers.
 
-    Builds ``max_rows`` distinct one-row requests (random floats, 0/1 ints; rows of a bucketed
+    Builds ``max_rows`` distinct one-row requests (random floats, ids over their ranges, else 0/1
+    ints; rows of a bucketed
     axis at different lengths within one bucket), merges them exactly as the batcher does
     (concatenated on dim 0, padded to the group's longest, and by the model to its batch bucket
     or chunk), and compares the rows' outputs (the first ``MERGE_CHECK_ROWS`` and the last, which
@@ -228,10 +234,11 @@ def check_merging(model, layout: Layout, max_rows: int, seed: int = 0) -> MergeC
     gen = torch.Generator().manual_seed(seed)
     specs = list(model.input_specs)
     spans = [_axis_lengths(ax) for ax in layout.axes]
+    ranges = {r[0]: (r[2], r[3]) for r in getattr(model, "index_ranges", None) or ()}
     rows = []
     for r in range(max_rows):
         lengths = [hi - r % (hi - lo + 1) for lo, hi in spans]    # the longest first, then shorter
-        rows.append([_synthetic_row(s, i, layout, lengths, gen) for i, s in enumerate(specs)])
+        rows.append([_synthetic_row(s, i, layout, lengths, gen, ranges.get(i)) for i, s in enumerate(specs)])
     names = [s.name for s in model.output_specs]
     result = MergeCheck(True, [])
     alone: dict = {}
