@@ -124,23 +124,27 @@ async def health_ready(request):
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
 
+def not_ready(sm):
+    """The 503 of a model's metadata or config before it is ready (loading, warming up,
+    checking merges: its batching is not settled yet) or after it failed; None once ready."""
+    if sm.ready:
+        return None
+    return error_response(503, f"model '{sm.name}' is not ready ({sm.state.lower()})"
+                               + (f": {sm.error}" if sm.error else ""), RETRY)
+
+
 async def model_metadata(request):
     state, sm = lookup_model(request)
     if isinstance(sm, Response):
         return sm
-    if sm.batcher is None:
-        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}"
-                                   + (f": {sm.error}" if sm.error else ""))
-    return JSONResponse(sm.metadata())
+    return not_ready(sm) or JSONResponse(sm.metadata())
 
 
 async def model_config(request):
     state, sm = lookup_model(request)
     if isinstance(sm, Response):
         return sm
-    if sm.batcher is None:
-        return error_response(503, f"model '{sm.name}' is {sm.state.lower()}")
-    return JSONResponse(sm.model_config())
+    return not_ready(sm) or JSONResponse(sm.model_config())
 
 
 async def model_ready(request):

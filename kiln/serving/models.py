@@ -43,7 +43,6 @@ class ServedModel:
         self.merge_check = None               # kiln.serving.merging.MergeCheck, when one ran
         self.signature = None                 # kiln.serving.protocol.Signature, once loaded
         self.layout = None
-        self._meta = None
 
     # -- loading -------------------------------------------------------------------------------
     def load(self) -> float:
@@ -56,20 +55,21 @@ class ServedModel:
         self.signature = signature_of(self.name, first.input_specs, first.output_specs,
                                       self.layout.input_var, self.layout.output_var)
         self.warm_up()
-        b = self.batcher = Batcher(self.name, self.instances, self.layout,
-                                   max_batch_size=self.config.max_batch_size,
-                                   max_queue_delay_ms=self.config.max_queue_delay_ms,
-                                   max_queue=self.config.max_queue,
-                                   observe=self.metrics.observer(self.name), log=log)
+        b = Batcher(self.name, self.instances, self.layout, max_batch_size=self.config.max_batch_size,
+                    max_queue_delay_ms=self.config.max_queue_delay_ms, max_queue=self.config.max_queue,
+                    observe=self.metrics.observer(self.name), log=log)
         if self.config.max_batch_size > 1 and not b.batching:
             log("info", "batching_off", model=self.name,
                 reason="the model's inputs and outputs do not all have a variable batch dim (dim 0); "
                        "compile it with dynamic_batch=True or bucket dim 0 to batch requests")
         elif b.batching and self.config.merge_check:
-            self.run_merge_check()
+            self.run_merge_check(b)
         elif b.batching:
             log("info", "merge_check_skipped", model=self.name,
                 reason="merge_check is off: merged batches are trusted to equal requests run alone")
+        # published only now, its batching settled: nothing reads a batcher whose merge check
+        # has not run (the routes answer 503 until the model is ready anyway)
+        self.batcher = b
         self.metrics.instances.labels(self.name).set(len(self.instances))
         self.metrics.batching.labels(self.name).set(1 if b.batching else 0)
         return time.perf_counter() - started
@@ -108,16 +108,14 @@ class ServedModel:
             log("info", "instance_warmed_up", model=self.name, instance=k, calls=len(sets),
                 seconds=round(time.perf_counter() - t0, 3))
 
-    def run_merge_check(self):
-        """Prove that merging requests keeps every answer, or turn batching off for this model."""
-        b = self.batcher
+    def run_merge_check(self, b: Batcher):
+        """Prove that merging requests keeps every answer, or turn batching off in ``b``."""
         check = self.merge_check = check_merging(self.instances[0], self.layout, b.max_batch_size)
         if check.safe:
             log("info", "merge_checked", model=self.name, cases=check.cases,
                 max_diff=check.max_diff, seconds=round(check.seconds, 3))
             return
         b.disable(check.describe())
-        self._meta = None
         log("warning", "batching_unsafe", model=self.name, reason=check.describe(),
             output=check.output, case=check.case, row=check.row, max_diff=check.max_diff,
             tolerance=check.tolerance, error=check.error, seconds=round(check.seconds, 3),
@@ -143,15 +141,12 @@ class ServedModel:
 
     # -- protocol views ------------------------------------------------------------------------
     def metadata(self) -> dict:
-        """The model metadata answer (``GET /v2/models/{name}``)."""
-        if self._meta is None:
-            sig = self.signature
-            self._meta = {
-                "name": self.name, "versions": ["1"], "platform": "kiln",
+        """The model metadata answer (``GET /v2/models/{name}``) of a loaded model (built at
+        each call: nothing cached can outlive a change of its batching)."""
+        sig = self.signature
+        return {"name": self.name, "versions": ["1"], "platform": "kiln",
                 "parameters": {"model_name": self.model_name, "batching": self.batching_note()},
-                "inputs": sig.inputs, "outputs": sig.outputs,
-            }
-        return self._meta
+                "inputs": sig.inputs, "outputs": sig.outputs}
 
     def model_config(self) -> dict:
         """The model config answer (``GET /v2/models/{name}/config``), in Triton's terms."""
