@@ -481,6 +481,29 @@ def test_request_timeout(slow):
     assert slow.get("/v2/health/live")[0] == 200
 
 
+def _queue_depth(server) -> float:
+    text = server.get("/metrics")[1].decode()
+    return float(re.search(r'^kiln_serve_queue_depth\{model="mlp"\} (\S+)$', text, re.M).group(1))
+
+
+def test_timed_out_requests_leave_the_queue_at_once(slow):
+    """A request that times out leaves the queue then, and kiln_serve_queue_depth says so (it
+    kept counting timed-out requests forever)."""
+    x = np.ones((1, 16), np.float32)
+    results = []
+
+    def send():
+        results.append(slow.post_json("/v2/models/mlp/infer", _mlp_request(x, parameters={"timeout": 300_000}))[0])
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [504] * 3
+    assert _queue_depth(slow) == 0
+
+
 def test_sigterm_drains_in_flight_requests(slow, artifacts):
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(3)]

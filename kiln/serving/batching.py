@@ -18,8 +18,9 @@ batcher owns the model's instances (copies of the model, one per kiln core with
   the free instance in a worker thread (``loop.run_in_executor``); the outputs
   are split back per request. If a merged batch fails, its requests are retried
   one by one, so one bad request fails alone.
-* **Timeouts.** A request that times out is dropped from the queue (if still
-  queued) and its result discarded (if running).
+* **Timeouts.** A request that times out (or whose caller is cancelled) is
+  dropped from the queue at once, freeing its place and lowering the queue
+  depth (if still queued), or its result is discarded (if running).
 
 With a bucketed batch dim, ``n`` waiting rows can run either trimmed to the
 largest batch bucket they fill (no padding rows; the rest waits for the next
@@ -135,14 +136,30 @@ class Batcher:
         try:
             return await asyncio.wait_for(asyncio.shield(req.future), timeout)
         except asyncio.TimeoutError:
-            req.future.cancel()     # dropped from the queue, or its result discarded
+            self._discard(req)
             raise RequestTimeoutError(f"model '{self.name}': request timed out after "
                                  f"{timeout * 1e3:.0f} ms") from None
 
+    def _discard(self, req):
+        """A request nobody waits for: out of the queue now (its place freed, the depth
+        reported), or, already in a batch, its result discarded."""
+        req.future.cancel()
+        for k, r in enumerate(self._pending):
+            if r is req:
+                del self._pending[k]
+                self.depth -= 1
+                self._observe("queue_depth", self.depth)
+                self._wake.set()        # the collector may be waiting on this request's deadline
+                return
+
     def _drop_dead(self):
+        dropped = False
         while self._pending and self._pending[0].future.done():
             self._pending.popleft()
             self.depth -= 1
+            dropped = True
+        if dropped:
+            self._observe("queue_depth", self.depth)
 
     async def _wait(self, timeout=None):
         self._wake.clear()
