@@ -410,6 +410,74 @@ def test_bad_requests_do_not_disturb_good_ones_in_flight(server, artifacts):
             np.testing.assert_allclose(got, mlp_eager(artifacts, x), atol=ATOL, rtol=RTOL)
 
 
+def test_json_data_is_read_as_sent_or_refused(server, artifacts):
+    """Nested data must follow the shape (ragged rows were re-split into it), and a float
+    input takes numbers, not true/false (true was read as 1.0): no implicit casts."""
+    x = np.arange(32, dtype=np.float32).reshape(2, 16) / 32
+    flat = x.reshape(-1).tolist()
+    path = "/v2/models/mlp/infer"
+    for data, message in (([flat[:20], flat[20:]], r"input 'input': .*ragged.*list 1 has 12 values, list 0 has 20"),
+                          ([flat[:16], flat[16:], []], r"input 'input': .*ragged"),
+                          ([flat[:16], 1.0], r"input 'input': .*ragged"),
+                          ([[v] for v in flat], r"input 'input': .*dims \[32, 1\].*shape \[2, 16\]"),
+                          ([flat], r"input 'input': .*dims \[1, 32\].*shape \[2, 16\]"),
+                          ([True] * 32, r"input 'input': .*FP32 data must be numbers"),
+                          ([1.0] * 31 + [False], r"input 'input': .*FP32 data must be numbers")):
+        status, body = server.post_json(path, {"inputs": [{"name": "input", "shape": [2, 16], "datatype": "FP32",
+                                                           "data": data}]})
+        assert status == 400 and re.search(message, body["error"]), (data, body)
+    # nested as the shape (rows of 16), and integers for a float input, are read as sent
+    want = mlp_eager(artifacts, x)
+    for data in (x.tolist(), flat):
+        status, body = server.post_json(path, {"inputs": [{"name": "input", "shape": [2, 16], "datatype": "FP32",
+                                                           "data": data}]})
+        assert status == 200, body
+        np.testing.assert_allclose(np.array(body["outputs"][0]["data"], np.float32).reshape(2, 4), want,
+                                   atol=ATOL, rtol=RTOL)
+    ints = np.arange(16, dtype=np.float32).reshape(1, 16)
+    status, body = server.post_json(path, {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32",
+                                                       "data": list(range(16))}]})
+    assert status == 200
+    np.testing.assert_allclose(np.array(body["outputs"][0]["data"], np.float32).reshape(1, 4),
+                               mlp_eager(artifacts, ints), atol=ATOL, rtol=RTOL)
+
+
+def test_nan_and_infinity_travel_as_json_tokens_tritonclient_reads(server, artifacts):
+    """NaN and ±inf have no JSON number: in JSON data they are the tokens NaN, Infinity and
+    -Infinity, which tritonclient (rapidjson) and Python's json write and read; the values
+    come back as computed, never replaced."""
+    x = np.ones((3, 16), np.float32)
+    x[0, 3], x[1, 5], x[1, 6] = np.nan, np.inf, -np.inf
+    want = mlp_eager(artifacts, x)
+    assert np.isnan(want[:2]).all() and np.isfinite(want[2]).all()
+    c = httpclient.InferenceServerClient(server.url)
+    res = c.infer("mlp", mlp_inputs(x, binary=False),          # JSON in (NaN, Infinity), JSON out
+                  outputs=[httpclient.InferRequestedOutput("output0", binary_data=False)])
+    np.testing.assert_allclose(res.as_numpy("output0"), want, atol=ATOL, rtol=RTOL)     # NaN where NaN
+    c.close()
+    body = json.dumps(_mlp_request(x)).encode()
+    status, _, raw = server.request("POST", "/v2/models/mlp/infer", body)
+    assert status == 200 and b"NaN" in raw
+    np.testing.assert_allclose(np.array(json.loads(raw)["outputs"][0]["data"], np.float32).reshape(3, 4), want,
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_only_the_extensions_served_are_advertised(server):
+    """The model repository extension was advertised, but tritonclient's load_model and
+    unload_model got a bare 404 (as get_inference_statistics did): kiln serves its index
+    only, so it advertises binary tensor data alone, and says what it does not do."""
+    c = httpclient.InferenceServerClient(server.url)
+    assert c.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    assert [m["name"] for m in c.get_model_repository_index()] == ["mlp", "seq"]
+    for call in (lambda: c.load_model("mlp"), lambda: c.unload_model("mlp")):
+        with pytest.raises(InferenceServerException, match="does not load or unload models at run time"):
+            call()
+    with pytest.raises(InferenceServerException, match="no statistics extension.*GET /metrics"):
+        c.get_inference_statistics("mlp")
+    assert c.is_model_ready("mlp")
+    c.close()
+
+
 # -- operations -----------------------------------------------------------------------------------------
 def test_metrics_and_structured_logs(server):
     # its own traffic, so the counts below do not depend on which tests ran before it
@@ -478,6 +546,8 @@ def test_request_timeout(slow):
     status, body = slow.post_json("/v2/models/mlp/infer", _mlp_request(x, parameters={"timeout": 200_000}))
     assert status == 504 and "timed out after 200 ms" in body["error"]
     assert time.monotonic() - t0 < 1.2
+    status, body = slow.post_json("/v2/models/mlp/infer", _mlp_request(x, parameters={"timeout": 1}))
+    assert status == 504 and "timed out after 1 µs" in body["error"]     # it said "0 ms"
     assert slow.get("/v2/health/live")[0] == 200
 
 

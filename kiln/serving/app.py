@@ -9,6 +9,8 @@
 ``GET  /v2/models/{name}/config``            batching and instance settings
 ``POST /v2/models/{name}/infer``             inference: JSON tensors or binary tensor data
 ``POST /v2/repository/index``                the models and their states
+``POST /v2/repository/models/{name}/load``   400: models are not loaded or unloaded at run time
+``GET  /v2/models/{name}/stats``             400: no statistics extension (see ``/metrics``)
 ``GET  /metrics``                            Prometheus metrics
 ``GET  /v1/models``                          the LLMs ready to answer: the OpenAI API
 ``POST /v1/completions``                     (:mod:`kiln.serving.openai_api`)
@@ -108,8 +110,19 @@ def lookup_model(request: Request, allow_llm: bool = False):
 
 # -- metadata, health, repository, metrics ---------------------------------------------------------
 async def server_metadata(request):
-    return JSONResponse({"name": "kiln", "version": __version__,
-                         "extensions": ["binary_tensor_data", "model_repository"]})
+    """Only the extensions served whole: the model repository extension's index route is
+    served, its load and unload are not (:func:`not_offered`), so it is not advertised."""
+    return JSONResponse({"name": "kiln", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+
+async def not_offered(request):
+    """A 400 naming what kiln serve does not do, for Triton's routes a client may try
+    (``tritonclient``'s ``load_model``, ``unload_model``, ``get_inference_statistics``)."""
+    if request.url.path.endswith("/stats"):
+        return error_response(400, "kiln serve has no statistics extension: each model's requests, failures, "
+                                   "queue and inference times are Prometheus metrics at GET /metrics")
+    return error_response(400, "kiln serve does not load or unload models at run time (no model_repository "
+                               "extension): it serves the models named when it started; restart it to change them")
 
 
 async def health_live(request):
@@ -250,12 +263,15 @@ def routes() -> list:
         out += [Route(prefix, model_metadata, methods=["GET"]),
                 Route(prefix + "/ready", model_ready, methods=["GET"]),
                 Route(prefix + "/config", model_config, methods=["GET"]),
-                Route(prefix + "/infer", infer, methods=["POST"])]
+                Route(prefix + "/infer", infer, methods=["POST"]),
+                Route(prefix + "/stats", not_offered, methods=["GET"])]
     return [Route("/v2", server_metadata, methods=["GET"]),
             Route("/v2/health/live", health_live, methods=["GET"]),
             Route("/v2/health/ready", health_ready, methods=["GET"]),
             Route("/health", health_ready, methods=["GET"]),
             Route("/v2/repository/index", repository_index, methods=["POST", "GET"]),
+            Route("/v2/repository/models/{name}/load", not_offered, methods=["POST"]),
+            Route("/v2/repository/models/{name}/unload", not_offered, methods=["POST"]),
             Route("/metrics", metrics_endpoint, methods=["GET"])] + out + openai_api.routes()
 
 

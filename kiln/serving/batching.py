@@ -45,6 +45,15 @@ from kiln.serving.layout import Layout
 from kiln.serving.merging import Request, merge, split
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` in a unit that shows it (``1 µs``, ``200 ms``, ``30 s``)."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.4g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds:.4g} s"
+
+
 class Batcher:
     """One served model's queue, collector and instances; see the module docstring.
 
@@ -138,7 +147,7 @@ class Batcher:
         except asyncio.TimeoutError:
             self._discard(req)
             raise RequestTimeoutError(f"model '{self.name}': request timed out after "
-                                 f"{timeout * 1e3:.0f} ms") from None
+                                      f"{duration(timeout)}") from None
 
     def _discard(self, req):
         """A request nobody waits for: out of the queue now (its place freed, the depth

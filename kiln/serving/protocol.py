@@ -80,19 +80,21 @@ def signature_of(name: str, input_specs, output_specs, input_var, output_var) ->
 
 # -- tensors on the wire -----------------------------------------------------------------------------
 def tensor_from_json(data, dtype: torch.dtype, shape: list, name: str) -> torch.Tensor:
-    """A tensor from an input's JSON ``data`` (flat or nested lists), checked against ``dtype``
-    (no floats or bools passed as integers) and ``shape``."""
+    """A tensor from an input's JSON ``data`` (flat, or nested as ``shape``), checked against
+    ``dtype`` with no implicit casts (true/false only for BOOL, integers only for integer
+    types, numbers but no true/false for floats) and ``shape``."""
     count = math.prod(shape)
     try:
+        flat = flatten_json(data, shape)
         if dtype == torch.bool:
-            flat = flatten_json(data)
             if not all(isinstance(v, bool) for v in flat):
                 raise ValueError("BOOL data must be true/false")
             t = torch.tensor(flat, dtype=torch.bool)
         elif dtype.is_floating_point:
-            t = torch.tensor(flatten_json(data), dtype=torch.float64).to(dtype)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
+                raise ValueError(f"{DATATYPE_OF[dtype]} data must be numbers (true/false is BOOL data)")
+            t = torch.tensor(flat, dtype=torch.float64).to(dtype)
         else:
-            flat = flatten_json(data)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
                 raise ValueError(f"{DATATYPE_OF[dtype]} data must be integers")
             t = torch.tensor(flat, dtype=dtype)
@@ -103,21 +105,33 @@ def tensor_from_json(data, dtype: torch.dtype, shape: list, name: str) -> torch.
     return t.reshape(shape)
 
 
-def flatten_json(data) -> list:
-    """Row-major values of a (nested) JSON list, without recursion limits."""
+def flatten_json(data, shape: list) -> list:
+    """Row-major values of an input's JSON ``data``: a flat list, or lists nested as the shape
+    (``[2, 3]``: 2 lists of 3 values; the innermost lists may also hold the rest of the shape
+    flattened: ``[2, 3, 4]`` as 2 lists of 12). Nesting that is ragged or does not follow
+    ``shape`` is refused, never re-split. Level by level, without recursion limits."""
     if not isinstance(data, list):
         raise ValueError("'data' must be a list")
     if not data or not isinstance(data[0], list):
-        return data
-    out: list = []
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        else:
-            out.append(item)
-    return out
+        return data              # flat (a list inside it fails the datatype check)
+    level, dims = [data], []
+    while level and isinstance(level[0], list):
+        n = len(level[0])
+        for k, item in enumerate(level):
+            if not isinstance(item, list) or len(item) != n:
+                what = f"{len(item)} values" if isinstance(item, list) else "a value, not a list"
+                raise ValueError(f"nested 'data' is ragged: at depth {len(dims)}, list {k} has {what}, "
+                                 f"list 0 has {n}; send it flat or nested as the shape {shape}")
+        dims.append(n)
+        level = [v for item in level for v in item]
+    if any(isinstance(v, list) for v in level):
+        raise ValueError(f"nested 'data' is ragged: lists and values at the same depth; send it flat "
+                         f"or nested as the shape {shape}")
+    k = len(dims)                # dims: the list lengths at each depth ([count] when flat)
+    if k > 1 and (k > len(shape) or dims[:-1] != list(shape[:k - 1]) or dims[-1] != math.prod(shape[k - 1:])):
+        raise ValueError(f"nested 'data' has dims {dims}, which do not follow the shape {shape}; "
+                         "send it flat or nested as the shape")
+    return level
 
 
 def tensor_from_bytes(chunk, dtype: torch.dtype, shape: list, name: str) -> torch.Tensor:
