@@ -11,7 +11,10 @@ window can be observed, then serves:
   ``merge check skipped`` forever, cached from the loading window);
 * an embeddings request of up to 2048 inputs (OpenAI's limit) is answered on an idle server,
   though its 512 batches are far more than the queue's 3 places (it got 429 for more than
-  ``--max-queue`` batches, and the batches already queued ran anyway).
+  ``--max-queue`` batches, and the batches already queued ran anyway);
+* a full queue refuses a request whole, before any of its batches is queued;
+* embeddings requests are counted in ``kiln_serve_requests_total`` and the other request
+  metrics (only KServe's infer was).
 """
 import json
 import os
@@ -19,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -175,3 +179,53 @@ def test_the_most_inputs_are_answered_on_an_idle_server(served):
     after = _histogram(s.get("/metrics")[1].decode(), "kiln_serve_batch_size", "emb")["+Inf"]
     assert after - before == 512
     assert metric(s, "kiln_serve_queue_depth", model="emb") == 0
+
+
+def _infer_one_row(s, results):
+    ids = [101] + [2000] * (LENGTH - 2) + [102]
+    payload = {"inputs": [{"name": n, "shape": [1, LENGTH], "datatype": "INT64", "data": v}
+                          for n, v in (("input_ids", ids), ("attention_mask", [1] * LENGTH))]}
+    results.append(s.post_json("/v2/models/emb/infer", payload)[0])
+
+
+def test_a_full_queue_refuses_a_request_whole_and_it_is_counted(served):
+    """Three one-row KServe requests wait (1 s) for their batch to fill: the queue is full, and
+    an embeddings request is refused with 429 before any of its batches is queued. Every
+    embeddings request counts in the request metrics, by outcome."""
+    s, _, tok, enc = served
+    count = {reason: metric(s, "kiln_serve_request_failures_total", model="emb", reason=reason)
+             for reason in ("overloaded", "bad_request")}
+    requests = metric(s, "kiln_serve_requests_total", model="emb")
+    ok = metric(s, "kiln_serve_request_duration_seconds_count", model="emb")
+    batches = _histogram(s.get("/metrics")[1].decode(), "kiln_serve_batch_size", "emb")
+    results: list = []
+    threads = [threading.Thread(target=_infer_one_row, args=(s, results)) for _ in range(MAX_QUEUE)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while metric(s, "kiln_serve_queue_depth", model="emb") < MAX_QUEUE:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    status, body = s.post_json("/v1/embeddings", {"model": "emb", "input": ["a", "b", "c", "d"]})
+    assert status == 429 and "overloaded" in body["error"]["message"], body
+    for t in threads:
+        t.join(30)
+    assert results == [200] * MAX_QUEUE
+    after = _histogram(s.get("/metrics")[1].decode(), "kiln_serve_batch_size", "emb")
+    # one batch ran since: the three waiting rows; the refused request left nothing queued
+    assert after["+Inf"] - batches.get("+Inf", 0) == 1
+    assert after["4.0"] - after["2.0"] - (batches.get("4.0", 0) - batches.get("2.0", 0)) == 1
+    assert metric(s, "kiln_serve_queue_depth", model="emb") == 0
+    # an answered request, a bad one; an unknown model is not counted (no model to count it under)
+    status, body = s.post_json("/v1/embeddings", {"model": "emb", "input": ["one", "two", "three", "four"]})
+    assert status == 200
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in body["data"]]),
+                               eager(tok, enc, ["one", "two", "three", "four"]), atol=1e-5, rtol=1e-4)
+    assert s.post_json("/v1/embeddings", {"model": "emb", "input": [""]})[0] == 400
+    assert s.post_json("/v1/embeddings", {"model": "nope", "input": ["x"]})[0] == 404
+    assert metric(s, "kiln_serve_requests_total", model="emb") - requests == 3 + MAX_QUEUE
+    assert metric(s, "kiln_serve_request_failures_total", model="emb", reason="overloaded") - count["overloaded"] == 1
+    assert metric(s, "kiln_serve_request_failures_total", model="emb", reason="bad_request") - count["bad_request"] == 1
+    assert metric(s, "kiln_serve_request_duration_seconds_count", model="emb") - ok == 1 + MAX_QUEUE
+    assert 'model="nope"' not in s.get("/metrics")[1].decode()
+    assert metric(s, "kiln_serve_in_flight_requests", model="emb") == 0

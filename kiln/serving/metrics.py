@@ -19,9 +19,10 @@ class ServeMetrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kiln_serve_requests", "Inference requests received", ["model"], registry=r)
+        self.requests = Counter("kiln_serve_requests", "Inference requests received (KServe infer and "
+                                "/v1/embeddings)", ["model"], registry=r)
         self.failures = Counter("kiln_serve_request_failures", "Inference requests that failed, by reason "
-                                "(bad_request, overloaded, unavailable, timeout, internal)",
+                                "(bad_request, overloaded, unavailable, timeout, internal, disconnected)",
                                 ["model", "reason"], registry=r)
         self.request_seconds = Histogram("kiln_serve_request_duration_seconds", "Successful inference "
                                          "requests, end to end in the server", ["model"],

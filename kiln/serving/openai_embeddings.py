@@ -11,7 +11,9 @@ The batches run through the model's batcher, so they share batches with other re
 and the KServe route's limits apply: ``--timeout`` to the whole request, ``--max-queue`` to
 it as one request (admitted whole when the queue has room, or refused with 429 before any of
 its batches is queued; then its batches go through the queue a few at a time, at most two
-per instance at once, so a request of 2048 inputs is never refused for its own size).
+per instance at once, so a request of 2048 inputs is never refused for its own size). An
+embeddings request counts in ``kiln_serve_requests_total`` and the other request metrics
+under its model's name once its body names a served embedding model.
 """
 from __future__ import annotations
 
@@ -172,21 +174,55 @@ def encoded(v, fmt: str):
     return base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii")
 
 
+# an embeddings answer's status -> its failure reason in kiln_serve_request_failures_total
+REASONS = {429: "overloaded", 503: "unavailable", 504: "timeout", 500: "internal", 499: "disconnected"}
+
+
 async def embeddings(request: Request):
-    state, payload = request.app.state.kiln, {}
+    """``POST /v1/embeddings``, counted in the request metrics under the model it names."""
+    state = request.app.state.kiln
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     try:
         payload = await read_json(request, state.config)
+    except OpenAIError as e:
+        return e.response()
+    except ClientDisconnect:
+        return JSONResponse({}, status_code=499)
+    name = payload.get("model")
+    if not isinstance(name, str) or name not in embedders(request):
+        return await answer(request, payload)      # a 404: no model to count it under
+    m = state.metrics
+    m.requests.labels(name).inc()
+    gauge = m.in_flight.labels(name)
+    gauge.inc()
+    state.in_flight += 1
+    try:
+        response = await answer(request, payload)
+    finally:
+        gauge.dec()
+        state.in_flight -= 1
+    if response.status_code == 200:
+        m.request_seconds.labels(name).observe(loop.time() - start)
+    else:
+        m.failures.labels(name, REASONS.get(response.status_code, "bad_request")).inc()
+    return response
+
+
+async def answer(request: Request, payload: dict):
+    """The response to an embeddings request: the embeddings, or the error OpenAI's way."""
+    try:
         return JSONResponse(await embed(request, payload))
     except OpenAIError as e:
         return e.response()
     except (InputError, BadRequestError) as e:
         return OpenAIError(400, str(e)).response()
-    except (OverloadedError, ModelUnavailableError) as e:
-        return OpenAIError(429 if isinstance(e, OverloadedError) else 503, str(e), "rate_limit_exceeded").response()
+    except OverloadedError as e:
+        return OpenAIError(429, str(e), "rate_limit_exceeded").response()
+    except ModelUnavailableError as e:
+        return OpenAIError(503, str(e), "service_unavailable").response()
     except RequestTimeoutError as e:
         return OpenAIError(504, str(e), "timeout").response()
-    except ClientDisconnect:
-        return JSONResponse({}, status_code=499)
     except Exception as e:  # noqa: BLE001 - one request's failure is its own
         log("error", "embedding_failed", model=payload.get("model"), error=f"{type(e).__name__}: {e}")
         return OpenAIError(500, f"embedding failed: {type(e).__name__}: {e}", "internal_error").response()
