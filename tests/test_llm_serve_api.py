@@ -140,6 +140,65 @@ def test_logprobs_equal_hugging_face_log_softmax(tiny_llm, served, client):
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.text_offset] == lp.text_offset
 
 
+def test_completion_text_offsets_point_into_the_text(tiny_llm, served, client):
+    """Completions' ``text_offset`` is where each token's text starts in ``text``, with special
+    tokens mid-answer (``<s>``, ``<unk>``: the text leaves them out, so they take no room),
+    streamed or not."""
+    _, llm, _ = tiny_llm
+    _, tok = served
+    tokens = solo(llm, tok.encode("a"), 12)
+    assert {0, 1} <= set(tokens)                   # <unk> and <s> in the answer (this tiny model's)
+    out = client.completions.create(model="tiny", prompt="a", max_tokens=12, temperature=0, logprobs=0)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert text == tok.decode(tokens)
+    assert lp.text_offset == [len(tok.decode(tokens[:k])) for k in range(len(tokens))]
+    assert all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset) if t not in ("<unk>", "<s>"))
+    chunks = list(client.completions.create(model="tiny", prompt="a", max_tokens=12, temperature=0, logprobs=0,
+                                            stream=True))
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_chat_logprob_bytes_join_to_the_answer(tiny_llm, served, client):
+    """Chat's ``bytes`` join to the answer's UTF-8: special tokens (``<unk>``, ``<s>`` mid-answer,
+    the end-of-sequence token), which the answer leaves out, carry none; the tokens of a stop
+    string have no entry. Streamed or not."""
+    _, llm, _ = tiny_llm
+    _, tok = served
+    special = {"<unk>", "<s>", "</s>"}
+
+    def joined(entries):
+        return b"".join(bytes(e.bytes) for e in entries)
+    messages = [{"role": "user", "content": "cm"}]
+    tokens = solo(llm, tok.encode_chat(messages), 25)
+    assert {0, 1, EOS} <= set(tokens) and tokens[-1] == EOS
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0, logprobs=True)
+    content, answer = chat.choices[0].logprobs.content, chat.choices[0].message.content
+    assert answer == tok.decode(tokens) and len(content) == chat.usage.completion_tokens == len(tokens)
+    assert joined(content) == answer.encode()
+    assert [(e.token, e.bytes) for e in content if e.token in special] == [
+        (tok.decode([t], skip_special_tokens=False), []) for t in tokens if t in (0, 1, EOS)]
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    # a stop string: the answer ends before it, and so do the entries
+    messages = [{"role": "user", "content": "r"}]
+    tokens = solo(llm, tok.encode_chat(messages), 25)
+    whole = tok.decode(tokens)
+    assert "!R" in whole
+    for stream in (False, True):
+        made = client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0,
+                                              logprobs=True, stop=["!R"], stream=stream)
+        if stream:
+            made = list(made)
+            answer = "".join(c.choices[0].delta.content or "" for c in made if c.choices)
+            content = [e for c in made if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        else:
+            answer, content = made.choices[0].message.content, made.choices[0].logprobs.content
+        assert answer == whole[:whole.index("!R")]
+        assert "".join(e.token for e in content) == answer and joined(content) == answer.encode()
+
+
 def test_n_choices_seeds_stops_and_max_completion_tokens(tiny_llm, served, client):
     _, llm, _ = tiny_llm
     s, tok = served
@@ -231,7 +290,6 @@ def test_logprob_bytes_of_byte_level_tokens_add_up_to_the_text():
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from kiln.serving.openai_format import token_bytes
     bpe = tokenizers.Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     bpe.train_from_iterator(["hello world"], trainers.BpeTrainer(vocab_size=280, show_progress=False,
@@ -240,7 +298,7 @@ def test_logprob_bytes_of_byte_level_tokens_add_up_to_the_text():
     text = "héllo 你好 ☃"
     ids = tok.encode(text, add_special_tokens=False)
     assert "\ufffd" in "".join(tok.decode([i]) for i in ids)        # characters split over tokens
-    assert bytes(b for i in ids for b in token_bytes(tok, i, tok.decode([i]))) == text.encode()
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
 
 
 def st_embeddings(directory, texts):

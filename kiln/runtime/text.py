@@ -9,7 +9,8 @@ artifact, its chat template, and streaming detokenization with stop strings.
 * :class:`TextStream` turns tokens into text as they come. It holds text back while it
   ends in an incomplete UTF-8 character (a byte-level token can carry half of one) or
   could still be the start of a stop string, so a streamed reply never shows a stop
-  string or a broken character, and the concatenated deltas equal the final text.
+  string or a broken character, and the concatenated deltas equal the final text. It
+  knows where each token's text starts in that text (:meth:`TextStream.start`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Tokenizer:
         template = files.get("chat_template.jinja")
         self.chat_template = template.decode("utf-8") if template else self.config.get("chat_template")
         self._compiled_template = None
+        # what decode(skip_special_tokens=True) leaves out
+        self.special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        self._bytes = _byte_scheme(self.backend)
 
     def token(self, name: str) -> str | None:
         value = self.config.get(name)
@@ -43,6 +47,21 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes ``token`` stands for where the vocabulary spells bytes (GPT-2's byte-level
+        alphabet, sentencepiece's ``<0xNN>``): a token that is half a UTF-8 character has its
+        real bytes. Empty for a special token (the text leaves it out); None where the
+        vocabulary's tokens are text (a piece's bytes then depend on its neighbours, as
+        sentencepiece's word-initial space does)."""
+        if token in self.special_ids:
+            return b""
+        piece = self.backend.id_to_token(token) if self._bytes is not None else None
+        if isinstance(self._bytes, dict) and piece is not None and all(c in self._bytes for c in piece):
+            return bytes(self._bytes[c] for c in piece)
+        if self._bytes == "fallback" and piece is not None and len(piece) == 6 and piece.startswith("<0x"):
+            return bytes([int(piece[3:5], 16)])
+        return None
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
@@ -66,11 +85,39 @@ def _raise(message):
     raise InputError(f"the chat template refused the messages: {message}")
 
 
+def _gpt2_bytes() -> dict:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _byte_scheme(backend):
+    """How the vocabulary spells bytes: GPT-2's byte-level alphabet (a dict), sentencepiece's
+    ``<0xNN>`` byte fallback ("fallback"), or None (tokens are text)."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+    if "ByteLevel" in kinds:
+        return _gpt2_bytes()
+    return "fallback" if "ByteFallback" in kinds else None
+
+
 class TextStream:
     """Incremental detokenization with stop strings (module doc). ``push(token)`` returns
     the text now safe to show; ``stopped`` turns true when a stop string appears (the
     text before it has been returned, the stop string never is); ``finish()`` returns
-    what was held back once no more tokens come."""
+    what was held back once no more tokens come.
+
+    Per token it records how far the text decoded through it reaches, so :meth:`start`
+    says where the token's text begins in ``text`` (special tokens add nothing; a token
+    that is part of a character starts where the character does), :meth:`shown` whether
+    its text has been returned, and :meth:`removed` whether a stop string took it."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple = ()):
         self.tokenizer = tokenizer
@@ -79,12 +126,19 @@ class TextStream:
         self.text = ""          # everything decoded so far (final text once finished)
         self.sent = 0           # characters of self.text already returned
         self.stopped = False
+        self.whole: list = []   # per token: characters of whole characters decoded through it (before a cut)
+        self.reach: list = []   # per token: characters decoded through it, a partial one included
 
     def push(self, token: int) -> str:
         if self.stopped:
+            self.whole.append(self.whole[-1])
+            self.reach.append(float("inf"))
             return ""
         self.ids.append(int(token))
         self.text = self.tokenizer.decode(self.ids)
+        last = (self.whole[-1], self.reach[-1]) if self.whole else (0, 0)
+        self.whole.append(max(last[0], len(self.text.rstrip("\ufffd"))))
+        self.reach.append(max(last[1], len(self.text)))
         for s in self.stop:
             at = self.text.find(s, max(0, self.sent - len(s)))
             if at != -1:
@@ -93,6 +147,18 @@ class TextStream:
 
     def finish(self) -> str:
         return self._release(final=True)
+
+    def start(self, k: int) -> int:
+        """Where token ``k``'s text begins in ``text``."""
+        return min(self.whole[k - 1] if k else 0, len(self.text))
+
+    def shown(self, k: int) -> bool:
+        """Whether token ``k``'s text has all been returned."""
+        return min(self.reach[k], len(self.text)) <= self.sent
+
+    def removed(self, k: int) -> bool:
+        """Whether token ``k``'s text lies in (or after) the stop string cut off the text."""
+        return self.stopped and (self.whole[k - 1] if k else 0) >= len(self.text) and self.reach[k] > len(self.text)
 
     def _release(self, final: bool) -> str:
         end = len(self.text)

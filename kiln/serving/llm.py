@@ -8,6 +8,10 @@ and an ``asyncio.Queue`` of events the HTTP handler reads: ``("text", delta)`` a
 becomes safe to show, then ``("end", finish_reason)``. The handler cancels the
 generation when its client goes away, which frees the KV-cache slot at the next step.
 
+With logprobs, each event carries the entries of the tokens whose text it brings, each
+placed by the same stream: where its text starts in the answer, and the bytes it adds to
+the answer's UTF-8 (:func:`answer_bytes`). Tokens a stop string removed have no entry.
+
 The served model reports to the server's Prometheus registry: time to first token,
 inter-token latency, prompt and generated tokens, requests by finish reason, and, read
 at scrape time, KV-cache use, slots in use, queue depth and tokens per second over the
@@ -29,11 +33,26 @@ from kiln.serving.logs import log
 RATE_WINDOW_S = 10.0
 
 
+def answer_bytes(tokenizer: Tokenizer, tokens: list, pieces: list) -> list:
+    """The bytes each of ``tokens`` adds to the answer, ``pieces`` being their text in it
+    (``TextStream``'s): the tokens' own bytes where the vocabulary spells bytes and they add
+    up to the pieces' UTF-8 (a character split over tokens then has its real bytes in each),
+    else the pieces' UTF-8. Either way they join to the answer's UTF-8; a special token's
+    are empty."""
+    own = [tokenizer.token_bytes(t) for t in tokens]
+    own = [p.encode() if b is None else b for b, p in zip(own, pieces)]
+    if b"".join(own) == "".join(pieces).encode():
+        return own
+    return [p.encode() for p in pieces]
+
+
 class Generation:
     """A request in flight, as the HTTP handler sees it (module doc). ``index``: its choice
     in an ``n > 1`` request, whose generations share one ``events`` queue; each event is
     ``(index, kind, value, logprobs)``, ``logprobs`` being ``[(token, logprob, [(id,
-    logprob)])]`` of the tokens since the last event (empty unless the request asked)."""
+    logprob)], offset, bytes)]`` of the tokens whose text the event brings (empty unless the
+    request asked): ``offset`` where the token's text starts in the answer, ``bytes`` what
+    it adds to the answer's UTF-8 (:func:`answer_bytes`)."""
 
     def __init__(self, served: "ServedLLM", prompt: list, max_tokens: int, params, stop: tuple, stop_ids: tuple,
                  *, logprobs: int | None = None, index: int = 0, events: asyncio.Queue | None = None):
@@ -43,7 +62,7 @@ class Generation:
         self.text = TextStream(served.tokenizer, stop)
         self.request = Request(prompt, max_tokens, params, stop_ids, on_token=self._on_token,
                                on_finish=self._on_finish, logprobs=logprobs)
-        self._unsent: list = []         # logprobs of tokens whose text has not been sent yet
+        self._unsent: list = []         # (k, token, logprob, top) of tokens whose text has not been sent yet
         self._seen = 0                  # tokens passed to _on_token so far
 
     @property
@@ -61,15 +80,35 @@ class Generation:
             return None
         return int(getattr(self.request, "draft_accepted", 0)), int(getattr(self.request, "draft_proposed", 0))
 
-    def _emit(self, kind: str, value):
-        sent, self._unsent = self._unsent, []
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value, sent))
+    def _emit(self, kind: str, value, final: bool = False):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value, self._entries(final)))
+
+    def _entries(self, final: bool) -> list:
+        """The logprob entries of the tokens whose text has been shown (all of them once the
+        answer is final), less those a stop string removed."""
+        text, ready = self.text, 0
+        while ready < len(self._unsent) and (final or text.shown(self._unsent[ready][0])):
+            ready += 1
+        batch, self._unsent = [e for e in self._unsent[:ready] if not text.removed(e[0])], self._unsent[ready:]
+        if not batch:
+            return []
+        end = len(text.text)
+        starts = [text.start(e[0]) for e in batch]
+        ends = starts[1:] + [end if final else min(text.whole[batch[-1][0]], end)]
+        if final:           # what is left (half a character at the end) is the last token's with text
+            special = self.served.tokenizer.special_ids
+            j = max((i for i, e in enumerate(batch) if e[1] not in special), default=len(batch) - 1)
+            ends[j:] = [end] * (len(batch) - j)
+            starts[j + 1:] = ends[j + 1:]
+        pieces = [text.text[a:max(a, b)] for a, b in zip(starts, ends)]
+        raw = answer_bytes(self.served.tokenizer, [e[1] for e in batch], pieces)
+        return [(t, lp, top, offset, b) for (_, t, lp, top), offset, b in zip(batch, starts, raw)]
 
     def _on_token(self, request, token) -> bool:        # the scheduler's thread
         self.served.observe_token(request)
         k, self._seen = self._seen, self._seen + 1      # this token's place in request.tokens
         if request.logprobs is not None and k < len(request.token_logprobs):
-            self._unsent.append((int(token), *request.token_logprobs[k]))
+            self._unsent.append((k, int(token), *request.token_logprobs[k]))
         delta = self.text.push(token)
         if delta:
             self._emit("text", delta)
@@ -78,9 +117,9 @@ class Generation:
     def _on_finish(self, request):                      # the scheduler's thread
         tail = self.text.finish() if request.finish_reason in ("length", "stop") else ""
         if tail:
-            self._emit("text", tail)
+            self._emit("text", tail, final=True)
         self.served.observe_finish(request)
-        self._emit("end", request.finish_reason)
+        self._emit("end", request.finish_reason, final=True)
 
     def cancel(self):
         self.served.scheduler.cancel(self.request)

@@ -1,0 +1,85 @@
+"""The text side of a served LLM, in-process: the logprob entries a generation hands the
+OpenAI routes (each token's place in the answer and the bytes it adds), driven token by
+token on a byte-level vocabulary."""
+import asyncio
+from types import SimpleNamespace
+
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.text import Tokenizer
+
+
+# -- logprob entries ------------------------------------------------------------------------------
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level BPE with no merges: token b is byte b (GPT-2's alphabet), then <s> (256)
+    and </s> (257)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kiln.runtime.text import _gpt2_bytes
+    t = tokenizers.Tokenizer(models.BPE(vocab=dict(_gpt2_bytes()), merges=[]))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), decoders.ByteLevel()
+    t.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer({"tokenizer.json": t.to_str().encode()})
+
+
+def generate(tok, tokens, stop=(), reason="length"):
+    """Feed ``tokens`` to a Generation as the scheduler would (each with a logprob), then
+    finish it: (events, the Generation)."""
+    from kiln.serving.llm import Generation
+
+    async def run():
+        served = SimpleNamespace(tokenizer=tok, observe_token=lambda r: None, observe_finish=lambda r: None)
+        gen = Generation(served, [1], 64, SamplingParams(), tuple(stop), (), logprobs=1)
+        r, r.finish_reason = gen.request, reason
+        for t in tokens:
+            r.tokens.append(t)
+            r.token_logprobs.append((-1.0, [(t, -1.0)]))
+            if gen._on_token(r, t):
+                r.finish_reason = "stop"
+                break
+        gen._on_finish(r)
+        await asyncio.sleep(0)
+        return [gen.events.get_nowait() for _ in range(gen.events.qsize())], gen
+    return asyncio.run(run())
+
+
+def test_logprob_entries_place_each_token_in_the_answer():
+    """Each token's entry says where its text starts in the answer (``text_offset``) and
+    which bytes it adds (chat's ``bytes``): a character split over byte tokens has its real
+    bytes, each token starting where the character does; a special token adds none and
+    takes no room; the tokens of a stop string have no entry, and one that is partly before
+    it adds only that part; an answer cut mid-character ends in U+FFFD's bytes. Joined, the
+    bytes are the answer's UTF-8, and the entries come with the chunk bringing their text."""
+    from kiln.serving.openai_format import Reply
+    tok = byte_tokenizer()
+
+    def utf8(s):
+        return list(s.encode())
+    cases = [  # tokens, stop strings, finish reason -> answer, [(offset, bytes)] per entry
+        (utf8("hé") + [256] + utf8("l€x") + [257], (), "stop", "hél€x",
+         [(0, b"h"), (1, b"\xc3"), (1, b"\xa9"), (2, b""), (2, b"l"), (3, b"\xe2"), (3, b"\x82"), (3, b"\xac"),
+          (4, b"x"), (5, b"")]),
+        (utf8("aé€b"), ("€",), "length", "aé", [(0, b"a"), (1, b"\xc3"), (1, b"\xa9")]),
+        (utf8("xyz"), ("yz",), "length", "x", [(0, b"x")]),
+        (utf8("ab") + [256] + utf8("cd"), ("cd",), "length", "ab", [(0, b"a"), (1, b"b"), (2, b"")]),
+        (utf8("aé") + [0xE2, 0x82], (), "length", "aé\ufffd",
+         [(0, b"a"), (1, b"\xc3"), (1, b"\xa9"), (2, b""), (2, "\ufffd".encode())]),
+    ]
+    for tokens, stop, reason, answer, want in cases:
+        events, gen = generate(tok, tokens, stop, reason)
+        assert "".join(v for _, kind, v, _ in events if kind == "text") == answer
+        entries = [e for *_, lp in events for e in lp]
+        assert [(e[3], e[4]) for e in entries] == want, (answer, entries)
+        assert b"".join(e[4] for e in entries) == answer.encode()
+        # an entry comes with the text it brings: the offsets of a chunk's entries lie in the text so far
+        shown = 0
+        for _, kind, value, lp in events:
+            shown += len(value) if kind == "text" else 0
+            assert all(e[3] <= shown for e in lp)
+        # the bodies: chat's bytes and completions' text_offset; special tokens spelled out, with no bytes
+        sm = SimpleNamespace(tokenizer=tok, name="m")
+        chat = Reply("chat", sm, [gen], False).logprobs_body(entries)["content"]
+        assert [bytes(c["bytes"]) for c in chat] == [b for _, b in want]
+        assert all(c["token"] in ("<s>", "</s>") and c["bytes"] == [] for c, e in zip(chat, entries)
+                   if e[0] in tok.special_ids)
+        assert Reply("completions", sm, [gen], False).logprobs_body(entries)["text_offset"] == [o for o, _ in want]
