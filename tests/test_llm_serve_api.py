@@ -70,12 +70,33 @@ def tiny_bert(tmp_path_factory):
     return directory, path
 
 
+# the tiny LLM again with other chat templates: one on transformers' loop controls and a
+# message's name (a system message skipped; an undefined value used for the content "!"),
+# one that does not compile
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+            "{% if m.content == '!' %}{{ m.nothing.deeper }}{% endif %}{{ m.name | default('') }}{{ m.content }}"
+            "{% endfor %}")
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m.content }}"
+
+
+def with_template(llm, template: str, path) -> dict:
+    """``llm`` saved to ``path`` with ``template`` as its chat template: its tokenizer files."""
+    import copy
+    other = copy.copy(llm)
+    other.tokenizer_files = {**llm.tokenizer_files, "chat_template.jinja": template.encode()}
+    other.save(path)
+    return other.tokenizer_files
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llm, tiny_bert, tmp_path_factory):
     _, llm, path = tiny_llm
     directory, bert = tiny_bert
-    s = Server([f"tiny={path}", f"bert={bert}", "--embeddings", f"bert={directory}"],
-               tmp_path_factory.mktemp("llm-serve-api") / "server.log")
+    root = tmp_path_factory.mktemp("llm-serve-api")
+    with_template(llm, TEMPLATE, root / "tmpl.kiln")
+    with_template(llm, BROKEN_TEMPLATE, root / "broken.kiln")
+    s = Server([f"tiny={path}", f"bert={bert}", f"tmpl={root / 'tmpl.kiln'}", f"broken={root / 'broken.kiln'}",
+                "--embeddings", f"bert={directory}"], root / "server.log")
     yield s, Tokenizer(llm.tokenizer_files)
     s.stop()
 
@@ -257,6 +278,29 @@ def test_n_choices_seeds_stops_and_max_completion_tokens(tiny_llm, served, clien
         body = {"model": "tiny", "prompt": "Q"} if name == "echo" else {"model": "tiny", "messages": messages}
         status, answer = s.post_json(route, {**body, **extra})
         assert status == 400 and answer["error"]["param"] == name, answer
+
+
+def test_the_artifacts_chat_template_renders_as_in_transformers_and_fails_in_openais_shape(tiny_llm, served, client):
+    """A template on ``{% continue %}`` and a message's ``name`` answers (it was a 500 with
+    a traceback); one failing on the messages is a 400, one that does not compile a 500,
+    both in OpenAI's error body."""
+    _, llm, _ = tiny_llm
+    s, tok = served
+    messages = [{"role": "system", "content": "a system prompt longer than the context"},
+                {"role": "user", "content": "Hi", "name": "bo"}]
+    prompt = tok.encode("boHi", add_special_tokens=False)
+    chat = client.chat.completions.create(model="tmpl", messages=messages, max_tokens=8, temperature=0)
+    assert chat.usage.prompt_tokens == len(prompt)
+    assert chat.choices[0].message.content == tok.decode(solo(llm, prompt, 8))
+    status, body = s.post_json("/v1/chat/completions", {"model": "tmpl", "messages": [
+        {"role": "user", "content": "!"}]})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert "could not render these messages: UndefinedError" in body["error"]["message"]
+    status, body = s.post_json("/v1/chat/completions", {"model": "broken", "messages": messages})
+    assert status == 500 and body["error"]["type"] == "internal_error", body
+    assert "chat template does not compile" in body["error"]["message"]
+    # the same model answers completions
+    assert client.completions.create(model="broken", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_speculative_usage_is_openai_completion_tokens_details(tiny_llm):

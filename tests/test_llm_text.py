@@ -1,11 +1,91 @@
-"""The text side of a served LLM, in-process: the logprob entries a generation hands the
-OpenAI routes (each token's place in the answer and the bytes it adds), driven token by
-token on a byte-level vocabulary."""
+"""The text side of a served LLM, in-process: chat templates rendered as transformers renders
+them (the same Jinja environment, the same messages), and the logprob entries a generation
+hands the OpenAI routes (each token's place in the answer and the bytes it adds), driven
+token by token on a byte-level vocabulary."""
 import asyncio
+import os
+import tempfile
 from types import SimpleNamespace
 
+import pytest
+
+from kiln.errors import ArtifactError, InputError
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.text import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+# templates written the way real ones are (Llama 3.x, Qwen 2.5, SmolLM3, Mistral), each on a
+# piece of transformers' environment that kiln's lacked or rendered differently
+TEMPLATES = {
+    "loop controls": "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+                     "{% if m['content'] == 'STOP' %}{% break %}{% endif %}{{ m['role'][0] }}:{{ m['content'] }}\n"
+                     "{% endfor %}{% if add_generation_prompt %}a:{% endif %}",
+    "tojson": "{% for m in messages %}{{ m['role'] | tojson }}|{{ m | tojson(indent=2) }}\n{% endfor %}",
+    "strftime_now": "{{ strftime_now('%Y') if strftime_now is defined else 'none' }}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "message keys": "{% for m in messages %}{% if m.name is defined %}[{{ m.name }}]{% endif %}{{ m.role }}:"
+                    "{% if m.content is defined %}{{ m.content }}{% else %}(none){% endif %}"
+                    "{% for call in m.tool_calls | default([]) %}<call {{ call.function.name }}("
+                    "{{ call.function.arguments }})>{% endfor %}"
+                    "{% if m.tool_call_id is defined %}<for {{ m.tool_call_id }}>{% endif %}"
+                    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                    "\n{% endfor %}",
+    "namespace and dict": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                          "{% endfor %}{{ ns.n }} {{ dict(a=1) | tojson }} {{ bos_token }}{{ unk_token }}"
+                          "{{ pad_token is defined }}",
+    "generation block": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+}
+MESSAGES = {"messages": [
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "a<b & 'c' é", "name": "bob"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "add", "arguments": "{\"x\": 1}"}}]},
+    {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+    {"role": "assistant", "content": "two", "reasoning_content": "1+1"},
+    {"role": "user", "content": [{"type": "text", "text": "again "}, {"type": "text", "text": "please"}]},
+    {"role": "user", "content": "STOP"},
+]}
+
+
+def tokenizer_files(tok) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        return {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
+
+
+def test_chat_templates_render_as_transformers_renders_them():
+    """The server's prompt (kiln's Tokenizer on the request's messages, as
+    ``openai_params.messages_of`` reads them) is transformers' ``apply_chat_template``:
+    loop controls, its tojson (no HTML escaping), strftime_now, the messages' other keys
+    (name, tool_calls, tool_call_id, reasoning; null content dropped), namespace, dict,
+    the named special tokens and ``{% generation %}`` blocks."""
+    from kiln.serving.openai_params import messages_of
+    from tests.conftest import tiny_tokenizer
+    tok = tiny_tokenizer()
+    for name, template in TEMPLATES.items():
+        tok.chat_template = template
+        want = tok.apply_chat_template(messages_of(MESSAGES), tokenize=False, add_generation_prompt=True)
+        got = Tokenizer(tokenizer_files(tok)).apply_chat_template(messages_of(MESSAGES))
+        assert got == want, (name, got, want)
+
+
+def test_chat_template_errors_say_whose_they_are():
+    """A template refusing the messages or failing on them is the request's error (InputError,
+    a 400); one that does not compile is the artifact's (ArtifactError, a 500)."""
+    from tests.conftest import tiny_tokenizer
+    tok = tiny_tokenizer()
+    messages = [{"role": "user", "content": "x"}]
+    tok.chat_template = "{% if messages[0].role == 'user' %}{{ raise_exception('no users') }}{% endif %}"
+    with pytest.raises(InputError, match="refused the messages: no users"):
+        Tokenizer(tokenizer_files(tok)).apply_chat_template(messages)
+    tok.chat_template = "{{ messages[0].nothing.deeper }}"
+    with pytest.raises(InputError, match="could not render these messages: UndefinedError"):
+        Tokenizer(tokenizer_files(tok)).apply_chat_template(messages)
+    tok.chat_template = "{% for m in messages %}{{ m.content }}"
+    with pytest.raises(ArtifactError, match="chat template does not compile \\(line 1"):
+        Tokenizer(tokenizer_files(tok)).apply_chat_template(messages)
 
 
 # -- logprob entries ------------------------------------------------------------------------------

@@ -4,8 +4,12 @@ artifact, its chat template, and streaming detokenization with stop strings.
 * :class:`Tokenizer` reads the files ``save_pretrained`` wrote (``tokenizer.json``,
   ``tokenizer_config.json``, ``chat_template.jinja``) with the ``tokenizers`` library,
   which is what transformers' fast tokenizers run, so ids are the same.
-* The chat template is rendered by Jinja in its immutable sandbox, as transformers
-  renders it: the template is data from the artifact and must not reach Python objects.
+* The chat template is rendered by Jinja in its immutable sandbox, in the environment
+  transformers renders it in (``transformers.utils.chat_template_utils``): loop controls
+  (``{% break %}``, ``{% continue %}``), ``{% generation %}`` blocks, its ``tojson`` (no HTML
+  escaping), ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace``; the messages
+  with their keys whose value is None dropped, and the tokenizer's named special tokens. The
+  template is data from the artifact and must not reach Python objects.
 * :class:`TextStream` turns tokens into text as they come. It holds text back while it
   ends in an incomplete UTF-8 character (a byte-level token can carry half of one) or
   could still be the start of a stop string, so a streamed reply never shows a stop
@@ -14,9 +18,14 @@ artifact, its chat template, and streaming detokenization with stop strings.
 """
 from __future__ import annotations
 
+import datetime
 import json
 
 from kiln.errors import ArtifactError, InputError
+
+# transformers' named special tokens (``SPECIAL_TOKENS_ATTRIBUTES``), passed to the chat template
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING = ("reasoning_content", "thinking", "reasoning")    # transformers' names of a message's reasoning
 
 
 class Tokenizer:
@@ -64,25 +73,100 @@ class Tokenizer:
         return None
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ..., ...}]``), rendered
+        as transformers' ``apply_chat_template(..., tokenize=False)`` renders it. A template
+        that does not compile is an ArtifactError; one that fails on these messages (its
+        ``raise_exception``, an undefined value used) an InputError."""
+        import jinja2
         if not self.chat_template:
             raise InputError("this model's tokenizer has no chat template; use a completion instead")
         if self._compiled_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.token("bos_token") or "", eos_token=self.token("eos_token") or "")
+            try:
+                self._compiled_template = _chat_environment().from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ArtifactError(f"this model's chat template does not compile (line {e.lineno}: {e.message}); "
+                                    "use completions instead") from None
+        special = {k: self.token(k) for k in SPECIAL_TOKENS if self.token(k) is not None}
+        try:
+            return self._compiled_template.render(
+                messages=[_chat_message(m) for m in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **special)
+        except InputError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as e:
+            raise InputError(f"the chat template could not render these messages: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list) -> list:
         """Token ids of the chat prompt; the template writes the special tokens itself."""
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
+def _chat_message(m: dict) -> dict:
+    """A message as transformers hands it to the template: keys whose value is None dropped,
+    its reasoning under each name templates read."""
+    m = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((m[k] for k in REASONING if m.get(k) is not None), None)
+    return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
 def _raise(message):
     raise InputError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.datetime.now().strftime(format)
+
+
+def _chat_environment():
+    """transformers' chat-template environment (``_compile_jinja_template``), but for its
+    assistant-mask tracking: a ``{% generation %}`` block renders its body."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class TemplateDict:            # dict() without the class's attributes
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):     # no underscore-prefixed attributes
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace cannot hold {name!r} (underscore-prefixed)")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    return env
 
 
 def _gpt2_bytes() -> dict:

@@ -20,11 +20,12 @@ in chat), and vLLM's ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ig
 Settings kiln does not implement (presence/frequency penalties, tools, ``echo``...) and
 unknown fields are a 400 naming them, never silently ignored. The bodies are written by
 :mod:`kiln.serving.openai_format`. Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad request (a prompt longer than the largest context bucket included), 404
-for an unknown model, 429 at once when the model's queue is full, 503 while loading;
-both with ``Retry-After``. ``/v1/models`` lists a model only once it answers (loaded,
-warmed up, its scheduler running; not while the server drains), so a client that polls it
-until the model appears never meets that 503.
+400 for a bad request (a prompt longer than the largest context bucket included, a chat
+template failing on the messages), 404 for an unknown model, 429 at once when the model's
+queue is full, 503 while loading, both with ``Retry-After``; 500 for anything else (a chat
+template that does not compile), never a bare traceback. ``/v1/models`` lists a model only
+once it answers (loaded, warmed up, its scheduler running; not while the server drains),
+so a client that polls it until the model appears never meets that 503.
 """
 from __future__ import annotations
 
@@ -191,6 +192,9 @@ async def handle(request: Request, route: str):
         return OpenAIError(429, str(e), "rate_limit_exceeded").response()
     except ClientDisconnect:
         return JSONResponse({}, status_code=499)
+    except Exception as e:  # noqa: BLE001 - a broken chat template, a bug: OpenAI's body, not a traceback
+        log("error", "request_failed", route=route, error=f"{type(e).__name__}: {e}")
+        return OpenAIError(500, f"{type(e).__name__}: {e}", "internal_error").response()
     if streaming:
         return StreamingResponse(stream(reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -172,6 +172,10 @@ def prompt_of(payload: dict, tokenizer, vocab: int) -> list:
 
 
 def messages_of(payload: dict) -> list:
+    """The messages as the chat template sees them: every key kept (``name``, ``tool_calls``,
+    ``tool_call_id``...: the template decides what it renders, as in transformers), text
+    parts joined into the content. An assistant message may have no content (one that only
+    calls tools); the template then sees none, as transformers drops keys whose value is null."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
@@ -185,7 +189,8 @@ def messages_of(payload: dict) -> list:
                        for p in content):
                 raise OpenAIError(400, "only text content parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise OpenAIError(400, "a message's 'content' must be a string or text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        if not isinstance(content, str) and not (content is None and m["role"] == "assistant"):
+            raise OpenAIError(400, "a message's 'content' must be a string or text parts (or null in an "
+                                   "assistant's message)", param="messages")
+        out.append({**m, "content": content})
     return out
