@@ -157,6 +157,8 @@ def test_metrics_report_tokens_latency_and_the_kv_cache(served, client):
 
 
 def test_a_full_queue_gets_429_at_once(tiny_llm, tmp_path):
+    """A flood of 30 clients on a queue of 1: the answers each equal to the request run alone,
+    the rest a 429 at once; ``n`` over the queue's size is a 400 (it could never be queued)."""
     _, llm, path = tiny_llm
     s = Server([f"tiny={path}", "--max-queue", "1"], tmp_path / "server.log")
     try:
@@ -181,6 +183,12 @@ def test_a_full_queue_gets_429_at_once(tiny_llm, tmp_path):
         assert all(r == want for r in answered)
         assert all("already waiting" in str(r) for r, _ in results if not isinstance(r, str))
         assert s.get("/v2/health/ready")[0] == 200
+        # more choices than the queue can ever hold: a 400 naming the setting, not a 429 forever
+        for _ in range(2):
+            with pytest.raises(openai.BadRequestError, match="n = 2 choices exceed .*--max-queue 1") as e:
+                c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2)
+            assert e.value.body["param"] == "n"
+        assert c.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=1).usage.completion_tokens >= 1
     finally:
         s.stop()
 

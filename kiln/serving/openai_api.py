@@ -20,12 +20,13 @@ in chat), and vLLM's ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ig
 Settings kiln does not implement (presence/frequency penalties, tools, ``echo``...) and
 unknown fields are a 400 naming them, never silently ignored. The bodies are written by
 :mod:`kiln.serving.openai_format`. Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad request (a prompt longer than the largest context bucket included, a chat
-template failing on the messages), 404 for an unknown model, 429 at once when the model's
-queue is full, 503 while loading, both with ``Retry-After``; 500 for anything else (a chat
-template that does not compile), never a bare traceback. ``/v1/models`` lists a model only
-once it answers (loaded, warmed up, its scheduler running; not while the server drains),
-so a client that polls it until the model appears never meets that 503.
+400 for a bad request (a prompt longer than the largest context bucket included, ``n``
+over the queue's size, a chat template failing on the messages), 404 for an unknown model,
+429 at once when the model's queue is full, 503 while loading, both with ``Retry-After``;
+500 for anything else (a chat template that does not compile), never a bare traceback.
+``/v1/models`` lists a model only once it answers (loaded, warmed up, its scheduler
+running; not while the server drains), so a client that polls it until the model appears
+never meets that 503.
 """
 from __future__ import annotations
 
@@ -72,7 +73,13 @@ def answering(state, sm) -> bool:
 
 
 def submit_all(sm, n: int, prompt, max_tokens, params, stop, stop_ids, logprobs) -> list:
-    """The request's ``n`` generations, sharing one event queue; none if any is refused."""
+    """The request's ``n`` generations, sharing one event queue; none if any is refused. More
+    choices than the queue holds could never all be queued: a 400, not a 429 to retry."""
+    limit = sm.scheduler.max_queue
+    if n > limit:
+        raise OpenAIError(400, f"n = {n} choices exceed what this server can ever queue for one request: its "
+                               f"queue holds {limit} requests (kiln serve --max-queue {limit}), and each "
+                               "choice is one", param="n")
     events, gens = asyncio.Queue(), []
     try:
         for i in range(n):
