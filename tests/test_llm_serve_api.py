@@ -303,6 +303,24 @@ def test_the_artifacts_chat_template_renders_as_in_transformers_and_fails_in_ope
     assert client.completions.create(model="broken", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_bad_stop_token_ids_and_infinite_numbers_are_refused(served):
+    """``stop_token_ids`` must be token ids of the vocabulary (not true, not -1 or 97), the
+    sampling numbers finite (JSON's Infinity, like NaN, a 400)."""
+    s, _ = served
+    for ids in ([True], [-1], [97], [1.0]):
+        status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                      "stop_token_ids": ids})
+        assert status == 400 and body["error"]["param"] == "stop_token_ids", (ids, body)
+        assert "token ids in [0, 97)" in body["error"]["message"]
+    for key in ("temperature", "repetition_penalty", "top_p"):
+        for value in (float("inf"), float("nan")):
+            status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                          key: value})
+            assert status == 400 and body["error"]["param"] == key, (key, value, body)
+    assert s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                           "stop_token_ids": [96]})[0] == 200
+
+
 def test_speculative_usage_is_openai_completion_tokens_details(tiny_llm):
     """With a speculative scheduler's counts on the requests, usage carries them as OpenAI's
     accepted/rejected prediction tokens (summed over choices), parsed by the client's type."""

@@ -176,12 +176,13 @@ def start(payload: dict, route: str, sm) -> tuple:
     streaming = field(payload, "stream", bool, False)
     options = field(payload, "stream_options", dict, {}, message="an object")
     n, logprobs, max_tokens = n_of(payload), logprobs_of(payload, route), max_tokens_of(payload, route)
-    tokenizer = sm.require_tokenizer()
+    tokenizer, vocab = sm.require_tokenizer(), sm.llm.meta["vocab_size"]
     if route == "chat":
         prompt = tokenizer.encode_chat(messages_of(payload))
     else:
-        prompt = prompt_of(payload, tokenizer, sm.llm.meta["vocab_size"])
-    gens = submit_all(sm, n, prompt, max_tokens, params, stop, stop_ids_of(payload, sm.stop_token_ids), logprobs)
+        prompt = prompt_of(payload, tokenizer, vocab)
+    gens = submit_all(sm, n, prompt, max_tokens, params, stop, stop_ids_of(payload, sm.stop_token_ids, vocab),
+                      logprobs)
     return Reply(route, sm, gens, bool(options.get("include_usage")) and streaming), streaming
 
 

@@ -8,6 +8,7 @@ The checks follow OpenAI's own limits where it states them: ``stop`` is a string
 from __future__ import annotations
 
 import json
+import math
 
 from starlette.responses import JSONResponse
 
@@ -78,7 +79,8 @@ def field(payload, key, kind, default, check=None, message=""):
         return default
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or (check and not check(value)):
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or (
+            kind is float and not math.isfinite(value)) or (check and not check(value)):
         raise OpenAIError(400, f"'{key}' must be {message or kind.__name__}; got {value!r}", param=key)
     return value
 
@@ -119,9 +121,10 @@ def stops_of(payload: dict) -> tuple:
     return tuple(stop)
 
 
-def stop_ids_of(payload: dict, eos: tuple) -> tuple:
-    ids = field(payload, "stop_token_ids", list, [], lambda v: all(isinstance(i, int) for i in v),
-                "a list of token ids")
+def stop_ids_of(payload: dict, eos: tuple, vocab: int) -> tuple:
+    ids = field(payload, "stop_token_ids", list, [], lambda v: all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in v),
+                f"a list of token ids in [0, {vocab})")
     eos = () if field(payload, "ignore_eos", bool, False) else eos
     return tuple(sorted(set(eos) | set(ids)))
 
