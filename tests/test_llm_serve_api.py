@@ -321,6 +321,18 @@ def test_bad_stop_token_ids_and_infinite_numbers_are_refused(served):
                                            "stop_token_ids": [96]})[0] == 200
 
 
+def test_models_retrieve(client):
+    """``/v1/models/{id}`` is the client's ``models.retrieve``: the model's entry of the list;
+    an unknown id a 404 in OpenAI's shape."""
+    model = client.models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "kiln")
+    assert model.model_dump() == [m for m in client.models.list().model_dump()["data"] if m["id"] == "tiny"][0]
+    assert client.models.retrieve("bert").id == "bert"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.body["code"] == "model_not_found" and "`nope` does not exist" in e.value.body["message"]
+
+
 def test_speculative_usage_is_openai_completion_tokens_details(tiny_llm):
     """With a speculative scheduler's counts on the requests, usage carries them as OpenAI's
     accepted/rejected prediction tokens (summed over choices), parsed by the client's type."""

@@ -2,6 +2,7 @@
 
 ==========================================  ==========================================
 ``GET  /v1/models``                          the LLMs ready to answer (``id`` = the model's name)
+``GET  /v1/models/{id}``                     one of them (404 for an unknown id)
 ``POST /v1/completions``                     text (or token ids) in, text out
 ``POST /v1/chat/completions``                messages in (the tokenizer's chat template)
 ``POST /v1/embeddings``                      encoder artifacts (:mod:`kiln.serving.openai_embeddings`)
@@ -220,7 +221,7 @@ async def chat_completions(request):
     return await handle(request, "chat")
 
 
-async def list_models(request):
+def listed(request) -> list:
     """The LLMs (and embedding models) that answer now. One still loading (or failed, or
     draining) is not listed: it would answer 503; ``/v2/repository/index`` and
     ``/v2/models/{name}/ready`` show its state."""
@@ -228,12 +229,29 @@ async def list_models(request):
     data = [{"id": name, "object": "model", "created": sm.created, "owned_by": "kiln",
              "max_model_len": sm.llm.meta["cache_shape"][3]}
             for name, sm in state.models.items() if answering(state, sm)]
-    data += openai_embeddings.listed(request)
-    return JSONResponse({"object": "list", "data": data})
+    return data + openai_embeddings.listed(request)
+
+
+async def list_models(request):
+    return JSONResponse({"object": "list", "data": listed(request)})
+
+
+async def retrieve_model(request):
+    """One model of ``/v1/models`` (the ``openai`` client's ``models.retrieve``); an LLM this
+    server has but that does not answer yet is a 503 (it is loading), any other a 404."""
+    name = request.path_params["model"]
+    found = [m for m in listed(request) if m["id"] == name]
+    if found:
+        return JSONResponse(found[0])
+    if getattr(request.app.state.kiln.models.get(name), "kind", None) == "llm":
+        return OpenAIError(503, f"model '{name}' is not ready", "service_unavailable").response()
+    return OpenAIError(404, f"The model `{name}` does not exist", "invalid_request_error", "model",
+                       "model_not_found").response()
 
 
 def routes() -> list:
     return [Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", openai_embeddings.embeddings, methods=["POST"])]
