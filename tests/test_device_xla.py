@@ -414,6 +414,39 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_xla_rng_state_reseeds_and_round_trips():
+    """``xm.set_rng_state(seed)`` and ``torch_xla.manual_seed`` reseed every time, and
+    ``set_rng_state(get_rng_state())`` puts the stream back, as on torch_xla. Seeding with the
+    seed the generator started from was a no-op (so the second of two ``set_rng_state(42)``
+    went on with the stream) and ``get_rng_state`` returned that initial seed, not the state.
+    A checkpoint's integer still restores after its CPU state in a new process (Hugging
+    Face's Trainer and accelerate restore in that order)."""
+    code = """
+import torch, torch.nn.functional as F
+import kiln.xla as kx
+import kiln.xla.core.xla_model as xm
+dev = xm.xla_device()
+def draw():
+    out = torch.cat([F.dropout(torch.ones(8, device=dev), 0.5), torch.randn(3, device=dev)]).cpu()
+    xm.mark_step()
+    return out
+for seed in (lambda: xm.set_rng_state(42), lambda: kx.manual_seed(42), lambda: xm.set_rng_state(torch.initial_seed())):
+    seed(); a = draw(); seed(); b = draw()
+    assert torch.equal(a, b), (a, b)
+torch.manual_seed(42); c = draw()
+assert torch.equal(a, c)                       # the seed is torch.manual_seed's
+s = xm.get_rng_state(); a = draw(); draw(); xm.set_rng_state(s); b = draw()
+assert torch.equal(a, b) and isinstance(s, int) and torch.tensor(s).item() == s, (a, b)
+# a new process: the Trainer restores the CPU state, then the integer saved beside it
+cpu, s = torch.get_rng_state(), xm.get_rng_state(); a = draw()
+xm._named_states.clear(); torch.set_rng_state(cpu); xm.set_rng_state(s); b = draw()
+assert torch.equal(a, b), (a, b)
+print("ok")
+"""
+    proc = run_py(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher(kiln_cli, tmp_path):
     """The plain Hugging Face Trainer under ``kiln run-xla``: transformers and accelerate see
     torch_xla and take their XLA paths, as on a Neuron host. ``import transformers`` failed

@@ -17,6 +17,8 @@ process group, and ranks each training alone would be a wrong answer given quiet
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import itertools
 import os
 import sys
@@ -275,19 +277,42 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None, pin_layout
             dist.broadcast(t, src=root_ordinal)
 
 
+# the CPU generator's states that get_rng_state named in this process, by name (bounded)
+_named_states: collections.OrderedDict = collections.OrderedDict()
+
+
+def _state_name(state: torch.Tensor) -> int:
+    """A state's name: 63 bits of its hash (an int64 tensor holds it, as accelerate puts it)."""
+    return int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest(), "big") >> 1
+
+
 def get_rng_state(device=None) -> int:
-    """The device's random numbers are the CPU generator's (drawn in program order), whose
-    state ``torch.get_rng_state`` saves; torch_xla's integer state is here that generator's
-    seed, which :func:`set_rng_state` sets back."""
-    return torch.default_generator.initial_seed()
+    """torch_xla's device state: an integer that :func:`set_rng_state` puts back exactly
+    (``s = get_rng_state(); draw; set_rng_state(s); draw`` draws the same twice). The device
+    draws from the CPU generator (in program order), whose state (``torch.get_rng_state()``,
+    5 KB) an integer cannot hold; the integer names it instead, by its hash, and this process
+    keeps the state under that name (the last 256 named)."""
+    state = torch.get_rng_state()
+    name = _state_name(state)
+    _named_states[name] = state
+    _named_states.move_to_end(name)
+    while len(_named_states) > 256:
+        _named_states.popitem(last=False)
+    return name
 
 
 def set_rng_state(seed, device=None) -> None:
-    """Seed the CPU generator with ``seed`` unless it is the seed it already has: restoring a
-    checkpoint's torch_xla state after its CPU state (Hugging Face's Trainer does both, in
-    that order) must not restart the stream the CPU state restored."""
-    if int(seed) != torch.default_generator.initial_seed():
-        torch.default_generator.manual_seed(int(seed))
+    """torch_xla's ``set_rng_state``: an integer :func:`get_rng_state` returned puts that state
+    back: one named in this process, or the CPU generator's current one (setting it is then
+    nothing to do). That is how a checkpoint resumes in a new process: Hugging Face's Trainer
+    and accelerate save the CPU state and this integer together, and restore the CPU state
+    first. Any other integer is a seed, and reseeds the generator every time, as torch_xla
+    does (``torch.manual_seed``)."""
+    seed = int(seed)
+    if seed in _named_states:
+        torch.set_rng_state(_named_states[seed])
+    elif seed != _state_name(torch.get_rng_state()):
+        torch.manual_seed(seed)
 
 
 def set_replication(device, devices) -> None:

@@ -53,8 +53,9 @@ def sync(wait: bool = False, reset_scope: bool = True):
 
 
 def manual_seed(seed, device=None):
-    from kiln.compat import xla_model
-    xla_model.set_rng_state(seed, device)
+    """Seed the generator the device draws from (the CPU's), every time: the stream restarts."""
+    import torch
+    torch.manual_seed(int(seed))
 
 
 def compile(f=None, full_graph: bool = False, name=None, max_different_graphs=None):
