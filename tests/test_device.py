@@ -642,6 +642,61 @@ def test_an_optimizer_step_is_a_few_whole_foreach_operations():
 
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_scaled_arithmetic_rounds_once_as_on_cpu(dtype):
+    """bf16/f16 ``addcmul_``/``addcdiv_`` with ``value=``, ``add`` with ``alpha=`` and
+    ``lerp`` with a float weight (what AdamW and SGD run) equal the CPU's bit for bit. The
+    lifted scale (a float made a tensor input, so a new learning rate is not a new program)
+    was multiplied in the tensors' dtype first, a second rounding the CPU does not make:
+    ``zeros(bf16).addcmul_(6, 6, value=1e-3)`` gave 0.0361328125 where the CPU gives
+    0.035888671875, and bf16 AdamW's ``exp_avg_sq`` left the CPU's at its first step. Run
+    op by op (no compile): 64 elements, the CPU's vectorized kernel for all of them."""
+    g = torch.Generator().manual_seed(0)
+    x, a, b = ((torch.randn(64, generator=g) * 4).to(dtype) for _ in range(3))
+    d = b.abs() + 0.5
+    xs, as_ = [x, x[:32].clone()], [a, a[:32].clone()]
+
+    def calls(x, a, b, d, xs, as_):
+        f = [[t.clone() for t in xs] for _ in range(3)]
+        torch._foreach_addcmul_(f[0], as_, as_, 1e-3)
+        torch._foreach_addcdiv_(f[1], as_, [t.abs() + 1 for t in as_], [-0.01, 0.37])
+        torch._foreach_lerp_(f[2], as_, 0.3)
+        return [x.clone().addcmul_(a, a, value=1e-3), torch.addcmul(x, a, b, value=-0.3),
+                x.clone().addcdiv_(a, d, value=-0.01), torch.addcdiv(x, a, d, value=0.37),
+                x.clone().add_(a, alpha=0.1), torch.add(x, a, alpha=-0.3), x.sub(a, alpha=0.37),
+                x.clone().lerp_(a, 0.3), torch.lerp(x, a, 0.1), *f[0], *f[1], *f[2],
+                *torch._foreach_addcmul(xs, as_, as_, 0.3), *torch._foreach_lerp(xs, as_, 0.7)]
+
+    def adamw(device, foreach):
+        w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 50.0], dtype=dtype).to(device))
+        opt = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.1, foreach=foreach)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            (w * w).sum().backward()
+            opt.step()
+            out += [w.detach().clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["exp_avg_sq"].clone()]
+        return out
+
+    want = calls(x, a, b, d, xs, as_) + adamw("cpu", True) + adamw("cpu", False)
+    modes.set_mode("lazy", compile_after=10 ** 6)          # op by op: no compile
+    on = [t.to(DEV) for t in (x, a, b, d)]
+    got = calls(*on, [t.to(DEV) for t in xs], [t.to(DEV) for t in as_]) + adamw(DEV, True) + adamw(DEV, False)
+    from kiln.device import dispatch
+    ys, zs = [t.to(DEV) for t in xs], [t.to(DEV) for t in as_]
+    before = len(dispatch.current())
+    torch._foreach_addcmul_(ys, zs, zs, 1e-3)        # still whole calls: the scale, the update, the cast
+    torch._foreach_lerp_(ys, zs, 0.3)                # the widenings, the update, the cast
+    assert len(dispatch.current()) - before == 7, len(dispatch.current()) - before
+    modes.mark_step()
+    for i, (w, t) in enumerate(zip(want, got)):
+        assert t.dtype == dtype and torch.equal(t.cpu(), w), (i, (t.cpu() - w).abs().max())
+    assert len(got) == len(want) == 37
+    one = torch.zeros(3, dtype=torch.bfloat16, device=DEV).addcmul_(*[torch.full((3,), 6.0, dtype=torch.bfloat16,
+                                                                                   device=DEV)] * 2, value=1e-3)
+    assert one.cpu().tolist() == [0.035888671875] * 3
+
+
 def test_foreach_calls_compile_to_each_tensors_operation():
     """A program holding ``_foreach_*`` calls is compiled as each tensor's own operation,
     found by its arguments' types, and equals CPU's foreach kernels. ``_foreach_pow(xs, 2)``

@@ -106,8 +106,12 @@ def _device_lists(args) -> bool:
         isinstance(t, dt.DeviceTensor) for a in tensors for t in a)
 
 
-def _lifted(values, like) -> list:
-    return [rewrites.scalar(float(v), t) for v, t in zip(values, like)]
+def _lifted(values, like, widen=()) -> list:
+    """The floats as 0-dim tensors; with ``widen`` (each element's tensors), as float32
+    tensors that promote bfloat16/float16 elements to float32 (:func:`kiln.device.rewrites.scalar`)."""
+    if not widen:
+        return [rewrites.scalar(float(v), t) for v, t in zip(values, like)]
+    return [rewrites.scalar(float(v), t, max(x.dim() for x in ts)) for v, t, ts in zip(values, like, widen)]
 
 
 def _functional(func, name: str, overload: str):
@@ -117,31 +121,55 @@ def _functional(func, name: str, overload: str):
     return getattr(packet, overload, None) if packet is not None else None
 
 
+def _low(lists) -> bool:
+    """Whether each element's tensors are all bfloat16 (or all float16): the CPU computes
+    their scaled arithmetic in float32 and rounds once (:func:`kiln.device.rewrites.low`)."""
+    return all(rewrites.low(*ts) is not None for ts in zip(*lists))
+
+
 def _plan(func, name, args, kwargs):
-    """``(functional op, args, kwargs, scale)`` with floats lifted, or None (split
-    instead). ``scale``: ``(tensors, lifted floats)`` to multiply first, the scaled
-    tensors then taking the place of ``args[1]`` (``addcdiv``'s ``value``)."""
+    """``(functional op, args, kwargs, scale, check)`` with floats lifted, or None (split
+    instead). ``scale``: ``[(position, tensors, lifted floats)]``, each list multiplied
+    first and taking that position of the args (``addcdiv``'s ``value``; for bfloat16 the
+    products are float32, as the CPU computes, and the in-place update rounds once).
+    ``check``: the in-place call to try on meta, or None for the functional op's."""
     overload = func._overloadname
     selfs = args[0]
     floating = all(t.dtype.is_floating_point for t in selfs)
     if isinstance(kwargs.get("alpha", 1), float) and kwargs.get("alpha") != 1:
         return None
     root = name.strip("_")[len("foreach_"):]
+    inplace = name.endswith("_")
     if root in ("addcdiv", "addcmul") and overload in ("Scalar", "ScalarList"):
         value = args[3] if len(args) > 3 else kwargs.get("value", 1)
         values = value if overload == "ScalarList" else [value] * len(selfs)
         if floating and any(isinstance(v, float) for v in values):
-            return _functional(func, name, "Scalar"), (selfs, None, args[2]), {}, (args[1], _lifted(values, selfs))
-        return _functional(func, name, overload), args, kwargs, None
+            low = _low(args[:3])
+            if low and not inplace:
+                return None      # per tensor: each result cast back (the in-place update casts)
+            widen = list(zip(*args[:3])) if low else ()
+            return (_functional(func, name, "Scalar"), (selfs, args[1], args[2]), {},
+                    [(1, args[1], _lifted(values, selfs, widen))], None)
+        return _functional(func, name, overload), args, kwargs, None, None
     pos = 2 if root == "lerp" else 1
     if overload in ("Scalar", "ScalarList") and floating and len(args) > pos:   # (norm's ord defaults)
         value = args[pos]
         values = value if overload == "ScalarList" else [value] * len(selfs)
         if any(isinstance(v, float) for v in values):
             lifted = list(args)
+            if root == "lerp" and _low(args[:2]):
+                # the CPU lerps bf16/f16 with a float weight in float32; the weights must have
+                # the tensors' dtype, so both lists are widened first (times float32 ones)
+                if not inplace:
+                    return None
+                ones = [_lifted([1.0] * len(selfs), selfs, [(t,) for t in ts]) for ts in args[:2]]
+                lifted[pos] = _lifted(values, selfs)
+                return (_functional(func, name, "List"), tuple(lifted), kwargs,
+                        [(0, selfs, ones[0]), (1, args[1], ones[1])],
+                        (getattr(aten, name).Scalar, (selfs, args[1], 0.5), {}))
             lifted[pos] = _lifted(values, selfs)
-            return _functional(func, name, "List"), tuple(lifted), kwargs, None
-    return _functional(func, name, overload), args, kwargs, None
+            return _functional(func, name, "List"), tuple(lifted), kwargs, None, None
+    return _functional(func, name, overload), args, kwargs, None, None
 
 
 def _aliased(targets, args) -> bool:
@@ -172,12 +200,12 @@ def record_whole(record, record_values, meta_call, rebind, func, name, args, kwa
     plan = _plan(func, name, args, kwargs)
     if plan is None or plan[0] is None or element_op(plan[0]) is None:
         return NotImplemented
-    functional, fargs, fkwargs, scale = plan
+    functional, fargs, fkwargs, scale, check = plan
     targets = list(args[0]) if inplace else []
     written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if inplace and written != [0]:
         return NotImplemented
-    if _aliased(targets, fargs if scale is None else (fargs[0], scale[0], fargs[2])):
+    if _aliased(targets, args if scale is not None else fargs):
         return NotImplemented        # per tensor, in order, as CPU's foreach kernels run
     for t in targets:
         if t._kc.live_base() is not None or t._kc.has_live_views():
@@ -185,19 +213,32 @@ def record_whole(record, record_values, meta_call, rebind, func, name, args, kwa
     if inplace:
         # the in-place call on meta, floats lifted (their values change every step): the
         # errors eager would raise (a result of a dtype the tensors cannot hold)
-        check = getattr(getattr(aten, name), functional._overloadname, None)
-        cargs = fargs if scale is None else (fargs[0], scale[0], fargs[2])
+        if check is None:
+            cargs = list(fargs)
+            for pos, tensors, _ in scale or ():
+                cargs[pos] = tensors
+            check = (getattr(getattr(aten, name), functional._overloadname, None), tuple(cargs), fkwargs)
         try:
-            meta_call(check, cargs, fkwargs)
+            meta_call(*check)
         except Exception:
             return NotImplemented
     if scale is not None:
-        scaled = record(aten._foreach_mul.List, scale, {})
-        if scaled is NotImplemented:
-            return NotImplemented
-        fargs = (fargs[0], scaled, fargs[2])
+        fargs = list(fargs)
+        for pos, tensors, values in scale:
+            scaled = record(aten._foreach_mul.List, (tensors, values), {})
+            if scaled is NotImplemented:
+                return NotImplemented
+            fargs[pos] = scaled
+        fargs = tuple(fargs)
     if not inplace:
         return record(functional, fargs, fkwargs)
+    if scale is not None and any(t.dtype in rewrites.LOW for t in targets):
+        # float32 results (bf16 computed as the CPU does): back to the tensors' dtype in one
+        # more call, not one cast per tensor
+        wide = record(functional, fargs, fkwargs)
+        if wide is NotImplemented:
+            return wide
+        functional, fargs, fkwargs = aten._foreach_copy.default, (targets, wide), {}
     outs = record_values(functional, fargs, fkwargs)
     if outs is NotImplemented:
         return outs

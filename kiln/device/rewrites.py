@@ -5,7 +5,12 @@
   AdamW's bias corrections and a scheduled learning rate change every step; as
   constants they would make every step a new program and a new compile, as inputs
   they are data. Only for floating-point tensors, where a 0-dim float32 tensor and a
-  Python float promote the same way.
+  Python float promote the same way. For bfloat16 and float16 tensors a lifted scale
+  (``alpha``, ``value``, ``lerp``'s weight) keeps the CPU's one rounding: the CPU
+  computes those in float32 and rounds the result once, so the lifted form computes in
+  float32 too and casts the result back (a scale multiplied in low precision first was a
+  second rounding: bf16 ``addcmul_(g, g, value=1e-3)`` and AdamW's ``exp_avg_sq`` were
+  1 ulp off).
 * :func:`functional_form`: the functional operation an in-place one is recorded as
   (``add_`` -> ``add``; batch norm's running-statistics update ->
   ``_native_batch_norm_legit_functional``), with the tensors it updates.
@@ -38,17 +43,39 @@ PLAIN_FORMS = {aten._conj.default: aten.conj_physical.default, aten._neg_view.de
                aten._efficientzerotensor.default: aten.zeros.default}
 
 
-def scalar(value: float, like) -> dt.DeviceTensor:
+def scalar(value: float, like, ndim=None) -> dt.DeviceTensor:
     """A 0-dim device tensor holding ``value``; the same object for the same value (a
-    step's repeated constants are one input, not hundreds). Never written: internal."""
+    step's repeated constants are one input, not hundreds). Never written: internal.
+    With ``ndim``, a float32 tensor of shape ``(1,) * ndim`` instead: it broadcasts as a
+    0-dim tensor does, but promotes a bfloat16/float16 operation of ``ndim`` dimensions or
+    fewer to float32 (a 0-dim tensor does not)."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    key = (value, dtype)
+    key = (value, dtype, ndim)
     t = _SCALARS.get(key)
     if t is None:
         if len(_SCALARS) > 4096:           # a schedule's values come and go
             _SCALARS.clear()
-        t = _SCALARS[key] = dt.wrap(torch.tensor(value, dtype=dtype))
+        t = _SCALARS[key] = dt.wrap(torch.tensor(value, dtype=dtype).reshape((1,) * (ndim or 0)))
     return t
+
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def low(*tensors):
+    """The tensors' dtype when all are bfloat16 (or all float16) tensors: the CPU computes
+    their scaled arithmetic in float32 and rounds once; else None."""
+    dtype = getattr(tensors[0], "dtype", None)
+    return dtype if dtype in LOW and all(getattr(t, "dtype", None) == dtype for t in tensors) else None
+
+
+def rounded(value: float, dtype) -> float:
+    """``value`` as the CPU's add kernel holds an ``alpha`` for ``dtype``'s tensors."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+def _ndim(*tensors) -> int:
+    return max(t.dim() for t in tensors)
 
 
 def _floating(t) -> bool:
@@ -74,6 +101,7 @@ def lift_scalars(dispatch, func, args, kwargs):
     if kind is None or not args or not _floating(args[0]):
         return NotImplemented
     packet = _PACKET.get(id(func)) or _PACKET.setdefault(id(func), getattr(aten, func._schema.name.split("::")[-1]))
+    inplace = func._schema.name.endswith("_")
     if kind == "arith":
         other = args[1]
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
@@ -82,6 +110,12 @@ def lift_scalars(dispatch, func, args, kwargs):
         changed = func._overloadname == "Scalar" and isinstance(other, float)
         if isinstance(other, float):
             other, changed = scalar(other, args[0]), True
+        elif isinstance(alpha, float) and alpha != 1 and _floating(other) and low(args[0], other):
+            # the CPU's bf16/f16 add: alpha rounded to the dtype, ``self + alpha * other`` in
+            # float32 (the product of two such numbers is exact there), rounded once
+            dtype = low(args[0], other)
+            scaled = dispatch(aten.mul.Tensor, (other, scalar(rounded(alpha, dtype), args[0], _ndim(args[0], other))), {})
+            return _narrowed(dispatch, dispatch(packet.Tensor, (args[0], scaled), {}), dtype, inplace)
         if isinstance(alpha, float) and alpha != 1 and _floating(other):
             other, alpha, changed = dispatch(aten.mul.Tensor, (other, scalar(alpha, args[0])), {}), 1, True
         if not changed or not isinstance(other, torch.Tensor):
@@ -91,11 +125,30 @@ def lift_scalars(dispatch, func, args, kwargs):
         value = kwargs.get("value", args[3] if len(args) > 3 else 1)
         if not isinstance(value, float) or value == 1:
             return NotImplemented
-        scaled = dispatch(aten.mul.Tensor, (args[1], scalar(value, args[0])), {})
-        return dispatch(packet.default, (args[0], scaled, args[2]), {})
+        dtype = low(*args[:3])
+        if dtype is None:
+            scaled = dispatch(aten.mul.Tensor, (args[1], scalar(value, args[0])), {})
+            return dispatch(packet.default, (args[0], scaled, args[2]), {})
+        # the CPU's bf16/f16 addcmul/addcdiv: ``self + value * t1 * t2`` (``/ t2``) in float32,
+        # rounded once; the scaled tensor stays float32
+        scaled = dispatch(aten.mul.Tensor, (args[1], scalar(value, args[0], _ndim(*args[:3]))), {})
+        return _narrowed(dispatch, dispatch(packet.default, (args[0], scaled, args[2]), {}), dtype, inplace)
     if kind == "lerp" and isinstance(args[2], float):
-        return dispatch(packet.Tensor, (args[0], args[1], scalar(args[2], args[0])), {})
+        dtype = low(args[0], args[1])
+        if dtype is None:
+            return dispatch(packet.Tensor, (args[0], args[1], scalar(args[2], args[0])), {})
+        # the CPU's bf16/f16 lerp with a float weight computes in float32 (a weight tensor
+        # must have the tensors' dtype: it would be rounded to it)
+        wide = [dispatch(aten._to_copy.default, (t,), {"dtype": torch.float32}) for t in args[:2]]
+        out = dispatch(aten.lerp.Tensor, (wide[0], wide[1], scalar(args[2], wide[0])), {})
+        return dispatch(aten.copy_.default, (args[0], out), {}) if inplace else _narrowed(dispatch, out, dtype, False)
     return NotImplemented
+
+
+def _narrowed(dispatch, out, dtype, inplace):
+    """A float32 result in ``dtype`` again; an in-place call's result already is (its
+    tensor's dtype)."""
+    return out if inplace else dispatch(aten._to_copy.default, (out,), {"dtype": dtype})
 
 
 _LIFT_KIND: dict = {}
