@@ -50,6 +50,19 @@ def test_tensors_behave_like_a_device():
     torch.kiln.synchronize()
 
 
+def test_a_generator_made_for_the_device_draws_the_cpus_numbers():
+    """``torch.Generator(device="kiln")`` is a CPU generator, which the device's random
+    operations draw from (the device draws on the host). It raised PyTorch's "You should
+    register `PrivateUse1HooksInterface` ... getNewGenerator": a Python backend cannot give
+    PyTorch the C++ hook it asks."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    assert isinstance(g, torch.Generator) and type(g) is torch.Generator and g.device.type == "cpu"
+    got = torch.randn(4, generator=g, device=DEV).cpu(), torch.randperm(6, generator=g, device=DEV).cpu()
+    c = torch.Generator().manual_seed(0)
+    assert all(map(torch.equal, got, (torch.randn(4, generator=c), torch.randperm(6, generator=c))))
+    assert torch.Generator("kiln:0").device.type == torch.Generator().device.type == "cpu"
+
+
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_tensors_made_from_python_data_on_the_device(mode):
     """``torch.tensor(data, device=...)`` and its kin, the commonest way a training script

@@ -260,9 +260,10 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _registered.extend([library, _per_op(), autocast.register(name), index_checks.register()])
         _foreach_capable()
         _pinnable(name)
-        from kiln.device import (data_parallel, default_backend, dynamo_skip, nn_fastpath, serialization,
-                                 tied_parameters)
+        from kiln.device import (data_parallel, default_backend, dynamo_skip, generators, nn_fastpath,
+                                 serialization, tied_parameters)
         serialization.install(name)
+        generators.install(name)
         _memory.install()
         nn_fastpath.install()
         data_parallel.install()
