@@ -50,6 +50,24 @@ def test_tensors_behave_like_a_device():
     torch.kiln.synchronize()
 
 
+def test_numpy_of_a_device_tensor_is_a_read_only_copy_and_refuses_grad():
+    """``.numpy()`` reads the host memory (CUDA's and torch_xla's tensors raise TypeError);
+    the array is a copy, so it is read-only: a write into it, which changes a CPU tensor,
+    was silently lost and is now NumPy's error. A tensor that requires grad raises the CPU's
+    RuntimeError (it gave an array). ``force=True`` gives a writable copy, as on the CPU."""
+    x = torch.zeros(3, device=DEV)
+    a = x.numpy()
+    assert a.tolist() == [0.0] * 3
+    with pytest.raises(ValueError, match="read-only"):
+        a[0] = 9.0
+    b = x.numpy(force=True)
+    b[0] = 9.0
+    assert x.cpu().tolist() == [0.0] * 3
+    w = torch.ones(2, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Can't call numpy\\(\\) on Tensor that requires grad"):
+        w.numpy()
+    assert w.detach().numpy().tolist() == w.numpy(force=True).tolist() == [1.0, 1.0]
+
 def test_a_generator_made_for_the_device_draws_the_cpus_numbers():
     """``torch.Generator(device="kiln")`` is a CPU generator, which the device's random
     operations draw from (the device draws on the host). It raised PyTorch's "You should

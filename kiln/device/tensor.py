@@ -158,9 +158,18 @@ class DeviceTensor(torch.Tensor):
     __str__ = __repr__
 
     def numpy(self, *, force=False):
-        """A copy's NumPy array: the data is in host memory already (a real device
-        would refuse; copying keeps the device tensor from being changed behind its back)."""
-        return self.host().detach().clone().numpy()
+        """A copy's NumPy array, read-only: the data is in host memory already, so reading
+        works where CUDA's and torch_xla's tensors raise TypeError (``.cpu()`` first). A
+        copy, so the device tensor is not changed behind the trace's back; read-only, so a
+        write into it (``t.numpy()[0] = 1``, which changes a CPU tensor) is NumPy's
+        ValueError, not a change silently lost. ``force=True`` gives a writable copy, and is
+        needed for a tensor that requires grad (the CPU's error otherwise)."""
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        array = self.host().detach().clone().numpy()
+        if not force:
+            array.flags.writeable = False
+        return array
 
     def untyped_storage(self):
         """The storage of the host memory holding the values (flushing pending work first).
