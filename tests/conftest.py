@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 
+from tests import forkserver
+
 # the suite's device is "kiln": whatever this shell says, import torch registers that name here
 # (kiln's torch.backends entry point), and test processes inherit it
 os.environ.pop("KILN_DEVICE_NAME", None)
@@ -61,11 +63,15 @@ if _SHARE is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 
-def run_py(code: str, *, cwd=None, timeout=300, env=None):
-    """Run Python code in a fresh interpreter; returns CompletedProcess (text)."""
+def run_py(code: str, *, cwd=None, timeout=300, env=None, new_interpreter=False):
+    """Run Python code in a fresh process; returns CompletedProcess (text). The process is
+    forked from a zygote that has imported torch and nothing of kiln (:mod:`tests.forkserver`,
+    ~2 s less a run); ``new_interpreter=True`` starts a new interpreter instead, for tests of
+    what happens while ``import torch`` runs."""
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd or ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=e)
+    run = subprocess.run if new_interpreter else forkserver.run
+    return run([sys.executable, "-c", code], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
+               env=e)
 
 
 def assert_close(actual, expected, atol=1e-4, rtol=1e-4):

@@ -1,7 +1,6 @@
 """kiln bench: the JSON report, the plot, peers in the same run, artifacts through dynamic batch."""
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch
 import kiln
 from kiln.benchmark import peers
 from tests.conftest import ROOT
+from tests import forkserver
 
 ROW_FIELDS = {"runner", "batch_size", "copies", "workers", "calls", "inferences", "duration_s", "throughput",
               "latency_ms", "setup_s", "cost_per_1m"}
@@ -27,7 +27,7 @@ def _check_row(row, duration):
 
 def test_bench_cli_compares_peers_and_writes_json_and_png(kiln_cli, tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    r = subprocess.run([kiln_cli, "bench", "tests.models:custom_op", "--duration", "0.4", "--warmup", "0.1",
+    r = forkserver.run([kiln_cli, "bench", "tests.models:custom_op", "--duration", "0.4", "--warmup", "0.1",
                         "--copies", "1", "--workers", "1,2", "--compare", "eager", "--price-per-hour", "1.0",
                         "--json", str(out_json), "--plot", str(out_png)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -15,6 +15,7 @@ from kiln.errors import CachedFailure, UnsupportedOpError
 
 from . import models
 from .conftest import ROOT, assert_close
+from tests import forkserver
 
 
 def delta(before):
@@ -227,26 +228,26 @@ def test_cli_cache_commands(tmp_path, kiln_cli):
     url = str(tmp_path / "cache")
     env = {**os.environ, "KILN_CACHE_URL": url, "COLUMNS": "200"}
     out = tmp_path / "m.kiln"
-    r = subprocess.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
+    r = forkserver.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "cache: miss, stored" in r.stdout
-    r = subprocess.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
+    r = forkserver.run([kiln_cli, "compile", "tests.models:mlp", "-o", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert "cache: hit" in r.stdout
-    r = subprocess.run([kiln_cli, "cache", "ls", "--json"], env=env, capture_output=True, text=True,
+    r = forkserver.run([kiln_cli, "cache", "ls", "--json"], env=env, capture_output=True, text=True,
                        timeout=60)
     (entry,) = json.loads(r.stdout)
     assert entry["model_name"] == "MLP" and entry["engine"] == "onnxruntime" and entry["uses"] == 1
-    r = subprocess.run([kiln_cli, "inspect", str(out)], env=env, capture_output=True, text=True, timeout=60)
+    r = forkserver.run([kiln_cli, "inspect", str(out)], env=env, capture_output=True, text=True, timeout=60)
     assert entry["key"] in r.stdout
-    r = subprocess.run([kiln_cli, "cache", "info", entry["key"][:10]], env=env, capture_output=True,
+    r = forkserver.run([kiln_cli, "cache", "info", entry["key"][:10]], env=env, capture_output=True,
                        text=True, timeout=60)
     assert json.loads(r.stdout)["key"] == entry["key"]
-    r = subprocess.run([kiln_cli, "cache", "prune", "--max-bytes", "1"], env=env, capture_output=True,
+    r = forkserver.run([kiln_cli, "cache", "prune", "--max-bytes", "1"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert "removed 1 entry" in r.stdout
-    r = subprocess.run([kiln_cli, "cache", "ls"], env=env, capture_output=True, text=True, timeout=60)
+    r = forkserver.run([kiln_cli, "cache", "ls"], env=env, capture_output=True, text=True, timeout=60)
     assert "0 entries" in r.stdout
 
 
@@ -265,7 +266,7 @@ def test_an_unusable_cache_location_warns_and_compiles_without_it(tmp_path, kiln
     assert delta(s)["compiles"] == 1 and delta(s)["errors"] >= 1
     assert compiled.manifest["cache"]["stored"] is False
     assert str(where) in caplog.text and "KILN_CACHE_URL=off" in caplog.text
-    r = subprocess.run([kiln_cli, "cache", "ls", "--url", str(where)], capture_output=True, text=True, timeout=60)
+    r = forkserver.run([kiln_cli, "cache", "ls", "--url", str(where)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is a file, not a directory" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -366,7 +367,7 @@ def test_parallel_compile_fills_the_cache_for_a_script_with_three_models(tmp_pat
     script = tmp_path / "serve.py"
     script.write_text(PARALLEL_SCRIPT)
     env = {**os.environ, "KILN_CACHE_URL": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
-    r = subprocess.run([kiln_cli, "parallel-compile", "--workers", "2", "--json", str(tmp_path / "pc.json"),
+    r = forkserver.run([kiln_cli, "parallel-compile", "--workers", "2", "--json", str(tmp_path / "pc.json"),
                         "--", sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -375,7 +376,7 @@ def test_parallel_compile_fills_the_cache_for_a_script_with_three_models(tmp_pat
     summary = json.loads((tmp_path / "pc.json").read_text())
     assert len(summary["jobs"]) == 3 and all(j["ok"] for j in summary["jobs"])
     assert len({j["key"] for j in summary["jobs"]}) == 3
-    normal = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+    normal = forkserver.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     assert normal.returncode == 0, normal.stderr
     stats = _stats(normal.stdout)

@@ -1,15 +1,15 @@
 """The kiln command line, end to end as subprocesses."""
 import json
-import subprocess
 
 import numpy as np
 
 from tests import models
 from tests.conftest import ROOT
+from tests import forkserver
 
 
 def kiln_run(cli, *args, cwd=ROOT, timeout=300):
-    return subprocess.run([cli, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run([cli, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_analyze_compile_inspect_run(kiln_cli, tmp_path):

@@ -6,7 +6,13 @@ with autoload off, late registration is a clear error; a failing hook never brea
 ``import torch``. Each case runs in a fresh process (autoload happens once, at import)."""
 import textwrap
 
-from tests.conftest import run_py
+from tests.conftest import run_py as _run_py
+
+
+def run_py(*args, **kwargs):
+    """A new interpreter for each: these tests are about what ``import torch`` does."""
+    return _run_py(*args, new_interpreter=True, **kwargs)
+
 
 ON = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", "KILN_DEVICE_NAME": "kiln"}
 

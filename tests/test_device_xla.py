@@ -2,13 +2,13 @@
 unchanged through ``kiln run-xla`` (or with its imports swapped to ``kiln.xla``) and
 trains as CPU eager does."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.conftest import ROOT, run_py
+from tests import forkserver
 
 SCRIPT = os.path.join(ROOT, "tests", "data", "xla_mnist_mlp.py")
 
@@ -44,7 +44,7 @@ def _cpu_losses(steps=6, batch=32):
 
 def test_neuron_training_script_runs_unchanged_through_the_launcher(kiln_cli, tmp_path):
     out = tmp_path / "ckpt.pt"
-    proc = subprocess.run([kiln_cli, "run-xla", SCRIPT, "--out", str(out)], capture_output=True, text=True,
+    proc = forkserver.run([kiln_cli, "run-xla", SCRIPT, "--out", str(out)], capture_output=True, text=True,
                           timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("losses "))
@@ -456,7 +456,7 @@ def test_a_hugging_face_trainer_script_trains_on_the_device_through_the_launcher
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     script = os.path.join(ROOT, "tests", "data", "hf_trainer_xla.py")
-    proc = subprocess.run([kiln_cli, "run-xla", script, str(tmp_path / "out")], capture_output=True, text=True,
+    proc = forkserver.run([kiln_cli, "run-xla", script, str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     import json
@@ -486,7 +486,7 @@ def test_an_accelerate_loop_trains_on_the_device_through_the_launcher(kiln_cli, 
     script = os.path.join(ROOT, "tests", "data", "accelerate_xla.py")
     runs = []
     for command, where in (([kiln_cli, "run-xla"], "kiln"), ([sys.executable], "cpu")):
-        proc = subprocess.run(command + [script, str(tmp_path / where)], capture_output=True, text=True, timeout=600,
+        proc = forkserver.run(command + [script, str(tmp_path / where)], capture_output=True, text=True, timeout=600,
                               cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -3,14 +3,14 @@ one command that fixes a mismatch; run as the command, and with versions swapped
 import json
 import os
 import platform
-import subprocess
 import sys
 
 from kiln.cli import doctor
+from tests import forkserver
 
 
 def test_kiln_doctor_reports_this_machine():
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "doctor", "--json"], capture_output=True, text=True,
+    r = forkserver.run([sys.executable, "-m", "kiln.cli", "doctor", "--json"], capture_output=True, text=True,
                        timeout=300)
     checks = {c["check"]: c for c in json.loads(r.stdout)}
     assert r.returncode == (1 if any(c["status"] == "error" for c in checks.values()) else 0)
@@ -23,7 +23,7 @@ def test_kiln_doctor_reports_this_machine():
         "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", "") and "alloc" not in os.environ.get("LD_PRELOAD", "")
     if platform.libc_ver()[0] == "glibc" and untouched:       # what loading a compiled model will do
         assert "keeps up to 1024 MiB of freed memory" in checks["malloc"]["found"], checks["malloc"]
-    table = subprocess.run([sys.executable, "-m", "kiln.cli", "doctor"], capture_output=True, text=True, timeout=300)
+    table = forkserver.run([sys.executable, "-m", "kiln.cli", "doctor"], capture_output=True, text=True, timeout=300)
     assert "kiln doctor" in table.stdout and "error(s)" in table.stdout
 
 

@@ -45,7 +45,7 @@ import torch
 import kiln
 from kiln.artifact.container import Artifact, ALIGN, MANIFEST, SIGNATURE
 from kiln.artifact.specs import Output
-from tests import models
+from tests import forkserver, models
 from tests.conftest import ROOT
 from tests.reliability import count, long_run, record
 
@@ -625,7 +625,7 @@ def test_mutated_artifacts_in_a_subprocess(corpus, tmp_path):
     listing.write_text(json.dumps(files))
     started = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-c", WORKER, str(listing)], cwd=ROOT, text=True,
+        r = forkserver.run([sys.executable, "-c", WORKER, str(listing)], cwd=ROOT, text=True,
                            capture_output=True, timeout=CASE_SECONDS * len(files))
     except subprocess.TimeoutExpired as e:
         FIGURES["hangs"] += 1

@@ -2,7 +2,6 @@
 script, text compared with the same generation run in-process."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -12,13 +11,14 @@ pytest.importorskip("transformers")
 from kiln.runtime.scheduler import Request  # noqa: E402
 from kiln.runtime.text import Tokenizer  # noqa: E402
 from tests.conftest import ROOT, tiny_tokenizer  # noqa: E402
+from tests import forkserver  # noqa: E402
 
 KILN = os.path.join(os.path.dirname(sys.executable), "kiln")
 
 
 def kiln(*args, stdin=None, timeout=300):
     env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT, KILN_CACHE_URL="off")
-    return subprocess.run([KILN, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=timeout,
+    return forkserver.run([KILN, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
 
 

@@ -8,6 +8,7 @@ import torch
 import kiln
 
 from . import models
+from tests import forkserver
 
 
 def _entry(model):
@@ -81,15 +82,14 @@ def test_kiln_spans_appear_in_torch_profiler():
 
 def test_kiln_ls_lists_cores_isa_and_engines(kiln_cli):
     import os
-    import subprocess
     from kiln.host import cores as placement
-    r = subprocess.run([kiln_cli, "ls", "--json"], capture_output=True, text=True, timeout=120,
+    r = forkserver.run([kiln_cli, "ls", "--json"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "KILN_CPUS_PER_CORE": "1"})
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert [c["cpus"] for c in info["cores"]] == [[c] for c in placement.process_cpus()]
     assert info["engines"]["onnxruntime"] and info["memory_total_bytes"] > 0
-    r = subprocess.run([kiln_cli, "ls"], capture_output=True, text=True, timeout=120,
+    r = forkserver.run([kiln_cli, "ls"], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "KILN_VISIBLE_CORES": "0", "KILN_CPUS_PER_CORE": "1"})
     assert "1 kiln cores" in r.stdout and "onnxruntime" in r.stdout
 

@@ -4,13 +4,13 @@ last flat-module layout) from the model whose weights are in pre15-model.pt."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import kiln
+from tests import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
@@ -59,7 +59,7 @@ def test_pre_restructure_artifacts_load_and_match_eager(name, eager):
 def test_pre_restructure_artifact_loads_in_a_fresh_process():
     code = ("import kiln, torch; m = kiln.load(%r); print(tuple(m(torch.zeros(2, 8)).shape))"
             % os.path.join(DATA, "pre15-onnxruntime.kiln"))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    r = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("(2, 4)")

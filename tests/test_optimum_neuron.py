@@ -6,7 +6,6 @@ keywords are applied, noted or refused, never silently dropped."""
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from kiln.errors import ArtifactError, CompilerArgsError  # noqa: E402
 from kiln.optimum import neuron  # noqa: E402
 from kiln.optimum.neuron import pipelines  # noqa: E402
+from tests import forkserver  # noqa: E402
 
 SHAPES = dict(batch_size=2, sequence_length=16)
 FAST = dict(optlevel="1", disable_neuron_cache=True)
@@ -103,7 +103,7 @@ def test_save_pretrained_reloads_in_a_fresh_process_without_recompiling(exported
     code = ("import sys, torch; from kiln.optimum.neuron import NeuronModelForSequenceClassification as C; "
             "m = C.from_pretrained(sys.argv[1]); torch.save(m(**torch.load(sys.argv[2])).logits, sys.argv[3])")
     env = dict(os.environ, KILN_CACHE_URL="off")
-    subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+    forkserver.run([sys.executable, "-c", code, str(out), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                    check=True, timeout=300, env=env)
     assert torch.equal(torch.load(tmp_path / "out.pt"), model(**inputs).logits)
     # the saved directory is a kiln model, not a checkpoint: the other classes and export refuse it
@@ -287,7 +287,7 @@ def test_sentence_transformers_on_real_minilm_equal_sentence_transformers(tmp_pa
 
 
 def _kiln(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
+    return forkserver.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
                           env=env)
 
 

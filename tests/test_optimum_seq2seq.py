@@ -13,7 +13,6 @@ reuses the greedy export's encoder and compiles only its decoder."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("tokenizers")
 from kiln.errors import ArtifactError, CompilerArgsError  # noqa: E402
 from kiln.optimum import neuron  # noqa: E402
 from kiln.optimum.neuron import exporter  # noqa: E402
+from tests import forkserver  # noqa: E402
 
 SHAPES = dict(batch_size=2, sequence_length=8)
 FAST = dict(optlevel="1", disable_neuron_cache=True)
@@ -68,7 +68,7 @@ def hf(t5_dir):
 
 
 def _kiln(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
+    return forkserver.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=600,
                           env=env)
 
 
@@ -327,7 +327,7 @@ def test_save_pretrained_reloads_in_a_fresh_process(greedy, beam, cli_export, hf
     assert cross["input_names"] == ["encoder_hidden_states"] and len(cross["output_names"]) == 4
     assert json.loads((out / "generation_config.json").read_text())["decoder_start_token_id"] == 0
     env = dict(os.environ, KILN_CACHE_URL="off")
-    run = subprocess.run([sys.executable, "-c", RELOAD, cli_export[1], str(out), json.dumps(IDS.tolist()),
+    run = forkserver.run([sys.executable, "-c", RELOAD, cli_export[1], str(out), json.dumps(IDS.tolist()),
                           json.dumps(MASK.tolist())], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])

@@ -7,13 +7,13 @@ parallelism options and ``fp16`` are refused with what to use. In a fresh proces
 trainer puts the process's device in lazy mode."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from tests.conftest import ROOT, run_py
+from tests import forkserver
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -130,7 +130,7 @@ def test_neuron_trainer_compiles_with_neuron_cc_flags(tmp_path):
     cache = str(tmp_path / "neuron-cache")
     flags = f"--model-type transformer -O1 --auto-cast all --auto-cast-type bf16 --cache_dir={cache}"
     env = {k: v for k, v in os.environ.items() if k != "KILN_CACHE_URL"}    # kiln's own would win
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    proc = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(env, NEURON_CC_FLAGS=flags))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,7 +4,6 @@ op (tier 3) — the Markdown/HTML report with its pictures, a Hugging Face decod
 the LLM path's verdict, and clear errors for what cannot be ported."""
 import json
 import os
-import subprocess
 import sys
 from html.parser import HTMLParser
 
@@ -14,6 +13,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.port import port
+from tests import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -89,7 +89,7 @@ def _pixels_near(png, hex_colour, tol=0.08) -> int:
 def test_tier_2_file_through_the_cli_with_report_and_pictures(kiln_cli, tmp_path):
     out = tmp_path / "report"
     model = os.path.join(HERE, "port_models.py")
-    r = subprocess.run([kiln_cli, "port", f"{model}:tier2", "--out", str(out), "--timing", "0.1"],
+    r = forkserver.run([kiln_cli, "port", f"{model}:tier2", "--out", str(out), "--timing", "0.1"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Tier 2" in r.stdout and "wrote" in r.stdout
@@ -147,7 +147,7 @@ def test_clear_errors(tmp_path, kiln_cli):
     broken.write_text("import torch\nmodel = torch.nn.Linear(4, 2)\nexample_inputs = torch.randn(3, 5)\n")
     with pytest.raises(KilnError, match="Linear fails on its example inputs in eager PyTorch.*RuntimeError"):
         port(str(broken), quiet=True)
-    r = subprocess.run([kiln_cli, "port", str(tmp_path / "missing.py")], capture_output=True, text=True,
+    r = forkserver.run([kiln_cli, "port", str(tmp_path / "missing.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "missing.py: no such file" in r.stderr
 
@@ -160,7 +160,7 @@ def test_json_on_stdout_is_the_report_alone(kiln_cli, tmp_path):
         "def make():\n"
         "    print('loading the model')\n"
         "    return torch.nn.Linear(4, 2), torch.randn(1, 4)\n")
-    r = subprocess.run([kiln_cli, "port", str(tmp_path / "chatty.py") + ":make", "--json", "--timing", "0.05"],
+    r = forkserver.run([kiln_cli, "port", str(tmp_path / "chatty.py") + ":make", "--json", "--timing", "0.05"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tier"] == 1 and "loading the model" in r.stderr

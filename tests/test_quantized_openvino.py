@@ -1,7 +1,6 @@
 """Weight-only quantized partitions on OpenVINO (its ONNX frontend reading the ``MatMulNBits``
 model ONNX Runtime's engine quantizes, kiln.engines.onnx_model), and -O2 timing every engine
 that quantizes a partition (kiln.compiler.selection.times_quantizers)."""
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from kiln import engines
 from kiln.compiler import selection
 from kiln.compiler.options import CompileOptions
 from kiln.host import target as host_target
+from tests import forkserver
 
 pytest.importorskip("openvino")
 
@@ -76,7 +76,7 @@ def test_openvino_quantized_artifact_loads_in_a_fresh_process(builds, tmp_path):
         torch.save(X, tmp_path / "x.pt")
         code = ("import sys, torch, kiln; m = kiln.load(sys.argv[1]); "
                 "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])")
-        subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+        forkserver.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
                        check=True, timeout=300)
         assert torch.equal(torch.load(tmp_path / "y.pt"), compiled(X)), target
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import kiln
 from kiln.graph import randomness
+from tests import forkserver
 
 
 class _Noisy(torch.nn.Module):
@@ -243,7 +244,6 @@ def test_a_mask_drawn_apart_is_native_dropouts_to_the_bit():
 def test_a_program_with_a_drawn_mask_loads_in_a_fresh_process(tmp_path):
     """The host program names ``kiln::dropout_keep_mask``: a process that loads the artifact
     resolves it without importing anything itself, and draws eager's mask for the seed."""
-    import subprocess
     import sys
 
     class Drop(torch.nn.Module):
@@ -259,7 +259,7 @@ def test_a_program_with_a_drawn_mask_loads_in_a_fresh_process(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     code = (f"import torch, kiln; m = kiln.load({str(path)!r}); x = torch.load({str(tmp_path / 'x.pt')!r}); "
             f"torch.manual_seed(9); torch.save(m(x), {str(tmp_path / 'y.pt')!r})")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     got = torch.load(tmp_path / "y.pt")
     assert torch.equal(got == 0, expected == 0)                      # the same elements dropped

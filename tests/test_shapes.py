@@ -9,6 +9,7 @@ from kiln.errors import CompilerArgsError, InputError
 
 from . import models
 from .conftest import assert_close, run_py
+from tests import forkserver
 
 BUCKETS = [8, 16, 32]
 
@@ -175,12 +176,11 @@ print(type(m).__name__, tuple(out.shape))
 
 
 def test_cli_inspects_nested_artifacts(tmp_path, kiln_cli):
-    import subprocess
     model, _ = models.mlp()
     compiled = kiln.trace(model, buckets=[torch.randn(1, 16), torch.randn(4, 16)])
     path = tmp_path / "mlp-buckets.kiln"
     compiled.save(path)
-    r = subprocess.run([kiln_cli, "inspect", str(path)], capture_output=True, text=True, timeout=120,
+    r = forkserver.run([kiln_cli, "inspect", str(path)], capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "(bucketed)" in r.stdout and "variants" in r.stdout

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kiln.observe import registry
+from tests import forkserver
 
 CALLS = 17
 
@@ -49,7 +50,7 @@ def served(tmp_path_factory):
 
 
 def _kiln(kiln_cli, run_dir, *args, timeout=120):
-    r = subprocess.run([kiln_cli, *args, "--run-dir", str(run_dir)], capture_output=True, text=True,
+    r = forkserver.run([kiln_cli, *args, "--run-dir", str(run_dir)], capture_output=True, text=True,
                        timeout=timeout, env=_env(run_dir))
     assert r.returncode == 0, r.stderr
     return r.stdout
