@@ -68,6 +68,19 @@ def test_numpy_of_a_device_tensor_is_a_read_only_copy_and_refuses_grad():
         w.numpy()
     assert w.detach().numpy().tolist() == w.numpy(force=True).tolist() == [1.0, 1.0]
 
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_data_pointers_tell_aliases_from_copies(mode):
+    """``data_ptr()`` is the host memory's address, as a CPU tensor's: it was the byte offset
+    (``ones(2)`` and ``zeros(5)`` both 0, a clone's equal to its source's), so code that
+    finds aliases by pointer took every tensor for one. Pending values are flushed first."""
+    modes.set_mode(mode, compile_after=10 ** 6)        # op by op: no compile
+    a, b = torch.ones(2, device=DEV), torch.zeros(5, device=DEV)
+    c = a * 2                                           # pending in lazy mode
+    v = c[1:]
+    assert a.data_ptr() != b.data_ptr() and a.clone().data_ptr() != a.data_ptr()
+    assert a.detach().data_ptr() == a.data_ptr() and v.data_ptr() == c.data_ptr() + 4
+    assert c.data_ptr() == c.untyped_storage().data_ptr() != 0
+
 def test_a_generator_made_for_the_device_draws_the_cpus_numbers():
     """``torch.Generator(device="kiln")`` is a CPU generator, which the device's random
     operations draw from (the device draws on the host). It raised PyTorch's "You should

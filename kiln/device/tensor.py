@@ -179,6 +179,16 @@ class DeviceTensor(torch.Tensor):
         share this storage too."""
         return self.host().untyped_storage()
 
+    def data_ptr(self) -> int:
+        """The address of the first element in the host memory holding the values (flushing
+        pending work first), as a CPU tensor's: a tensor and its views share memory and
+        their pointers say so; a clone's differs. A wrapper tensor's own pointer is only its
+        byte offset, so ``ones(2)`` and ``zeros(5)`` both said 0 and code that finds
+        aliases by ``data_ptr`` (``x.clone().data_ptr() == x.data_ptr()``) was wrong. Like
+        ``untyped_storage``, it is the memory of the value now: lazy mode gives an updated
+        tensor new memory at a flush, so a pointer kept across steps may change."""
+        return self.host().data_ptr()
+
     def tolist(self):
         """The values as (nested) Python numbers, read from host memory: PyTorch's own
         ``tolist`` refuses tensor subclasses, and ``loss.tolist()`` is a common line."""
