@@ -54,6 +54,10 @@ children = {}
 
 
 def child(req, fds):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))     # PR_SET_PDEATHSIG: dies with the zygote
+    if os.getppid() == 1:
+        os._exit(137)
     os.setpgid(0, 0)
     listener.close()
     for c in children.values():
@@ -200,39 +204,50 @@ def _classify(argv):
     return None
 
 
-def run(argv, *, cwd=None, env=None, timeout=None, input=None, text=True, check=False, capture_output=True,
-        **kwargs):
-    """:func:`subprocess.run` with ``capture_output=True`` for ``argv``, forked from the zygote
-    where it can be (see the module's docstring), else through :func:`subprocess.run` itself."""
+def _zygote_for(argv, env):
+    """(zygote, (kind, arg, rest)) to fork ``argv`` from, or None where a new interpreter must run it."""
     global _zygote
-    assert capture_output, "tests.forkserver.run always captures the output"
-    env = dict(os.environ if env is None else env)
-    cwd = os.fspath(cwd or os.getcwd())
     how = _classify(argv)
-    if how is None or kwargs or os.environ.get("KILN_TEST_FORKSERVER") == "0" or sys.platform != "linux":
-        return subprocess.run([os.fspath(a) for a in argv], cwd=cwd, env=env, timeout=timeout, input=input,
-                              text=text, check=check, capture_output=True, **kwargs)
+    if how is None or os.environ.get("KILN_TEST_FORKSERVER") == "0" or sys.platform != "linux":
+        return None
+    kind, arg, _ = how
+    if kind == "c" and not any(name in arg for name in ("torch", "kiln", "tests")):
+        return None                 # code that may never import torch: a child would have it imported
     with _lock:
         if _zygote is None or _zygote.proc.poll() is not None:
             _zygote = _Zygote()
         zygote = _zygote
-    if not zygote.serves(env):
-        return subprocess.run([os.fspath(a) for a in argv], cwd=cwd, env=env, timeout=timeout, input=input,
-                              text=text, check=check, capture_output=True)
+    return (zygote, how) if zygote.serves(env) else None
+
+
+def _start(zygote, how, cwd, env, fds):
+    """Fork one child of ``zygote``; (connection, pid): the connection then says its exit status."""
     kind, arg, rest = how
-    if kind == "c" and not any(name in arg for name in ("torch", "kiln", "tests")):
-        # code that may never import torch: a child of the zygote would have it imported
-        return subprocess.run([os.fspath(a) for a in argv], cwd=cwd, env=env, timeout=timeout, input=input,
-                              text=text, check=check, capture_output=True)
+    req = json.dumps({"kind": kind, "arg": arg, "argv": rest, "cwd": cwd, "env": env}).encode() + b"\n"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(zygote.path)
+    socket.send_fds(s, [req], fds)
+    return s, json.loads(_line(s, None))["pid"]
+
+
+def run(argv, *, cwd=None, env=None, timeout=None, input=None, text=True, check=False, capture_output=True,
+        **kwargs):
+    """:func:`subprocess.run` with ``capture_output=True`` for ``argv``, forked from the zygote
+    where it can be (see the module's docstring), else through :func:`subprocess.run` itself."""
+    assert capture_output, "tests.forkserver.run always captures the output"
+    env = dict(os.environ if env is None else env)
+    cwd = os.fspath(cwd or os.getcwd())
+    cmd = [os.fspath(a) for a in argv]
+    fork = None if kwargs else _zygote_for(cmd, env)
+    if fork is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, input=input, text=text, check=check,
+                              capture_output=True, **kwargs)
     with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         if input is not None:
             stdin.write(input.encode() if isinstance(input, str) else input)
             stdin.seek(0)
-        req = json.dumps({"kind": kind, "arg": arg, "argv": rest, "cwd": cwd, "env": env}).encode() + b"\n"
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(zygote.path)
-            socket.send_fds(s, [req], [stdin.fileno(), out.fileno(), err.fileno()])
-            pid = json.loads(_line(s, None))["pid"]
+        s, pid = _start(*fork, cwd, env, [stdin.fileno(), out.fileno(), err.fileno()])
+        with s:
             line = _line(s, timeout)
             if line is None:
                 try:
@@ -246,13 +261,85 @@ def run(argv, *, cwd=None, env=None, timeout=None, input=None, text=True, check=
             f.seek(0)
             data = f.read()
             outs.append(data.decode(errors="replace") if text else data)
-    cmd = [os.fspath(a) for a in argv]
     if status is None:
         raise subprocess.TimeoutExpired(cmd, timeout, output=outs[0], stderr=outs[1])
     done = subprocess.CompletedProcess(cmd, status, outs[0], outs[1])
     if check:
         done.check_returncode()
     return done
+
+
+class Popen:
+    """The part of :class:`subprocess.Popen` the tests' servers use (``pid``, ``returncode``,
+    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``) for a child of the zygote;
+    :func:`popen` makes one, or a real ``subprocess.Popen`` where the zygote cannot serve.
+    Its streams are files or ``subprocess.DEVNULL`` (no pipes); it dies with the test process."""
+
+    def __init__(self, conn, pid, args):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._conn, self._done = conn, threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        try:
+            line = _line(self._conn, None)
+            self.returncode = json.loads(line)["status"]
+        except (OSError, RuntimeError, ValueError):
+            self.returncode = -signal.SIGKILL        # the zygote is gone, and its children with it
+        finally:
+            self._conn.close()
+            self._done.set()
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _die_with_parent():
+    """In a new interpreter's child before exec: SIGTERM when the test process dies (a worker
+    killed by the OOM killer or a timeout left its servers running, holding gigabytes). A
+    child of the zygote dies with the zygote, which ends with the test process."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))      # PR_SET_PDEATHSIG
+
+
+def popen(argv, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, **kwargs):
+    """``subprocess.Popen(argv, ...)`` forked from the zygote where it can be (streams: None,
+    ``subprocess.DEVNULL`` or a file; no ``kwargs``), else ``subprocess.Popen`` itself; either
+    way the child dies with the test process."""
+    env = dict(os.environ if env is None else env)
+    cwd = os.fspath(cwd or os.getcwd())
+    cmd = [os.fspath(a) for a in argv]
+    streams = (stdin, stdout, stderr)
+    fork = None
+    if not kwargs and all(x is None or x == subprocess.DEVNULL or hasattr(x, "fileno") for x in streams):
+        fork = _zygote_for(cmd, env)
+    if fork is None:
+        if sys.platform.startswith("linux"):
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+        return subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env, **kwargs)
+    with open(os.devnull, "r+b") as null:
+        fds = [null.fileno() if x == subprocess.DEVNULL else i if x is None else x.fileno()
+               for i, x in enumerate(streams)]
+        conn, pid = _start(*fork, cwd, env, fds)
+    return Popen(conn, pid, cmd)
 
 
 def _line(s: socket.socket, timeout):

@@ -19,6 +19,7 @@ from kiln.runtime.sampling import SamplingParams  # noqa: E402
 from kiln.runtime.scheduler import Request  # noqa: E402
 from kiln.runtime.text import Tokenizer  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
+from tests import forkserver  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
 
 EOS = 2          # tests/conftest.py's tiny tokenizer's </s>
@@ -221,7 +222,7 @@ class GatedServer(Server):
         self.log_path, self.gate = log_path, gate
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-c", GATED_SERVE, str(gate), *map(str, args),
+        self.proc = forkserver.popen([sys.executable, "-c", GATED_SERVE, str(gate), *map(str, args),
                                       "--host", "127.0.0.1", "--port", "0"],
                                      stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
         self.port = None

@@ -25,6 +25,7 @@ import torch
 import kiln
 from kiln.host import cores as placement
 
+from . import forkserver
 from .conftest import ROOT
 
 httpclient = pytest.importorskip("tritonclient.http")
@@ -57,15 +58,6 @@ def artifacts(tmp_path_factory):
     return {"dir": d, "mlp": mlp, "seq": seq}
 
 
-def _die_with_parent():
-    """In the child before exec: on Linux, SIGTERM when the test process dies (a worker
-    killed by the OOM killer or a timeout left its servers running, holding gigabytes)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))      # PR_SET_PDEATHSIG
-
-
 class Server:
     """``kiln serve`` (the console script) on a free loopback port; logs (JSON lines) go to a file."""
 
@@ -74,10 +66,8 @@ class Server:
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
         kiln_cli = os.path.join(os.path.dirname(sys.executable), "kiln")
-        self.proc = subprocess.Popen([kiln_cli, "serve", *map(str, args),
-                                      "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env,
-                                     preexec_fn=_die_with_parent)
+        self.proc = forkserver.popen([kiln_cli, "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0"],
+                                     stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
         self.port = None
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and self.proc.poll() is None:

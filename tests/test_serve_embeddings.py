@@ -30,6 +30,7 @@ import torch
 
 import kiln
 
+from . import forkserver
 from .conftest import ROOT
 from .test_serve import Server, _histogram
 
@@ -82,7 +83,7 @@ class GatedServer(Server):
         self.log_path, self.gate = log_path, str(gate)
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-c", GATED_SERVE, self.gate, *map(str, args),
+        self.proc = forkserver.popen([sys.executable, "-c", GATED_SERVE, self.gate, *map(str, args),
                                       "--host", "127.0.0.1", "--port", "0"],
                                      stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
         self.port = None
