@@ -171,6 +171,11 @@ def test_neuron_cc_flags_reach_neurons_traces(monkeypatch):
         plain = torch_neuron.trace(model, x, compiler_args=["--auto-cast", "none"])
     assert not plain.manifest.get("precision")
     assert_close(plain(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    # a bad value there is the variable's error, as the device says it, not the script's arguments'
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--auto-cast-type fp8")
+    for trace in (torch_neuronx.trace, torch_neuron.trace):
+        with pytest.raises(kiln.CompilerArgsError, match="^NEURON_CC_FLAGS: .*fp8"):
+            trace(model, x, compiler_args=["-O1"])
 
 
 def test_ops_to_partition_takes_bare_names_and_warns_of_names_the_graph_lacks():

@@ -10,6 +10,8 @@ import functools
 import shlex
 
 from kiln.compiler import neuron_env
+from kiln.compiler.options import parse_compiler_args
+from kiln.errors import CompilerArgsError
 from kiln.host import cores
 
 
@@ -29,10 +31,16 @@ def neuron_cache_options() -> dict:
 def with_neuron_cc_flags(compiler_args) -> list | None:
     """``compiler_args`` after ``NEURON_CC_FLAGS``' compile flags, as Neuron's traces read
     both (the given ones come later, so they win). A trace that ignored the variable
-    computed in fp32 where the script's environment asked for fp16."""
+    computed in fp32 where the script's environment asked for fp16. A bad value in the
+    variable is an error naming the variable, as the device's is (parsed together with
+    ``compiler_args``, it read as if the script's own arguments were wrong)."""
     env = neuron_env.compile_flags(stacklevel=3)
     if not env:
         return compiler_args
+    try:
+        parse_compiler_args(env)
+    except CompilerArgsError as e:
+        raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
     given = shlex.split(compiler_args) if isinstance(compiler_args, str) else list(compiler_args or [])
     return env + [str(a) for a in given]
 
