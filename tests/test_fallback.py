@@ -527,3 +527,16 @@ def test_integer_division_by_a_tensor_runs_on_the_host_where_zero_raises():
         Divide()(a, zero, x)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         c(a, zero, x)
+
+
+def test_python_arithmetic_on_a_data_dependent_size_is_a_clear_error():
+    """float() of torch.nonzero(...).shape[0] leaves a Python step (sym_float) among the host
+    steps, which a program cannot store: it was 'host op <function sym_float ...> is not a
+    torch operator and cannot be stored', without the model's line or what to change."""
+    class SizeTimesSum(torch.nn.Module):
+        def forward(self, x):
+            return x.sum() * (torch.nonzero(x > 0).shape[0] * 1.0)
+
+    with pytest.raises(kiln.KilnError, match=r"depends on the data in Python \(sym_float at .*test_fallback.py.*"
+                                             r"nonzero.*Compute it as a tensor"):
+        kiln.trace(SizeTimesSum(), torch.randn(3, 4), cache=False)

@@ -80,7 +80,7 @@ def build(fused: torch.fx.GraphModule):
                 steps.append({"getitem": node.args[1], "in": [ref(node.args[0])], "out": [slot(node)]})
                 continue
             if not isinstance(node.target, torch._ops.OpOverload):
-                raise KilnError(f"host op {node.target} is not a torch operator and cannot be stored")
+                raise _not_storable(node)
             steps.append({
                 "op": f"{node.target._schema.name}.{node.target._overloadname}",
                 "args": [ref(a) for a in node.args],
@@ -91,6 +91,20 @@ def build(fused: torch.fx.GraphModule):
             outputs = [ref(a) for a in _flat(node.args[0])]
     program = {"num_inputs": num_inputs, "num_slots": len(slots), "steps": steps, "outputs": outputs}
     return program, constants, partitions
+
+
+def _not_storable(node) -> KilnError:
+    """The error for a host step that is Python arithmetic on sizes (``sym_float`` of a
+    data-dependent ``.shape[0]``, say), not a torch operator: a program stores operators
+    only. Names the model's line and what to write instead."""
+    name = getattr(node.target, "__name__", str(node.target))
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    where = f" at {trace[-2].strip()}: {trace[-1].strip()}" if len(trace) >= 2 else ""
+    return KilnError(
+        f"the model computes with a size that depends on the data in Python ({name}{where}); a compiled "
+        "program stores torch operations only. Compute it as a tensor instead (e.g. (x > 0).sum() for "
+        "torch.nonzero(x > 0).shape[0], and .float() of that tensor for float(...)), or keep that part "
+        "of the model outside kiln.trace")
 
 
 def _flat(x):
