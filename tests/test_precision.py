@@ -72,6 +72,56 @@ def test_auto_cast_gate_failure_reports_numbers(monkeypatch):
                        min_cosine=0.99999999)
 
 
+class _BigAndSmall(torch.nn.Module):
+    """A large output and a small one that bf16 wrecks: (x + 1000) @ ones - 1000 * 32 is
+    x.sum(-1) in fp32, and noise once x + 1000 is rounded to bf16 (ulp 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        w = torch.ones(32, 1)
+        return self.lin(x) * 1000, (x + 1000) @ w - (x * 0 + 1000) @ w
+
+
+def test_auto_cast_gate_judges_each_output_on_its_own(monkeypatch):
+    """The gate took the cosine over all float outputs concatenated, so the large output
+    hid the wrecked small one (0.87 on OpenVINO's native bf16) and the compile passed."""
+    _emulating(monkeypatch)
+    torch.manual_seed(0)
+    model = _BigAndSmall().eval()
+    with pytest.raises(kiln.ValidationError, match=r"cosine similarity \S+ < 0\.99 \(mean .*\) on output 'output1'") as e:
+        with pytest.warns(UserWarning):
+            kiln.trace(model, torch.randn(4, 32), compiler_args="--auto-cast matmult --auto-cast-type bf16",
+                       min_top1=0.0, cache=False)
+    assert e.value.metrics["min_cosine_output"] == "output1"
+    assert [o["name"] for o in e.value.metrics["outputs"]] == ["output0", "output1"]
+
+
+def test_the_gate_holds_every_classifier_and_integer_output_to_top1():
+    """top-1 was checked on the first float output only, integer outputs never."""
+    from kiln.graph.validation import quality_gate
+    logits = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    flipped = logits.flip(1)
+    ids = torch.tensor([0, 1, 0, 1])
+    v = quality_gate([([logits, logits, ids], [logits, logits, ids])], 0.0, 0.99, "m")
+    assert v["passed"] and v["top1_agreement"] == 1.0 and v["min_cosine"] == 1.0
+    with pytest.raises(kiln.ValidationError, match=r"top-1 agreement 0\.0000 < 0\.99 on output 'b' \(0/4\)"):
+        quality_gate([([logits, logits, ids], [logits, flipped, ids])], -1.0, 0.99, "m", names=["a", "b", "c"])
+    with pytest.raises(kiln.ValidationError, match=r"integer output 'output2' agrees with eager on 3/4") as e:
+        quality_gate([([logits, logits, ids], [logits, logits, torch.tensor([0, 1, 0, 0])])], 0.99, 0.99, "m")
+    assert e.value.metrics["outputs"][2] == {"name": "output2", "agreement": 0.75}
+    # one near-tie flipping in 100 rows passes, as top-1 does
+    many = torch.arange(100) % 3
+    assert quality_gate([([many], [torch.where(torch.arange(100) == 7, 2, many)])], 0.99, 0.99, "m")["passed"]
+    # an output equal to eager's is cosine 1 even all zeros; NaN where eager has none fails
+    zero = torch.zeros(3)
+    assert quality_gate([([zero], [zero])], 0.99, 0.99, "m")["min_cosine"] == 1.0
+    with pytest.raises(kiln.ValidationError, match="cosine similarity nan"):
+        quality_gate([([logits, torch.ones(3)], [logits, torch.tensor([1.0, float("nan"), 1.0])])], 0.99, 0.0, "m")
+
+
 def test_native_bf16_hosts_compute_on_openvino(monkeypatch):
     """On a CPU with native bf16 the work goes to the engine that computes it, unemulated."""
     pytest.importorskip("openvino")

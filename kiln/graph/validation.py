@@ -180,38 +180,73 @@ def _float_output(name, e, a, atol, rtol, floor, narrow) -> tuple:
                     f"{max_rel:.3g}, cosine similarity {cos:.6f}")
 
 
-def quality_gate(samples: list, min_cosine: float, min_top1: float, label: str) -> dict:
+def quality_gate(samples: list, min_cosine: float, min_top1: float, label: str, names=None) -> dict:
     """Gate for lossy compilation (int8, reduced precision) over several inputs.
 
-    ``samples`` is a list of (expected outputs, actual outputs) pairs. Cosine
-    similarity is taken per sample over all float outputs together; top-1
-    agreement is checked for classifier-shaped outputs (the first float output
-    being [batch, classes]).
+    ``samples`` is a list of (expected outputs, actual outputs) pairs; ``names`` names the
+    outputs (default ``output{i}``, as capture names unnamed outputs). Every output is
+    judged on its own, so a wrecked small output is not hidden by a large one (until
+    12-01 the cosine was taken over all float outputs concatenated and top-1 on the first
+    float output only, and integer outputs were never looked at):
+
+    - each float output's cosine similarity per sample must reach ``min_cosine``
+      (an output exactly equal to eager's, all zeros included, counts as 1; NaN or inf
+      where eager has none counts as failing);
+    - each ``[batch, classes]`` float output (2-D, more than one class) must agree with
+      eager's argmax over its rows on at least ``min_top1`` of them, over all samples;
+    - each integer or bool output must agree with eager's element by element on at least
+      ``min_top1`` of its elements: such outputs of a float model are decisions (an
+      argmax, top-k indices, a mask) that flip on near-ties under reduced precision as
+      top-1 does, so they get top-1's rule rather than exact equality.
+
+    The record keeps its keys (``min_cosine``, ``mean_cosine``, ``top1_agreement``, ...,
+    each the worst or the mean over outputs and samples), names the worst output
+    (``min_cosine_output``, ``top1_output``) and lists each output's numbers in ``outputs``.
     """
-    cosines, agree, total = [], 0, 0
+    per, shapes, used = {}, [], 0
     for expected, actual in samples:
-        fe = [e.double().flatten() for e in expected if e.is_floating_point()]
-        fa = [a.double().flatten() for e, a in zip(expected, actual) if e.is_floating_point()]
-        if not fe:
-            continue
-        cosines.append(torch.nn.functional.cosine_similarity(torch.cat(fe), torch.cat(fa), dim=0).item())
-        first = next(i for i, e in enumerate(expected) if e.is_floating_point())
-        e, a = expected[first], actual[first]
-        if e.dim() == 2 and e.shape[1] > 1:
-            agree += int((e.argmax(1) == a.argmax(1)).sum())
-            total += e.shape[0]
-    result = {"samples": len(cosines), "min_cosine": min(cosines, default=1.0),
-              "mean_cosine": sum(cosines) / max(1, len(cosines)), "min_cosine_threshold": min_cosine}
-    failures = []
-    if result["min_cosine"] < min_cosine:
+        floats = False
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            o = per.setdefault(i, {"name": names[i] if names and i < len(names) else f"output{i}"})
+            if e.shape != a.shape:
+                shapes.append(f"output '{o['name']}' has shape {tuple(a.shape)}, eager {tuple(e.shape)}")
+                continue
+            if e.is_floating_point():
+                if not e.numel():
+                    continue
+                floats = True
+                o.setdefault("cosines", []).append(_cosine(e, a))
+                if e.dim() == 2 and e.shape[1] > 1:
+                    _count(o, "top1", int((e.argmax(1) == a.argmax(1)).sum()), e.shape[0])
+            elif e.numel():
+                _count(o, "agree", int((e == a.to(e.dtype)).sum()), e.numel())
+        used += floats
+    outputs = [_output_record(o) for _, o in sorted(per.items())]
+    cosines = [(c, o["name"]) for _, o in sorted(per.items()) for c in o.get("cosines", [])]
+    worst = min(cosines, key=lambda c: -2.0 if c[0] != c[0] else c[0], default=(1.0, None))
+    result = {"samples": used, "min_cosine": worst[0],
+              "mean_cosine": sum(c for c, _ in cosines) / max(1, len(cosines)), "min_cosine_threshold": min_cosine}
+    if worst[1] is not None:
+        result["min_cosine_output"] = worst[1]
+    failures = list(shapes)
+    if not worst[0] >= min_cosine:
         # enough digits that a value just under a strict threshold does not read as 1.000000
-        failures.append(f"cosine similarity {result['min_cosine']:.10g} < {min_cosine} "
-                        f"(mean {result['mean_cosine']:.10g} over {len(cosines)} inputs)")
-    if total:
-        result["top1_agreement"] = agree / total
-        result["min_top1_threshold"] = min_top1
-        if agree / total < min_top1:
-            failures.append(f"top-1 agreement {agree / total:.4f} < {min_top1} ({agree}/{total})")
+        failures.append(f"cosine similarity {worst[0]:.10g} < {min_cosine} (mean {result['mean_cosine']:.10g} "
+                        f"over {used} inputs) on output '{worst[1]}'")
+    top1 = [(o["top1"][0] / o["top1"][1], o) for _, o in sorted(per.items()) if "top1" in o]
+    if top1:
+        rate, o = min(top1, key=lambda t: t[0])
+        result.update(top1_agreement=rate, min_top1_threshold=min_top1, top1_output=o["name"])
+        for rate, o in top1:
+            if rate < min_top1:
+                failures.append(f"top-1 agreement {rate:.4f} < {min_top1} on output '{o['name']}' "
+                                f"({o['top1'][0]}/{o['top1'][1]})")
+    for o in (o for _, o in sorted(per.items()) if "agree" in o):
+        result.setdefault("min_top1_threshold", min_top1)
+        if o["agree"][0] / o["agree"][1] < min_top1:
+            failures.append(f"integer output '{o['name']}' agrees with eager on {o['agree'][0]}/{o['agree'][1]} "
+                            f"elements ({o['agree'][0] / o['agree'][1]:.4f} < {min_top1})")
+    result["outputs"] = outputs
     result["passed"] = not failures
     if failures:
         raise ValidationError(f"{label} fails the accuracy gate against fp32 eager: "
@@ -219,3 +254,37 @@ def quality_gate(samples: list, min_cosine: float, min_top1: float, label: str) 
                               "acceptable, calibrate with more representative data, or compile "
                               "without it", result)
     return result
+
+
+def _cosine(e: torch.Tensor, a: torch.Tensor) -> float:
+    """Cosine similarity of one output with eager's: 1 where they are equal (all zeros too,
+    where the cosine is undefined), NaN where a NaN or inf is left that eager does not share
+    in place (NaN fails every threshold); matching NaNs and infinities are left out."""
+    e64, a64 = e.double().flatten(), a.double().flatten()
+    if torch.equal(e64, a64):
+        return 1.0
+    keep = ~((e64.isnan() & a64.isnan()) | (e64.isinf() & (e64 == a64)))
+    e64, a64 = e64[keep], a64[keep]
+    if not (e64.isfinite().all() and a64.isfinite().all()):
+        return float("nan")
+    if torch.equal(e64, a64):
+        return 1.0
+    return torch.nn.functional.cosine_similarity(e64, a64, dim=0).item()
+
+
+def _count(o: dict, key: str, agree: int, total: int):
+    had = o.get(key, (0, 0))
+    o[key] = (had[0] + agree, had[1] + total)
+
+
+def _output_record(o: dict) -> dict:
+    """One output's numbers for the gate's ``outputs`` list."""
+    record = {"name": o["name"]}
+    if o.get("cosines"):
+        record.update(min_cosine=min(o["cosines"], key=lambda c: -2.0 if c != c else c),
+                      mean_cosine=sum(o["cosines"]) / len(o["cosines"]))
+    if "top1" in o:
+        record["top1_agreement"] = o["top1"][0] / o["top1"][1]
+    if "agree" in o:
+        record["agreement"] = o["agree"][0] / o["agree"][1]
+    return record
