@@ -264,8 +264,6 @@ def _shared_worker(core, worker):
     return worker, core
 
 
-
-
 # -- dynamic batch ------------------------------------------------------------------------------
 class DynamicBatch(_Wrapper):
     """Any batch size on dim 0 for a model compiled at one batch size."""
@@ -284,11 +282,14 @@ class DynamicBatch(_Wrapper):
         if not lead:
             raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")
         self.batch_size = lead[0]
-        self._batched_in = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.input_specs]
-        self._batched_out = [len(s.shape) > 0 and s.shape[0] == self.batch_size for s in inner.output_specs]
+        # inputs split by rows: those with the batch on dim 0 (DataParallel's rule). Outputs with it
+        # there may follow the rows (x.mean(0) of 8 features at batch 8 does not): see _measure
+        self._batched_in = with_batch_dim(inner.input_specs, self.batch_size)
+        self._batched_out = with_batch_dim(inner.output_specs, self.batch_size)
         self._init_common(manifest or wrapper_manifest(
             "dynamic_batch", inner.manifest, dynamic_batch={"batch_size": self.batch_size,
                                                             "inner": "inner.kiln"}), inner)
+        self._follows = _recorded(self.manifest, self._batched_out)
         # the caller's calls and bytes, as a bucketed model counts them: the inner model's
         # counters are its chunks (a 7-row call on a 2-row model was 4 calls in kiln.metrics(),
         # kiln top and kiln monitor, and its padded bytes). ``track=False``: a checker only
@@ -316,9 +317,29 @@ class DynamicBatch(_Wrapper):
             if n is None:
                 n, first = t.shape[0], spec.name
             elif t.shape[0] != n:
+                if self.batch_size in (n, t.shape[0]):   # one of them may be a table all rows share
+                    shared = spec.name if t.shape[0] == self.batch_size else first
+                    raise InputError(
+                        f"dynamic batch: input '{spec.name}' has {t.shape[0]} rows but '{first}' has {n}: inputs with "
+                        f"the compiled batch ({self.batch_size}) on dim 0 are split by rows, as DataParallel splits "
+                        f"them. If '{shared}' is shared by every row (a table), it cannot be told from a per-row "
+                        "input: compile with its dim 0 unlike the batch, or at each batch size you need")
                 raise InputError(f"dynamic batch: input '{spec.name}' has batch {t.shape[0]} but "
                                  f"'{first}' has {n}; all batched inputs must agree")
         return n
+
+    def _measure(self, chunk, first):
+        """Which outputs follow the rows, measured once per model on ``chunk`` (the caller's rows; ``first``
+        its outputs): with the rows rolled by one, a row-independent output rolls with them exactly; one with
+        the batch on dim 0 by coincidence (a mean over rows of as many features) does not. Kept in the manifest."""
+        if self._follows is not None:
+            return self._follows
+        rolled = [t.roll(1, 0) if b and t.dim() else t for t, b in zip(chunk, self._batched_in)]
+        moved = first if all(_same(a, b) for a, b in zip(rolled, chunk)) else self.inner.run_flat(rolled)
+        self._follows = [b and _same(m, o.roll(1, 0)) for b, o, m in zip(self._batched_out, first, moved)]
+        if isinstance(self.manifest.get("dynamic_batch"), dict):
+            self.manifest["dynamic_batch"]["follows_rows"] = list(self._follows)
+        return self._follows
 
     def _chunk(self, flat, start, n):
         out = []
@@ -334,7 +355,7 @@ class DynamicBatch(_Wrapper):
     @property
     def fixed_outputs(self) -> list:
         """:func:`fixed_outputs` on dim 0."""
-        return fixed_outputs(self.manifest, self.inner.output_specs, self._batched_out)
+        return fixed_outputs(self.manifest, self.inner.output_specs, self._follows or [False] * len(self._batched_out))
 
     def check(self, flat):
         if len(flat) != len(self.input_specs):
@@ -358,11 +379,6 @@ class DynamicBatch(_Wrapper):
         if n == 0:
             self._check_empty(flat)
             return
-        if n != self.batch_size and self.fixed_outputs:
-            raise InputError(f"dynamic batch: output(s) {', '.join(self.fixed_outputs)} do not follow the batch "
-                             f"on dim 0, so a batch of {n} rows, run as chunks of the compiled {self.batch_size}, "
-                             f"has no answer for them (each chunk gives its own): call with {self.batch_size} "
-                             "rows, or trace with kiln.trace(..., dynamic_batch=True), which checks the model")
         probe = [t[:1].expand(self.batch_size, *t.shape[1:]) if b and t.dim() else t
                  for t, b in zip(flat, self._batched_in)]
         try:
@@ -370,6 +386,15 @@ class DynamicBatch(_Wrapper):
         except InputError as e:
             raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
                              f"(batch {self.batch_size}); {e}") from None
+        if n == self.batch_size:
+            return
+        if self._follows is None:
+            self._measure(chunk := self._chunk(flat, 0, n), self.inner.run_flat(chunk))
+        if self.fixed_outputs:
+            raise InputError(f"dynamic batch: output(s) {', '.join(self.fixed_outputs)} do not follow the batch "
+                             f"on dim 0, so a batch of {n} rows, run as chunks of the compiled {self.batch_size}, "
+                             f"has no answer for them (each chunk gives its own): call with {self.batch_size} "
+                             "rows, or trace with kiln.trace(..., dynamic_batch=True), which checks the model")
 
     def _check_empty(self, flat):
         """A batch of 0 rows has an answer (0 rows of each output) when every output
@@ -378,10 +403,10 @@ class DynamicBatch(_Wrapper):
         for t, spec in zip(flat, self.input_specs):
             if t.device.type not in devices:
                 raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
-        fixed = [s.name for s, b in zip(self.inner.output_specs, self._batched_out) if not b]
-        if fixed:
-            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} "
-                             "do not follow the batch dim, so there is no answer for 0 rows")
+        fixed = [s.name for s, b in zip(self.inner.output_specs, self._follows or self._batched_out) if not b]
+        if fixed or self._follows is None:   # not measured yet: a call with rows measures it
+            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} do not follow "
+                             "the batch dim (or that is not measured yet), so there is no answer for 0 rows")
 
     def run_flat(self, flat):
         if self.metrics is None:
@@ -403,9 +428,12 @@ class DynamicBatch(_Wrapper):
             device = next(t.device for t, b in zip(flat, self._batched_in) if b)
             return [torch.empty((0, *s.shape[1:]), dtype=s.dtype, device=device)
                     for s in self.inner.output_specs]
-        pieces = [self.inner.run_flat(self._chunk(flat, s, n)) for s in range(0, n, self.batch_size)]
+        first = self._chunk(flat, 0, n)
+        pieces = [self.inner.run_flat(first)]
+        follows = self._measure(first, pieces[0]) if any(self._batched_out) else self._batched_out
+        pieces += [self.inner.run_flat(self._chunk(flat, s, n)) for s in range(self.batch_size, n, self.batch_size)]
         outs = []
-        for o, batched in enumerate(self._batched_out):
+        for o, batched in enumerate(follows):
             if batched:
                 outs.append(torch.cat([p[o] for p in pieces])[:n])
             else:
@@ -431,6 +459,30 @@ def fixed_outputs(manifest: dict, output_specs, follows: list) -> list:
     return [s.name for s, b in zip(output_specs, follows) if not b]
 
 
+def with_batch_dim(specs, batch_size, dim=0) -> list:
+    """Per tensor: whether it has the compiled batch on ``dim``. Inputs that do are split by rows, others
+    (a bias every row shares) go whole to each chunk; an output that does may follow the rows."""
+    return [len(s.shape) > dim and s.shape[dim] == batch_size for s in specs]
+
+
+def _recorded(manifest, candidates):
+    """A saved model's measured ``follows_rows``, if sound (an output without the batch on dim 0 never follows)."""
+    got = (manifest.get("dynamic_batch") or {}).get("follows_rows")
+    if (isinstance(got, list) and len(got) == len(candidates)
+            and all(isinstance(f, bool) and (c or not f) for f, c in zip(got, candidates))):
+        return list(got)
+    return None if any(candidates) else list(candidates)
+
+
+def _same(a, b) -> bool:
+    """Equal shapes and values, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
 def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested=None):
     inner = load_nested(art.nested("inner.kiln", f"{source}:inner"), opts,
                           f"{source}:inner", core=core, worker=worker)
@@ -438,8 +490,6 @@ def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested
         return DynamicBatch(inner, art.manifest)
     except CompilerArgsError as e:   # the inner model cannot take a dynamic batch
         raise ArtifactError(f"{source}: {e}") from None
-
-
 
 
 def dynamic_batch(model: Model) -> DynamicBatch:

@@ -184,10 +184,9 @@ class DataParallel(Model):
         self.batch_size = lead[dim] if len(lead) > dim else 1
         # which inputs are split and which outputs gathered: those with the compiled batch on
         # ``dim`` (others, such as a bias every row shares, go whole to every replica)
-        self._batched_in = [len(s.shape) > dim and s.shape[dim] == self.batch_size for s in self.input_specs]
-        self._batched_out = [len(s.shape) > dim and s.shape[dim] == self.batch_size
-                             for s in self.output_specs]
-        from kiln.runtime.buckets import DynamicBatch, fixed_outputs
+        from kiln.runtime.buckets import DynamicBatch, fixed_outputs, with_batch_dim
+        self._batched_in = with_batch_dim(self.input_specs, self.batch_size, dim)
+        self._batched_out = with_batch_dim(self.output_specs, self.batch_size, dim)
         self._fixed_out = fixed_outputs(module.manifest, self.output_specs, self._batched_out)
         self._checker = DynamicBatch(module, track=False) if dynamic_batching else None
 
