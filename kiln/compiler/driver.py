@@ -181,7 +181,8 @@ def check(compiled: CompiledModel, plan: phases.Plan, samples, progress, unsplit
                     f"({'emulated' if precision['emulated'] else 'native'})")
             engines = sorted({p["engine"] for p in manifest["partitions"]}) or ["the host"]
             manifest["validation"] = quality_gate(pairs, opts.min_cosine, opts.min_top1,
-                                                  f"{captured.model_name} {what} (on {', '.join(engines)})")
+                                                  f"{captured.model_name} {what} (on {', '.join(engines)})",
+                                                  names=[s.name for s in captured.output_specs])
             manifest["validation"].update(max_abs_error(pairs[0]))
     elif opts.validate:
         with progress.phase("validate"):
