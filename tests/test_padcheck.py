@@ -33,6 +33,7 @@ def test_masked_buckets_pass_the_check_and_record_it(bert, tmp_path):
                    buckets={"input_ids": {1: [16, 32, 64]}}, pad_values={"attention_mask": 0})
     check = m.manifest["padding_check"]
     assert check["probes"] == 3 and check["max_abs_error"] < 1e-4 and not check["skipped"]
+    assert check["data"] == ["example", "standard normal", "negative-shifted, scaled"]
     short = ids[:, :5]
     with torch.no_grad():
         expected = bert(input_ids=short, attention_mask=torch.ones_like(short))
@@ -102,3 +103,62 @@ class FixedBatch(torch.nn.Module):
 def test_a_probe_eager_cannot_run_is_recorded_as_skipped():
     m = kiln.trace(FixedBatch(), torch.randn(4, 3), dynamic_batch=True)
     assert "eager failed" in m.manifest["batch_check"]["skipped"]
+
+
+class SeqMax(torch.nn.Module):
+    """Max over the sequence: zero padding is invisible on an all-positive example only."""
+
+    def forward(self, x):
+        return x.amax(1)
+
+
+def test_padding_is_checked_on_synthetic_data_besides_the_example():
+    # torch.rand's example is all positive, so its padded max equals eager's (0.0 off); an
+    # input with negative values at length 5 was 0.79 off. The normal probes catch it.
+    with pytest.raises(ValidationError, match=r"padding changes the answers of SeqMax.*standard normal") as err:
+        kiln.trace(SeqMax(), torch.rand(1, 8, 16), buckets={"x": {1: [4, 8]}})
+    assert err.value.metrics["data"] == "standard normal"
+
+
+class BatchMax(torch.nn.Module):
+    """Rows interact through a max over the batch, clamped at 1: invisible on rand's rows."""
+
+    def forward(self, x):
+        return x / x.amax(0, keepdim=True).clamp(min=1.0)
+
+
+def test_dynamic_batch_is_checked_on_synthetic_data_besides_the_example():
+    with pytest.raises(ValidationError, match=r"dynamic batch changes the answers of BatchMax"):
+        kiln.trace(BatchMax(), torch.rand(2, 8), dynamic_batch=True)
+
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+class Drop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_the_checks_run_eager_in_eval_mode_and_leave_the_model_as_it_was():
+    # Capture traces eval mode; the checks ran the model in its own training mode: batch norm
+    # on batch statistics (a false refusal, and its running stats moved), dropout at random.
+    bn = Norm().train()
+    m = kiln.trace(bn, torch.randn(4, 8) * 3 + 2, dynamic_batch=True)
+    assert "max_abs_error" in m.manifest["batch_check"]
+    assert bn.training and bn.bn.training and bn.bn.num_batches_tracked.item() == 0
+    assert torch.equal(bn.bn.running_mean, torch.zeros(8))
+    drop = Drop().train()
+    m = kiln.trace(drop, torch.randn(1, 8, 8), buckets={"x": {1: [4, 8]}})
+    assert m.manifest["padding_check"]["probes"] == 2
+    assert drop.training and drop.drop.training

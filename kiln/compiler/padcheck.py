@@ -1,4 +1,4 @@
-"""Prove at trace time that padding and batching do not change answers.
+"""Check at trace time that padding and batching do not change answers.
 
 Bucketing pads an input up to the next compiled size, and dynamic batch splits a
 batch into compile-size chunks, padding the last one with repeated rows. Both
@@ -8,16 +8,26 @@ mask, a mean over the sequence, rows normalised against each other) would
 answer for the padded input instead of the user's, silently.
 
 So ``kiln.trace`` runs, for every bucket that pads and for dynamic batch, a
-*probe*: an input shorter than the compiled size, made from the user's own
-example (narrowed, or tiled where it is too short), through the compiled
-model, and compares it with eager PyTorch on the same unpadded probe, at the
-trace's ``atol``/``rtol``. A difference is a ``ValidationError`` that names the
-padded input, the measured error, and what to pass instead. A probe the eager
-model itself cannot run (a model with hard-wired sizes) proves nothing; the
-check is then recorded as skipped, with the reason, in the manifest.
+*probe*: an input shorter than the compiled size (one row more than compiled,
+for dynamic batch) through the compiled model, compared with eager PyTorch on
+the same unpadded probe, at the trace's ``atol``/``rtol``. Each probe size runs
+on three inputs (:data:`DATA`): the user's own example (narrowed, or tiled where
+it is too short), and two synthetic ones (:func:`synthetic`), since a model that
+sees its padding can hide it on one example's values (``x.amax(1)`` on an
+all-positive example answers right with zero padding): standard normal floats,
+and floats shifted negative and scaled beyond the example's magnitude; ids over
+the range the capture recorded for an input that indexes; masks (0/1 examples)
+random 0/1 with a 1 in every row. It is a test on those inputs, not a proof for
+every input. A difference is a ``ValidationError`` that names the padded input,
+the data, the measured error, and what to pass instead. A probe the eager model
+itself cannot run (a model with hard-wired sizes, or one that refuses the
+synthetic values) proves nothing; it is then recorded as skipped, with the
+reason, in the manifest. Eager runs as the capture does: in eval mode, every
+module's own mode restored after (a model left in training mode is not changed).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -37,9 +47,24 @@ def flat_example(model, input_structure, args, kwargs) -> list:
     return flat
 
 
+@contextlib.contextmanager
+def _eval_mode(model):
+    """``model`` in eval mode, as :func:`kiln.graph.capture.capture` traces it (dropout off,
+    batch norm on its running statistics, which it then leaves alone), each module's own
+    mode restored after."""
+    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    if modes:
+        model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def eager(model, input_structure, flat) -> list:
-    """Flat outputs of the eager model on flat inputs (rebuilt into its arguments)."""
-    with torch.no_grad():
+    """Flat outputs of the eager model, in eval mode, on flat inputs (rebuilt into its arguments)."""
+    with torch.no_grad(), _eval_mode(model):
         out = call_bound(model, specs.decode(input_structure, flat))
     leaves: list = []
     specs.encode(out, "", leaves, [])
@@ -55,6 +80,47 @@ def _resize(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         reps[dim] = -(-size // n)
         t = t.repeat(*reps)
     return t.narrow(dim, 0, size).contiguous()
+
+
+DATA = ("example", "standard normal", "negative-shifted, scaled")
+
+
+def _is_mask(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bool or (t.numel() > 0 and bool(((t == 0) | (t == 1)).all()))
+
+
+def synthetic(flat: list, kind: int, ranges: dict, seed: int = 0) -> list:
+    """``flat`` (an example probe) with synthetic values of the same shapes and dtypes;
+    ``kind`` 1: standard normal floats, 2: ``(N(0, 1) * 2 - 3) * s`` (mostly negative, ``s``
+    the example's largest magnitude, at least 1). An input that indexes (``ranges``, position:
+    ``(low, high)``) takes random ids over its range; a mask (bool, or only 0s and 1s) random
+    0/1 with a 1 first in every row (no all-masked row); other ints keep the example's values
+    (lengths, positions: their meaning is unknown)."""
+    gen = torch.Generator().manual_seed(seed + kind)
+    out = []
+    for i, t in enumerate(flat):
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            out.append(t)
+        elif _is_mask(t):
+            m = torch.randint(0, 2, t.shape, generator=gen).to(t.dtype)
+            m.select(-1, 0).fill_(1) if m.dim() else m.fill_(1)
+            out.append(m)
+        elif i in ranges and not t.is_floating_point():
+            low, high = ranges[i]
+            out.append(torch.randint(low, high, t.shape, generator=gen).to(t.dtype))
+        elif t.is_floating_point():
+            x = torch.randn(t.shape, generator=gen)
+            if kind == 2:
+                scale = max(1.0, t.detach().abs().nan_to_num(0, 0, 0).max().double().item())
+                x = (x * 2 - 3) * scale
+            out.append(x.to(t.dtype))
+        else:
+            out.append(t)
+    return out
+
+
+def _ranges(compiled) -> dict:
+    return {r[0]: (r[2], r[3]) for r in getattr(compiled, "index_ranges", None) or ()}
 
 
 def _reference(model, structure, probe):
@@ -117,7 +183,8 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
     largest = bucketed._order[-1]        # variants sorted by volume
     source = flat_example(model, structure, *examples[largest])
     names = [s.name for s in bucketed.output_specs]
-    record = {"probes": 0, "max_abs_error": 0.0, "skipped": []}
+    ranges = _ranges(bucketed)
+    record = {"probes": 0, "data": list(DATA), "max_abs_error": 0.0, "skipped": []}
     seen = set()
     for k in bucketed._order:
         # the shortest input that still lands in bucket k: one past the next smaller size
@@ -137,23 +204,32 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
         if expected is None:
             record["skipped"].append({"sizes": list(probe_sizes), "reason": f"eager failed: {why}"})
             continue
-        k_run, _ = bucketed._select(probe)
-        actual = bucketed.run_flat(probe)
         record["probes"] += 1
-        try:
-            error = tol.compare(expected, actual, names)
-        except ValidationError as e:
-            padded = [f"'{bucketed.input_specs[i].name}' dim {d}"
-                      for a, ax in enumerate(bucketed.axes) for i, d in ax["inputs"]
-                      if probe_sizes[a] < sizes[k_run][a]]
-            raise ValidationError(
-                f"padding changes the answers of {bucketed.name}: an input of size "
-                f"{list(probe_sizes)} padded to bucket {list(sizes[k_run])} (on {', '.join(padded)}) "
-                f"does not give eager's answer on the unpadded input within {tol}. "
-                f"The model sees the padding. To fix it, {_mask_hint(model)}; or compile one "
-                f"model per exact size without buckets.\n  {_detail(e)}",
-                dict(e.metrics, probe_sizes=list(probe_sizes), bucket=list(sizes[k_run]))) from None
-        record["max_abs_error"] = max(record["max_abs_error"], error)
+        for kind, data in enumerate(DATA):
+            if kind:
+                probe = synthetic(probe, kind, ranges)
+                expected, why = _reference(model, structure, probe)
+                if expected is None:
+                    record["skipped"].append({"sizes": list(probe_sizes), "data": data,
+                                              "reason": f"eager failed: {why}"})
+                    continue
+            k_run, _ = bucketed._select(probe)
+            actual = bucketed.run_flat(probe)
+            try:
+                error = tol.compare(expected, actual, names)
+            except ValidationError as e:
+                padded = [f"'{bucketed.input_specs[i].name}' dim {d}"
+                          for a, ax in enumerate(bucketed.axes) for i, d in ax["inputs"]
+                          if probe_sizes[a] < sizes[k_run][a]]
+                raise ValidationError(
+                    f"padding changes the answers of {bucketed.name}: an input of size "
+                    f"{list(probe_sizes)} ({data} data) padded to bucket {list(sizes[k_run])} (on "
+                    f"{', '.join(padded)}) does not give eager's answer on the unpadded input within "
+                    f"{tol}. The model sees the padding. To fix it, {_mask_hint(model)}; or compile "
+                    f"one model per exact size without buckets.\n  {_detail(e)}",
+                    dict(e.metrics, probe_sizes=list(probe_sizes), bucket=list(sizes[k_run]),
+                         data=data)) from None
+            record["max_abs_error"] = max(record["max_abs_error"], error)
     _forget_calls(bucketed)
     return record
 
@@ -175,19 +251,28 @@ def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Toler
     expected, why = _reference(model, structure, probe)
     if expected is None:
         return {"rows": rows, "skipped": f"eager failed on {rows} rows: {why}"}
-    actual = wrapped.run_flat(probe)
-    try:
-        error = tol.compare(expected, actual, [s.name for s in wrapped.output_specs])
-    except ValidationError as e:
-        raise ValidationError(
-            f"dynamic batch changes the answers of {wrapped.name}: a batch of {rows} rows, run "
-            f"as chunks of the compiled batch {wrapped.batch_size} (the last padded with repeated "
-            f"rows), does not give eager's answer on those {rows} rows within {tol}. "
-            "Rows of a batch interact in this model (batch statistics, cross-row reductions), so "
-            "it cannot take other batch sizes by chunking: compile it at each batch size you need.\n"
-            f"  {_detail(e)}", dict(e.metrics, rows=rows)) from None
+    record = {"rows": rows, "data": list(DATA), "max_abs_error": 0.0}
+    for kind, data in enumerate(DATA):
+        if kind:
+            probe = synthetic(probe, kind, _ranges(wrapped))
+            expected, why = _reference(model, structure, probe)
+            if expected is None:
+                record.setdefault("skipped_data", []).append(f"{data}: eager failed: {why}")
+                continue
+        actual = wrapped.run_flat(probe)
+        try:
+            error = tol.compare(expected, actual, [s.name for s in wrapped.output_specs])
+        except ValidationError as e:
+            raise ValidationError(
+                f"dynamic batch changes the answers of {wrapped.name}: a batch of {rows} rows "
+                f"({data} data), run as chunks of the compiled batch {wrapped.batch_size} (the last "
+                f"padded with repeated rows), does not give eager's answer on those {rows} rows "
+                f"within {tol}. Rows of a batch interact in this model (batch statistics, cross-row "
+                "reductions), so it cannot take other batch sizes by chunking: compile it at each "
+                f"batch size you need.\n  {_detail(e)}", dict(e.metrics, rows=rows, data=data)) from None
+        record["max_abs_error"] = max(record["max_abs_error"], error)
     _forget_calls(wrapped)
-    return {"rows": rows, "max_abs_error": error}
+    return record
 
 
 def _forget_calls(model):
