@@ -140,3 +140,14 @@ def test_a_data_dependent_branch_is_named_at_the_users_line(tmp_path, monkeypatc
     finally:
         sys.modules.pop("branchy_model", None)
     assert f"at {tmp_path / 'branchy_model.py'}:5 in forward: if v > 100:" in str(e.value)
+
+
+def test_trace_puts_each_modules_own_mode_back():
+    """A model fine-tuned with a frozen batch norm (the model training, the norm in eval mode)
+    came back from kiln.trace with every module training (capture ended with model.train()), so
+    the frozen statistics moved at the next step."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    model.train()
+    model[1].eval()
+    kiln.trace(model, torch.randn(3, 4), cache=False, quiet=True)
+    assert [m.training for m in model] == [True, False, True] and model.training

@@ -27,13 +27,12 @@ module's own mode restored after (a model left in training mode is not changed).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 
 from kiln.artifact import specs
-from kiln.graph.capture import bind_inputs, call_bound
+from kiln.graph.capture import bind_inputs, call_bound, eval_mode
 from kiln.errors import ValidationError
 from kiln.graph.validation import compare, quality_gate
 
@@ -47,24 +46,9 @@ def flat_example(model, input_structure, args, kwargs) -> list:
     return flat
 
 
-@contextlib.contextmanager
-def _eval_mode(model):
-    """``model`` in eval mode, as :func:`kiln.graph.capture.capture` traces it (dropout off,
-    batch norm on its running statistics, which it then leaves alone), each module's own
-    mode restored after."""
-    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
-    if modes:
-        model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
 def eager(model, input_structure, flat) -> list:
     """Flat outputs of the eager model, in eval mode, on flat inputs (rebuilt into its arguments)."""
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), eval_mode(model):
         out = call_bound(model, specs.decode(input_structure, flat))
     leaves: list = []
     specs.encode(out, "", leaves, [])

@@ -170,15 +170,24 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     if isinstance(model, torch.jit.ScriptModule):
         raise CaptureError(f"{_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
                            "torch.export cannot trace: pass the original nn.Module (or function) instead")
-    was_training = isinstance(model, torch.nn.Module) and model.training
-    if was_training:
+    with eval_mode(model), _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
+        return _capture(model, example_inputs, example_kwargs, decompose, fast)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """``model`` in eval mode (dropout off, batch norm on its running statistics, which it
+    then leaves alone), each module's own mode put back after: a model in training with a
+    frozen batch norm in eval mode comes back so (``model.train()`` afterwards turned every
+    module to training, and the frozen statistics moved at the next step)."""
+    modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    if modes:
         model.eval()
     try:
-        with _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
-            return _capture(model, example_inputs, example_kwargs, decompose, fast)
+        yield
     finally:
-        if was_training:
-            model.train()
+        for m, training in modes:
+            m.training = training
 
 
 @contextlib.contextmanager
