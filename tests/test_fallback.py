@@ -540,3 +540,24 @@ def test_python_arithmetic_on_a_data_dependent_size_is_a_clear_error():
     with pytest.raises(kiln.KilnError, match=r"depends on the data in Python \(sym_float at .*test_fallback.py.*"
                                              r"nonzero.*Compute it as a tensor"):
         kiln.trace(SizeTimesSum(), torch.randn(3, 4), cache=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_division_by_a_number_is_exact_on_onnx_runtime(dtype):
+    """Integer floor and trunc division by a number stay integer on ONNX Runtime: the exporter
+    wrote them Cast(float32) → Div → Floor → Cast, so a quotient past 2^24 came out rounded
+    (16,777,217,000 // 1000 gave 16777218, an int32 2,147,483,643 // 3 gave 715827904) while the
+    check on small example values passed. Negative operands round as eager's do."""
+    class Bucketize(torch.nn.Module):
+        def forward(self, a):
+            return (a // 1000, a // -7, torch.div(a, 7, rounding_mode="trunc"), torch.div(a, -3, rounding_mode="trunc"),
+                    torch.floor_divide(a, 3), a % 1000, torch.remainder(a, -7), torch.fmod(a, 7), torch.fmod(a, -7))
+
+    big = [16_777_217_000, -16_777_217_000, 2**53 + 1, -(2**53) - 3, 2**62 + 7] if dtype == torch.int64 else \
+        [2_147_483_643, -2_147_483_643, 16_777_217, -16_777_217, 2**31 - 1]
+    x = torch.tensor([*big, 987_654_321, -987_654_321, 5, -5, 0], dtype=dtype)
+    c = kiln.trace(Bucketize(), torch.randint(-10_000, 10_000, (10,), dtype=dtype), engine="onnxruntime",
+                   optlevel=1, cache=False, quiet=True)
+    assert [p["engine"] for p in c.manifest["partitions"]] == ["onnxruntime"]
+    for i, (got, want) in enumerate(zip(c(x), Bucketize()(x))):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), (i, got.tolist(), want.tolist())

@@ -32,6 +32,16 @@ which ONNX Runtime sums with a race between threads where indices repeat
 (:func:`sums_by_product`: a tiny model's embedding gradient), kiln writes the sum as a
 product instead, ``one_hot(index)ᵀ @ values``, which has no race; the rest run on the host.
 
+And integer floor or trunc division (``a // 1000``, ``torch.div(a, 7, rounding_mode="trunc")``,
+``aten.div.Tensor_mode`` once captured): torch's exporter translates it as
+``Cast(float32) → Div → Floor/Trunc → Cast``, so a quotient past 2^24 came out rounded
+(16,777,217,000 // 1000 gave 16777218; an int32 2,147,483,643 // 3 gave 715827904), and the
+check against eager, on small example values, passed. :func:`integer_division` writes it in
+integer ops the exporter translates exactly: ``floor_divide`` (ONNX's integer ``Div``, which
+truncates, with the floor's correction where the signs differ and a remainder is left),
+and trunc as ``floor_divide(a - fmod(a, b), b)`` (an exact multiple of ``b``, no larger than
+``a``). Integer ``remainder`` and ``fmod`` already translate to integer ``Mod``.
+
 Whatever goes to ONNX Runtime is checked against eager PyTorch like every compiled
 partition.
 """
@@ -125,6 +135,42 @@ def sums_by_product(node) -> bool:
     return False
 
 
+_DIVISIONS = (aten.div.Tensor_mode, aten.div.Scalar_mode)
+
+
+def integer_division(self, other, *, rounding_mode=None):
+    """An integer division rounded down (floor) or toward zero (trunc) in integer ops
+    (module docstring); anything else (a float or true division) declines."""
+    dtype = _integer_quotient(self, other, rounding_mode)
+    if dtype is None:
+        return NotImplemented
+    a = self if self.dtype == dtype else aten._to_copy.default(self, dtype=dtype)
+    if isinstance(other, torch.Tensor):
+        b = other if other.dtype == dtype else aten._to_copy.default(other, dtype=dtype)
+    else:
+        b = aten.full.default([], other, dtype=dtype, device=self.device)
+    if rounding_mode == "trunc":
+        a = aten.sub.Tensor(a, aten.fmod.Tensor(a, b))      # b * trunc(a / b): exactly divisible
+    return aten.floor_divide.default(a, b)
+
+
+def _integer_quotient(self, other, rounding_mode):
+    """The integer dtype of a rounded division's result, or None (float, bool, no rounding)."""
+    if rounding_mode not in ("floor", "trunc") or not isinstance(self, torch.Tensor) or \
+            not isinstance(other, (torch.Tensor, int)) or isinstance(other, bool):
+        return None
+    dtype = torch.result_type(self, other)
+    return None if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool else dtype
+
+
+def divides_integers(node) -> bool:
+    """Whether ``node`` is an integer floor or trunc division (:func:`integer_division`)."""
+    if getattr(node, "target", None) not in _DIVISIONS or len(node.args) < 2:
+        return False
+    vals = torch.fx.node.map_arg(node.args[:2], lambda a: a.meta.get("val"))
+    return _integer_quotient(vals[0], vals[1], node.kwargs.get("rounding_mode")) is not None
+
+
 # batch norm's training flag, by position: ONNX Runtime computes these wrongly with it set
 _TRAINING_ARG = {aten._native_batch_norm_legit_functional.default: 5, aten._native_batch_norm_legit.default: 5,
                  aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.no_stats: 3}
@@ -132,9 +178,11 @@ _TRAINING_ARG = {aten._native_batch_norm_legit_functional.default: 5, aten._nati
 
 def decompose_first(node) -> bool:
     """Whether ``node``'s operator must be decomposed before export although torch's
-    registry translates it: batch norm in training mode, and an accumulating write summed
-    as a product (see the module's docstring)."""
+    registry translates it: batch norm in training mode, an accumulating write summed as a
+    product, and an integer floor or trunc division (see the module's docstring)."""
     target = getattr(node, "target", None)
+    if target in _DIVISIONS:
+        return divides_integers(node)
     if target is aten.index_put.default:
         return sums_by_product(node)
     i = _TRAINING_ARG.get(target)
@@ -142,4 +190,5 @@ def decompose_first(node) -> bool:
 
 
 TABLE = {aten.convolution_backward.default: convolution_backward, aten.index_put.default: index_put,
+         **{op: integer_division for op in _DIVISIONS},
          **{op: torch._decomp.decomposition_table[op] for op in _TRAINING_ARG}}
