@@ -98,7 +98,13 @@ def test_bad_compile_options_are_clear_errors():
                     ({"batch_size": 0}, "batch_size must be a positive integer"),
                     ({"cache_length": "32"}, "cache_length must be a positive integer"),
                     ({"context_buckets": (4.5,)}, "a context bucket must be a positive integer; got 4.5"),
-                    ({"decode_batches": (0,)}, "a decode batch must be a positive integer")]:
+                    ({"decode_batches": (0,)}, "a decode batch must be a positive integer"),
+                    # found by probing: truncated (8.9 a window of 8, True of 1), silently taken
+                    # (workers=0) or a raw TypeError (a bare int)
+                    ({"sequence_buckets": (8.9,)}, "a sequence bucket must be a positive integer; got 8.9"),
+                    ({"sequence_buckets": (True,)}, "a sequence bucket must be a positive integer; got True"),
+                    ({"context_buckets": 4}, r"context_buckets must be a list of sizes, such as \(4,\)"),
+                    ({"workers": 0}, "workers must be a positive integer; got 0")]:
         with pytest.raises(CompilerArgsError, match=msg):
             compile_llm(model, **{"context_buckets": (4,), "cache_length": 16, **kw})
 

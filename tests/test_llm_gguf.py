@@ -32,3 +32,17 @@ def test_gguf_loads_transformers_weights_parsing_the_file_once(tmp_path, monkeyp
     assert got.keys() == ref.keys()
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert tokenizer is None                  # no vocabulary in this file: the graphs still compile
+
+
+def test_a_file_missing_a_weight_is_refused_not_filled_with_random_values(tmp_path):
+    """A GGUF (or checkpoint) without one of the model's matrices loaded with transformers'
+    fresh random initialisation in its place, only a printed report saying so, and compiled
+    (the accuracy gate's reference is the same broken model); found by probing."""
+    from kiln.errors import UnsupportedModelError
+    tensors = gguf_files.llama_tensors(2, 16, 2, 1, 32, 64)
+    del tensors["blk.1.ffn_down.weight"]
+    gguf_files.write_llama(tmp_path / "holed.GGUF", {}, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=64,
+                           tensors=tensors)                      # the extension in capitals is taken too
+    with pytest.raises(UnsupportedModelError, match=r"1 weight\(s\) the model needs are not in it "
+                                                    r"\(model\.layers\.1\.mlp\.down_proj\.weight\)"):
+        load_pretrained(str(tmp_path / "holed.GGUF"))

@@ -64,6 +64,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     batch_size = _positive_int("batch_size", batch_size)
     cache_length = _positive_int("cache_length", cache_length)
     speculation_length, prefill_chunk = _optional_sizes(speculation_length, prefill_chunk)
+    workers = None if workers is None else _positive_int("workers", workers)
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     buckets, rows = _shapes(model, batch_size, context_buckets, cache_length, decode_batches)
@@ -106,17 +107,25 @@ def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) ->
     if limit is not None and cache_length > limit:
         raise CompilerArgsError(f"cache_length={cache_length} exceeds the {limit} positions {type(model).__name__} "
                                 f"has learned position embeddings for; use cache_length <= {limit}")
-    buckets = sorted({_positive_int("a context bucket", w) for w in context_buckets})
+    buckets = sorted({_positive_int("a context bucket", w) for w in _sizes("context_buckets", context_buckets)})
     if not buckets:
         raise CompilerArgsError("give at least one context bucket")
     rows = sorted({1, batch_size} if decode_batches is None
-                  else {_positive_int("a decode batch", b) for b in decode_batches} | {batch_size})
+                  else {_positive_int("a decode batch", b) for b in _sizes("decode_batches", decode_batches)}
+                  | {batch_size})
     if rows[0] < 1 or rows[-1] > batch_size:
         raise CompilerArgsError(f"decode_batches must lie in [1, batch_size={batch_size}]; got {decode_batches}")
     if buckets[-1] > cache_length:
         raise CompilerArgsError(f"context bucket {buckets[-1]} exceeds cache_length={cache_length}: "
                                 "the prompt's keys must fit in the cache")
     return buckets, rows
+
+
+def _sizes(name, values) -> list:
+    """A list of sizes given as a list or tuple (a bare int was a raw TypeError)."""
+    if not isinstance(values, (list, tuple, range)):
+        raise CompilerArgsError(f"{name} must be a list of sizes, such as ({values!r},); got {values!r}")
+    return list(values)
 
 
 def _positive_int(name, value) -> int:
@@ -272,7 +281,8 @@ def add_verify(model, llm: LLM, speculation_length: int, **trace_options) -> LLM
 
 
 def _windows(sequence_buckets, cache_length) -> list:
-    windows = sorted({int(w) for w in (sequence_buckets or ())} | {cache_length})
+    given = _sizes("sequence_buckets", sequence_buckets) if sequence_buckets is not None else []
+    windows = sorted({_positive_int("a sequence bucket", w) for w in given} | {cache_length})
     if windows[0] < 1 or windows[-1] > cache_length:
         raise CompilerArgsError(f"sequence_buckets must lie in [1, cache_length={cache_length}]; got "
                                 f"{list(sequence_buckets)}")

@@ -30,7 +30,7 @@ def load_pretrained(source: str):
         raise CompilerArgsError(f"{source}: no such file or directory (give a Hugging Face checkpoint "
                                 "directory or a .gguf file; nothing is downloaded)")
     if os.path.isfile(source):
-        if not source.endswith(".gguf"):
+        if not source.lower().endswith(".gguf"):
             raise CompilerArgsError(f"{source}: a file must be a .gguf; otherwise give the checkpoint directory")
         gguf_file.check(source)         # a corrupt file or a type kiln does not read: a clear error first
         folder, where = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
@@ -56,12 +56,21 @@ def _load(folder, where, source):
     import torch
     import transformers
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                                  local_files_only=True, **where)
-    except (ValueError, KeyError) as e:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, output_loading_info=True, **where)
+    except (ValueError, KeyError, RuntimeError) as e:   # RuntimeError: a tensor of the wrong shape
         raise UnsupportedModelError(f"{source}: transformers cannot load a causal LM from it: {e}") from None
     except ImportError as e:
         raise CompilerArgsError(f"{source}: {e} (GGUF files need the 'gguf' package)") from None
+    missing = sorted((info or {}).get("missing_keys") or ())
+    if missing:
+        # transformers fills them with a fresh random initialisation and only prints a report:
+        # a model compiled from that answers wrongly, and its accuracy gate, whose reference
+        # is the same model, cannot see it
+        raise UnsupportedModelError(
+            f"{source}: {len(missing)} weight(s) the model needs are not in it ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}); transformers would start them from random values. "
+            "The checkpoint is incomplete or for another architecture")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, **where)
     except (OSError, ValueError):
