@@ -18,13 +18,12 @@ import time
 
 import torch
 
-from kiln.artifact import schema
-
-from kiln.artifact import specs
+from kiln.artifact import schema, specs
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
 from kiln.runtime.model import DEFAULT, Model
+from kiln.runtime.synthetic_rows import synthetic_chunk
 
 
 class _Wrapper(Model):
@@ -403,10 +402,11 @@ class DynamicBatch(_Wrapper):
         for t, spec in zip(flat, self.input_specs):
             if t.device.type not in devices:
                 raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
-        fixed = [s.name for s, b in zip(self.inner.output_specs, self._follows or self._batched_out) if not b]
-        if fixed or self._follows is None:   # not measured yet: a call with rows measures it
-            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} do not follow "
-                             "the batch dim (or that is not measured yet), so there is no answer for 0 rows")
+        if self._follows is None:       # no row to measure on: made-up rows
+            self._measure(chunk := synthetic_chunk(self.input_specs, self.index_ranges), self.inner.run_flat(chunk))
+        if self.fixed_outputs:
+            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(self.fixed_outputs)} do "
+                             "not follow the batch dim, so there is no answer for 0 rows")
 
     def run_flat(self, flat):
         if self.metrics is None:
