@@ -46,3 +46,19 @@ def test_a_shared_table_with_the_batch_rows_is_a_clear_error():
     wrapped = kiln.dynamic_batch(kiln.trace(_Shared(), (x, table)))
     with pytest.raises(InputError, match=r"If 'table' is shared by every row \(a table\)"):
         wrapped(torch.randn(6, 8), table)
+
+
+def test_data_parallel_measures_which_outputs_follow_the_rows_too():
+    """DataParallel without dynamic batching joined x.mean(0) (batch 8, 8 features) of two
+    replicas' chunks into a (16,) tensor, values 0.4 off eager's (8,); its per-row output is
+    still joined."""
+    model = _RowsAndMean()
+    compiled = kiln.trace(model, torch.randn(8, 8), cache=False, quiet=True)
+    with kiln.DataParallel(compiled, device_ids=[0], dynamic_batching=False) as dp:
+        with pytest.raises(InputError, match=r"output\(s\) \[1\] do not follow the batch along dim 0"):
+            dp(torch.randn(16, 8))
+    linear = torch.nn.Linear(8, 8).eval()
+    with kiln.DataParallel(kiln.trace(linear, torch.randn(8, 8), cache=False, quiet=True), device_ids=[0],
+                           dynamic_batching=False) as rows:
+        x = torch.randn(16, 8)
+        torch.testing.assert_close(rows(x), linear(x).detach(), atol=1e-5, rtol=1e-5)

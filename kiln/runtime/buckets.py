@@ -23,7 +23,7 @@ from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
 from kiln.runtime.model import DEFAULT, Model
-from kiln.runtime.synthetic_rows import synthetic_chunk
+from kiln.runtime.synthetic_rows import follows_rows, synthetic_chunk
 
 
 class _Wrapper(Model):
@@ -333,9 +333,7 @@ class DynamicBatch(_Wrapper):
         the batch on dim 0 by coincidence (a mean over rows of as many features) does not. Kept in the manifest."""
         if self._follows is not None:
             return self._follows
-        rolled = [t.roll(1, 0) if b and t.dim() else t for t, b in zip(chunk, self._batched_in)]
-        moved = first if all(_same(a, b) for a, b in zip(rolled, chunk)) else self.inner.run_flat(rolled)
-        self._follows = [b and _same(m, o.roll(1, 0)) for b, o, m in zip(self._batched_out, first, moved)]
+        self._follows = follows_rows(self.inner.run_flat, chunk, self._batched_in, self._batched_out, first)
         if isinstance(self.manifest.get("dynamic_batch"), dict):
             self.manifest["dynamic_batch"]["follows_rows"] = list(self._follows)
         return self._follows
@@ -472,15 +470,6 @@ def _recorded(manifest, candidates):
             and all(isinstance(f, bool) and (c or not f) for f, c in zip(got, candidates))):
         return list(got)
     return None if any(candidates) else list(candidates)
-
-
-def _same(a, b) -> bool:
-    """Equal shapes and values, NaN equal to NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)
 
 
 def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested=None):

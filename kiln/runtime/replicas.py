@@ -187,6 +187,7 @@ class DataParallel(Model):
         from kiln.runtime.buckets import DynamicBatch, fixed_outputs, with_batch_dim
         self._batched_in = with_batch_dim(self.input_specs, self.batch_size, dim)
         self._batched_out = with_batch_dim(self.output_specs, self.batch_size, dim)
+        self._follows = None         # which outputs follow the rows: measured at the first split call
         self._fixed_out = fixed_outputs(module.manifest, self.output_specs, self._batched_out)
         self._checker = DynamicBatch(module, track=False) if dynamic_batching else None
 
@@ -276,13 +277,22 @@ class DataParallel(Model):
                     f"DataParallel without dynamic batching needs batches that split into the "
                     f"compiled batch size {self.batch_size} along dim {self.dim}; got {n}")
         count = math.ceil(n / split)
+        pieces = [t.split(split, self.dim) if b else None for t, b in zip(flat, batched)]
+        chunks = [[p[k] if p is not None else t for p, t in zip(pieces, flat)] for k in range(count)]
+        if count > 1 and self._follows is None and not self.dynamic_batching:
+            # an output whose dim equals the batch only by its size (a mean over rows of as many
+            # features) was joined as if per-row (the dynamic batching path's checker measures its own)
+            from kiln.runtime.buckets import fixed_outputs
+            from kiln.runtime.synthetic_rows import follows_rows
+            self._follows = follows_rows(self.module.run_flat, chunks[0], self._batched_in, self._batched_out,
+                                         dim=self.dim)
+            self._fixed_out = fixed_outputs(self.manifest, self.output_specs, self._follows)
         if count > 1 and self._fixed_out:
             raise InputError(f"DataParallel: output(s) {', '.join(self._fixed_out)} do not follow the batch along dim "
                              f"{self.dim} (the compiled {self.batch_size}), so a batch split into {count} chunks "
                              "has no answer for them (each chunk gives its own): call with one chunk's rows, or "
                              "trace with kiln.trace(..., dynamic_batch=True), which checks the model")
-        pieces = [t.split(split, self.dim) if b else None for t, b in zip(flat, batched)]
-        return [[p[k] if p is not None else t for p, t in zip(pieces, flat)] for k in range(count)]
+        return chunks
 
     def _scatter(self, flat) -> Future:
         if self._closed:
@@ -320,7 +330,7 @@ class DataParallel(Model):
         if len(results) == 1:
             return results[0]
         return [torch.cat([r[o] for r in results], self.dim) if batched else results[0][o]
-                for o, batched in enumerate(self._batched_out)]
+                for o, batched in enumerate(self._follows or self._batched_out)]
 
     # -- the Model interface --------------------------------------------------------------------
     def flatten(self, args, kwargs):

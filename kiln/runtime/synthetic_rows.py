@@ -1,6 +1,11 @@
-"""Rows made up for a measurement the caller's data cannot give: a dynamic batch's empty
-call must know which outputs follow the rows (0 rows of those are its answer), and a call
-of 0 rows has no row to measure on (:meth:`kiln.runtime.buckets.DynamicBatch._measure`)."""
+"""Which outputs of a compiled model follow its rows, measured, and rows made up to measure on.
+
+An output whose dim 0 (or DataParallel's ``dim``) equals the compiled batch may follow the
+rows (a row-wise layer) or only share the size (a mean over rows of as many features): a
+split batch joins the first and has no answer for the second, and the shape cannot tell
+them apart. :func:`follows_rows` tells them apart by running one batch with its rows rolled
+by one; a dynamic batch's empty call, which has no row of its own, measures on
+:func:`synthetic_chunk`."""
 from __future__ import annotations
 
 import torch
@@ -22,3 +27,23 @@ def synthetic_chunk(input_specs, index_ranges, seed: int = 0) -> list:
             low, high = ranges.get(i, (0, 2))
             out.append(torch.randint(low, high, shape, generator=gen).to(spec.dtype))
     return out
+
+
+def follows_rows(run, chunk: list, batched_in: list, batched_out: list, first=None, dim: int = 0) -> list:
+    """Per output: whether it follows the rows of ``chunk`` (one compiled batch; ``run`` the
+    model's flat call, ``first`` its outputs if already run): with the rows rolled by one
+    along ``dim``, a row-wise output rolls with them exactly. Rows all alike cannot tell,
+    and count as following."""
+    first = run(chunk) if first is None else first
+    rolled = [t.roll(1, dim) if b and t.dim() > dim else t for t, b in zip(chunk, batched_in)]
+    moved = first if all(same(a, b) for a, b in zip(rolled, chunk)) else run(rolled)
+    return [b and same(m, o.roll(1, dim)) for b, o, m in zip(batched_out, first, moved)]
+
+
+def same(a, b) -> bool:
+    """Equal shapes and values, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
