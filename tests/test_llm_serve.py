@@ -5,7 +5,6 @@ import concurrent.futures
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -18,8 +17,6 @@ pytest.importorskip("transformers")
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 from kiln.runtime.scheduler import Request  # noqa: E402
 from kiln.runtime.text import Tokenizer  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
-from tests import forkserver  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
 
 EOS = 2          # tests/conftest.py's tiny tokenizer's </s>
@@ -219,28 +216,9 @@ class GatedServer(Server):
     """``kiln serve`` whose models load once ``gate`` exists; listening before that."""
 
     def __init__(self, args, log_path, gate):
-        self.log_path, self.gate = log_path, gate
-        self.log_file = open(log_path, "w")
-        env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
-        self.proc = forkserver.popen([sys.executable, "-c", GATED_SERVE, str(gate), *map(str, args),
-                                      "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
-        self.port = None
-        deadline = time.monotonic() + 90
-        while self.port is None and time.monotonic() < deadline and self.proc.poll() is None:
-            listening = [e for e in self.events() if e.get("event") == "listening"]
-            self.port = listening[0]["port"] if listening else None
-            time.sleep(0.05)
-        if self.port is None:
-            self.stop()
-            raise RuntimeError(f"server did not listen:\n{open(log_path).read()[-3000:]}")
-        self.url = f"127.0.0.1:{self.port}"
-
-    def call(self, method, path, payload=None):
-        """(status, headers with lower-case names, JSON body) over plain HTTP: one try."""
-        body = None if payload is None else json.dumps(payload).encode()
-        status, headers, raw = self.request(method, path, body, {"Content-Type": "application/json"}, 60)
-        return status, {k.lower(): v for k, v in headers.items()}, json.loads(raw) if raw else None
+        self.gate = gate
+        super().__init__(args, log_path, command=[sys.executable, "-c", GATED_SERVE, str(gate)],
+                         ready=lambda: True, what="listen")
 
 
 def test_a_model_is_listed_only_once_it_answers(tiny_llm, tmp_path):

@@ -61,13 +61,17 @@ def artifacts(tmp_path_factory):
 class Server:
     """``kiln serve`` (the console script) on a free loopback port; logs (JSON lines) go to a file."""
 
-    def __init__(self, args, log_path):
+    def __init__(self, args, log_path, command=None, ready=None, what="become ready"):
+        """``command``: what runs instead of the console script's ``kiln serve`` (a script
+        holding the server at some step); ``ready()``: when to return once it listens (by
+        default when /v2/health/ready says 200)."""
         self.log_path = log_path
         self.log_file = open(log_path, "w")
         env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
-        kiln_cli = os.path.join(os.path.dirname(sys.executable), "kiln")
-        self.proc = forkserver.popen([kiln_cli, "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0"],
+        command = command or [os.path.join(os.path.dirname(sys.executable), "kiln"), "serve"]
+        self.proc = forkserver.popen([*command, *map(str, args), "--host", "127.0.0.1", "--port", "0"],
                                      stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
+        ready = ready or (lambda: self.get("/v2/health/ready")[0] == 200)
         self.port = None
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -75,13 +79,19 @@ class Server:
                 listening = [e for e in self.events() if e.get("event") == "listening"]
                 if listening:
                     self.port = listening[0]["port"]
-            elif self.get("/v2/health/ready")[0] == 200:
+            if self.port is not None and ready():
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
         else:
             self.stop()
-            raise RuntimeError(f"server did not become ready:\n{open(log_path).read()[-3000:]}")
+            raise RuntimeError(f"server did not {what}:\n{open(log_path).read()[-3000:]}")
         self.url = f"127.0.0.1:{self.port}"
+
+    def call(self, method, path, payload=None):
+        """(status, headers with lower-case names, JSON body) over plain HTTP: one try."""
+        body = None if payload is None else json.dumps(payload).encode()
+        status, headers, raw = self.request(method, path, body, {"Content-Type": "application/json"}, 60)
+        return status, {k.lower(): v for k, v in headers.items()}, json.loads(raw) if raw else None
 
     def events(self):
         out = []

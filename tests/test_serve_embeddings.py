@@ -16,11 +16,9 @@ window can be observed, then serves:
 * embeddings requests are counted in ``kiln_serve_requests_total`` and the other request
   metrics (only KServe's infer was).
 """
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,8 +28,6 @@ import torch
 
 import kiln
 
-from . import forkserver
-from .conftest import ROOT
 from .test_serve import Server, _histogram
 
 openai = pytest.importorskip("openai")
@@ -80,28 +76,9 @@ class GatedServer(Server):
     """``kiln serve`` whose merge check waits for ``gate``; listening before that."""
 
     def __init__(self, args, log_path, gate):
-        self.log_path, self.gate = log_path, str(gate)
-        self.log_file = open(log_path, "w")
-        env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT)
-        self.proc = forkserver.popen([sys.executable, "-c", GATED_SERVE, self.gate, *map(str, args),
-                                      "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.DEVNULL, stderr=self.log_file, cwd=ROOT, env=env)
-        self.port = None
-        deadline = time.monotonic() + 90
-        while not os.path.exists(self.gate + ".held") and time.monotonic() < deadline and self.proc.poll() is None:
-            listening = [e for e in self.events() if e.get("event") == "listening"]
-            self.port = listening[0]["port"] if listening else None
-            time.sleep(0.05)
-        if self.port is None or not os.path.exists(self.gate + ".held"):
-            self.stop()
-            raise RuntimeError(f"server did not reach its merge check:\n{open(log_path).read()[-3000:]}")
-        self.url = f"127.0.0.1:{self.port}"
-
-    def call(self, method, path, payload=None):
-        """(status, headers with lower-case names, JSON body) over plain HTTP."""
-        body = None if payload is None else json.dumps(payload).encode()
-        status, headers, raw = self.request(method, path, body, {"Content-Type": "application/json"}, 60)
-        return status, {k.lower(): v for k, v in headers.items()}, json.loads(raw) if raw else None
+        self.gate = str(gate)
+        super().__init__(args, log_path, command=[sys.executable, "-c", GATED_SERVE, self.gate],
+                         ready=lambda: os.path.exists(self.gate + ".held"), what="reach its merge check")
 
     def open_gate(self):
         open(self.gate, "w").close()
