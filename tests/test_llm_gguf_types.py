@@ -194,3 +194,15 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
     with pytest.raises(CompilerArgsError, match="keeps a GGUF file's own blocks"):
         compile_llm(not_from_gguf, quantize="gguf", context_buckets=(8,), cache_length=16)
 
+    # the file gone or replaced since the model was loaded (found by probing: a raw
+    # FileNotFoundError, and a replaced file kept no blocks at all, without a word)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(mixed[0].read_bytes())
+    loaded, _ = load_pretrained(str(copy))
+    copy.write_bytes(copy.read_bytes() + b"\0")
+    with pytest.raises(CompilerArgsError, match="copy.gguf, the GGUF file this model was loaded from, is changed"):
+        compile_llm(loaded, quantize="gguf", context_buckets=(8,), cache_length=16)
+    copy.unlink()
+    with pytest.raises(CompilerArgsError, match="is gone since"):
+        compile_llm(loaded, quantize="gguf", context_buckets=(8,), cache_length=16)
+

@@ -39,7 +39,7 @@ def load_pretrained(source: str):
     with _gguf_parsed_once() if where else contextlib.nullcontext():
         model, tokenizer = _load(folder, where, source)
     if where:
-        _GGUF_SOURCES[model] = os.path.abspath(source)
+        _GGUF_SOURCES[model] = (os.path.abspath(source), _stamp(source))
     return model, tokenizer
 
 
@@ -48,8 +48,23 @@ _GGUF_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def gguf_path(model):
-    """The GGUF file :func:`load_pretrained` loaded ``model`` from, or None."""
-    return _GGUF_SOURCES.get(model)
+    """The GGUF file :func:`load_pretrained` loaded ``model`` from, or None; a
+    :class:`CompilerArgsError` when that file is gone or changed since (its blocks would not
+    be the model's weights: a file replaced by another kept none of them, without a word)."""
+    found = _GGUF_SOURCES.get(model)
+    if found is None:
+        return None
+    path, stamp = found
+    if not os.path.isfile(path) or _stamp(path) != stamp:
+        raise CompilerArgsError(f"{path}, the GGUF file this model was loaded from, is "
+                                f"{'gone' if not os.path.isfile(path) else 'changed'} since: quantize='gguf' "
+                                "reads its blocks again; load the model from the file again")
+    return path
+
+
+def _stamp(path) -> tuple:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
 
 
 def _load(folder, where, source):
