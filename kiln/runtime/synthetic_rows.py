@@ -11,22 +11,28 @@ from __future__ import annotations
 import torch
 
 
+def made_up(shape, dtype, index_range, gen) -> torch.Tensor:
+    """One made-up tensor: floats standard normal; an input that indexes (``index_range``,
+    ``(low, high)`` as the artifact records it) random ids over its whole range, so rows differ
+    in their ids' statistics too; other integers and bools 0/1 (masks), the first entry 1 (no
+    all-masked row). Also the server's merge check's rows (:mod:`kiln.serving.merging`)."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    if index_range is not None and index_range[1] - index_range[0] > 2:
+        return torch.randint(index_range[0], index_range[1], shape, generator=gen).to(dtype)
+    t = torch.randint(0, 2, shape, generator=gen).to(dtype)
+    if t.numel():
+        t.view(-1)[0] = 1
+    return t
+
+
 def synthetic_chunk(input_specs, index_ranges, seed: int = 0) -> list:
-    """One compiled batch of distinct random rows: floats standard normal; an input that
-    indexes, ids over the range the artifact records (``index_ranges``:
-    :func:`kiln.runtime.value_checks.ranges`); other integers and bools 0/1. Every input at
-    its compiled shape."""
+    """One compiled batch of made-up rows (:func:`made_up`; ``index_ranges``:
+    :func:`kiln.runtime.value_checks.ranges`), every input at its compiled shape."""
     gen = torch.Generator().manual_seed(seed)
     ranges = {r[0]: (r[2], r[3]) for r in index_ranges or ()}
-    out = []
-    for i, spec in enumerate(input_specs):
-        shape = [int(n) for n in spec.shape]
-        if spec.dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=gen).to(spec.dtype))
-        else:
-            low, high = ranges.get(i, (0, 2))
-            out.append(torch.randint(low, high, shape, generator=gen).to(spec.dtype))
-    return out
+    return [made_up([int(n) for n in spec.shape], spec.dtype, ranges.get(i), gen)
+            for i, spec in enumerate(input_specs)]
 
 
 def follows_rows(run, chunk: list, batched_in: list, batched_out: list, first=None, dim: int = 0) -> list:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.runtime.synthetic_rows import made_up
 from kiln.serving.layout import Axis, Layout
 
 
@@ -128,16 +129,7 @@ def _synthetic_row(spec, i, layout: Layout, lengths, gen, index_range=None) -> t
         for ii, d in ax.inputs:
             if ii == i:
                 shape[d] = lengths[a]
-    dtype = spec.dtype
-    if dtype.is_floating_point:
-        t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-    elif index_range is not None and index_range[1] - index_range[0] > 2:
-        t = torch.randint(index_range[0], index_range[1], shape, generator=gen).to(dtype)
-    else:
-        t = torch.randint(0, 2, shape, generator=gen).to(dtype)
-        if t.numel():
-            t.view(-1)[0] = 1
-    return t
+    return made_up(shape, spec.dtype, index_range, gen)
 
 
 def _merge_sizes(layout: Layout, max_rows: int) -> list:
