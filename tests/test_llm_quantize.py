@@ -54,6 +54,29 @@ def test_a_gate_too_strict_fails_with_the_numbers():
         compile_llm(_model("llama"), quantize="int4", max_ppl_ratio=1.0001, min_agreement=1.0, **OPTIONS)
 
 
+def test_gate_limits_no_build_can_meet_are_refused_before_compiling(monkeypatch):
+    """An agreement over 100 %, a ratio of 0 or NaN, or a limit for a float build (which has
+    no gate) is a CompilerArgsError naming it, before any graph compiles: such a build
+    failed (or silently ignored the limit) only after its graphs had compiled."""
+    from kiln.errors import CompilerArgsError
+    from kiln.llm import build
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before the options were checked")
+    monkeypatch.setattr(build, "_compile_graphs", no_compile)
+    for limits, quantize, message in [
+            (dict(min_agreement=75), "int4", "min_agreement is the share .* from 0 to 1 .* got 75"),
+            (dict(min_agreement=-0.1), "int8", "got -0.1"),
+            (dict(max_ppl_ratio=0), "int4", "max_ppl_ratio is the largest perplexity .* got 0"),
+            (dict(max_ppl_ratio=float("nan")), "int4", "got nan"),
+            (dict(max_ppl_ratio="1.2"), "int4", "got '1.2'"),
+            (dict(min_agreement=True), "int4", "got True"),
+            (dict(max_ppl_ratio=1.1), None, "max_ppl_ratio limit the accuracy gate of quantized builds"),
+            (dict(max_ppl_ratio=1.1, min_agreement=0.5), None, "max_ppl_ratio and min_agreement limit")]:
+        with pytest.raises(CompilerArgsError, match=message):
+            compile_llm(_model("llama"), **({"quantize": quantize} if quantize else {}), **limits, **OPTIONS)
+
+
 def test_int4_of_a_decoder_exported_as_a_large_one(monkeypatch):
     """A real decoder's graphs are too large for the exporter's own optimizer: kiln's
     rewrites and quantization then meet the raw export (constants as nodes, weights behind

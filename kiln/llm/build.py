@@ -65,6 +65,7 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     cache_length = _positive_int("cache_length", cache_length)
     speculation_length, prefill_chunk = _optional_sizes(speculation_length, prefill_chunk)
     workers = None if workers is None else _positive_int("workers", workers)
+    _check_gate_limits(max_ppl_ratio, min_agreement, trace_options.get("quantize"))
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     buckets, rows = _shapes(model, batch_size, context_buckets, cache_length, decode_batches)
@@ -177,6 +178,25 @@ def _auto_cast(options: dict, cast: str) -> dict:
     flags = ["--auto-cast", "all", "--auto-cast-type", cast]
     given = options.get("compiler_args") or []
     return dict(options, compiler_args=(shlex.split(given) if isinstance(given, str) else list(given)) + flags)
+
+
+def _check_gate_limits(max_ppl_ratio, min_agreement, quantize) -> None:
+    """The accuracy gate's limits, checked before anything compiles: a limit no build can
+    meet (an agreement over 100 %, a ratio of 0 or NaN) failed only after minutes of
+    compiling, and limits given for a float build, which has no gate, were ignored."""
+    given = [name for name, v in (("max_ppl_ratio", max_ppl_ratio), ("min_agreement", min_agreement))
+             if v is not None]
+    if given and not quantize:
+        raise CompilerArgsError(f"{' and '.join(given)} limit the accuracy gate of quantized builds (quantize="
+                                "'int8', 'int4' or 'gguf'); a float build has no gate")
+    if max_ppl_ratio is not None and (not isinstance(max_ppl_ratio, numbers.Real) or isinstance(max_ppl_ratio, bool)
+                                      or not max_ppl_ratio > 0):
+        raise CompilerArgsError(f"max_ppl_ratio is the largest perplexity allowed over float32's, a number above 0 "
+                                f"(1.25 allows 25 % more); got {max_ppl_ratio!r}")
+    if min_agreement is not None and (not isinstance(min_agreement, numbers.Real) or isinstance(min_agreement, bool)
+                                      or not 0 <= min_agreement <= 1):
+        raise CompilerArgsError(f"min_agreement is the share of positions whose greedy token must equal float32's, "
+                                f"from 0 to 1 (0.75 for 75 %); got {min_agreement!r}")
 
 
 def _check_prefill_cast(cast, quantize, trace_options) -> None:
