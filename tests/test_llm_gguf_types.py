@@ -165,6 +165,10 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
     unknown = tmp_path / "unknown.gguf"
     at = _header_end_of_type(good, "blk.1.ffn_up.weight")
     unknown.write_bytes(data[:at] + struct.pack("<I", 99) + data[at + 4:])
+    # a type id changed to a smaller type (F32 -> F16): every byte still lies in the file, and
+    # the tensor read half of its own bytes as its values, without a word (found by probing)
+    shrunk = tmp_path / "shrunk.gguf"
+    shrunk.write_bytes(data[:at] + struct.pack("<I", 1) + data[at + 4:])
     iq = tmp_path / "iq.gguf"
     tensors = gguf_files.llama_tensors(hidden=256, heads=4, kv_heads=2, ffn=512, vocab=256, layers=1)
     w = gguf.GGUFWriter(str(iq), "llama")
@@ -183,6 +187,7 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
              (truncated, GGUFFileError, ["truncated", "download it again"]),
              (header_cut, GGUFFileError, ["truncated or corrupt"]),
              (unknown, GGUFTypeError, ["'blk.1.ffn_up.weight'", "type id 99", "Q4_K_M"]),
+             (shrunk, GGUFFileError, ["starts at byte", "does not match its data", "download the file again"]),
              (iq, GGUFTypeError, ["'blk.0.ffn_down.weight'", "IQ2_XXS", "kiln reads"])]
     for path, kind, words in cases:
         with pytest.raises(kind) as e:

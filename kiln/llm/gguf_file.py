@@ -60,8 +60,8 @@ def read(path: str) -> tuple:
             raise GGUFFileError(f"{path}: {size} bytes is too short for a GGUF file (truncated?); "
                                 "download it again")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            tensors, data_start = _walk(path, data, size)
-    _check_data(path, tensors, data_start, size)
+            tensors, data_start, alignment = _walk(path, data, size)
+    _check_data(path, tensors, data_start, size, alignment)
     return tensors, data_start
 
 
@@ -98,8 +98,10 @@ def _walk(path, data, size):
         shape = tuple(reader.unpack("<Q") for _ in range(dims))
         type_id, offset = reader.unpack("<I"), reader.unpack("<Q")
         tensors.append(TensorInfo(name, _type_name(type_id), shape, offset))
+    if not alignment:
+        raise GGUFFileError(f"{path}: general.alignment is 0 (a corrupt header); download the file again")
     start = -(-reader.at // alignment) * alignment
-    return tensors, start
+    return tensors, start, alignment
 
 
 def _type_name(type_id: int) -> str:
@@ -110,7 +112,7 @@ def _type_name(type_id: int) -> str:
         return f"type id {type_id}"
 
 
-def _check_data(path, tensors, data_start, size) -> None:
+def _check_data(path, tensors, data_start, size, alignment) -> None:
     import gguf
     unreadable = [t for t in tensors if t.type not in READABLE]
     if unreadable:
@@ -134,6 +136,22 @@ def _check_data(path, tensors, data_start, size) -> None:
         if end > size:
             raise GGUFFileError(f"{path}: tensor {t.name!r} ends at byte {end} but the file has {size} bytes: "
                                 "the file is truncated (an interrupted download?); download it again")
+    # The tensors lie one after another in header order, each padded to the alignment, as
+    # gguf's and llama.cpp's writers put them and llama.cpp's loader requires: a tensor
+    # whose type or shape changed in a corrupt header then no longer meets the next one
+    # (a smaller type read other tensors' bytes as its own, within the file, without a word).
+    expected = 0
+    for t in tensors:
+        if t.offset != expected:
+            raise GGUFFileError(f"{path}: tensor {t.name!r} starts at byte {t.offset} of the data, but the tensors "
+                                f"before it end at byte {expected} (padded to {alignment}): a tensor's type or "
+                                "shape in the header does not match its data (a corrupt header); download the "
+                                "file again")
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.type]]
+        count = 1
+        for d in t.shape:
+            count *= d
+        expected += -(-(count // block * type_size) // alignment) * alignment
 
 
 class _Reader:
