@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from kiln.compiler.api import trace
 from kiln.device import metrics
 from kiln.errors import KilnError
-from kiln.graph import tracing_lock
+from kiln.graph import randomness, tracing_lock
 from kiln.runtime import value_checks
 
 
@@ -57,9 +57,12 @@ class InputsFail(Exception):
 
 def _fails_on(gm, examples) -> bool:
     """Whether eager PyTorch raises running ``gm`` on ``examples`` (asked only after a
-    compile failed)."""
+    compile failed). Its run draws nothing of the caller's: the generators are set back,
+    so the call then run eagerly draws eager's numbers (a training graph with dropout that
+    failed to compile drew its masks twice, and its first call answered other masks than
+    eager's, every later draw shifted)."""
     try:
-        with unset_fake_temporarily():
+        with unset_fake_temporarily(), randomness.unchanged():
             gm(*examples)
     except Exception:       # noqa: BLE001 - any error of eager's own is the values'
         return True
