@@ -54,3 +54,31 @@ def test_a_graph_that_fails_to_compile_draws_eagers_random_numbers(autocast, mon
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             assert torch.equal(got_state, want_state)
     assert metrics.counter_value("EagerGraphs") >= 1
+
+
+def test_bf16_layer_norm_with_fp32_parameters_compiles_and_follows_eager():
+    """Layer norm of a bf16 linear output with fp32 weight: CPU's kernel saves fp32 mean
+    and 1/std where PyTorch's dtype rules say bf16, so the check against eager refused the
+    forward graph ("output 3 has dtype bfloat16, eager float32") and it ran uncompiled."""
+    import copy
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(10, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 5))
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            x = torch.randn(8, 10)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want, got = ref(x), compiled(x)
+            assert got.dtype == want.dtype == torch.bfloat16
+            # bf16 keeps 8 bits of mantissa: two orders of summation differ by an ulp or two
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-2)
+            want.float().pow(2).mean().backward()
+            got.float().pow(2).mean().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert p.grad.dtype == q.grad.dtype
+                torch.testing.assert_close(p.grad, q.grad, rtol=2 ** -6, atol=1e-2)
+    eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+    assert not eager, eager
+    assert metrics.counter_value("EagerGraphs") == 0

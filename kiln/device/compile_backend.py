@@ -72,7 +72,8 @@ def checked_options(options, mode) -> dict:
 def _decompositions() -> dict:
     import torch
     # the functional form is what AOTAutograd's tracing meets (after functionalization)
-    return {torch.ops.aten._native_batch_norm_legit_functional.default: _mixed_batch_norm}
+    return {torch.ops.aten._native_batch_norm_legit_functional.default: _mixed_batch_norm,
+            torch.ops.aten.native_layer_norm.default: _mixed_layer_norm}
 
 
 def _mixed_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -87,6 +88,21 @@ def _mixed_batch_norm(x, weight, bias, running_mean, running_var, training, mome
     out, mean, invstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional.default(
         x.float(), weight, bias, running_mean, running_var, training, momentum, eps)
     return out.to(x.dtype), mean, invstd, new_mean, new_var
+
+
+def _mixed_layer_norm(x, normalized_shape, weight, bias, eps):
+    """Layer norm of a bf16/fp16 input with fp32 parameters (a linear layer's output under
+    auto-cast), traced as CPU's kernel computes it: in fp32, the output rounded back and
+    the saved mean and 1/std in fp32. PyTorch's dtype rules say bf16 statistics, so the
+    check against eager refused every such graph ("output 3 has dtype bfloat16, eager
+    float32") and it ran uncompiled."""
+    import torch
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight is None or weight.dtype != torch.float32:
+        return NotImplemented
+    if bias is not None and bias.dtype != torch.float32:
+        return NotImplemented
+    out, mean, rstd = torch.ops.aten.native_layer_norm.default(x.float(), normalized_shape, weight, bias, eps)
+    return out.to(x.dtype), mean, rstd
 
 
 _neuron_name: list = []
