@@ -74,6 +74,29 @@ def get_xla_rng_tracker() -> XLARNGStatesTracker:
     return _TRACKER
 
 
+def checkpoint_context_fn():
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: the recomputation in
+    backward runs with the tracker's streams as the forward found them, so dropout drawn
+    under ``fork()`` draws the forward's mask again (checkpoint itself restores only
+    torch's global generator, and ``fork`` keeps each stream's state here, advancing it
+    on exit). Afterwards the streams are put back as they were before the recomputation:
+    it does not advance them a second time. Megatron's ``CheckpointFunction`` does the
+    same with its CUDA RNG tracker."""
+    tracker = _TRACKER
+    forward_states = tracker.get_states()
+
+    @contextlib.contextmanager
+    def recompute():
+        current = tracker.get_states()
+        tracker.set_states({name: s.clone() for name, s in forward_states.items()})
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return contextlib.nullcontext(), recompute()
+
+
 def model_parallel_xla_manual_seed(seed: int) -> None:
     """Seed the default stream with ``seed`` (identical on every rank: data-parallel and
     replicated work) and the model-parallel stream with ``seed + 2718 + tp_rank``."""

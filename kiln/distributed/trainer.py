@@ -221,9 +221,10 @@ def _checkpoint_classes(option, model, base, pp):
 
 def apply_activation_checkpointing(model, check_fn=lambda _: True, include_root: bool = False):
     """Recompute the forward of each submodule ``check_fn`` accepts during backward
-    (``torch.utils.checkpoint``, non-reentrant, RNG state restored). The module's forward is
-    wrapped in place, so parameter and state-dict names do not change. ``include_root``:
-    ``model`` itself may be wrapped too."""
+    (``torch.utils.checkpoint``, non-reentrant; torch's RNG state and the model-parallel RNG
+    tracker's streams are restored for the recomputation, so dropout draws the same masks).
+    The module's forward is wrapped in place, so parameter and state-dict names do not
+    change. ``include_root``: ``model`` itself may be wrapped too."""
     for module in list(model.modules()):
         if (module is model and not include_root) or not check_fn(module) or getattr(module, "_kiln_checkpointed",
                                                                                      False):
@@ -234,7 +235,9 @@ def apply_activation_checkpointing(model, check_fn=lambda _: True, include_root:
         def forward(*args, _original=original, **kwargs):
             if not torch.is_grad_enabled():
                 return _original(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False, **kwargs)
+            from kiln.distributed.rng import checkpoint_context_fn
+            return torch.utils.checkpoint.checkpoint(_original, *args, use_reentrant=False,
+                                                     context_fn=checkpoint_context_fn, **kwargs)
         module.forward = forward
         module._kiln_checkpointed = True
     return model
