@@ -57,9 +57,14 @@ def test_tp2_matches_unsharded(tp2_results, name):
     assert verdicts == ["ok", "ok"], f"{name}: {verdicts}"
 
 
-def test_rank_layout_on_four_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _torchrun("nxd_layout_check.py", 4, tmp_path_factory.mktemp("four"))
+
+
+def test_rank_layout_on_four_ranks(four_ranks):
     """NxD's layout: arange(world).reshape(PP, DP, TP), TP contiguous."""
-    out = _torchrun("nxd_layout_check.py", 4, tmp_path)
+    out = four_ranks
     lay = json.loads(next(line for line in out.splitlines() if line.startswith("LAYOUT "))[len("LAYOUT "):])
     tp2 = lay["tp2"]
     assert tp2["meshes"] == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]],
@@ -81,6 +86,20 @@ def test_rank_layout_on_four_ranks(tmp_path):
     assert lay["tp3"].startswith("ParallelSizeError") and "not divisible" in lay["tp3"]
     for name, option in (("tp0", "tensor_model_parallel_size"), ("pp0", "pipeline_model_parallel_size")):
         assert lay[name].startswith("ParallelDegreeError") and f"{option}=0" in lay[name], lay[name]
+
+
+def test_pp2_x_tp2_with_collectives_in_the_traced_forward_equals_one_process(four_ranks):
+    """PP=2 x TP=2 through the trainer, the model's own forward calling sequence-parallel
+    mappings and parallel_cross_entropy: the loss (last stage) and every rank's gradient
+    shards equal one process's. Traced into, those calls failed to trace (the mappings) or
+    left every gradient zero (parallel_cross_entropy's collectives have no autograd)."""
+    line = next(line for line in four_ranks.splitlines() if line.startswith("PPTP "))
+    ranks = json.loads(line[len("PPTP "):])
+    assert [r[0] is None for r in ranks] == [True, True, False, False]     # the loss is on the last stage
+    for rank, (loss_err, grad_err, zero) in enumerate(ranks):
+        assert zero == 0, f"rank {rank}: {zero} all-zero gradients"
+        assert grad_err < 1e-5, f"rank {rank}: gradient max-rel error {grad_err}"
+        assert loss_err is None or loss_err < 1e-5, f"rank {rank}: loss error {loss_err}"
 
 
 # -- in-process ------------------------------------------------------------------------------

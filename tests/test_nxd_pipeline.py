@@ -118,6 +118,68 @@ def test_cut_stages_chain_equals_the_model():
         pipeline_cut.cut_stages(traced, ["layers.7"], ["ids", "mask"])
 
 
+class _LossLM(nn.Module):
+    """A pipeline model whose own forward (not a leaf) calls kiln's collective functions:
+    sequence-parallel mappings, parallel_cross_entropy (which subtracts the max from the
+    logits in place), and an in-place op whose result is not used."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(_Layer() for _ in range(2))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, ids, labels):
+        from kiln.neuronx_distributed.parallel_layers import mappings, parallel_cross_entropy
+        x = mappings.scatter_to_sequence_parallel_region(self.embed(ids), 1)
+        x = mappings.gather_from_sequence_parallel_region(x, 1, to_model_parallel=False)
+        for layer in self.layers:
+            x, _ = layer(x)
+        logits = self.head(x)
+        logits.mul_(200.0)          # logits this large overflow exp() unless the max is subtracted
+        return parallel_cross_entropy(logits, labels).mean()
+
+
+def test_collective_functions_and_in_place_ops_stay_whole_in_the_pipeline_graph():
+    """Traced into, parallel_cross_entropy's collectives (no autograd) zeroed every gradient
+    at TP=2 and its in-place max subtraction was removed as dead code (inf/nan losses at
+    PP=2, TP=1): now each collective function is one node, in-place ops stay, and the
+    stages chained equal the eager model, loss and gradients."""
+    import warnings
+
+    from kiln.distributed import loss, mappings, state
+    state.destroy_model_parallel()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state.ensure_initialized()
+        torch.manual_seed(0)
+        model = _LossLM()
+        traced = pipeline_cut.trace_model(model, ["ids", "labels"], [_Layer])
+        targets = [n.target for n in traced.graph.nodes if n.op in ("call_function", "call_method")]
+        assert loss.parallel_cross_entropy in targets
+        assert mappings.scatter_to_sequence_parallel_region in targets
+        assert mappings.gather_from_sequence_parallel_region in targets
+        assert "mul_" in targets and "sub_" not in targets and torch.exp not in targets
+        stages = pipeline_cut.cut_stages(traced, ["layers.0"], ["ids", "labels"])
+        ids, labels = torch.randint(0, 10, (3, 4)), torch.randint(0, 10, (3, 4))
+        feed = {"ids": ids, "labels": labels}
+        sent = stages[0].module(*[feed[n] for n in stages[0].model_inputs])
+        got = stages[1].module(*sent, *[feed[n] for n in stages[1].model_inputs])
+        got.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        logits = model.head(model.layers[1](model.layers[0](model.embed(ids))[0])[0]) * 200.0
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), labels.reshape(-1))
+        want.backward()
+        assert torch.isfinite(got)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    finally:
+        state.destroy_model_parallel()
+
+
 @pytest.mark.parametrize("option, value", [("deallocate_pipeline_outputs", True), ("manual_pp_partition", True),
                                            ("virtual_pipeline_size", 2), ("_fused_send_recv", True)])
 def test_unsupported_options_are_named(option, value):

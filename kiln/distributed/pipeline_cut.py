@@ -14,10 +14,19 @@ graph order (values a stage does not use itself pass through it). Model inputs n
 cross: every pipeline rank gets all of ``run_train``'s keyword arguments, as in NxD, and
 feeds each stage the ones it reads. Parameters read with ``get_attr`` never cross either:
 each stage that reads one reads its own reference.
+
+Calls that must stay whole stay whole: kiln's collective mappings (``mappings.*``, also
+called directly in a forward, e.g. sequence-parallel gathers), ``parallel_cross_entropy``
+and ``from_parallel_logits_to_logprobs``, and any ``torch.autograd.Function``'s ``apply``
+become one ``call_function`` node each. Traced into, their collectives
+(``torch.ops.kiln.*``, which have no autograd) left every gradient before them zero, and
+their own backward was lost. An in-place op whose result is unused (``logits.sub_(max)``)
+is not dead code: it changes a value used later, so it is kept.
 """
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -47,17 +56,70 @@ def _as_list(value) -> list:
     return [value]
 
 
+def _kiln_leaf_functions():
+    """kiln's functions that run collectives inside autograd Functions, and the modules
+    (kiln's, and the NxD-named aliases a script has imported) through which a forward
+    may call them as ``module.function``."""
+    from kiln.distributed import loss, mappings
+    functions = [loss.parallel_cross_entropy, loss.from_parallel_logits_to_logprobs]
+    functions += [value for name, value in vars(mappings).items()
+                  if not name.startswith("_") and inspect.isfunction(value) and value.__module__ == mappings.__name__]
+    aliases = ("kiln.neuronx_distributed.parallel_layers", "kiln.neuronx_distributed.parallel_layers.mappings",
+               "kiln.neuronx_distributed.parallel_layers.loss_functions")
+    modules = [mappings, loss] + [sys.modules[name] for name in aliases if name in sys.modules]
+    return functions, modules
+
+
+_FUNCTION_LEAVES: dict = {}
+
+
+def _function_leaf(cls):
+    """The graph target for ``cls.apply``: a plain function calling it (one per class)."""
+    leaf = _FUNCTION_LEAVES.get(cls)
+    if leaf is None:
+        def leaf(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+        leaf.__name__ = leaf.__qualname__ = f"{cls.__name__}_apply"
+        _FUNCTION_LEAVES[cls] = leaf
+    return leaf
+
+
+def _has_proxy(args, kwargs) -> bool:
+    found = []
+    fx.node.map_aggregate((args, kwargs), lambda x: found.append(x) if isinstance(x, fx.Proxy) else None)
+    return bool(found)
+
+
 class _LeafTracer(fx.Tracer):
     """torch.fx's tracer with NxD's leaf rule: a module is a leaf when its class is one of
     the leaf classes, when a leaf name is part of its class name, or when a leaf name is
-    its qualified name."""
+    its qualified name. kiln's collective functions and autograd Functions are leaf calls
+    (module doc)."""
 
     def __init__(self, leaves, autowrap_modules=(), autowrap_functions=()):
         import math
+        kiln_functions, kiln_modules = _kiln_leaf_functions()
         super().__init__(autowrap_modules=(math, *autowrap_modules),
-                         autowrap_functions=tuple(autowrap_functions), param_shapes_constant=True)
+                         autowrap_functions=(*kiln_functions, *autowrap_functions), param_shapes_constant=True)
+        self._autowrap_search.extend(m for m in kiln_modules if m not in self._autowrap_search)
         self.leaf_classes = tuple(leaf for leaf in leaves if isinstance(leaf, type))
         self.leaf_names = tuple(leaf for leaf in leaves if isinstance(leaf, str))
+
+    def trace(self, root, concrete_args=None):
+        """torch.fx's trace, with ``Function.apply`` on a proxy recorded as one call."""
+        base = torch.autograd.function.Function
+        original = base.__dict__["apply"]
+        tracer = self
+
+        def apply(cls, *args, **kwargs):
+            if _has_proxy(args, kwargs):
+                return tracer.create_proxy("call_function", _function_leaf(cls), args, kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
+        base.apply = classmethod(apply)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            base.apply = original
 
     def is_leaf_module(self, m, module_qualified_name):
         if self.leaf_classes and isinstance(m, self.leaf_classes):
@@ -117,9 +179,29 @@ def trace_model(module, input_names, leaves, tracer_cls=None, autowrap_functions
             f"{exc}); make the module that does data-dependent Python control flow a leaf "
             "(transformer_layer_cls / leaf_module_cls) or wrap the function (autowrap_functions)") from exc
     traced = fx.GraphModule(module, graph)
-    traced.graph.eliminate_dead_code()
+    traced.graph.eliminate_dead_code(is_impure_node=_is_impure)
     traced.recompile()
     return traced
+
+
+def _is_inplace_name(name) -> bool:
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _is_impure(node: fx.Node) -> bool:
+    """torch.fx's rule, plus in-place calls (``x.sub_(m)``, ``torch.relu_``, ``inplace=True``,
+    an ``inplace`` module): unused results, but they change values used later."""
+    if node.is_impure():
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return _is_inplace_name(node.target)
+    if node.op == "call_function":
+        return _is_inplace_name(getattr(node.target, "__name__", None))
+    if node.op == "call_module":
+        return getattr(node.graph.owning_module.get_submodule(node.target), "inplace", False) is True
+    return False
 
 
 def model_layers(module: torch.nn.Module, layer_cls, prefix: str = "") -> list[str]:

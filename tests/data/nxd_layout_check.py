@@ -1,12 +1,22 @@
 """NxD's rank layout on 4 ranks (gloo), for tests/test_nxd_layers.py: TP=2 (DP=2), then
 TP=2 x PP=2, then a world that does not divide. Rank 0 prints one ``LAYOUT`` JSON line per
-configuration with every rank's getters (gathered), and ``ERROR`` lines."""
+configuration with every rank's getters (gathered), and ``ERROR`` lines.
+
+The same launch trains at PP=2 x TP=2 through the NxD trainer (one run_train) a tiny LM
+whose own forward calls sequence-parallel mappings and ``parallel_cross_entropy``; every
+rank compares the loss and its gradient shards with the same model in one process (plain
+torch layers holding the gathered initial weights) and rank 0 prints one ``PPTP`` line."""
 import json
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 from kiln.neuronx_distributed.parallel_layers import parallel_state as ps
+
+V, H, FF, B, S = 32, 16, 32, 4, 6
 
 
 def snapshot():
@@ -25,6 +35,107 @@ def snapshot():
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, me)
     return {"meshes": meshes, "ranks": every}
+
+
+def _lm_classes():
+    from kiln.neuronx_distributed.parallel_layers import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear,
+                                                          mappings, parallel_cross_entropy)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(H)
+            self.up = ColumnParallelLinear(H, FF, gather_output=False)
+            self.down = RowParallelLinear(FF, H, input_is_parallel=True)
+
+        def forward(self, x):
+            return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = ParallelEmbedding(V, H)
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+            self.norm = nn.LayerNorm(H)
+            self.lm_head = ColumnParallelLinear(H, V, bias=False, gather_output=False)
+
+        def forward(self, input_ids, labels):
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            x = mappings.scatter_to_sequence_parallel_region(x, 1)     # traced: must stay whole
+            x = mappings.gather_from_sequence_parallel_region(x, 1, to_model_parallel=False)
+            return parallel_cross_entropy(self.lm_head(self.norm(x)) * 20.0, labels).mean()
+    return Block, LM
+
+
+class _RefBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(H), nn.Linear(H, FF), nn.Linear(FF, H)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class _RefLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(_RefBlock() for _ in range(2))
+        self.norm, self.lm_head = nn.LayerNorm(H), nn.Linear(H, V, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy((self.lm_head(self.norm(x)) * 20.0).reshape(-1, V), labels.reshape(-1))
+
+
+def _gathered(name, t, param, tp_group):
+    """The full tensor of a TP shard (stride 1), gathered over the TP group."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return t
+    parts = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, param.partition_dim)
+
+
+def pp_tp_training():
+    """One run_train at PP=2 x TP=2 against one process: (loss error, worst grad error, how
+    many gradients were all zero) on this rank."""
+    import kiln.neuronx_distributed as nxd
+    Block, LM = _lm_classes()
+    cfg = nxd.neuronx_distributed_config(
+        tensor_parallel_size=2, pipeline_parallel_size=2,
+        pipeline_config={"transformer_layer_cls": Block, "num_microbatches": 2, "pipeline_cuts": ["layers.0"],
+                         "input_names": ["input_ids", "labels"]},
+        optimizer_config={"zero_one_enabled": False, "grad_clipping": False})
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def build():
+        torch.manual_seed(0)
+        return LM()
+    whole = build()         # every rank: the whole model's shards, to gather the initial weights
+    full = {n: _gathered(n, p.detach(), p, tp_group) for n, p in whole.named_parameters()}
+    model = nxd.initialize_parallel_model(cfg, build)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    got = model.run_train(input_ids=ids, labels=labels)
+    ref = _RefLM()
+    ref.load_state_dict(full)
+    want = ref(ids, labels)
+    want.backward()
+    ref_grads = dict(ref.named_parameters())
+    loss_err = None if got is None else abs(float(got) - float(want))
+    worst, zero = 0.0, 0
+    for name, p in model.named_parameters():
+        grad = _gathered(name, p.grad, p, tp_group)
+        expect = ref_grads[name].grad
+        worst = max(worst, float((grad - expect).abs().max() / expect.abs().max()))
+        zero += int(not grad.abs().any())
+    return loss_err, worst, zero
 
 
 def main():
@@ -48,6 +159,11 @@ def main():
             out[name] = f"{type(e).__name__}: {e}"
     if dist.get_rank() == 0:
         print("LAYOUT " + json.dumps(out), flush=True)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, pp_tp_training())
+    if dist.get_rank() == 0:
+        print("PPTP " + json.dumps(every), flush=True)
+    ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
