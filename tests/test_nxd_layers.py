@@ -363,6 +363,30 @@ def test_activation_checkpointing_redraws_the_forwards_dropout_on_the_tracker_st
     assert torch.equal(ckpt[2], plain[2]) and torch.equal(ckpt[3], plain[3])
 
 
+def test_replicated_kv_rows_count_once_in_zero1_shards_of_the_norm(fresh_state):
+    """A weight [q; k; v] whose K/V rows are copies on 2 TP ranks (GQA, kv_size_multiplier
+    2): ZeRO-1's shard norm weighs each row by 1/copies at the row's place in the padded
+    parameter, whichever DP rank's chunk holds it (the TP=2 check covers whole parameters)."""
+    import warnings
+
+    from kiln.distributed import grads, zero1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh_state.ensure_initialized()
+    param = nn.Parameter(torch.zeros(5, 3))            # 1 q row, 2 k rows, 2 v rows; dim 0 padded to 6
+    param.tensor_model_parallel, param.row_replicas = True, ((1, 1), (2, 2), (2, 2))
+    param.grad = torch.arange(15.0).reshape(5, 3)
+    want = (param.grad[0].pow(2).sum() + param.grad[1:].pow(2).sum() / 2).sqrt()
+    torch.testing.assert_close(grads.get_grad_norm([param]).reshape(()), want, rtol=1e-6, atol=0)
+    padded = torch.cat([param.grad, torch.zeros(1, 3)])
+    total = 0.0
+    for dp_rank, chunk in enumerate(padded.chunk(2)):
+        view = type("Shard", (), {"grad": chunk})()
+        total += zero1.sharded_grad_norm([(param, view)], 2.0, None, 1, dp_rank) ** 2
+    torch.testing.assert_close(total.sqrt(), want, rtol=1e-6, atol=0)
+    assert grads.row_scale(param, 3, 3).tolist() == [0.5, 0.5, 1.0]
+
+
 def test_nxd_names_kiln_does_not_provide_say_what_to_use_instead():
     import kiln.neuronx_distributed as nxd
     with pytest.raises(AttributeError, match="ModelBuilder v2 inference flow.*parallel_model_trace"):

@@ -8,6 +8,12 @@ The sum is all-reduced over TP, then PP, then (ZeRO-1) the sharding groups. Para
 marked ``.shared`` (tied weights synced elsewhere) are left out. The clip coefficient is
 ``max_norm / (norm + 1e-6)``, applied when below 1; the pre-clip norm is returned (a
 one-element tensor, as NxD's).
+
+Rows that several TP ranks hold copies of inside a TP-sharded parameter (GQA's key/value
+rows with ``kv_size_multiplier`` m: every rank of a kv-shared group holds the head and its
+whole gradient) are tagged ``row_replicas`` and count once, 1/m on each holder, so the
+norm is the one-process model's. NxD's own ``get_grad_norm`` counts them m times (a larger
+norm, so clipping harder than the same model in one process); kiln does not.
 """
 from __future__ import annotations
 
@@ -20,6 +26,28 @@ from kiln.distributed import state
 
 def param_is_not_shared(param) -> bool:
     return not getattr(param, "shared", False)
+
+
+def row_scale(param, rows: int, first_row: int = 0):
+    """1 / (copies over TP) of ``param``'s dim-0 rows ``[first_row, first_row + rows)``
+    from its ``row_replicas`` tag (``((row count, copies), ...)`` along dim 0), rows past
+    the parameter (ZeRO-1's padding) 1; None when the parameter has no replicated rows."""
+    segments = getattr(param, "row_replicas", None)
+    if not segments:
+        return None
+    counts = torch.cat([torch.full((int(n),), float(c)) for n, c in segments])
+    if counts.numel() < first_row + rows:
+        counts = torch.cat([counts, torch.ones(first_row + rows - counts.numel())])
+    return 1.0 / counts[first_row:first_row + rows]
+
+
+def pow_sum(g, p: float, scale=None):
+    """``sum |g|^p`` (a 0-dim float32 tensor), each dim-0 row weighted by ``scale``."""
+    g = g.detach().float()
+    elems = g * g if p == 2.0 else g.abs() ** p
+    if scale is None:
+        return elems.sum()
+    return (elems.reshape(scale.numel(), -1).sum(1) * scale.to(elems.device)).sum()
 
 
 def _as_list(parameters) -> list:
@@ -90,20 +118,20 @@ def get_grad_norm(parameters, norm_type=2, zero1_optimizer=False, zero1_optimize
         if param.grad is None or not param_is_not_shared(param):
             continue
         if getattr(param, "tensor_model_parallel", False) or (tp_rank == 0 and not force_spmd):
-            sharded.append(param.grad.detach())
+            sharded.append((param.grad.detach(), row_scale(param, param.shape[0]) if param.dim() else None))
         elif force_spmd:
             replicated.append(param.grad.detach())
     dtype, device = params[0].dtype, params[0].device
     if math.isinf(p):
-        peak = [g.abs().max().float() for g in sharded + replicated]
+        peak = [g.abs().max().float() for g in [g for g, _ in sharded] + replicated]
         total = torch.stack(peak).max().reshape(1).to(dtype) if peak else torch.zeros(1, dtype=dtype)
         return _reduce(total.to(device), "max", zero1_optimizer, zero1_optimizer_groups)
     total = torch.zeros(1, dtype=dtype, device=device)
     for g in replicated:
         total = total + torch.norm(g, p) ** p
     total = total / state.get_tensor_model_parallel_size()
-    for g in sharded:
-        total = total + torch.norm(g, p) ** p
+    for g, scale in sharded:
+        total = total + (torch.norm(g, p) ** p if scale is None else pow_sum(g, p, scale).to(dtype))
     total = _reduce(total, "sum", zero1_optimizer, zero1_optimizer_groups)
     return torch.pow(total, 1.0 / p)
 

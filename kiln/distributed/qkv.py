@@ -10,7 +10,9 @@ the K/V output gradients are summed over that group before the weight gradients 
 replica then holds the whole gradient of the unreplicated head), and the K/V part of the
 input gradient is divided by m before the TP all-reduce, which would otherwise count each
 head m times. Fused (``weight_qkv``, rows ``[q; k; v]`` of this rank) or not
-(``weight_q/k/v``). Biases are U(±1/√in) on the unreplicated sizes, repeated and sliced
+(``weight_q/k/v``). The replicated K/V rows are tagged ``row_replicas`` so that the
+gradient norm (clipping) counts each once, as the one-process model does
+(:mod:`kiln.distributed.grads`; NxD counts them m times). Biases are U(±1/√in) on the unreplicated sizes, repeated and sliced
 like the weights (NxD's own bias code mis-sizes replicated K/V biases; kiln does not).
 """
 from __future__ import annotations
@@ -99,11 +101,17 @@ class GQAQKVColumnParallelLinear(TensorParallelModule):
         return shard.create_local_weight(master, 0, master.shape[0] // self.tp_size, 1, tp_rank=self.tp_rank,
                                          tp_size=self.tp_size)
 
-    def _param(self, t, device, sharded):
+    def _param(self, t, device, sharded, parts=None):
+        """``parts``: which of q, k, v the rows are, in order (K/V rows are copies on m ranks)."""
         device = torch.device(device) if device is not None else None
         p = nn.Parameter(t.to(device) if device is not None and device.type not in ("cpu", "meta") else t)
         if sharded:
             shard.set_tensor_model_parallel_attributes(p, True, 0, 1, self.tp_size)
+            m = self.kv_size_multiplier
+            if m > 1 and parts and set(parts) != {"q"}:
+                rows = {"q": self.q_output_size_per_partition, "k": self.kv_output_size_per_partition,
+                        "v": self.kv_output_size_per_partition}
+                p.row_replicas = tuple((rows[part], 1 if part == "q" else m) for part in parts)
         return p
 
     def _build(self, init, device, keep):
@@ -117,14 +125,15 @@ class GQAQKVColumnParallelLinear(TensorParallelModule):
             biases = [self._bias(q_out, 1, self.gather_output), self._bias(kv_out, m, self.gather_output),
                       self._bias(kv_out, m, self.gather_output)]
         if self.fuse_qkv:
-            self.weight_qkv = self._param(torch.cat([wq, wk, wv]), device, True)
-            self.bias_qkv = self._param(torch.cat(biases), device, not self.gather_output) if biases else None
+            self.weight_qkv = self._param(torch.cat([wq, wk, wv]), device, True, "qkv")
+            self.bias_qkv = self._param(torch.cat(biases), device, not self.gather_output, "qkv") if biases else None
             self.master_weight_qkv = torch.cat([mq, mk, mv]) if keep else None
         else:
-            self.weight_q, self.weight_k, self.weight_v = (self._param(w, device, True) for w in (wq, wk, wv))
+            self.weight_q, self.weight_k, self.weight_v = (self._param(w, device, True, part)
+                                                           for w, part in zip((wq, wk, wv), "qkv"))
             names = ("bias_q", "bias_k", "bias_v")
-            for name, b in zip(names, biases or (None, None, None)):
-                setattr(self, name, self._param(b, device, not self.gather_output) if b is not None else None)
+            for name, part, b in zip(names, "qkv", biases or (None, None, None)):
+                setattr(self, name, self._param(b, device, not self.gather_output, part) if b is not None else None)
             self.master_weight_q, self.master_weight_k, self.master_weight_v = mq, mk, mv
 
     def _weights_and_biases(self):

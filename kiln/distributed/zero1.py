@@ -227,7 +227,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _clip_grad_norm(self, max_norm, norm_type=2.0):
         pairs = [(p, s) for p, s in self._pairs(with_grad=False) if s.grad is not None]
-        self._grad_norm = sharded_grad_norm(pairs, norm_type, self._group, self.local_world_size)
+        self._grad_norm = sharded_grad_norm(pairs, norm_type, self._group, self.local_world_size, self.local_rank)
         coeff = float(max_norm) / (self._grad_norm + 1e-6)
         coeff = torch.clamp(coeff, max=1.0)
         for _, shard in pairs:
@@ -331,12 +331,15 @@ def _sync_param_groups(src, dst):
                 d[key] = value
 
 
-def sharded_grad_norm(pairs, norm_type, dp_group, dp_size):
+def sharded_grad_norm(pairs, norm_type, dp_group, dp_size, dp_rank=0):
     """NxD's ``get_grad_norm(zero1_optimizer=True)`` on the shards' gradients: ``pairs`` are
-    (full parameter, shard). TP-sharded parameters count on every TP rank; the others are
+    (full parameter, shard: DP rank ``dp_rank``'s dim-0 chunk). TP-sharded parameters count
+    on every TP rank, their rows tagged ``row_replicas`` (GQA's replicated key/value heads)
+    once over their copies (:func:`kiln.distributed.grads.row_scale`); the others are
     replicated over TP, so their sum is divided by TP before the TP all-reduce (NxD's
     ``force_spmd``); parameters marked ``shared`` are left out. Then PP, then DP (each DP
     rank holds a different shard). 2-norms and inf-norms."""
+    from kiln.distributed.grads import pow_sum, row_scale
     state = _state()
     norm_type = float(norm_type)
     device = pairs[0][1].grad.device if pairs else torch.device("cpu")
@@ -346,8 +349,12 @@ def sharded_grad_norm(pairs, norm_type, dp_group, dp_size):
         if getattr(param, "shared", False):
             continue
         g = shard.grad.detach().float()
-        val = g.abs().max() if math.isinf(norm_type) else (g.abs() ** norm_type).sum() if norm_type != 2.0 \
-            else (g * g).sum()
+        if math.isinf(norm_type):
+            val = g.abs().max()
+        else:
+            rows = g.shape[0] if g.dim() else 1
+            scale = row_scale(param, rows, dp_rank * rows) if param.dim() else None
+            val = pow_sum(g, norm_type, scale)
         if getattr(param, "tensor_model_parallel", False):
             tp_part = torch.maximum(tp_part, val) if math.isinf(norm_type) else tp_part + val
         else:

@@ -271,7 +271,8 @@ def _gqa_case(fuse):
     x = data(2, 3, 16).requires_grad_()
     xr = x.detach().clone().requires_grad_()
     q, k, v = layer(x)
-    rq, rk, rv = F.linear(xr, w["q"], full_bq), F.linear(xr, w["k"], full_bk), F.linear(xr, w["v"], full_bv)
+    refs = [t.detach().clone().requires_grad_() for t in (w["q"], w["k"], w["v"], full_bq, full_bk, full_bv)]
+    rq, rk, rv = (F.linear(xr, wt, bt) for wt, bt in zip(refs[:3], refs[3:]))
     close(q, rq[..., R * 4:(R + 1) * 4], "q (this rank's head)")
     close(k, rk, "k")
     close(v, rv, "v")
@@ -291,6 +292,12 @@ def _gqa_case(fuse):
     close(got[0], want_q, "q weight grad")
     close(got[1], want_k, "k weight grad (summed over the kv-shared group)")
     close(got[2], want_v, "v weight grad")
+    # the gradient norm is the one-process model's: each replicated K/V row counts once
+    from kiln.distributed import zero1
+    want_norm = torch.stack([r.grad.norm() for r in refs]).norm()
+    params = list(layer.parameters())
+    close(clip_grad_norm(params, max_norm=1e9).reshape(()), want_norm, "clip_grad_norm's norm", atol=1e-5)
+    close(zero1.clip_grad_norm(params, max_norm=1e9).reshape(()), want_norm, "the trainer's norm", atol=1e-5)
 
 
 @check

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 _KEEP = ("tensor_model_parallel", "partition_dim", "partition_stride", "num_partitions", "rank_ordering",
-         "sequence_parallel_enabled", "shared", "expert_model_parallel")
+         "sequence_parallel_enabled", "shared", "expert_model_parallel", "row_replicas")
 
 
 def move_model_to_device(model: nn.Module, device) -> None:
