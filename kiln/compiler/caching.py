@@ -21,7 +21,7 @@ import warnings
 from kiln._version import __version__
 from kiln.artifact import trust
 from kiln.artifact.container import Artifact
-from kiln.compiler import keys
+from kiln.compiler import fingerprint, keys
 from kiln.errors import (ArtifactError, CompileError, UnsupportedOpError, UntrustedArtifactError,
                          ValidationError, cached_failure)
 from kiln.compiler.reuse import capture_for
@@ -51,7 +51,7 @@ class CacheHook:
         from_cache = reader(store, self.retry_failed, job.threads)
         with progress.phase("cache lookup"):
             named = bind_inputs(job.model, job.args, job.kwargs)
-            fp = keys.fingerprint(job.model, named, job.options, extra)
+            fp = fingerprint.fingerprint(job.model, named, job.options, extra)
             key = store.alias(fp) if fp else None
             hit = from_cache(key) if key is not None else None
             if hit is not None:
@@ -94,6 +94,9 @@ def reader(store, retry_failed, threads):
             where = f"cache entry {key[:16]}"
             art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
             trust.admit(art, where, trust_native_code=False)
+            stored_as = (art.manifest.get("cache") or {}).get("key")
+            if stored_as not in (None, key):    # another entry's artifact, moved or copied here
+                raise ArtifactError(f"it holds the artifact compiled for key {str(stored_as)[:16]}")
             compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
             art.release_pages()
         except UntrustedArtifactError as e:

@@ -2,9 +2,9 @@
 
 Two keys, both content hashes: the *graph key* (the captured graph, its weights and
 constants, the compile options, and the environment: kiln's own source, torch and
-engine versions) names a cache entry; the *fingerprint* (the model's class source,
-settings and weights plus the example inputs, computed without capturing) is an alias
-to a graph key, so a warm cache skips capture too.
+engine versions) names a cache entry; the *fingerprint* (:mod:`kiln.compiler.fingerprint`:
+the model's code, state and weights plus the example inputs, computed without capturing)
+is an alias to a graph key, so a warm cache skips capture too.
 """
 from __future__ import annotations
 
@@ -179,68 +179,3 @@ def _package_version(top):
         return importlib.metadata.version(top)
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return None
-
-
-def _settings(value, depth=0):
-    """Non-tensor module state as canonical JSON; unknown objects by type (and to_dict)."""
-    if isinstance(value, (int, float, bool, str)) or value is None:
-        return value
-    if depth > 4:
-        return ["deep", type(value).__name__]
-    if isinstance(value, (list, tuple)):
-        return [_settings(v, depth + 1) for v in value]
-    if isinstance(value, (set, frozenset)):
-        # sorted: a set's order follows string hashing, which differs per process
-        return ["set", sorted((_settings(v, depth + 1) for v in value), key=json.dumps)]
-    if isinstance(value, dict):
-        return {str(k): _settings(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if hasattr(value, "to_dict") and callable(value.to_dict):
-        try:
-            return [type(value).__qualname__, _settings(value.to_dict(), depth + 1)]
-        except Exception:  # noqa: BLE001
-            pass
-    if callable(value):
-        code = getattr(value, "__code__", None)
-        return ["callable", getattr(value, "__qualname__", type(value).__qualname__),
-                hashlib.sha256(code.co_code).hexdigest() if code else None]
-    text = repr(value)
-    return [type(value).__qualname__, None if " at 0x" in text else text]
-
-
-_SKIP = {"_parameters", "_buffers", "_modules", "training",
-         "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-         "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_non_persistent_buffers_set",
-         "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-         "_is_full_backward_hook", "_compiled_call_impl"}
-
-
-# Forward hooks change what the model computes; their dict keys are process-global
-# counters, so only the hooks themselves (in order) go into the fingerprint.
-_HOOKS = {"_forward_hooks", "_forward_pre_hooks"}
-
-
-def fingerprint(model, named_inputs: dict, opts, extra=None) -> str | None:
-    """The fast key: no capture. None when the model is not an ``nn.Module`` (functions
-    have no reliable identity), which then always captures."""
-    if not isinstance(model, torch.nn.Module):
-        return None
-    modules = []
-    for name, mod in model.named_modules():
-        state = {k: _settings(list(v.values()) if k in _HOOKS else v) for k, v in vars(mod).items()
-                 if k not in _SKIP and not isinstance(v, torch.Tensor)}
-        if isinstance(mod, torch.fx.GraphModule):
-            # what it computes is its graph, not its class or state; a lazily compiled
-            # one (AOTAutograd's) has no _code yet, and two such graphs over the same
-            # inputs (a forward in fp32 and under bf16 autocast) once shared one key
-            state["graph"] = mod.code
-        modules.append([name, _class_digest(type(mod)), state])
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    leaves, in_specs = [], []
-    structure = {n: specs.encode(v, n, leaves, in_specs) for n, v in named_inputs.items()}
-    return _hash_json({
-        "kind": "fingerprint", "modules": modules, "weights": tensors_digest(tensors),
-        "inputs": [s.to_dict() for s in in_specs], "structure": structure,
-        "options": _options_for_key(opts), "extra": extra, "env": _environment(),
-        "target": target_mod.describe(opts.target, opts.device)})

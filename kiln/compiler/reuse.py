@@ -8,7 +8,7 @@ each time. Inside this block a graph captured once is handed to the next compile
 same model at the same inputs.
 
 "The same" is decided by content, never by object identity: the model's fingerprint
-(:func:`kiln.compiler.keys.fingerprint`: every module's class and settings, every weight
+(:func:`kiln.compiler.fingerprint.fingerprint`: every module's class and settings, every weight
 by digest, the inputs' shapes and dtypes, kiln's and torch's versions) plus a digest of
 the example inputs' values (the capture computes eager's reference outputs from them).
 A model changed between compiles, in weights or settings, is captured afresh. A capture
@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from kiln.compiler import keys
+from kiln.compiler import fingerprint, keys
 from kiln.compiler.options import CompileOptions
 from kiln.engines import onnx_model, ort_once
 from kiln.graph.capture import Captured, bind_inputs, capture
@@ -75,7 +75,7 @@ def capture_for(model, example_inputs, example_kwargs=None) -> Captured:
     counts = memo.setdefault("_stats", {"captured": 0, "reused": 0})
     try:
         named = bind_inputs(model, example_inputs, example_kwargs)
-        key = keys.fingerprint(model, named, CompileOptions(device="cpu"), {"capture": _values_digest(named)})
+        key = fingerprint.fingerprint(model, named, CompileOptions(device="cpu"), {"capture": _values_digest(named)})
     except Exception:  # noqa: BLE001 - a model the fingerprint cannot describe is captured, not reused
         key = None
     if key is None:
