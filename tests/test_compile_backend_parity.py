@@ -82,3 +82,24 @@ def test_bf16_layer_norm_with_fp32_parameters_compiles_and_follows_eager():
     eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
     assert not eager, eager
     assert metrics.counter_value("EagerGraphs") == 0
+
+
+def test_a_cat_onto_an_empty_tensor_before_a_view_compiles_on_inductor():
+    """A key concatenated onto an empty cache, transposed and expanded for a batched matmul
+    (a Hugging Face attention's first call): Inductor's decomposition of the ``cat`` keeps the
+    key's transposed layout, and the view traced against ``cat``'s contiguous output was
+    refused ("Cannot view a tensor ... strides (224, 16, 1, 32)"), so tiny GPT-2 under bf16
+    autocast ran uncompiled."""
+    def attention_scores(q, k):
+        cache = torch.zeros(2, 2, 0, 16)
+        keys = torch.cat([cache, k.transpose(1, 2)], dim=-2)
+        return q @ (keys.transpose(-2, -1) * 0.25)
+    q, k = torch.randn(2, 2, 7, 16), torch.randn(2, 7, 2, 16)
+    compiled = torch.compile(attention_scores, backend="kiln", options={**OPTIONS, "engine": "inductor"},
+                             dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(q, k)
+    eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
+    assert not eager, eager
+    torch.testing.assert_close(got, attention_scores(q, k), rtol=1e-5, atol=1e-5)

@@ -106,6 +106,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
     torch.compile's) ``gm`` compiles on its first call, against that call's values. Its
     ``compiled`` is the compiled model, None while it runs eagerly or is not compiled yet."""
     inputs = list(example_inputs)
+    _without_empty_cats(gm)
     # a training graph split around host operations runs slower than one compiled whole
     options.setdefault("whole_graph", True)
     ops = sum(n.op == "call_function" for n in gm.graph.nodes)
@@ -122,6 +123,44 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, name: str, real_i
         except InputsFail:
             return None         # not compiled: the caller runs it op by op (eager's error) and asks again
     return _on_first_call(gm, name, options)
+
+
+def _without_empty_cats(gm) -> int:
+    """Each ``cat`` of one tensor and empty ones becomes a contiguous copy of that tensor
+    (what ``cat`` returns), where its metadata says contiguous; returns how many did.
+    Inductor's decomposition of such a ``cat`` clones the tensor in its own layout, and a
+    view traced against ``cat``'s contiguous output is then refused: a Hugging Face
+    attention's key, concatenated to an empty cache, transposed and expanded for a batched
+    matmul, stopped a tiny GPT-2 under bf16 autocast ("Cannot view a tensor with shape
+    [2, 2, 16, 7] and strides (224, 16, 1, 32)"), and plain Inductor fails on that code too."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        out = node.meta.get("val")
+        kept = [t for t in node.args[0] if not _empty(t)]
+        if len(kept) != 1 or len(kept) == len(node.args[0]) or not isinstance(out, torch.Tensor) \
+                or not isinstance(kept[0], torch.fx.Node) or not isinstance(kept[0].meta.get("val"), torch.Tensor):
+            continue
+        val = kept[0].meta["val"]
+        if val.dtype != out.dtype or tuple(val.shape) != tuple(out.shape) or not out.is_contiguous():
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(torch.ops.aten.clone.default, (kept[0],),
+                                          {"memory_format": torch.contiguous_format})
+        copy.meta.update(node.meta)
+        node.replace_all_uses_with(copy)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return done
+
+
+def _empty(arg) -> bool:
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() == 0
 
 
 def _per_shape(gm, name, options, inputs):
