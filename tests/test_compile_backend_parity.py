@@ -103,3 +103,20 @@ def test_a_cat_onto_an_empty_tensor_before_a_view_compiles_on_inductor():
     eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
     assert not eager, eager
     torch.testing.assert_close(got, attention_scores(q, k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, match", [({"optlevel": 7}, "optlevel=7.*1, 2 or 3"),
+                                            ({"engine": "nonexistent_engine"}, "unknown engine 'nonexistent_engine'"),
+                                            ({"quantize": "int3"}, "quantize='int3'")])
+def test_bad_option_values_are_clear_errors_before_anything_runs_eagerly(options, match):
+    """A value kiln refuses gave each graph a warning and ran every graph eagerly."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from kiln.device.compile_backend import checked_options
+    from kiln.errors import CompilerArgsError
+    with pytest.raises(CompilerArgsError, match=match):
+        checked_options(options, None)
+    model = nn.Linear(4, 2)
+    with pytest.raises(BackendCompilerFailed, match=match):
+        torch.compile(model, backend="kiln", options=options)(torch.randn(3, 4))
+    assert metrics.counter_value("EagerGraphs") == 0

@@ -191,10 +191,16 @@ def test_inference_under_no_grad_equals_eager():
     assert metrics.counter_value("UncachedCompile") == 2
 
 
-def test_graph_that_cannot_compile_runs_eagerly_with_the_reason():
+def test_graph_that_cannot_compile_runs_eagerly_with_the_reason(monkeypatch):
+    from kiln.device import graphs
+    from kiln.errors import CompileError
+
+    def fails(*args, **kwargs):
+        raise CompileError("no engine could compile partition 1/1: no-such-engine")
+    monkeypatch.setattr(graphs, "trace", fails)
     model = _mlp()
     x = torch.randn(4, 16)
-    compiled = torch.compile(model, backend="kiln", options={"engine": "no-such-engine"}, dynamic=False)
+    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
     with pytest.warns(RuntimeWarning, match="runs eagerly.*no-such-engine"):
         out = compiled(x)
     torch.testing.assert_close(out, model(x))

@@ -66,7 +66,27 @@ def checked_options(options, mode) -> dict:
         raise CompilerArgsError(f"torch.compile(backend='kiln', options=...): unknown option(s) "
                                 f"{', '.join(map(repr, unknown))}; kiln takes kiln.trace's: "
                                 f"{', '.join(sorted(known))}")
+    _check_values(options)
     return options
+
+
+def _check_values(options):
+    """A clear error for an option value kiln refuses (``optlevel=7``, an engine it does not
+    know), as ``kiln.trace`` raises it: before, each graph's compile failed on it and every
+    graph ran eagerly, each with a warning."""
+    from kiln import engines
+    from kiln.compiler.driver import OPTION_FIELDS, make_options
+    from kiln.errors import CompilerArgsError
+    try:
+        make_options(options.get("compiler_args"), **{k: v for k, v in options.items() if k in OPTION_FIELDS})
+    except CompilerArgsError as e:
+        raise CompilerArgsError(f"torch.compile(backend='kiln', options=...): {e}") from None
+    except (TypeError, ValueError) as e:        # a value of the wrong type (optlevel="fast")
+        raise CompilerArgsError(f"torch.compile(backend='kiln', options=...): {type(e).__name__}: {e}") from None
+    engine = options.get("engine")
+    if engine is not None and (not isinstance(engine, str) or engine not in engines.names()):
+        raise CompilerArgsError(f"torch.compile(backend='kiln', options=...): unknown engine {engine!r}; "
+                                f"kiln has: {', '.join(engines.names())}")
 
 
 def _decompositions() -> dict:
