@@ -1,8 +1,12 @@
 """NxD's tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, ParallelEmbedding.
 
-Signatures, parameter shapes and initialization are NxD's (weights in torch's ``[out,
-in]`` layout; the full fp32 master built with ``init_method`` on every rank and sliced, so
-TP=N shards concatenate to the TP=1 weight of the same seed). Parameters on another
+Signatures, parameter shapes and weight initialization are NxD's (weights in torch's
+``[out, in]`` layout; the full fp32 master built with ``init_method`` on every rank and
+sliced). Biases are drawn the same way: the full bias, U(±1/√in) with the layer's whole
+``input_size``, then this rank's slice, so every parameter's TP=N shards concatenate to the
+TP=1 parameter of the same seed, and the random stream advances by the same amount at every
+degree. NxD's own code differs there: it draws a column-parallel sharded bias at the local
+size on each rank, and a row-parallel bias from U(±1/√(in/tp)). Parameters on another
 device (``device="kiln"``, CUDA) are initialized the same way on the CPU and then moved,
 so they are as deterministic as CPU ones; ``device="meta"`` only allocates.
 
@@ -55,13 +59,20 @@ class TensorParallelModule(nn.Module):
         shard.set_tensor_model_parallel_attributes(param, True, partition_dim, stride, self.tp_size)
         return param, master
 
-    @staticmethod
-    def _plain_param(shape, dtype, device, bound):
+    def _plain_param(self, shape, dtype, device, bound, partition_stride=None):
+        """A bias U(±bound) of full ``shape``; with ``partition_stride``, this rank's dim-0
+        slice of it (the full draw on every rank, as the weights)."""
         device = torch.device(device) if device is not None else None
         if device is not None and device.type == "meta":
+            if partition_stride is not None:
+                shape = (shape[0] // self.tp_size,) + tuple(shape[1:])
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
-        param = nn.Parameter(torch.empty(*shape, dtype=dtype))
-        nn.init.uniform_(param, -bound, bound)
+        full = torch.empty(*shape, dtype=dtype)
+        nn.init.uniform_(full, -bound, bound)
+        if partition_stride is not None:
+            full = shard.create_local_weight(full, 0, shape[0] // self.tp_size, partition_stride,
+                                             tp_rank=self.tp_rank, tp_size=self.tp_size)
+        param = nn.Parameter(full)
         if device is not None and device.type != "cpu":
             param = nn.Parameter(param.detach().to(device))
         return param
@@ -114,8 +125,9 @@ class ColumnParallelLinear(TensorParallelModule):
             (self.output_size_per_partition, input_size), 0, init_method or kaiming_init, dtype, device, stride,
             keep_master_weight)
         if bias:
-            size = self.output_size if gather_output else self.output_size_per_partition
-            self.bias = self._plain_param((size,), dtype, device, 1 / math.sqrt(input_size) if input_size else 0)
+            self.bias = self._plain_param((self.output_size,), dtype, device,
+                                          1 / math.sqrt(input_size) if input_size else 0,
+                                          None if gather_output else stride)
             if not gather_output:
                 shard.set_tensor_model_parallel_attributes(self.bias, True, 0, stride, world)
         else:
@@ -190,8 +202,7 @@ class RowParallelLinear(TensorParallelModule):
             (output_size, self.input_size_per_partition), 1, init_method or kaiming_init, dtype, device, stride,
             keep_master_weight)
         if bias:
-            per = self.input_size_per_partition
-            self.bias = self._plain_param((output_size,), dtype, device, 1 / math.sqrt(per) if per else 0)
+            self.bias = self._plain_param((output_size,), dtype, device, 1 / math.sqrt(input_size) if input_size else 0)
             self.bias.sequence_parallel_enabled = sequence_parallel_enabled
         else:
             self.register_parameter("bias", None)

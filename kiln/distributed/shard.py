@@ -3,8 +3,9 @@
 
 One function does the cutting for both initialization and checkpoint loading
 (:func:`create_local_weight`, NxD's name), so a model initialized at TP=N holds exactly
-the slices of the TP=1 model built from the same seed, and an unsharded checkpoint loads
-into the same slices.
+the slices of the TP=1 model built from the same seed (weights and biases: the layers
+draw every bias at its full size too), and an unsharded checkpoint loads into the same
+slices.
 
 ``stride`` is Megatron's: the full tensor is split along ``partition_dim`` into chunks of
 ``per_partition / stride`` and rank r takes chunks ``r, r+tp, r+2tp, ...`` concatenated,

@@ -19,6 +19,7 @@ from kiln.neuronx_distributed.parallel_layers import (
     ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, clip_grad_norm, parallel_cross_entropy,
     parallel_state as ps,
 )
+from kiln.distributed.shard import create_local_weight
 from kiln.neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
 from kiln.neuronx_distributed.parallel_layers.random import get_xla_rng_tracker, model_parallel_xla_manual_seed
 
@@ -70,13 +71,8 @@ def _column_case(gather_output, stride=1):
     xr = x.detach().clone().requires_grad_()
     out, want = layer(x), ref(xr)
     if not gather_output:
-        # NxD draws a sharded bias on the local shape, after the full weight's draw
-        torch.manual_seed(0)
-        nn.init.kaiming_uniform_(torch.empty(12, 16), a=math.sqrt(5))
-        close(layer.bias, torch.empty(6).uniform_(-0.25, 0.25), "bias shard: NxD's local U(±1/sqrt(in)) draw")
-        all_rows = gather(rows.unsqueeze(0), 0).reshape(-1)
-        with torch.no_grad():
-            ref.bias[all_rows] = gather(layer.bias, 0)
+        # the full bias drawn as at TP=1 (after the full weight), this rank's rows kept
+        close(layer.bias, ref.bias[rows], "bias shard = same-seed unsharded bias rows")
         want = ref(xr)[..., rows]
         g_here = g[..., rows]
     else:
@@ -119,8 +115,8 @@ def _row_case(input_is_parallel):
     master = torch.empty(16, 12)
     nn.init.kaiming_uniform_(master, a=math.sqrt(5))
     close(layer.weight, master[:, cols], "weight shard = same-seed master columns")
-    bound = 1 / math.sqrt(6)
-    expect(layer.bias.abs().max() <= bound, "row bias drawn from U(±1/sqrt(in/tp))")
+    torch.manual_seed(1)
+    close(layer.bias, nn.Linear(12, 16).bias, "row bias = same-seed unsharded bias (U(±1/sqrt(in)))")
     x, g = data(3, 5, 12).requires_grad_(), data(3, 5, 16, seed=9)
     xr = x.detach().clone().requires_grad_()
     xin = x[..., cols] if input_is_parallel else x
@@ -308,6 +304,34 @@ def gqa_qkv_fused():
 @check
 def gqa_qkv_unfused():
     _gqa_case(False)
+
+
+@check
+def same_seed_shards_concatenate_to_tp1():
+    """Every parameter of a small model with biases, built at TP=2, is this rank's slice of
+    the same model built with the same seed at TP=1 (its layers on a one-rank group)."""
+    solo = [dist.new_group([r]) for r in range(2)][R]
+
+    def build(group):
+        torch.manual_seed(11)
+        kw = {"tensor_model_parallel_group": group}
+        return nn.ModuleDict({
+            "embed": ParallelEmbedding(16, 8, **kw), "across": ParallelEmbedding(16, 8, shard_across_embedding=True, **kw),
+            "up": ColumnParallelLinear(8, 12, gather_output=False, **kw),
+            "gate_up": ColumnParallelLinear(8, 16, gather_output=False, stride=2, **kw),
+            "gathered": ColumnParallelLinear(8, 6, gather_output=True, **kw),
+            "down": RowParallelLinear(12, 8, input_is_parallel=True, **kw),
+            "row_plain": RowParallelLinear(8, 4, **kw)})
+    tp2, tp1 = dict(build(None).named_parameters()), dict(build(solo).named_parameters())
+    expect(sorted(tp2) == sorted(tp1), "same parameters")
+    for name, p in tp2.items():
+        full = tp1[name]
+        if getattr(p, "tensor_model_parallel", False):
+            dim, stride = p.partition_dim, p.partition_stride
+            want = create_local_weight(full, dim, full.shape[dim] // 2, stride, tp_rank=R, tp_size=2)
+        else:
+            want = full
+        close(p, want, f"{name}: TP=2 shard vs the TP=1 parameter", atol=0)
 
 
 def _tp_mlp(seed):
