@@ -413,9 +413,9 @@ def test_a_cache_entry_that_does_not_fit_the_graph_is_never_run(tmp_path, monkey
     once did), the outputs' shapes and dtypes give it away and the graph is compiled again."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kiln.compiler import keys
+    from kiln.compiler import fingerprint
     from kiln.device.graphs import compile_graph
-    monkeypatch.setattr(keys, "fingerprint", lambda *a, **k: "0" * 64)     # a broken key
+    monkeypatch.setattr(fingerprint, "fingerprint", lambda *a, **k: "0" * 64)     # a broken key
     x = torch.randn(4, 8)
     url = str(tmp_path / "cache")
     options = {"engine": "onnxruntime", "cache": url, "real_inputs": True}
