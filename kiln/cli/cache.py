@@ -33,25 +33,44 @@ def add_parallel_compile(sub):
 def cmd_cache(a, console):
     from kiln.compiler import cache as cache_mod
     url = a.url or cache_mod.resolve_url(None) or cache_mod.default_url()
-    store = cache_mod.Cache(url)
+    store = cache_mod.Cache(url, strict=True)     # a failure is an error (status 2), not a fallback
+    cap = cache_mod.parse_max_bytes(a.max_bytes, f"--max-bytes {a.max_bytes!r}") if a.max_bytes else None
     store.check_usable()
-    entries = sorted(store.entries(), key=lambda e: e.get("last_used", ""), reverse=True)
+    entries = sorted(store.entries(orphans=True), key=lambda e: e.get("last_used", ""), reverse=True)
     if a.action == "ls":
         return _ls(a, console, url, entries)
     if a.action == "info":
         return _info(a, url, store, entries)
-    if a.action == "prune":
-        if a.max_bytes or store.max_bytes is not None:
-            removed = store.evict(cache_mod.parse_size(a.max_bytes) if a.max_bytes else None)
-        else:
+    return _delete(a, console, url, store, entries, cap)
+
+
+def _delete(a, console, url, store, entries, cap):
+    """prune or clear; a deletion the location refuses ends it with the count of what did go
+    and the reason (status 2), not a count of what was meant to go."""
+    from kiln.errors import CacheError
+    try:
+        if a.action == "clear":
+            store.clear()
+            removed = entries
+        elif cap is not None or store.max_bytes is not None:
+            removed = store.evict(cap)
+        else:                 # failed entries, and orphans (an artifact its writer left without meta)
             removed = [e for e in entries if e.get("status") != "ok"]
             for e in removed:
                 store.forget(e["key"])
+    except CacheError:
+        try:
+            left = {e["key"] for e in store.entries(orphans=True)}
+            gone = [e for e in entries if e["key"] not in left]
+            console.print(f"removed {len(gone)} of {len(entries)} entries before the failure")
+        except CacheError:
+            pass
+        raise
+    if a.action == "clear":
+        console.print(f"cleared {len(removed)} entries from {url}")
+    else:
         console.print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, "
                       f"{sum(int(e.get('size', 0)) for e in removed) / 1e6:.1f} MB")
-        return 0
-    store.clear()
-    console.print(f"cleared {len(entries)} entries from {url}")
     return 0
 
 

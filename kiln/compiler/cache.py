@@ -7,7 +7,7 @@ Storage is any fsspec URL (a local directory by default, ``s3://`` for a fleet,
     entries/<key>/meta.json        written last: model name, engine, size,
                                    created, last used, status ok|failed (+ error)
     aliases/<fingerprint>.json     fast lookup: model fingerprint -> key
-    locks/<key>.lock               held while one process compiles the key
+    locks/<key>.lock               held while one process compiles the key (cache_lock.py)
 
 Two keys. The *key* of an entry hashes the canonical captured graph (op
 targets, wiring, shapes, dtypes, literal arguments; no names, paths or source
@@ -38,21 +38,19 @@ import json
 import logging
 import os
 import posixpath
-import threading
 import time
 import uuid
 
 from kiln.atomic import sweep_temps, temp_prefix
+from kiln.compiler.cache_lock import CompileLocks
 from kiln.errors import CacheError
 from kiln.observe.metrics import compile_cache
 from kiln import config
 
 log = logging.getLogger("kiln")
 
-LOCK_STALE_SECONDS = 60.0  # a lock not refreshed for this long belongs to a dead process
-LOCK_REFRESH_SECONDS = 10.0
 
-_warned: set = set()       # cache URLs already reported unusable in this process
+_warned: set = set()       # cache URLs already reported unusable (or with a cap below one entry) here
 
 # Process-wide counters (also per Cache instance): they live in kiln.observe, which reports them
 # and may not import the compiler; ``stats`` is that same dict, for readers.
@@ -82,12 +80,18 @@ def resolve_url(cache=None):
 
 def max_bytes_from_env():
     value = config.get("KILN_CACHE_MAX_BYTES")
-    if not value:
-        return None
+    return parse_max_bytes(value, f"KILN_CACHE_MAX_BYTES={value!r}") if value else None
+
+
+def parse_max_bytes(value, where: str) -> int:
+    """A size cap (``KILN_CACHE_MAX_BYTES``, ``kiln cache prune --max-bytes``), or CacheError."""
     try:
-        return parse_size(value)
-    except ValueError:
-        raise CacheError(f"KILN_CACHE_MAX_BYTES={value!r}: expected a size like 2000000000, 2G or 500M") from None
+        size = parse_size(value)
+        if size >= 0:
+            return size
+    except (ValueError, OverflowError):
+        pass
+    raise CacheError(f"{where}: expected a size like 2000000000, 2G or 500M")
 
 
 def parse_size(text) -> int:
@@ -98,10 +102,10 @@ def parse_size(text) -> int:
 
 
 # -- the store ----------------------------------------------------------------------------------------------
-class Cache:
+class Cache(CompileLocks):
     """One cache location. Safe to share between threads, processes and machines."""
 
-    def __init__(self, url: str, max_bytes: int | None = None):
+    def __init__(self, url: str, max_bytes: int | None = None, strict: bool = False):
         import fsspec
         self.url = url
         try:
@@ -115,6 +119,7 @@ class Cache:
         # its own (botocore's EndpointConnectionError is no OSError), so there any error is one.
         self.failures = OSError if self.local else Exception
         self.broken = False       # set at the first failure: this Cache is then skipped (see unusable)
+        self.strict = strict      # kiln cache: a failure raises CacheError instead, there is no fallback
         self.max_bytes = max_bytes if max_bytes is not None else max_bytes_from_env()
         self.stats = {k: 0 for k in stats}
 
@@ -126,22 +131,24 @@ class Cache:
         self.stats[name] += 1
         compile_cache.count(name)
 
-    def unusable(self, doing: str, error: BaseException):
+    def unusable(self, doing: str, error: BaseException, outcome: str = "the lookup is a miss"):
         """The location failed an operation (not a directory, no permission, a full disk, an
         unreachable store). A cache only saves time, so the trace goes on without it: a
-        read is a miss, a failed write keeps nothing, and the compile runs without the lock.
-        Warned once per location and process. This object then stops using the location: an
-        unreachable store costs a client's retries (a minute for S3), which every later read
-        and write of the same trace would pay again; the next ``kiln.trace`` tries afresh."""
-        self.broken = True
+        read is a miss, a failed store removes what it wrote, and the compile runs without the
+        lock. Warned once per location and process, with ``outcome``, what the failure cost. This
+        object then stops using the location: an unreachable store costs a client's retries (a
+        minute for S3), which every later read and write of the same trace would pay again; the
+        next ``kiln.trace`` tries afresh. A ``strict`` Cache raises :class:`CacheError` instead."""
         self.count("errors")
+        if self.strict:
+            raise CacheError(f"cache {self.url!r}: {doing} failed: {type(error).__name__}: {error}") from None
+        self.broken = True
         if self.url not in _warned:
             _warned.add(self.url)
-            log.warning("kiln cache %s failed (%s: %s: %s); kiln goes on without it, so while this "
-                        "lasts compiles are neither reused nor kept. Fix the location, point "
-                        "KILN_CACHE_URL (or cache=) elsewhere, or turn the cache off with "
-                        "KILN_CACHE_URL=off (cache=False)",
-                        self.url, doing, type(error).__name__, error)
+            log.warning("kiln cache %s failed (%s: %s: %s): %s; kiln goes on without it for the rest "
+                        "of this trace. Fix the location, point KILN_CACHE_URL (or cache=) elsewhere, or "
+                        "turn the cache off with KILN_CACHE_URL=off (cache=False)",
+                        self.url, doing, type(error).__name__, error, outcome)
 
     def check_usable(self):
         """Raise :class:`CacheError` if the location is not a directory that can be listed:
@@ -172,7 +179,7 @@ class Cache:
             self.unusable("reading", e)
             return None
 
-    def _write_atomic(self, path, data: bytes) -> bool:
+    def _write_atomic(self, path, data: bytes, outcome: str) -> bool:
         """Write ``data`` to ``path`` atomically; False (and a warning) if the location
         refuses it."""
         if self.broken:
@@ -181,7 +188,7 @@ class Cache:
             self._write(path, data)
             return True
         except self.failures as e:
-            self.unusable("writing", e)
+            self.unusable("writing", e, outcome)
             return False
 
     def _write(self, path, data: bytes):
@@ -208,14 +215,19 @@ class Cache:
         self.fs.mv(tmp, path)
 
     def _rm(self, path, recursive=False):
-        if self.broken:
-            return
+        error = None if self.broken else self._remove(path, recursive)
+        if error is not None:
+            self.unusable(f"deleting {path}", error, "it stays")
+
+    def _remove(self, path, recursive=False):
+        """Delete ``path`` even on a broken Cache (what this process wrote, its lock); the error or None."""
         try:
             self.fs.rm(path, recursive=recursive)
         except FileNotFoundError:
             pass
         except self.failures as e:
-            self.unusable("deleting", e)
+            return e
+        return None
 
     # -- entries --------------------------------------------------------------------------------
     def _meta(self, key):
@@ -268,23 +280,37 @@ class Cache:
             log.debug("kiln cache: could not update last-used of %s: %s", key[:16], e)
 
     def store(self, key, data: bytes, info: dict):
-        """Keep an entry; its meta, or None when the location refused it (see :meth:`unusable`)."""
+        """Keep an entry; its meta, or None when it is not there afterwards: the location refused
+        a write (see :meth:`unusable`; what was written is removed again) or the size cap is
+        smaller than the entry, which eviction then removed at once (warned once)."""
         # No digest of the whole file: every blob's digest is checked when it is read.
         meta = dict(info, key=key, status="ok", size=len(data),
                     created=_now(), last_used=_now(), uses=0)
-        if not (self._write_atomic(self._path("entries", key, "artifact.kiln"), data)
-                and self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())):
+        lost = "this compile was not stored (what was written of it is removed)"
+        if self.broken or not self._write_atomic(self._path("entries", key, "artifact.kiln"), data, lost):
+            return None
+        if not self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode(), lost):
+            self._remove(self._path("entries", key), recursive=True)     # no artifact without its meta
             return None
         try:
-            self.evict()
+            evicted = {e["key"] for e in self.evict()}
         except self.failures as e:
-            self.unusable("evicting", e)
-        return meta
+            self.unusable("evicting", e, "the size cap was not applied")
+            return meta
+        if key not in evicted:
+            return meta
+        if len(data) > self.max_bytes and (self.url, "cap") not in _warned:
+            _warned.add((self.url, "cap"))
+            log.warning("kiln cache %s: the size cap (KILN_CACHE_MAX_BYTES or max_bytes=, %d bytes) is smaller "
+                        "than one entry (this one is %d bytes), so every entry is evicted as soon as it is "
+                        "stored and nothing is reused; raise the cap", self.url, self.max_bytes, len(data))
+        return None
 
     def store_failure(self, key, error: BaseException, info: dict):
         meta = dict(info, key=key, status="failed", size=0, error=f"{type(error).__name__}: {error}",
                     created=_now(), last_used=_now(), uses=0)
-        self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode())
+        self._write_atomic(self._path("entries", key, "meta.json"), json.dumps(meta).encode(),
+                           "this compile failure was not remembered")
         return meta
 
     def discard(self, key, why):
@@ -304,101 +330,15 @@ class Cache:
             return None
 
     def set_alias(self, fp, key):
-        self._write_atomic(self._path("aliases", f"{fp}.json"), json.dumps({"key": key}).encode())
-
-    # -- one compile per key ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self, key, wait_for=None, poll=0.25):
-        """Hold the compile lock of ``key``; while another process holds it, poll
-        ``wait_for()`` (e.g. "is the entry there now?") and return its result early.
-
-        Local directories use an exclusive create; object stores, which have no
-        such primitive everywhere, write a random token, wait, and read it back:
-        the last writer wins and everyone agrees who that was. A holder refreshes
-        its lock; a lock not refreshed for LOCK_STALE_SECONDS is broken."""
-        path = self._path("locks", f"{key}.lock")
-        token = f"{os.getpid()}-{uuid.uuid4().hex}"
-        waited = False
-        while True:
-            if self.broken:
-                yield None
-                return
-            try:
-                self.fs.makedirs(self._path("locks"), exist_ok=True)
-                if self._try_lock(path, token):
-                    break
-            except self.failures as e:     # no lock to be had: compile anyway, as without a cache
-                self.unusable("locking", e)
-                yield None
-                return
-            if not waited:
-                waited = True
-                self.count("lock_waits")
-                log.info("kiln cache: another process is compiling %s; waiting for it", key[:16])
-            result = wait_for() if wait_for else None
-            if result is not None:
-                yield result
-                return
-            self._break_if_stale(path)
-            time.sleep(poll)
-        stop = threading.Event()
-        refresher = threading.Thread(target=self._refresh, args=(path, token, stop), daemon=True)
-        refresher.start()
-        try:
-            yield None
-        finally:
-            stop.set()
-            refresher.join()
-            self._rm(path)
-
-    def _lock_body(self, token):
-        return json.dumps({"token": token, "time": time.time(), "host": os.uname().nodename}).encode()
-
-    def _try_lock(self, path, token) -> bool:
-        if self.local:
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._lock_body(token))
-            return True
-        if self.fs.exists(path):
-            return False
-        with self.fs.open(path, "wb") as f:
-            f.write(self._lock_body(token))
-        time.sleep(0.5)   # let concurrent writers land, then see who won
-        raw = self._read(path)
-        try:
-            return raw is not None and json.loads(raw)["token"] == token
-        except (ValueError, KeyError):
-            return False
-
-    def _refresh(self, path, token, stop):
-        while not stop.wait(LOCK_REFRESH_SECONDS):
-            try:
-                if self.local:
-                    os.utime(path)
-                else:
-                    with self.fs.open(path, "wb") as f:
-                        f.write(self._lock_body(token))
-            except self.failures:   # a store that went away: the compile goes on; others may break the lock
-                pass
-
-    def _break_if_stale(self, path):
-        raw = self._read(path)
-        if raw is None:
-            return
-        try:
-            stamp = os.path.getmtime(path) if self.local else json.loads(raw)["time"]
-        except (ValueError, KeyError, OSError):
-            stamp = 0
-        if time.time() - stamp > LOCK_STALE_SECONDS:
-            log.warning("kiln cache: breaking a stale compile lock %s", path)
-            self._rm(path)
+        self._write_atomic(self._path("aliases", f"{fp}.json"), json.dumps({"key": key}).encode(),
+                           f"entry {key[:16]} is stored but not the alias to it, so a later trace of "
+                           "the model captures it again to find the entry")
 
     # -- management ------------------------------------------------------------------------------------
-    def entries(self) -> list:
+    def entries(self, orphans=False) -> list:
+        """Each entry's meta, with its key; ``orphans``: also entries without a meta (a killed or
+        older writer's), not being written (unlocked, older than LOCK_STALE_SECONDS), as
+        ``{"key", "size", "status": "orphan"}``: eviction, ``prune`` and ``clear`` remove them."""
         base = self._path("entries")
         try:
             keys = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
@@ -409,17 +349,34 @@ class Cache:
             meta = self._meta(key)
             if meta is not None:
                 out.append(dict(meta, key=key))
+            elif orphans and (orphan := self._orphan(key)):
+                out.append(orphan)
         return out
 
+    def _orphan(self, key):
+        path = self._path("entries", key)
+        try:
+            if self.fs.exists(self._path("locks", f"{key}.lock")):
+                return None
+            found = self.fs.ls(path, detail=True) or [self.fs.info(path)]
+        except FileNotFoundError:
+            return None
+        except self.failures as e:
+            self.unusable("reading", e)
+            return None
+        stamp = max(_mtime(f) for f in found)
+        size = sum(int(f.get("size") or 0) for f in found if f.get("type") == "file")
+        return None if time.time() - stamp < self.stale_seconds else {"key": key, "size": size, "status": "orphan"}
+
     def total_bytes(self) -> int:
-        return sum(int(e.get("size", 0)) for e in self.entries())
+        return sum(int(e.get("size", 0)) for e in self.entries(orphans=True))
 
     def evict(self, max_bytes=None) -> list:
-        """Delete least-recently-used entries until the total fits ``max_bytes``."""
+        """Delete least-recently-used entries (orphans first) until the total fits ``max_bytes``."""
         cap = self.max_bytes if max_bytes is None else max_bytes
         if cap is None:
             return []
-        entries = sorted(self.entries(), key=lambda e: (e.get("last_used", ""), e.get("created", "")))
+        entries = sorted(self.entries(orphans=True), key=lambda e: (e.get("last_used", ""), e.get("created", "")))
         total = sum(int(e.get("size", 0)) for e in entries)
         removed = []
         for e in entries:
@@ -449,6 +406,11 @@ class Cache:
     def clear(self):
         for sub in ("entries", "aliases", "locks", "tmp"):
             self._rm(self._path(sub), recursive=True)
+
+
+def _mtime(info) -> float:
+    stamp = info.get("mtime") or info.get("LastModified") or 0      # local | s3
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
 
 def _now() -> str:
