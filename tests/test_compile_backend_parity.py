@@ -120,3 +120,38 @@ def test_bad_option_values_are_clear_errors_before_anything_runs_eagerly(options
     with pytest.raises(BackendCompilerFailed, match=match):
         torch.compile(model, backend="kiln", options=options)(torch.randn(3, 4))
     assert metrics.counter_value("EagerGraphs") == 0
+
+
+def _view_of_output(x):
+    y = x * 2
+    return y, y.view(2, -1)
+
+
+def _two_views_of_a_hidden_value(x):
+    y = x + 1
+    return y.t(), y.view(-1)
+
+
+def _slice_and_parts(x):
+    y = x.t() * 3            # laid out transposed, as its input: kiln's output is contiguous
+    return y, y[1:], *y.split(2)
+
+
+@pytest.mark.parametrize("f", [_view_of_output, _two_views_of_a_hidden_value, _slice_and_parts],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_outputs_that_are_views_of_one_another_alias_as_in_eager(f):
+    """eager's ``y, y.view(2, -1)`` share storage (writing one changes the other);
+    kiln's compiled graph returned a fresh tensor per output."""
+    compiled = torch.compile(f, backend="kiln", options=OPTIONS, dynamic=False)
+    x = torch.randn(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, want = compiled(x), f(x)
+    assert not [w for w in caught if "runs eagerly" in str(w.message)]
+    assert metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile") >= 1
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride()
+    torch.testing.assert_close(list(got), list(want), rtol=0, atol=0)
+    got[0].fill_(5)
+    want[0].fill_(5)
+    torch.testing.assert_close(list(got), list(want), rtol=0, atol=0)

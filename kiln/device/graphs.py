@@ -44,7 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from kiln.compiler.api import trace
-from kiln.device import metrics
+from kiln.device import metrics, output_aliases
 from kiln.errors import KilnError
 from kiln.graph import randomness, tracing_lock
 from kiln.runtime import value_checks
@@ -410,6 +410,7 @@ def _runner(gm, compiled, started, hit):
     outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
     present = [o is not None for o in outputs]
     ranges = compiled.index_ranges    # an index out of range is refused before any engine sees it
+    aliased = output_aliases.plan(gm)   # outputs that are views of one another in eager
 
     def run(*args):
         t0 = time.perf_counter()
@@ -417,6 +418,8 @@ def _runner(gm, compiled, started, hit):
             value_checks.check_ranges(args, ranges)
         flat = iter(compiled.run_flat(list(args)))
         out = [next(flat) if p else None for p in present]
+        if aliased:
+            out = output_aliases.rebuild(out, aliased)
         metrics.sample("ExecuteTime", time.perf_counter() - t0)
         return out
     run.compiled = compiled
