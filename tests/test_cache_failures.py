@@ -1,6 +1,7 @@
 """The compile cache when things fail: full disks, read-only locations, dead lock holders, a
 size cap below one entry, orphaned artifacts. Failures are simulated (monkeypatch), not made
 with mounts or permissions, so these run unprivileged and as root alike."""
+import contextlib
 import errno
 import json
 import logging
@@ -262,3 +263,28 @@ def test_a_trace_under_a_cap_below_one_entry_says_not_stored_and_writes_no_alias
     assert os.listdir(os.path.join(url, "entries")) == []
     aliases = os.path.join(url, "aliases")
     assert not os.path.exists(aliases) or os.listdir(aliases) == []
+
+
+def test_a_wait_shows_on_the_compiles_own_progress(tmp_path):
+    """The wait is a phase of the compile's progress (quiet when ``kiln.trace(quiet=True)``),
+    not a line of its own."""
+    url = str(tmp_path / "cache")
+    _holder_lock(url, os.getpid())
+    store = cache_mod.Cache(url)
+    store.stale_seconds = 1e9
+    phases = []
+
+    class Recorder:
+        @contextlib.contextmanager
+        def phase(self, name):
+            phases.append(name)
+            yield
+    polls = []
+
+    def wait_for():
+        polls.append(1)
+        return "done" if len(polls) == 2 else None
+    with store.lock(KEY, wait_for=wait_for, poll=0.01, progress=Recorder()) as ready:
+        assert ready == "done"
+    assert phases == [f"waiting for another process compiling this graph (pid {os.getpid()} on host "
+                      f"{os.uname().nodename})"]

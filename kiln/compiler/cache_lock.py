@@ -36,9 +36,10 @@ class CompileLocks:
     stale_seconds = LOCK_STALE_SECONDS
 
     @contextlib.contextmanager
-    def lock(self, key, wait_for=None, poll=0.25):
+    def lock(self, key, wait_for=None, poll=0.25, progress=None):
         """Hold the compile lock of ``key``; while another process holds it, poll
-        ``wait_for()`` (e.g. "is the entry there now?") and return its result early.
+        ``wait_for()`` (e.g. "is the entry there now?") and return its result early. A wait
+        shows on ``progress`` (the compile's own line, quiet when the compile is).
 
         Local directories use an exclusive create; object stores, which have no
         such primitive everywhere, write a random token, wait, and read it back:
@@ -48,7 +49,7 @@ class CompileLocks:
         (and pid namespace) and is gone."""
         path = self._path("locks", f"{key}.lock")
         token = f"{os.getpid()}-{uuid.uuid4().hex}"
-        held, result = self._acquire(path, token, key, wait_for, poll)
+        held, result = self._acquire(path, token, key, wait_for, poll, progress)
         if not held:
             yield result
             return
@@ -62,7 +63,7 @@ class CompileLocks:
             refresher.join()
             self._release(path, token)
 
-    def _acquire(self, path, token, key, wait_for, poll):
+    def _acquire(self, path, token, key, wait_for, poll, progress=None):
         """(True, None) once the lock is ours, else (False, what ``wait_for()`` found, or None
         when there is no lock to be had and the caller compiles anyway, as without a cache)."""
         waited = False
@@ -82,7 +83,7 @@ class CompileLocks:
                     self.count("lock_waits")
                     what = f"waiting for another process compiling this graph ({_who(self._holder(path))})"
                     log.warning("kiln cache: %s, entry %s", what, key[:16])
-                    waiting.enter_context(Progress().phase(what))
+                    waiting.enter_context((progress or Progress()).phase(what))
                 result = wait_for() if wait_for else None
                 if result is not None:
                     return False, result

@@ -66,7 +66,7 @@ class CacheHook:
         if hit is None:
             if self.on_miss is not None:
                 return self.on_miss(job, captured, key, fp)
-            return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache)
+            return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache, progress)
         if fp:
             store.set_alias(fp, key)
         return hit
@@ -136,10 +136,11 @@ def _failed(store, key, payload, meta, retry_failed):
         "failures; pass retry_failed=True (kiln compile --retry-failed) to try again")
 
 
-def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache):
+def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache, progress=None):
     """Compile ``key`` once across processes: under its lock, unless another process
-    stores it meanwhile (then that result is used), and remember deterministic failures."""
-    with store.lock(key, wait_for=lambda: from_cache(key)) as ready:
+    stores it meanwhile (then that result is used; the wait shows on ``progress``), and
+    remember deterministic failures."""
+    with store.lock(key, wait_for=lambda: from_cache(key), progress=progress) as ready:
         hit = ready or from_cache(key)
         if hit is not None:
             if fp:
