@@ -111,7 +111,7 @@ def cmd_compile(a, console):
                   f"{compiled.report['support_percentage']:.1f}% of ops on {compiled.manifest['engine']['name']}")
     if compiled.manifest.get("cache"):
         c = compiled.manifest["cache"]
-        how = "hit" if c["hit"] else "miss, stored" if c.get("stored", True) else "miss, NOT stored (the cache failed)"
+        how = "hit" if c["hit"] else "miss, stored" if c.get("stored", True) else "miss, NOT stored (the warning above says why)"
         console.print(f"cache: {how} {c['key'][:16]} in {c['url']}")
     if v:
         console.print(f"validation: {validation_line(v)}")
