@@ -56,15 +56,31 @@ def test_a_graph_that_fails_to_compile_draws_eagers_random_numbers(autocast, mon
     assert metrics.counter_value("EagerGraphs") >= 1
 
 
-def test_bf16_layer_norm_with_fp32_parameters_compiles_and_follows_eager():
+def test_bf16_layer_norm_with_fp32_parameters_compiles_and_follows_eager(monkeypatch):
     """Layer norm of a bf16 linear output with fp32 weight: CPU's kernel saves fp32 mean
     and 1/std where PyTorch's dtype rules say bf16, so the check against eager refused the
-    forward graph ("output 3 has dtype bfloat16, eager float32") and it ran uncompiled."""
+    forward graph on Inductor ("output 3 has dtype bfloat16, eager float32") and it ran
+    uncompiled. The graphs' metadata now says what CPU computes (checked by running them;
+    Inductor's C++ build takes tens of seconds), and the model compiles on ONNX Runtime."""
     import copy
+
+    from kiln.device import graphs
+    seen, compile_graph = [], graphs.compile_graph
+
+    def recording(gm, inputs, **kwargs):
+        run = compile_graph(gm, inputs, **kwargs)
+
+        def call(*args):
+            if not any(isinstance(a, torch._subclasses.FakeTensor) for a in args):
+                seen.append((gm, [a.detach() if isinstance(a, torch.Tensor) else a for a in args]))
+            return run(*args)
+        call.compiled = None
+        return call
+    monkeypatch.setattr(graphs, "compile_graph", recording)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(10, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 5))
     model = copy.deepcopy(ref)
-    compiled = torch.compile(model, backend="kiln", options=OPTIONS, dynamic=False)
+    compiled = torch.compile(model, backend="kiln", options={**OPTIONS, "engine": "onnxruntime"}, dynamic=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -82,6 +98,11 @@ def test_bf16_layer_norm_with_fp32_parameters_compiles_and_follows_eager():
     eager = [str(w.message) for w in caught if "runs eagerly" in str(w.message)]
     assert not eager, eager
     assert metrics.counter_value("EagerGraphs") == 0
+    assert len(seen) >= 2                          # the forward and the backward graph
+    for gm, args in seen:
+        said = [n.meta["val"].dtype for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]
+                if isinstance(n, torch.fx.Node)]
+        assert [o.dtype for o in gm(*args) if o is not None] == said
 
 
 def test_a_cat_onto_an_empty_tensor_before_a_view_compiles_on_inductor():
