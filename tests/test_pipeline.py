@@ -287,3 +287,30 @@ def test_tiny_bert_pipeline_matches_eager_and_unsplit(two_cores):
     for f in futures:
         assert_close(f.result(timeout=WAIT).pooler_output, ref.pooler_output)
     pipe.close()
+
+
+def test_index_ranges_are_checked_as_the_first_stage_checks_them(two_cores):
+    """Stages run unchecked: the pipeline itself must refuse a token id past the vocabulary,
+    where eager raises IndexError (it answered, until the pipeline took its stages' ranges)."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())]
+    model = nn.Sequential(nn.Embedding(50, 8), *layers).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    pipe = kiln.trace(model, ids, pipeline_cores=2)
+    try:
+        assert [r[:4] for r in pipe.index_ranges] == [(0, "input", 0, 50)]
+        assert_close(pipe(ids), expected(model, ids))
+        bad = ids.clone()
+        bad[0, 3] = 50
+        with pytest.raises(IndexError):
+            expected(model, bad)
+        with pytest.raises(kiln.IndexRangeError, match="input 'input' holds 50"):
+            pipe(bad)
+        with pytest.raises(kiln.IndexRangeError):
+            pipe.submit(bad.fill_(10**6)).result(timeout=WAIT)
+        loaded = kiln.load(pipe.to_bytes())
+        with pytest.raises(kiln.IndexRangeError):
+            loaded(bad)
+        loaded.close()
+    finally:
+        pipe.close()

@@ -30,6 +30,7 @@ from kiln.artifact.container import Artifact
 from kiln.errors import CompilerArgsError, KilnError
 from kiln.host import cores as placement
 from kiln.errors import PlacementError
+from kiln.runtime import value_checks
 from kiln.runtime.workers import Worker
 from kiln.runtime.model import DEFAULT, CompiledModel, Model
 
@@ -69,6 +70,7 @@ class Pipeline(Model):
         self._devices = ("cpu",)            # pipelines run on CPU kiln cores
         self._stage_inputs = [[tuple(r) for r in st["inputs"]] for st in meta["stages"]]
         self._outputs = [tuple(r) for r in meta["outputs"]]
+        self.index_ranges = self._index_ranges()
         self._drops = self._release_plan()
         self._lock = threading.Lock()       # the call counter
         self._order = threading.RLock()     # entry order; re-entered by submit() from a callback
@@ -85,6 +87,20 @@ class Pipeline(Model):
                 here = stage.core
                 if stage.worker is None or here is None or tuple(here.cpus) != tuple(target.cpus):
                     stage._place(target)
+
+    def _index_ranges(self) -> list:
+        """The pipeline's inputs that index, as the stages they reach check them: stages run
+        unchecked (run_flat), so a token id past the vocabulary would otherwise reach an engine,
+        which answers it (OpenVINO with zeros) where eager raises IndexError."""
+        found = list(value_checks.ranges(self.manifest["inputs"]["tensors"]))
+        for refs, stage in zip(self._stage_inputs, self.stages):
+            for pos, _, low, high, what, exempt in getattr(stage, "index_ranges", None) or ():
+                r = refs[pos] if pos < len(refs) else None
+                if r is not None and r[0] == "input":
+                    entry = (r[1], self.input_specs[r[1]].name, low, high, what, exempt)
+                    if entry not in found:
+                        found.append(entry)
+        return found
 
     def _release_plan(self) -> list:
         """After stage k, which earlier outputs no request needs any more: a long
