@@ -162,3 +162,45 @@ def test_the_checks_run_eager_in_eval_mode_and_leave_the_model_as_it_was():
     m = kiln.trace(drop, torch.randn(1, 8, 8), buckets={"x": {1: [4, 8]}})
     assert m.manifest["padding_check"]["probes"] == 2
     assert drop.training and drop.drop.training
+
+
+class Packed(torch.nn.Module):
+    """Packed sequences: token i attends to token j only where seg[i] == seg[j] (segment ids, no mask)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, seg):
+        a = self.q(x) @ self.k(x).transpose(1, 2)
+        a = a.masked_fill(seg[:, :, None] != seg[:, None, :], float("-inf")).softmax(-1)
+        return a @ self.v(x)
+
+
+def test_an_integer_input_padded_with_one_of_its_real_values_is_refused():
+    # Segment ids padded with 0: real tokens of segment 0 attend to the padding. The example's
+    # ids are 1 and 2, and the probes kept them, so the check passed and seg=[0,0,0,1,1] was
+    # 0.56 off. The synthetic probes now give such inputs real 0s.
+    model = Packed().eval()
+    x, seg = torch.randn(1, 8, 8), torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]])
+    with pytest.raises(ValidationError, match=r"Integer input 'seg'.*pad_values=\{'seg': -1\}"):
+        kiln.trace(model, {"x": x, "seg": seg}, buckets={"x": {1: [4, 8]}})
+    m = kiln.trace(model, {"x": x, "seg": seg}, buckets={"x": {1: [4, 8]}}, pad_values={"seg": -1})
+    for s in ([0, 0, 0, 1, 1], [0, 0, 1], [3, 3, 3, 3, 3]):
+        xi, si = torch.randn(1, len(s), 8), torch.tensor([s])
+        with torch.no_grad():
+            assert_close(m(x=xi, seg=si), model(xi, si), atol=1e-5, rtol=1e-5)
+
+
+def test_the_example_probe_is_the_users_example_never_its_padding():
+    # An example shorter than the largest bucket was padded up to it, and the probe narrowed
+    # that: seg [1, 1, 2] became [1, 1, 2, -1, -1], real positions holding the pad value, and
+    # a correct model was refused. The probe now tiles the user's own example.
+    model = Packed().eval()
+    x, seg = torch.randn(1, 3, 8), torch.tensor([[1, 1, 2]])
+    m = kiln.trace(model, {"x": x, "seg": seg}, buckets={"x": {1: [4, 8]}}, pad_values={"seg": -1})
+    assert m.manifest["padding_check"]["probes"] == 2
+    xi, si = torch.randn(1, 6, 8), torch.tensor([[1, 1, 2, 2, 2, 3]])
+    with torch.no_grad():
+        assert_close(m(x=xi, seg=si), model(xi, si), atol=1e-5, rtol=1e-5)

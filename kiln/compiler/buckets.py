@@ -61,7 +61,8 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
                 and v.dim() > dim and v.shape[dim] == t.shape[dim]]
             axes.append((members, sizes))
     pad_values = pad_values or {}
-    examples = []
+    examples = _Examples()
+    examples.original = (None, named)     # the padding check's source: never a pad value
     for combo in itertools.product(*(sizes for _, sizes in axes)):
         resized = dict(named)
         for (members, _), size in zip(axes, combo):
@@ -69,6 +70,12 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
                 resized[name] = _resize(resized[name], dim, size, pad_values.get(name, 0))
         examples.append((None, resized))
     return examples
+
+
+class _Examples(list):
+    """The bucket examples, with the user's own example (``original``, as ``(args, kwargs)``)."""
+
+    original = None
 
 
 def _resize(t, dim, size, pad_value):

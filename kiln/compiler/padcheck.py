@@ -73,18 +73,28 @@ def _is_mask(t: torch.Tensor) -> bool:
     return t.dtype == torch.bool or (t.numel() > 0 and bool(((t == 0) | (t == 1)).all()))
 
 
-def synthetic(flat: list, kind: int, ranges: dict, seed: int = 0) -> list:
+def synthetic(flat: list, kind: int, ranges: dict, seed: int = 0, pads: dict | None = None) -> list:
     """``flat`` (an example probe) with synthetic values of the same shapes and dtypes;
     ``kind`` 1: standard normal floats, 2: ``(N(0, 1) * 2 - 3) * s`` (mostly negative, ``s``
     the example's largest magnitude, at least 1). An input that indexes (``ranges``, position:
     ``(low, high)``) takes random ids over its range; a mask (bool, or only 0s and 1s) random
-    0/1 with a 1 first in every row (no all-masked row); other ints keep the example's values
-    (lengths, positions: their meaning is unknown)."""
+    0/1 with a 1 first in every row (no all-masked row); an integer input padded with a pad
+    value it may really take (``pads``, position: ``(pad value, padded dim)``; segment ids
+    padded with the default 0) random values among the example's own and the pad value, the
+    pad value first on the padded dim, so a model that cannot tell padding from a real value
+    is caught; other ints keep the example's values (lengths, positions: their meaning is
+    unknown)."""
     gen = torch.Generator().manual_seed(seed + kind)
     out = []
     for i, t in enumerate(flat):
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             out.append(t)
+        elif pads and i in pads and not t.is_floating_point() and not _is_mask(t) and i not in ranges:
+            pad, dim = pads[i]
+            values = torch.cat([torch.unique(t)[:15], torch.tensor([pad], dtype=t.dtype)]).unique()
+            v = values[torch.randint(0, values.numel(), t.shape, generator=gen)]
+            v.select(dim, 0).fill_(pad)
+            out.append(v)
         elif _is_mask(t):
             m = torch.randint(0, 2, t.shape, generator=gen).to(t.dtype)
             m.select(-1, 0).fill_(1) if m.dim() else m.fill_(1)
@@ -112,6 +122,36 @@ def _reference(model, structure, probe):
         return eager(model, structure, probe), None
     except Exception as e:   # the model's own code: any error means "no reference"
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _pad_collisions(bucketed, source, ranges) -> dict:
+    """``{position: (0, dim)}`` of padded integer inputs that are neither masks nor indices
+    and have no pad value of their own: padded with 0, which may be one of their real values
+    (a segment id 0), so the synthetic probes give them real 0s. An explicit ``pad_values``
+    entry is taken as a value the input never really holds, and is not probed."""
+    out = {}
+    for ax in bucketed.axes:
+        for i, d in ax["inputs"]:
+            t = source[i]
+            if (str(i) in bucketed.pad_values or i in ranges or not isinstance(t, torch.Tensor)
+                    or t.is_floating_point() or t.is_complex() or _is_mask(t)):
+                continue
+            out.setdefault(i, (0, d))
+    return out
+
+
+def _collision_hint(bucketed, probe, pads) -> str:
+    """Which integer inputs held their pad value at real positions in ``probe``, and the fix."""
+    held = [bucketed.input_specs[i].name for i, (pad, _) in pads.items()
+            if isinstance(probe[i], torch.Tensor) and bool((probe[i] == pad).any())]
+    if not held:
+        return ""
+    names = ", ".join(f"'{n}'" for n in held)
+    fix = ", ".join(f"{n!r}: -1" for n in held)
+    return (f" Integer input {names} (neither a mask nor an index) held its pad value 0 at real "
+            "positions in this probe: a model that compares its values (segment ids) cannot tell "
+            "those positions from padding, and kiln pads it with 0 unless told otherwise. Pad it "
+            f"with a value no real one takes, e.g. pad_values={{{fix}}}.")
 
 
 def _mask_hint(model) -> str:
@@ -165,9 +205,12 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
     structure = bucketed.input_structure
     sizes = bucketed.variant_sizes
     largest = bucketed._order[-1]        # variants sorted by volume
-    source = flat_example(model, structure, *examples[largest])
+    # the user's own example (bucket_examples keeps it): the largest bucket's was padded up
+    # to it where the example is shorter, and narrowing that would probe with pad values
+    source = flat_example(model, structure, *(getattr(examples, "original", None) or examples[largest]))
     names = [s.name for s in bucketed.output_specs]
     ranges = _ranges(bucketed)
+    pads = _pad_collisions(bucketed, source, ranges)
     record = {"probes": 0, "data": list(DATA), "max_abs_error": 0.0, "skipped": []}
     seen = set()
     for k in bucketed._order:
@@ -189,9 +232,10 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
             record["skipped"].append({"sizes": list(probe_sizes), "reason": f"eager failed: {why}"})
             continue
         record["probes"] += 1
+        base = probe
         for kind, data in enumerate(DATA):
             if kind:
-                probe = synthetic(probe, kind, ranges)
+                probe = synthetic(base, kind, ranges, pads=pads)
                 expected, why = _reference(model, structure, probe)
                 if expected is None:
                     record["skipped"].append({"sizes": list(probe_sizes), "data": data,
@@ -202,6 +246,7 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
             try:
                 error = tol.compare(expected, actual, names)
             except ValidationError as e:
+                hint = _collision_hint(bucketed, probe, pads)
                 padded = [f"'{bucketed.input_specs[i].name}' dim {d}"
                           for a, ax in enumerate(bucketed.axes) for i, d in ax["inputs"]
                           if probe_sizes[a] < sizes[k_run][a]]
@@ -209,7 +254,8 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
                     f"padding changes the answers of {bucketed.name}: an input of size "
                     f"{list(probe_sizes)} ({data} data) padded to bucket {list(sizes[k_run])} (on "
                     f"{', '.join(padded)}) does not give eager's answer on the unpadded input within "
-                    f"{tol}. The model sees the padding. To fix it, {_mask_hint(model)}; or compile "
+                    f"{tol}. The model sees the padding.{hint} "
+                    f"{'If it sees the padding otherwise' if hint else 'To fix it'}, {_mask_hint(model)}; or compile "
                     f"one model per exact size without buckets.\n  {_detail(e)}",
                     dict(e.metrics, probe_sizes=list(probe_sizes), bucket=list(sizes[k_run]),
                          data=data)) from None
@@ -236,9 +282,10 @@ def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Toler
     if expected is None:
         return {"rows": rows, "skipped": f"eager failed on {rows} rows: {why}"}
     record = {"rows": rows, "data": list(DATA), "max_abs_error": 0.0}
+    base = probe
     for kind, data in enumerate(DATA):
         if kind:
-            probe = synthetic(probe, kind, _ranges(wrapped))
+            probe = synthetic(base, kind, _ranges(wrapped))
             expected, why = _reference(model, structure, probe)
             if expected is None:
                 record.setdefault("skipped_data", []).append(f"{data}: eager failed: {why}")
