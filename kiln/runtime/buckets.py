@@ -22,6 +22,7 @@ from kiln.artifact import schema, specs
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
+from kiln.runtime.bucket_meta import IndexPlan, check_variants
 from kiln.runtime.model import DEFAULT, Model
 from kiln.runtime.synthetic_rows import follows_rows, synthetic_chunk
 
@@ -71,9 +72,11 @@ class Bucketed(_Wrapper):
         self._bucketed = {(i, d): a for a, ax in enumerate(self.axes) for i, d in ax["inputs"]}
         self._cache: dict = {}
         self.nonfinite = frozenset().union(*(v.nonfinite for v in self.variants))
-        # an index range every bucket shares (an embedding's rows); one that grows with the
-        # bucket (an index into a padded dim) is left to the bucket's own size
-        self.index_ranges = [r for r in first.index_ranges if all(r in v.index_ranges for v in self.variants)]
+        # an index range every bucket shares (an embedding's rows) is checked as a compiled model
+        # checks it; one that grows with the bucket (an index into a padded dim) against the
+        # caller's actual size of that dim (kiln.runtime.bucket_meta)
+        self._indices = IndexPlan(self.variants, self.variant_sizes)
+        self.index_ranges = self._indices.shared
         from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
@@ -148,8 +151,9 @@ class Bucketed(_Wrapper):
         raise InputError(f"no bucket fits sizes {sizes}; buckets: {self.describe_buckets()}")
 
     def check(self, flat):
-        self._select(flat)
+        k, sizes = self._select(flat)
         self._check_values(flat)
+        self._indices.check(flat, k, sizes)
 
     def run_flat(self, flat):
         k, sizes = self._select(flat)
@@ -168,7 +172,7 @@ class Bucketed(_Wrapper):
         if sizes == target:     # an exact bucket: nothing to pad or slice
             return self.variants[k].run_flat(flat)
         padded = []
-        for i, t in enumerate(flat):
+        for i, t in enumerate(self._indices.from_caller_end(flat, sizes, target)):
             pads = []
             for d in range(t.dim() - 1, -1, -1):   # F.pad wants the last dim first
                 a = self._bucketed.get((i, d))
@@ -205,51 +209,11 @@ def load_bucketed(art, opts, source, core=DEFAULT, worker=None, load_nested=None
     variants = [load_nested(art.nested(v["blob"], f"{source}:{v['blob']}"),
                               opts, f"{source}:{v['blob']}", core=core, worker=worker)
                 for v in meta["variants"]]
-    _check_variants(meta, variants, source)
+    check_variants(meta, variants, source)
     m = Bucketed(variants, meta, art.manifest)
     if core not in (None, DEFAULT):
         object.__setattr__(m, "core", core)
     return m
-
-
-def _check_variants(meta, variants, source):
-    """The bucket metadata must describe the variants as loaded: a call pads inputs to a
-    variant's sizes and runs it unchecked, and slices its outputs."""
-    fail = schema.Fail(source)
-    first = variants[0]
-    axis_of = {}
-    for a, ax in enumerate(meta["axes"]):
-        for i, d in ax["inputs"]:
-            if i >= len(first.input_specs) or d >= len(first.input_specs[i].shape):
-                fail(f"buckets.axes[{a}].inputs", f"names input {i} dim {d}, which the model lacks")
-            axis_of[(i, d)] = a
-    for k, v in enumerate(variants):
-        p = f"buckets.variants[{k}]"
-        if (v.input_structure != first.input_structure or v.output_structure != first.output_structure
-                or len(v.input_specs) != len(first.input_specs)
-                or len(v.output_specs) != len(first.output_specs)):
-            fail(p, "has other inputs or outputs than the first variant")
-        for i, (s, s0) in enumerate(zip(v.input_specs, first.input_specs)):
-            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
-                fail(p, f"takes {s.name} as {s.describe()}, the first variant {s0.describe()}")
-            for d, size in enumerate(s.shape):
-                a = axis_of.get((i, d))
-                want = meta["variants"][k]["sizes"][a] if a is not None else s0.shape[d]
-                if size != want:
-                    fail(p, f"takes {s.name} as {s.describe()}, but dim {d} should be {want}")
-        for s, s0 in zip(v.output_specs, first.output_specs):
-            if s.dtype != s0.dtype or len(s.shape) != len(s0.shape):
-                fail(p, f"gives {s.name} as {s.describe()}, the first variant {s0.describe()}")
-    for j, (o, d, a) in enumerate(meta["output_dims"]):
-        if o >= len(first.output_specs) or d >= len(first.output_specs[o].shape):
-            fail(f"buckets.output_dims[{j}]", f"names output {o} dim {d}, which the model lacks")
-        for k, v in enumerate(variants):
-            if v.output_specs[o].shape[d] < meta["variants"][k]["sizes"][a]:
-                fail(f"buckets.output_dims[{j}]", f"slices output {o} dim {d} of variant {k} "
-                     f"({v.output_specs[o].describe()}) to {meta['variants'][k]['sizes'][a]}")
-    for key in meta["pad_values"]:
-        if int(key) >= len(first.input_specs):
-            fail(f"buckets.pad_values[{key!r}]", "names an input the model lacks")
 
 
 def _shared_worker(core, worker):
@@ -383,6 +347,8 @@ class DynamicBatch(_Wrapper):
         except InputError as e:
             raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
                              f"(batch {self.batch_size}); {e}") from None
+        if not exact:   # the probe is the first row: indices into a bucketed dim, every row's
+            self.inner._indices.check(flat, *self.inner._select(probe))
         if n == self.batch_size:
             return
         if self._follows is None:

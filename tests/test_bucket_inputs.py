@@ -1,0 +1,70 @@
+"""Bucketed models' inputs: indices into a bucketed dim, pad values, empty dynamic batches and
+the messages that describe bucketed shapes."""
+import pytest
+import torch
+
+import kiln
+
+H = 8
+
+
+class Gather(torch.nn.Module):
+    """Picks one position per row of the bucketed dim: ``pos`` indexes a padded dim."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(H, H)
+
+    def forward(self, x, pos):
+        return self.lin(x)[torch.arange(x.shape[0]), pos]
+
+
+@pytest.fixture(scope="module")
+def gather():
+    model = Gather().eval()
+    compiled = kiln.trace(model, {"x": torch.randn(2, 8, H), "pos": torch.tensor([1, 3])},
+                          buckets={"x": {1: [4, 8]}})
+    return model, compiled
+
+
+def _eager(model, *args):
+    with torch.no_grad():
+        return model(*args)
+
+
+def test_an_index_into_a_bucketed_dim_is_checked_against_the_actual_length(gather):
+    # With x of length 5 padded to 8: pos=6 answered a padding row and pos=9 raised ONNX
+    # Runtime's raw GatherND error; eager raises IndexError for both.
+    model, compiled = gather
+    x = torch.randn(2, 5, H)
+    for bad in (6, 9, 5, -6):
+        pos = torch.tensor([1, bad])
+        with pytest.raises(IndexError):
+            _eager(model, x, pos)
+        with pytest.raises(kiln.IndexRangeError, match=rf"'pos' holds {bad}.*dimension of 5"):
+            compiled(x=x, pos=pos)
+    loaded = kiln.load(compiled.to_bytes())
+    with pytest.raises(kiln.IndexRangeError, match="dimension of 5"):
+        loaded(x=x, pos=torch.tensor([1, 6]))
+
+
+def test_a_negative_index_into_a_bucketed_dim_counts_from_the_callers_end(gather):
+    # -1 is the last real position; after padding it was the last padding row
+    model, compiled = gather
+    x = torch.randn(2, 5, H)
+    for pos in ([1, -1], [-5, 4], [0, 3]):
+        pos = torch.tensor(pos)
+        torch.testing.assert_close(compiled(x=x, pos=pos), _eager(model, x, pos), atol=1e-5, rtol=1e-5)
+    x8 = torch.randn(2, 8, H)   # an exact bucket: nothing padded
+    pos = torch.tensor([7, -8])
+    torch.testing.assert_close(compiled(x=x8, pos=pos), _eager(model, x8, pos), atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_batch_over_buckets_checks_every_rows_index(gather):
+    model, compiled = gather
+    dyn = kiln.dynamic_batch(compiled)
+    x, pos = torch.randn(3, 5, H), torch.tensor([1, 2, 4])
+    torch.testing.assert_close(dyn(x, pos), _eager(model, x, pos), atol=1e-5, rtol=1e-5)
+    with pytest.raises(kiln.IndexRangeError, match="'pos' holds 6"):
+        dyn(x, torch.tensor([1, 2, 6]))
