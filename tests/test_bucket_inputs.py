@@ -68,3 +68,16 @@ def test_dynamic_batch_over_buckets_checks_every_rows_index(gather):
     torch.testing.assert_close(dyn(x, pos), _eager(model, x, pos), atol=1e-5, rtol=1e-5)
     with pytest.raises(kiln.IndexRangeError, match="'pos' holds 6"):
         dyn(x, torch.tensor([1, 2, 6]))
+
+
+def test_an_empty_batch_over_buckets_has_the_callers_lengths(gather):
+    # 0 rows at length 5 came back as (0, 4, 8): the first variant's output shape
+    _, compiled = gather
+    x = torch.randn(2, 8, H)
+    seq = kiln.trace(torch.nn.Linear(H, H).eval(), x, buckets={"input": {1: [4, 8]}})
+    dyn = kiln.dynamic_batch(seq)
+    for n in (1, 3, 5, 8):
+        assert dyn(torch.randn(0, n, H)).shape == (0, n, H)
+    with pytest.raises(kiln.InputError, match="larger than the largest bucket"):
+        dyn(torch.randn(0, 9, H))
+    assert kiln.dynamic_batch(compiled)(torch.randn(0, 5, H), torch.zeros(0, dtype=torch.long)).shape == (0, H)

@@ -359,6 +359,20 @@ class DynamicBatch(_Wrapper):
                              f"has no answer for them (each chunk gives its own): call with {self.batch_size} "
                              "rows, or trace with kiln.trace(..., dynamic_batch=True), which checks the model")
 
+    def _empty_shapes(self, flat) -> list:
+        """The outputs' shapes for these inputs but for dim 0: a bucketed model's bucketed
+        dims are the caller's sizes (0 rows at length 5 are (0, 5, ...), not the smallest
+        bucket's (0, 4, ...)). InputError where no bucket fits."""
+        if not isinstance(self.inner, Bucketed):
+            return [list(s.shape) for s in self.inner.output_specs]
+        probe = [t.new_zeros((1, *t.shape[1:])).expand(self.batch_size, *t.shape[1:]) if b and t.dim() else t
+                 for t, b in zip(flat, self._batched_in)]
+        k, sizes = self.inner._select(probe)
+        shapes = [list(s.shape) for s in self.inner.variants[k].output_specs]
+        for o, d, a in self.inner.output_dims:
+            shapes[o][d] = sizes[a]
+        return shapes
+
     def _check_empty(self, flat):
         """A batch of 0 rows has an answer (0 rows of each output) when every output
         follows the batch; inputs must still be on a device the model takes."""
@@ -366,6 +380,11 @@ class DynamicBatch(_Wrapper):
         for t, spec in zip(flat, self.input_specs):
             if t.device.type not in devices:
                 raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
+        try:
+            self._empty_shapes(flat)    # a bucketed model's sizes must fit a bucket, rows or not
+        except InputError as e:
+            raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
+                             f"(batch {self.batch_size}); {e}") from None
         if self._follows is None:       # no row to measure on: made-up rows
             self._measure(chunk := synthetic_chunk(self.input_specs, self.index_ranges), self.inner.run_flat(chunk))
         if self.fixed_outputs:
@@ -390,8 +409,8 @@ class DynamicBatch(_Wrapper):
             return self.inner.run_flat(flat)
         if n == 0:      # every output follows the batch (check): 0 rows of each
             device = next(t.device for t, b in zip(flat, self._batched_in) if b)
-            return [torch.empty((0, *s.shape[1:]), dtype=s.dtype, device=device)
-                    for s in self.inner.output_specs]
+            return [torch.empty((0, *shape[1:]), dtype=s.dtype, device=device)
+                    for shape, s in zip(self._empty_shapes(flat), self.inner.output_specs)]
         first = self._chunk(flat, 0, n)
         pieces = [self.inner.run_flat(first)]
         follows = self._measure(first, pieces[0]) if any(self._batched_out) else self._batched_out
