@@ -81,3 +81,14 @@ def test_an_empty_batch_over_buckets_has_the_callers_lengths(gather):
     with pytest.raises(kiln.InputError, match="larger than the largest bucket"):
         dyn(torch.randn(0, 9, H))
     assert kiln.dynamic_batch(compiled)(torch.randn(0, 5, H), torch.zeros(0, dtype=torch.long)).shape == (0, H)
+
+
+def test_unknown_pad_values_names_are_an_error():
+    # a misspelt name was ignored (recorded {}), padding that input with 0
+    model = torch.nn.Linear(H, H).eval()
+    with pytest.raises(kiln.CompilerArgsError, match=r"pad_values names 'inputs'.*inputs are input"):
+        kiln.trace(model, torch.randn(2, 8, H), buckets={"input": {1: [4, 8]}}, pad_values={"inputs": 1})
+    with pytest.raises(kiln.CompilerArgsError, match=r"pad_values names 'attn'.*inputs are input"):
+        kiln.trace(model, buckets=[torch.randn(2, 4, H), torch.randn(2, 8, H)], pad_values={"attn": 0})
+    m = kiln.trace(model, torch.randn(2, 8, H), buckets={"input": {1: [4, 8]}}, pad_values={"input": 0.0})
+    assert m.pad_values == {"0": 0.0}

@@ -9,6 +9,7 @@ padding changes answers is proved afterwards by :mod:`kiln.compiler.padcheck`.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import torch
@@ -61,6 +62,10 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
                 and v.dim() > dim and v.shape[dim] == t.shape[dim]]
             axes.append((members, sizes))
     pad_values = pad_values or {}
+    unknown = [n for n in pad_values if re.split(r"[.\[]", str(n))[0] not in named]
+    if unknown:     # before compiling a variant; assemble checks the flat names
+        raise CompilerArgsError(f"pad_values names {', '.join(map(repr, unknown))}, which the model does not "
+                                f"take; its inputs are {', '.join(named)}")
     examples = _Examples()
     examples.original = (None, named)     # the padding check's source: never a pad value
     for combo in itertools.product(*(sizes for _, sizes in axes)):
@@ -124,11 +129,17 @@ def assemble(variants, seconds, pad_values=None, output_dims=None) -> Bucketed:
     if len(set(sizes)) != len(sizes):
         raise CompilerArgsError(f"two buckets have the same sizes {sizes}")
     out_dims = _output_dims(first, variants, axes, output_dims)
-    flat_pads = {}
+    flat_pads, used = {}, set()
     for i, spec in enumerate(first.input_specs):
         for name, value in (pad_values or {}).items():
             if spec.name == name or spec.name.startswith((f"{name}.", f"{name}[")):
                 flat_pads[str(i)] = value
+                used.add(name)
+    unknown = [name for name in (pad_values or {}) if name not in used]
+    if unknown:     # a misspelt name would pad that input with 0, silently
+        raise CompilerArgsError(
+            f"pad_values names {', '.join(map(repr, unknown))}, which the model does not take as "
+            f"tensor inputs; its inputs are {', '.join(s.name for s in first.input_specs)}")
     meta = {"axes": axes, "pad_values": flat_pads, "output_dims": out_dims,
             "variants": [{"blob": f"variants/{k}.kiln", "sizes": list(sizes[k]),
                           "compile_seconds": seconds[k]} for k in range(len(variants))]}
