@@ -41,6 +41,10 @@ def test_cores_group_the_process_cpus(one_cpu_per_core, monkeypatch):
     assert [c.cpus for c in cores] == [(c,) for c in CPUS]
     monkeypatch.setenv("KILN_CPUS_PER_CORE", str(len(CPUS)))
     assert [c.cpus for c in placement.visible()] == [tuple(CPUS)]
+    for bad in ("abc", "0", "1.5"):     # "abc" raised a raw ValueError
+        monkeypatch.setenv("KILN_CPUS_PER_CORE", bad)
+        with pytest.raises(placement.PlacementError, match="KILN_CPUS_PER_CORE="):
+            placement.visible()
 
 
 @two_cpus

@@ -132,7 +132,10 @@ def host_cores() -> list:
     per = _env("CPUS_PER_CORE")
     groups: list = []
     if per:
-        n = int(per)
+        try:
+            n = int(per)
+        except ValueError:
+            raise PlacementError(f"KILN_CPUS_PER_CORE={per!r}: expected a number of CPUs") from None
         if n < 1:
             raise PlacementError(f"KILN_CPUS_PER_CORE={per}: must be at least 1")
         groups = [tuple(cpus[i:i + n]) for i in range(0, len(cpus), n)]
