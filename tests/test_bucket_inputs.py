@@ -92,3 +92,18 @@ def test_unknown_pad_values_names_are_an_error():
         kiln.trace(model, buckets=[torch.randn(2, 4, H), torch.randn(2, 8, H)], pad_values={"attn": 0})
     m = kiln.trace(model, torch.randn(2, 8, H), buckets={"input": {1: [4, 8]}}, pad_values={"input": 0.0})
     assert m.pad_values == {"0": 0.0}
+
+
+def test_messages_show_the_bucketed_dims_range(gather):
+    # "missing input 'pos'... expected (2, 4, 8) float32" quoted the smallest variant's shape
+    _, compiled = gather
+    x = torch.randn(2, 5, H)
+    with pytest.raises(kiln.InputError, match=r"missing input 'pos': expected \(2,\) int64"):
+        compiled(x=x)
+    with pytest.raises(kiln.InputError, match=r"missing input 'x': expected \(2, 1\.\.8, 8\) float32"):
+        compiled(pos=torch.tensor([1, 2]))
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(2, 1\.\.8, 8\) float32, got \(2, 5\) float32"):
+        compiled(x=x[:, :, 0], pos=torch.tensor([1, 2]))
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(N, 1\.\.8, 8\) float32"):
+        kiln.dynamic_batch(compiled)(x.double(), torch.tensor([1, 2]))
+    torch.testing.assert_close(compiled(x, torch.tensor([1, 2])), compiled(x=x, pos=torch.tensor([1, 2])))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.artifact import schema
+from kiln.artifact import schema, specs
 from kiln.runtime import value_checks
 
 
@@ -116,3 +116,36 @@ def check_variants(meta, variants, source):
     for key in meta["pad_values"]:
         if int(key) >= len(first.input_specs):
             fail(f"buckets.pad_values[{key!r}]", "names an input the model lacks")
+
+
+class ShownSpec:
+    """An input as a bucketed model takes it, for messages: a bucketed dim shows the range of
+    lengths it takes (``(2, 1..64) int64``), not the smallest variant's size."""
+
+    def __init__(self, spec, ranges: dict):
+        self.name, self.shape, self.dtype = spec.name, tuple(spec.shape), spec.dtype
+        self.dims = [f"1..{ranges[d]}" if d in ranges else str(n) for d, n in enumerate(self.shape)]
+
+    def describe(self, dims=None):
+        dims = self.dims if dims is None else dims
+        return f"({', '.join(dims)}{',' if len(dims) == 1 else ''}) {specs.dtype_name(self.dtype)}"
+
+
+def shown_specs(input_specs, axes) -> list:
+    """:class:`ShownSpec` per input of a bucketed model with these ``axes``."""
+    largest = {}
+    for ax in axes:
+        for i, d in ax["inputs"]:
+            largest.setdefault(i, {})[d] = max(ax["sizes"])
+    return [ShownSpec(s, largest.get(i, {})) for i, s in enumerate(input_specs)]
+
+
+class FlattenView:
+    """What :meth:`CompiledModel.flatten` reads of its model, with :class:`ShownSpec` inputs
+    so that its messages describe a bucketed model's inputs."""
+
+    __slots__ = ("name", "arg_names", "input_structure", "input_specs", "_plain")
+
+    def __init__(self, model, shown: list, plain):
+        self.name, self.arg_names, self.input_structure = model.name, model.arg_names, model.input_structure
+        self.input_specs, self._plain = shown, plain

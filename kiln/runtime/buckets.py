@@ -22,8 +22,8 @@ from kiln.artifact import schema, specs
 from kiln.artifact.container import POOLED_FORMAT, Artifact, wrapper_manifest
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
-from kiln.runtime.bucket_meta import IndexPlan, check_variants
-from kiln.runtime.model import DEFAULT, Model
+from kiln.runtime.bucket_meta import FlattenView, IndexPlan, check_variants, shown_specs
+from kiln.runtime.model import DEFAULT, CompiledModel, Model
 from kiln.runtime.synthetic_rows import follows_rows, synthetic_chunk
 
 
@@ -77,6 +77,8 @@ class Bucketed(_Wrapper):
         # caller's actual size of that dim (kiln.runtime.bucket_meta)
         self._indices = IndexPlan(self.variants, self.variant_sizes)
         self.index_ranges = self._indices.shared
+        self.shown_specs = shown_specs(self.input_specs, self.axes)
+        self._flatten_view = FlattenView(self, self.shown_specs, getattr(first, "_plain", None))
         from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
@@ -90,6 +92,11 @@ class Bucketed(_Wrapper):
 
     def inner_models(self):
         return self.variants
+
+    def flatten(self, args, kwargs):
+        """A compiled model's flattening, whose messages show the bucketed dims' range of
+        lengths (``expected (2, 1..64) int64``), not the smallest variant's shape."""
+        return CompiledModel.flatten(self._flatten_view, args, kwargs)
 
     def describe_buckets(self) -> str:
         parts = []
@@ -119,9 +126,8 @@ class Bucketed(_Wrapper):
         actual = [None] * len(self.axes)
         for i, (t, spec) in enumerate(zip(flat, specs0)):
             if t.dtype != spec.dtype or t.dim() != len(spec.shape):
-                raise InputError(f"input '{spec.name}': expected {len(spec.shape)}-d "
-                                 f"{specs.dtype_name(spec.dtype)}, got {tuple(t.shape)} "
-                                 f"{specs.dtype_name(t.dtype)}")
+                raise InputError(f"input '{spec.name}': expected {self.shown_specs[i].describe()}, got "
+                                 f"{tuple(t.shape)} {specs.dtype_name(t.dtype)}")
             if t.device.type != "cpu":
                 raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
             for d, size in enumerate(t.shape):
@@ -323,12 +329,13 @@ class DynamicBatch(_Wrapper):
             raise InputError(f"expected {len(self.input_specs)} input tensors, got {len(flat)}")
         # The inner model checks shapes exactly, except a bucketed one: it is probed below.
         exact = not isinstance(self.inner, Bucketed)
-        for t, spec, batched in zip(flat, self.input_specs, self._batched_in):
+        for i, (t, spec, batched) in enumerate(zip(flat, self.input_specs, self._batched_in)):
             want = tuple(spec.shape)
             fits = t.dim() == len(want) and (tuple(t.shape[1:]) == want[1:] if batched
                                              else tuple(t.shape) == want)
             if t.dtype != spec.dtype or t.dim() != len(want) or (exact and not fits):
-                shown = "(" + ", ".join(["N", *map(str, want[1:])] if batched else map(str, want))
+                dims = self.inner.shown_specs[i].dims if not exact else [str(n) for n in want]
+                shown = "(" + ", ".join(["N", *dims[1:]] if batched else dims)
                 shown += ",)" if len(want) == 1 else ")"
                 raise InputError(
                     f"dynamic batch: only dim 0 may differ from the compiled shapes (batch "
