@@ -102,6 +102,31 @@ def test_a_prompt_as_long_as_a_window_and_a_step_that_fails(windowed, monkeypatc
         sched.close(60)
 
 
+def test_a_long_chunked_prompt_gets_its_own_tokens_beside_short_ones(windowed):
+    """Found by probing: a long prompt prefilled by chunks while a short request decoded got
+    other logits than alone (1e-3 to 4e-2 off from its first token; greedy tokens parted
+    later). A row still prefilling rides along in the decode step, and a graph that writes
+    the cache in place writes that row's (ignored) key at its length, clamped to the
+    window's last slot: the chunk that filled the window exactly had its last prompt
+    token's key overwritten. The cache now keeps a position free after a prefilling row."""
+    model, llm = windowed
+
+    def run(prompts):
+        sched = llm.scheduler()
+        requests = [sched.add(Request(p, 6)) for p in prompts]
+        sched.run()
+        return [r.tokens for r in requests]
+    g = torch.Generator().manual_seed(0)
+    for n in (14, 20):                              # chunks fill the 8 and 16 windows exactly
+        long = torch.randint(3, 90, (n,), generator=g).tolist()
+        alone = _hf_greedy(model, long, 6)
+        assert run([long]) == [alone]
+        for companion in (1, 2, 3, 4, 6, 9):        # 1-4 failed; 9 is chunked itself
+            short = torch.randint(3, 90, (companion,), generator=g).tolist()
+            assert run([short, long])[1] == alone, (n, companion)
+        assert run([[7], [8, 9], long])[2] == alone, n
+
+
 def test_graphs_warm_and_bad_buckets_are_clear_errors(windowed):
     model, llm = windowed
     assert llm.warm_graphs() == 3 + 3              # a decode and a chunk graph per window

@@ -225,8 +225,8 @@ class Scheduler:
 
     def _needs(self, request: Request) -> int:
         """Cache positions ``request`` needs laid out for its next graph call."""
-        if request.prefilling:
-            return min(len(request.prompt), request.prefilled + self.chunk[0])
+        if request.prefilling:     # and one more: the decode it rides along in writes there
+            return min(len(request.prompt), request.prefilled + self.chunk[0]) + 1
         return len(request.prompt) + len(request.tokens)
 
     def _drop_cancelled(self):
@@ -277,8 +277,8 @@ class Scheduler:
             self._finish(request, "error")
             return
         self.cache.reset(slot)
-        # one position more once the prompt is in: this step's decode writes there (a window's length failed)
-        self.cache.fit(min(n + (n == len(request.prompt)), self.cache.capacity), shrink=False)
+        # one position more: this step's decode writes there, riding along too (_prefill_chunk)
+        self.cache.fit(min(n + 1, self.cache.capacity), shrink=False)
         self.slots[slot], request.prefilled = request, n
         if request.prefilling:
             self.cache.write_slot(slot, new_k[:, 0, :, :n], new_v[:, 0, :, :n], request.prompt[:n])
@@ -302,6 +302,7 @@ class Scheduler:
         if n < self.chunk[0]:
             return False
         self.cache.copy_prefix(row, slot, n)
+        self.cache.fit(n + 1, shrink=False)     # it may ride along in this step's decode (_prefill_chunk)
         self.slots[slot], request.prefilled = request, n
         self.reused_positions += n
         return True
@@ -324,11 +325,11 @@ class Scheduler:
     def _prefill_chunk(self, slot: int, request: Request):
         """``width`` prompt tokens through the chunk graph against the row's cache; the last
         chunk is padded on the right, after every real token, so no real token sees it."""
-        width = self.chunk[0]
-        start = request.prefilled
+        width, start = self.chunk[0], request.prefilled
         real = min(width, len(request.prompt) - start)
-        end = start + real          # and one more after the last chunk, as in _prefill
-        self.cache.fit(min(end + (end == len(request.prompt)), self.cache.capacity), shrink=False)
+        # one more position: this step's decode, ridden along, writes there; a row filling its window
+        # had that key written (in place, clamped to the last slot) over its last prompt token's
+        self.cache.fit(min(start + real + 1, self.cache.capacity), shrink=False)
         step = self.graphs[self.cache.window][1]
         ids = torch.tensor([request.prompt[start:start + real] + [0] * (width - real)])
         try:
@@ -412,8 +413,7 @@ class Scheduler:
         return token
 
     # what a step of another module (kiln.runtime.spec_step) runs the scheduler with
-    def decode_step(self):
-        """One decode step for every running row (module doc, step 3)."""
+    def decode_step(self):  # one decode step for every running row (module doc, step 3)
         self._decode()
 
     def append_token(self, slot: int, request: Request, logits, proposed=None) -> int:
