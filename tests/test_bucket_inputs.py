@@ -107,3 +107,29 @@ def test_messages_show_the_bucketed_dims_range(gather):
     with pytest.raises(kiln.InputError, match=r"input 'x': expected \(N, 1\.\.8, 8\) float32"):
         kiln.dynamic_batch(compiled)(x.double(), torch.tensor([1, 2]))
     torch.testing.assert_close(compiled(x, torch.tensor([1, 2])), compiled(x=x, pos=torch.tensor([1, 2])))
+
+
+def test_a_model_failing_on_the_resized_example_names_the_bucket():
+    # pos=7 fits the example (length 8), not the 4 bucket: the model's raw IndexError came
+    # out of the compile with no word of the bucket
+    with pytest.raises(kiln.CompilerArgsError, match=r"bucket 1/2 \('x' dim 1 narrowed from 8 to 4.*"
+                       r"IndexError: index 7 is out of bounds") as err:
+        kiln.trace(Gather().eval(), {"x": torch.randn(2, 8, H), "pos": torch.tensor([1, 7])},
+                   buckets={"x": {1: [4, 8]}})
+    assert isinstance(err.value.__cause__, IndexError)
+
+
+class Shift(torch.nn.Module):
+    def forward(self, x):
+        return x[:, 1:] * 2
+
+
+def test_an_output_dims_mapping_to_a_shorter_dim_is_refused_as_such():
+    # x[:, 1:] is one shorter than the bucket: declared to follow it, it was refused as
+    # "The model sees the padding"
+    with pytest.raises(kiln.CompilerArgsError, match=r"output_dims maps output 'output0' dim 1.*sizes \[3, 7\]"):
+        kiln.trace(Shift(), torch.randn(2, 8), buckets={"x": {1: [4, 8]}}, output_dims={"output0": {1: "x"}})
+    # unsliced, no slicing gives x[:, 1:] back: said so, not "the model sees the padding"
+    with pytest.raises(kiln.ValidationError, match=r"cannot give Shift's output 'output0' back.*"
+                       r"answers \(2, 3\), eager \(2, 0\)"):
+        kiln.trace(Shift(), torch.randn(2, 8), buckets={"x": {1: [4, 8]}}, output_dims={"output0": {1: None}})

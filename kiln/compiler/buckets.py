@@ -15,7 +15,7 @@ import time
 import torch
 
 from kiln.artifact.container import wrapper_manifest
-from kiln.errors import CompilerArgsError
+from kiln.errors import CompilerArgsError, KilnError
 from kiln.runtime.buckets import Bucketed
 
 
@@ -68,12 +68,18 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
                                 f"take; its inputs are {', '.join(named)}")
     examples = _Examples()
     examples.original = (None, named)     # the padding check's source: never a pad value
+    examples.labels = []
     for combo in itertools.product(*(sizes for _, sizes in axes)):
         resized = dict(named)
+        label = []
         for (members, _), size in zip(axes, combo):
             for name, dim in members:
+                if resized[name].shape[dim] != size:
+                    how = "narrowed" if size < resized[name].shape[dim] else "padded"
+                    label.append(f"'{name}' dim {dim} {how} from {resized[name].shape[dim]} to {size}")
                 resized[name] = _resize(resized[name], dim, size, pad_values.get(name, 0))
         examples.append((None, resized))
+        examples.labels.append(", ".join(label) or "the example as given")
     return examples
 
 
@@ -81,6 +87,7 @@ class _Examples(list):
     """The bucket examples, with the user's own example (``original``, as ``(args, kwargs)``)."""
 
     original = None
+    labels = None       # per example: how it was resized from the user's
 
 
 def _resize(t, dim, size, pad_value):
@@ -95,11 +102,37 @@ def trace_buckets(model, examples, pad_values, output_dims, trace_one):
     """Compile one variant per bucket example (:func:`bucket_examples`) and return the
     ``Bucketed`` model."""
     variants, seconds = [], []
+    labels = getattr(examples, "labels", None)
     for n, (args, kwargs) in enumerate(examples):
         started = time.perf_counter()
-        variants.append(trace_one(model, args, kwargs, label=f"bucket {n + 1}/{len(examples)}"))
+        try:
+            variants.append(trace_one(model, args, kwargs, label=f"bucket {n + 1}/{len(examples)}"))
+        except KilnError:
+            raise
+        except Exception as e:      # the model's own error, on an example kiln resized?
+            if not labels or _eager_runs(model, kwargs):
+                raise
+            raise CompilerArgsError(
+                f"the model fails on the example resized to bucket {n + 1}/{len(examples)} ({labels[n]}; "
+                "other inputs kept as given): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Every input "
+                "that depends on the bucketed length (a position, an index into that dim) must be "
+                "valid at every bucket size: give such inputs as bucket examples of their own "
+                "(buckets=[example1, example2, ...], one per size), or leave out the sizes they "
+                "do not fit") from e
         seconds.append(round(time.perf_counter() - started, 3))
     return assemble(variants, seconds, pad_values, output_dims)
+
+
+def _eager_runs(model, named) -> bool:
+    """Whether eager PyTorch runs ``model`` on the bound inputs ``named``."""
+    from kiln.graph.capture import call_bound, eval_mode
+    try:
+        with torch.no_grad(), eval_mode(model):
+            call_bound(model, named)
+    except Exception:   # noqa: BLE001 - the model's own code: any error is the answer
+        return False
+    return True
 
 
 def assemble(variants, seconds, pad_values=None, output_dims=None) -> Bucketed:
@@ -161,6 +194,14 @@ def _output_dims(first, variants, axes, declared):
                 if decl[d] is None:       # declared: depends on the buckets, never sliced
                     continue
                 a = _axis_of(decl[d], first, axes)
+                if any(n < ax_size for n, ax_size in zip(seq, axes[a]["sizes"])):
+                    raise CompilerArgsError(
+                        f"output_dims maps output '{spec.name}' dim {d} to {decl[d]!r}, but that dim is "
+                        f"shorter than the bucket in some variants (sizes {seq} for buckets "
+                        f"{axes[a]['sizes']}): it does not have the bucketed length (x[:, 1:] has one "
+                        "less), so it cannot be sliced back to the caller's length. Only an output dim "
+                        "whose size is the bucketed length can follow it; declare it {dim: None} to "
+                        "leave it unsliced, or compile one model per exact size")
                 out.append([o, d, a])
                 continue
             if len(set(seq)) == 1:

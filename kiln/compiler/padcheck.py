@@ -243,6 +243,7 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
                     continue
             k_run, _ = bucketed._select(probe)
             actual = bucketed.run_flat(probe)
+            _same_shapes(bucketed, expected, actual, probe_sizes, sizes[k_run])
             try:
                 error = tol.compare(expected, actual, names)
             except ValidationError as e:
@@ -262,6 +263,23 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
             record["max_abs_error"] = max(record["max_abs_error"], error)
     _forget_calls(bucketed)
     return record
+
+
+def _same_shapes(bucketed, expected, actual, probe_sizes, bucket):
+    """A ValidationError where a padded answer's shape is not eager's: an output whose length
+    changes with the input but is not the bucketed length (``x[:, 1:]``), which no slicing
+    gives back, rather than "the model sees the padding"."""
+    for o, (e, a) in enumerate(zip(expected, actual)):
+        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and e.shape != a.shape:
+            name = bucketed.output_specs[o].name if o < len(bucketed.output_specs) else str(o)
+            sliced = [d for oo, d, _ in bucketed.output_dims if oo == o]
+            raise ValidationError(
+                f"bucketing cannot give {bucketed.name}'s output '{name}' back: an input of size "
+                f"{list(probe_sizes)} run in bucket {list(bucket)} answers {tuple(a.shape)}, eager "
+                f"{tuple(e.shape)}. A dim of it changes with the bucketed length without being that "
+                f"length (x[:, 1:] has one less; sliced dims: {sliced or 'none'}), so no slicing of "
+                "the padded answer is the caller's; check output_dims, or compile one model per exact "
+                "size without buckets", {"output": name, "shape": list(a.shape), "eager_shape": list(e.shape)})
 
 
 def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Tolerance) -> dict:
