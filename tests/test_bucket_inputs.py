@@ -133,3 +133,9 @@ def test_an_output_dims_mapping_to_a_shorter_dim_is_refused_as_such():
     with pytest.raises(kiln.ValidationError, match=r"cannot give Shift's output 'output0' back.*"
                        r"answers \(2, 3\), eager \(2, 0\)"):
         kiln.trace(Shift(), torch.randn(2, 8), buckets={"x": {1: [4, 8]}}, output_dims={"output0": {1: None}})
+
+
+def test_a_single_bucket_size_is_refused_saying_so():
+    # it was "the bucket examples all have the same shapes; give different sizes"
+    with pytest.raises(kiln.CompilerArgsError, match=r"buckets\['input'\]\[1\] has one size \(8\).*at least two"):
+        kiln.trace(torch.nn.Linear(H, H).eval(), torch.randn(2, 8, H), buckets={"input": {1: [8]}})

@@ -49,6 +49,11 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
             sizes = sorted({int(s) for s in sizes})
             if not sizes or sizes[0] < 1:
                 raise CompilerArgsError(f"buckets[{name!r}][{dim}]: sizes must be positive, got {sizes}")
+            if len(sizes) == 1:     # one variant: no size to choose, no other to tell the axis by
+                raise CompilerArgsError(
+                    f"buckets[{name!r}][{dim}] has one size ({sizes[0]}); a bucketed dim needs at least two. "
+                    f"For one static shape, trace without buckets on an example of that size (calls must "
+                    f"then be exactly it), or add a smaller size to pad shorter inputs up to {sizes[0]}")
             existing = next((ax for ax in axes if (name, dim) in ax[0]), None)
             if existing is not None:
                 if existing[1] != sizes:
