@@ -1,7 +1,10 @@
 """Data parallelism on kiln's device over 2 processes (loopback, the "xla" backend: gloo
-over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, and torch_xla's
-``xmp.spawn`` + ``xm.optimizer_step`` with no process group of the script's own (through
-``kiln run-xla``), all equal single-process training on the same global batch."""
+over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, gradients clipped by
+``clip_grad_norm_``, and torch_xla's ``xmp.spawn`` + ``xm.optimizer_step`` with no process
+group of the script's own (through ``kiln run-xla``), all equal single-process training on
+the same global batch. The same launches check the functional collectives on their own
+(``torch.distributed._functional_collectives``)."""
+import json
 import os
 import subprocess
 import sys
@@ -16,20 +19,45 @@ SCRIPT = os.path.join(ROOT, "tests", "data", "ddp_train.py")
 SPAWN_SCRIPT = os.path.join(ROOT, "tests", "data", "xla_spawn_train.py")
 
 
-def _single_process():
+def _single_process(clip=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-    losses = []
+    losses, norms = [], []
     for _ in range(3):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if clip is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         losses.append(float(loss))
-    return losses, model.state_dict()
+    return losses, norms, model.state_dict()
+
+
+def _values(line_start: str, stdout: str):
+    return next(ln for ln in stdout.splitlines() if ln.startswith(line_start + " "))[len(line_start) + 1:]
+
+
+def _close(got, expected):
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
+
+
+def _check_functional_collectives(checks):
+    """ddp_train.py's functional collectives on the device (lazy mode), each result used
+    after: what the CPU computes from the two ranks' inputs. They failed at that use
+    ("Attempted to access the data pointer on an invalid python storage"), and so did
+    clip_grad_norm_ on FSDP2's gradients (DTensor's all-reduce)."""
+    t = [torch.tensor([1.0, 2.0]) * (r + 1) for r in (0, 1)]
+    for rank, got in enumerate(checks):
+        f = got["funcol"]
+        _close(f["all_reduce"], ((t[0] + t[1]) ** 0.5).tolist())
+        _close(f["all_gather"], (torch.cat(t) * 2).tolist())
+        _close(f["reduce_scatter"], ((torch.arange(4.0) * 2 + 1).chunk(2)[rank] + 1).tolist())
+        _close(f["raw"], (torch.maximum(*t) - 1).tolist())
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +89,15 @@ def test_two_processes_equal_one(kind, tmp_path, cache, kiln_cli):
     if kind == "xm-spawn":      # xm.all_gather over the two ranks (mesh_reduce gave the losses)
         assert "collectives [[0.0, 10.0], [1.0, 11.0]] 0.5 2" in proc.stdout, proc.stdout[-2000:]
         assert "has been compiled for" not in proc.stderr     # xm's gradient scaling: no program per shape
-    expected, state = _single_process()
+    if kind == "xm-spawn":
+        expected, _, state = _single_process()
+    else:
+        checks = json.loads(_values("checks", proc.stdout))
+        _check_functional_collectives(checks)
+        expected, norms, state = _single_process(clip=0.5)
+        assert min(norms) > 0.5         # the clipping clips
+        got_norms = [float(v) for v in _values("norms", proc.stdout).split()]
+        torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     params = torch.load(out, weights_only=True)
     for key, value in state.items():
@@ -89,4 +125,5 @@ def test_a_script_that_lets_pytorch_choose_the_backend(tmp_path):
         for where in ("cpu", "kiln"):
             assert r[where]["on"] == where
             assert r[where]["sum"] == [0.0, 3.0, 6.0]
+            assert r[where]["funcol"] == [1.0, 13.0, 25.0]     # a functional all-reduce, used after (eager mode)
             assert r[where]["grad"] == [[1.5, 1.5, 1.5], [1.5, 1.5, 1.5]]     # inputs 1 and 2, averaged

@@ -27,8 +27,8 @@ import weakref
 
 import torch
 
-from kiln.device import (binding, failed_steps, foreach, fused_cells, inflight, inplace_views, meta, metrics, mixing,
-                         programs, replay, rewrites, walk)
+from kiln.device import (binding, collectives, failed_steps, foreach, fused_cells, inflight, inplace_views, meta,
+                         metrics, mixing, programs, replay, rewrites, walk)
 from kiln.device.opinfo import info as _info
 from kiln.graph import draws
 from kiln.device import tensor as dt
@@ -216,7 +216,7 @@ def run_now(func, args, kwargs):
 def _results(info, func, out, args, kwargs):
     """What :func:`run_now` returns for ``out``, ``func``'s result on the host data."""
     if info.c10d:
-        return _same_tensors(out, (args, kwargs))
+        return collectives.same_tensors(out, (args, kwargs))
     if info.returns_written:       # an out= kernel may have resized it
         return inplace_views.conform(_written_arg(info.schema, args, kwargs))
     if not info.returns:
@@ -259,13 +259,6 @@ def _read_by_trace(a) -> bool:
             if data is not None and data.numel() and trace.reads_memory(data):
                 return True
     return False
-
-
-def _same_tensors(out, inputs):
-    """A collective's outputs (the tensors it wrote, a Work handle) with the device
-    tensors it was given in place of their host data."""
-    mine = {id(t._kc.data): t for t in walk.leaves(inputs) if isinstance(t, dt.DeviceTensor)}
-    return walk.tmap(lambda o: mine.get(id(o), _wrap_one(o)), out)
 
 
 def _written_arg(schema, args, kwargs):

@@ -43,7 +43,8 @@ class Info:
         ret = schema.returns
         self.returns = bool(ret)
         self.returns_written = bool(ret) and ret[0].alias_info is not None and ret[0].alias_info.is_write
-        self.c10d = schema.name.startswith("c10d::")
+        # collectives, in-place and functional (kiln.device.collectives)
+        self.c10d = schema.name.startswith(("c10d::", "_c10d_functional::"))
         self.host_outputs = _HOST_OUTPUTS.get(self.name, ())
 
 

@@ -1,7 +1,10 @@
 """Data-parallel training on kiln's device over 2 processes (torchrun), for
 tests/test_device_distributed.py: DDP or FSDP2 (fully_shard), on the 'xla'
-torch.distributed backend (xm.optimizer_step's all-reduce: tests/data/xla_spawn_train.py). Rank 0 prints the mean
-loss per step and writes the final parameters."""
+torch.distributed backend (xm.optimizer_step's all-reduce: tests/data/xla_spawn_train.py). Each step clips the
+gradients' norm (``clip_grad_norm_``: on FSDP2's sharded gradients, DTensor's functional all-reduce). Rank 0 prints the
+mean loss and the norm per step and writes the final parameters; then the functional collectives used on their own,
+every rank's results as JSON."""
+import json
 import sys
 
 import torch
@@ -30,20 +33,43 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 g = torch.Generator().manual_seed(1)
 x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
 half = slice(rank * 4 // world, (rank + 1) * 4 // world)
-losses = []
+losses, norms = [], []
 for step in range(3):
     opt.zero_grad()
     loss = nn.functional.cross_entropy(run(x[half].to(device)), y[half].to(device))
     loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
     xm.mark_step()
     total = loss.detach().clone()
     dist.all_reduce(total)
     losses.append(float(total) / world)
+    norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+
+
+def functional_collectives():
+    """torch.distributed._functional_collectives on device tensors, each result used after
+    (it used to fail at that use: 'invalid python storage')."""
+    import torch.distributed._functional_collectives as fc
+    t = (torch.tensor([1.0, 2.0]) * (rank + 1)).to(device)
+    got = {"all_reduce": (fc.all_reduce(t, "sum", dist.group.WORLD) ** 0.5).cpu().tolist(),
+           "all_gather": (fc.all_gather_tensor(t, 0, dist.group.WORLD) * 2).cpu().tolist(),
+           "reduce_scatter": (fc.reduce_scatter_tensor(torch.arange(4.0).to(device) + rank, "sum", 0,
+                                                       dist.group.WORLD) + 1).cpu().tolist()}
+    raw = torch.ops._c10d_functional.all_reduce(t, "max", dist.group.WORLD.group_name)
+    got["raw"] = (torch.ops._c10d_functional.wait_tensor(raw) - 1).cpu().tolist()
+    xm.mark_step()
+    return got
+
+
+checks = [None] * world
+dist.all_gather_object(checks, {"funcol": functional_collectives()})
 params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
 if rank == 0:
     from kiln.device import metrics
     print("losses", " ".join(f"{v:.7f}" for v in losses))
+    print("norms", " ".join(f"{v:.7f}" for v in norms))
+    print("checks", json.dumps(checks))
     # in a process group, programs compile in-line: every rank swaps them in at one step
     print("compiles", metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile"),
           metrics.counter_value("BackgroundCompile"), metrics.counter_value("InterpretedGraphs"))
