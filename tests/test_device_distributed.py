@@ -2,8 +2,8 @@
 over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, gradients clipped by
 ``clip_grad_norm_``, and torch_xla's ``xmp.spawn`` + ``xm.optimizer_step`` with no process
 group of the script's own (through ``kiln run-xla``), all equal single-process training on
-the same global batch. The same launches check the functional collectives on their own
-(``torch.distributed._functional_collectives``)."""
+the same global batch. The same launches check the collectives on their own: the functional
+ones (``torch.distributed._functional_collectives``) and ``xm.all_reduce``."""
 import json
 import os
 import subprocess
@@ -60,6 +60,24 @@ def _check_functional_collectives(checks):
         _close(f["raw"], (torch.maximum(*t) - 1).tolist())
 
 
+def _check_xm_collectives(checks):
+    """xla_spawn_train.py's xm.all_reduce against what torch_xla gives, computed on
+    the CPU from each rank's inputs."""
+    world = len(checks)
+    for rank, got in enumerate(checks):
+        # a single tensor: a new tensor, outside autograd; the input and its gradients
+        # unchanged (the input used to become the mean, its gradients scaled by 1/world)
+        y, mean, same, requires_grad, grad = got["single"]
+        assert (same, requires_grad) == (False, False)
+        _close([y, mean], [3.0 * (rank + 1), sum(3.0 * (r + 1) for r in range(world)) / world])
+        _close(grad, [float(rank + 1)] * 2)
+        # a list: in place, the list itself returned; scale after the reduction
+        same, a, b = got["list"]
+        assert same is True
+        _close(a, (torch.stack([torch.tensor([1.0, -2.0 * r]) for r in range(world)]).amax(0) * 2).tolist())
+        _close(b, [2.0 * (3.0 + world - 1)])
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One compile cache for the three runs' ranks: the two ranks of a run compile the same
@@ -90,6 +108,7 @@ def test_two_processes_equal_one(kind, tmp_path, cache, kiln_cli):
         assert "collectives [[0.0, 10.0], [1.0, 11.0]] 0.5 2" in proc.stdout, proc.stdout[-2000:]
         assert "has been compiled for" not in proc.stderr     # xm's gradient scaling: no program per shape
     if kind == "xm-spawn":
+        _check_xm_collectives(json.loads(_values("xm_checks", proc.stdout)))
         expected, _, state = _single_process()
     else:
         checks = json.loads(_values("checks", proc.stdout))

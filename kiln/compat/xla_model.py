@@ -194,23 +194,44 @@ def mesh_reduce(tag: str, data, reduce_fn):
     return reduce_fn(out)
 
 
-def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=True):
-    """Reduce ``inputs`` (a tensor or a list) over all ranks, in place; returns them."""
-    _all_ranks("all_reduce", groups)
+_OPS = {REDUCE_SUM: "SUM", REDUCE_MUL: "PRODUCT", REDUCE_MIN: "MIN", REDUCE_MAX: "MAX", REDUCE_AND: "BAND",
+        REDUCE_OR: "BOR"}
+
+
+def _reduce_op(reduce_type):
     import torch.distributed as tdist
-    ops = {REDUCE_SUM: tdist.ReduceOp.SUM, REDUCE_MUL: tdist.ReduceOp.PRODUCT, REDUCE_MIN: tdist.ReduceOp.MIN,
-           REDUCE_MAX: tdist.ReduceOp.MAX, REDUCE_AND: tdist.ReduceOp.BAND, REDUCE_OR: tdist.ReduceOp.BOR}
-    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if reduce_type not in _OPS:
+        raise ValueError(f"kiln: unknown reduce_type {reduce_type!r}: one of {', '.join(map(repr, _OPS))}")
+    return getattr(tdist.ReduceOp, _OPS[reduce_type])
+
+
+def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=True):
+    """Reduce over all ranks, then multiply by ``scale``, as torch_xla does: a single tensor
+    gives a NEW tensor holding the result and is itself left unchanged; a list (or tuple) is
+    reduced in place and returned. The result is not part of autograd's graph (torch_xla's
+    collective has no gradient): ``mean = xm.all_reduce(SUM, loss, scale=1/world)`` to log
+    the mean loss before ``loss.backward()`` leaves ``loss`` and its gradients alone. On a
+    single rank the result is a copy (a tensor) or the list unchanged, ``scale`` unapplied,
+    as torch_xla's. (Until 12-01 a single tensor was reduced in place and returned, and the
+    scaling was recorded by autograd: that loss became the ranks' mean, and every gradient
+    of the step was scaled by ``scale``.)"""
+    _all_ranks("all_reduce", groups)
+    op = _reduce_op(reduce_type)
+    single = isinstance(inputs, torch.Tensor)
     dist = _collective_dist()
-    if dist is not None:
-        for t in tensors:
-            dist.all_reduce(t, op=ops[reduce_type])
+    if dist is None:
+        return inputs.detach().clone() if single else inputs
+    # the collective writes the tensors' memory with autograd kept out: through detached
+    # aliases (the same memory, and on kiln's device the same cell), not the caller's tensors
+    tensors = [inputs.detach().clone()] if single else [t.detach() for t in inputs]
+    for t in tensors:
+        dist.all_reduce(t, op=op)
     if scale != 1.0:
         # after every collective, as one operation: a scale between two collectives was a
         # program of one multiplication, compiled per tensor shape (each collective runs
         # what the device has queued)
         torch._foreach_mul_(tensors, scale)
-    return inputs
+    return tensors[0] if single else inputs
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout=True):

@@ -3,7 +3,9 @@ synthetic data): ``xmp.spawn`` starts the ranks, the script makes no process gro
 own, the replicas start apart and ``xm.broadcast_master_param`` makes them rank 0's, then
 ``xm.optimizer_step`` averages gradients, ``xm.mesh_reduce``/``xm.all_gather`` collect
 metrics. Run unchanged through ``kiln run-xla`` by tests/test_device_distributed.py; rank 0
-prints the mean loss per step and writes the final parameters."""
+prints the mean loss per step and writes the final parameters. Then ``xm.all_reduce``
+on its own (:func:`_collectives`): every rank's results, printed by rank 0 as JSON."""
+import json
 import sys
 
 import numpy as np
@@ -14,6 +16,26 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.xla_multiprocessing as xmp
 import torch_xla.runtime as xr
 import torch_xla.utils.utils as xu
+
+
+def _collectives(device, rank, world):
+    """xm's collectives on small tensors, what each gave on this rank (the test computes
+    what torch_xla gives on the CPU)."""
+    got = {}
+    # a single tensor: a new tensor, the input unchanged, autograd untouched (the mean loss
+    # logged before backward(): the input used to become the mean, its gradients scaled)
+    w = torch.tensor([1.0, 2.0], device=device, requires_grad=True)
+    y = (w * (rank + 1)).sum()
+    mean = xm.all_reduce(xm.REDUCE_SUM, y, scale=1.0 / world)
+    y.backward()
+    xm.mark_step()
+    got["single"] = [float(y), float(mean), mean is y, mean.requires_grad, w.grad.cpu().tolist()]
+    # a list: reduced in place, the same list returned
+    a, b = torch.tensor([1.0, -2.0 * rank], device=device), torch.tensor([3.0 + rank], device=device)
+    both = [a, b]
+    back = xm.all_reduce(xm.REDUCE_MAX, both, scale=2.0)
+    got["list"] = [back is both, a.cpu().tolist(), b.cpu().tolist()]
+    return got
 
 
 def _mp_fn(index, out):
@@ -41,11 +63,13 @@ def _mp_fn(index, out):
     gathered = xm.all_gather(torch.tensor([[float(rank), 10.0 + rank]], device=device))
     mean = xm.mesh_reduce("rank_mean", torch.tensor(float(rank), device=device), lambda v: float(sum(v)) / len(v))
     params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    checks = xm.mesh_reduce("checks", _collectives(device, rank, world), lambda per_rank: per_rank)
     assert tracker.global_rate() > 0
     if xm.is_master_ordinal():
         from kiln.device import metrics
         print("losses", " ".join(f"{v:.7f}" for v in losses))
         print("collectives", gathered.cpu().tolist(), mean, xm.xrt_world_size())
+        print("xm_checks", json.dumps(checks))
         print("compiles", metrics.counter_value("UncachedCompile") + metrics.counter_value("CachedCompile"),
               metrics.counter_value("BackgroundCompile"), metrics.counter_value("InterpretedGraphs"))
         torch.save(params, out)
