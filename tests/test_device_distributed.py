@@ -3,7 +3,7 @@ over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, gradients cli
 ``clip_grad_norm_``, and torch_xla's ``xmp.spawn`` + ``xm.optimizer_step`` with no process
 group of the script's own (through ``kiln run-xla``), all equal single-process training on
 the same global batch. The same launches check the collectives on their own: the functional
-ones (``torch.distributed._functional_collectives``) and ``xm.all_reduce``."""
+ones (``torch.distributed._functional_collectives``) and ``xm.all_reduce``, and that FSDP1 is refused."""
 import json
 import os
 import subprocess
@@ -60,6 +60,14 @@ def _check_functional_collectives(checks):
         _close(f["raw"], (torch.maximum(*t) - 1).tolist())
 
 
+def _check_fsdp1_refused(checks):
+    """FSDP1 on the device: an error at construction that names FSDP2 (it crashed in its
+    sharding: "Trying to resize storage that is not resizable")."""
+    for got in checks:
+        assert got["fsdp1"].startswith("NotImplementedError: kiln: FSDP1"), got["fsdp1"]
+        assert "fully_shard" in got["fsdp1"], got["fsdp1"]
+
+
 def _check_xm_collectives(checks):
     """xla_spawn_train.py's xm.all_reduce against what torch_xla gives, computed on
     the CPU from each rank's inputs."""
@@ -113,6 +121,7 @@ def test_two_processes_equal_one(kind, tmp_path, cache, kiln_cli):
     else:
         checks = json.loads(_values("checks", proc.stdout))
         _check_functional_collectives(checks)
+        _check_fsdp1_refused(checks)
         expected, norms, state = _single_process(clip=0.5)
         assert min(norms) > 0.5         # the clipping clips
         got_norms = [float(v) for v in _values("norms", proc.stdout).split()]

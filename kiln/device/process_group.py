@@ -141,6 +141,35 @@ def _fsdp2_storage_on_host():
     _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc_storage
 
 
+FSDP1_ADVICE = ("FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) is not supported on kiln's device: it "
+                "flattens parameters into one storage and resizes it, and a kiln device tensor's memory is a host "
+                "tensor it holds, not a storage to resize. Use FSDP2's fully_shard (from torch.distributed.fsdp "
+                "import fully_shard) on the 'xla' backend, which kiln supports (clip_grad_norm_ included)")
+
+
+def _fsdp1_refused():
+    """FSDP1 on the device is an error at construction, saying to use FSDP2: it failed
+    deep in its sharding (``Trying to resize storage that is not resizable``). The check is
+    where FSDP1 flattens a module's parameters (``FlatParamHandle``), given the device it
+    computes on, wherever the parameters came from (already on the device, or moved there
+    by ``device_id``). Unchanged for every other device; torch 2.13's layout."""
+    try:
+        from torch.distributed.fsdp import _flat_param
+    except ImportError:
+        return
+    handle = _flat_param.FlatParamHandle
+    init = handle.__init__
+    if getattr(init, "_kiln", False):
+        return
+
+    def __init__(self, params, fully_sharded_module, device, *args, **kwargs):
+        if torch.device(device).type == device_type():
+            raise NotImplementedError(f"kiln: {FSDP1_ADVICE}")
+        init(self, params, fully_sharded_module, device, *args, **kwargs)
+    __init__._kiln = True
+    handle.__init__ = __init__
+
+
 def register():
     """Register the ``"xla"`` and ``"kiln"`` backends (once per process) for the CPU and
     kiln's device."""
@@ -152,6 +181,7 @@ def register():
             if name not in dist.Backend.backend_list:
                 dist.Backend.register_backend(name, _create, devices=["cpu", device])
         _fsdp2_storage_on_host()
+        _fsdp1_refused()
         _xla_rendezvous()
         _done.append(True)
 

@@ -2,8 +2,8 @@
 tests/test_device_distributed.py: DDP or FSDP2 (fully_shard), on the 'xla'
 torch.distributed backend (xm.optimizer_step's all-reduce: tests/data/xla_spawn_train.py). Each step clips the
 gradients' norm (``clip_grad_norm_``: on FSDP2's sharded gradients, DTensor's functional all-reduce). Rank 0 prints the
-mean loss and the norm per step and writes the final parameters; then the functional collectives used on their own,
-every rank's results as JSON."""
+mean loss and the norm per step and writes the final parameters; then the functional collectives used on their own and
+FSDP1 (refused on the device), every rank's results as JSON."""
 import json
 import sys
 
@@ -62,8 +62,17 @@ def functional_collectives():
     return got
 
 
+def fsdp1():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    try:
+        FullyShardedDataParallel(nn.Linear(2, 2).to(device))
+        return "constructed"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 checks = [None] * world
-dist.all_gather_object(checks, {"funcol": functional_collectives()})
+dist.all_gather_object(checks, {"funcol": functional_collectives(), "fsdp1": fsdp1()})
 params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
 if rank == 0:
     from kiln.device import metrics
