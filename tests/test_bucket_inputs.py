@@ -102,7 +102,7 @@ def test_messages_show_the_bucketed_dims_range(gather):
         compiled(x=x)
     with pytest.raises(kiln.InputError, match=r"missing input 'x': expected \(2, 1\.\.8, 8\) float32"):
         compiled(pos=torch.tensor([1, 2]))
-    with pytest.raises(kiln.InputError, match=r"input 'x': expected \(2, 1\.\.8, 8\) float32, got \(2, 5\) float32"):
+    with pytest.raises(kiln.InputError, match=r"input 'x': expected 3-d \(2, 1\.\.8, 8\) float32, got \(2, 5\) float32"):
         compiled(x=x[:, :, 0], pos=torch.tensor([1, 2]))
     with pytest.raises(kiln.InputError, match=r"input 'x': expected \(N, 1\.\.8, 8\) float32"):
         kiln.dynamic_batch(compiled)(x.double(), torch.tensor([1, 2]))

@@ -126,7 +126,7 @@ class Bucketed(_Wrapper):
         actual = [None] * len(self.axes)
         for i, (t, spec) in enumerate(zip(flat, specs0)):
             if t.dtype != spec.dtype or t.dim() != len(spec.shape):
-                raise InputError(f"input '{spec.name}': expected {self.shown_specs[i].describe()}, got "
+                raise InputError(f"input '{spec.name}': expected {len(spec.shape)}-d {self.shown_specs[i].describe()}, got "
                                  f"{tuple(t.shape)} {specs.dtype_name(t.dtype)}")
             if t.device.type != "cpu":
                 raise InputError(f"input '{spec.name}': expected a CPU tensor, got one on {t.device}")
