@@ -3,7 +3,8 @@ over host memory): DDP and FSDP2 (``fully_shard``) under torchrun, gradients cli
 ``clip_grad_norm_``, and torch_xla's ``xmp.spawn`` + ``xm.optimizer_step`` with no process
 group of the script's own (through ``kiln run-xla``), all equal single-process training on
 the same global batch. The same launches check the collectives on their own: the functional
-ones (``torch.distributed._functional_collectives``) and ``xm.all_reduce``, and that FSDP1 is refused."""
+ones (``torch.distributed._functional_collectives``), torch_xla's (``xm.all_reduce``,
+``reduce_scatter``, ``all_to_all``), and what is refused (FSDP1, ``torch_xla.distributed.fsdp``)."""
 import json
 import os
 import subprocess
@@ -69,7 +70,7 @@ def _check_fsdp1_refused(checks):
 
 
 def _check_xm_collectives(checks):
-    """xla_spawn_train.py's xm.all_reduce against what torch_xla gives, computed on
+    """xla_spawn_train.py's torch_xla collectives against what torch_xla gives, computed on
     the CPU from each rank's inputs."""
     world = len(checks)
     for rank, got in enumerate(checks):
@@ -84,6 +85,15 @@ def _check_xm_collectives(checks):
         assert same is True
         _close(a, (torch.stack([torch.tensor([1.0, -2.0 * r]) for r in range(world)]).amax(0) * 2).tolist())
         _close(b, [2.0 * (3.0 + world - 1)])
+        xs = [torch.arange(8.0).reshape(2, 4) + 10 * r for r in range(world)]
+        _close(got["reduce_scatter"], (sum(xs) * 0.5).chunk(world, 1)[rank].tolist())
+        into, highest, lowest = got["reduce_scatter_list"]
+        assert into is True
+        _close(highest, torch.stack(xs).amax(0).chunk(world, 0)[rank].tolist())
+        _close(lowest, torch.stack([-x for x in xs]).amax(0).chunk(world, 0)[rank].tolist())
+        vs = [torch.arange(8.0).reshape(4, 2) + 100 * r for r in range(world)]
+        _close(got["all_to_all"], torch.cat([v.chunk(world, 0)[rank] for v in vs], 1).tolist())
+        assert got["fsdp"].startswith("torch_xla.distributed.fsdp") and "fully_shard" in got["fsdp"], got["fsdp"]
 
 
 @pytest.fixture(scope="module")

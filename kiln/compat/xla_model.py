@@ -234,6 +234,65 @@ def all_reduce(reduce_type, inputs, scale: float = 1.0, groups=None, pin_layout=
     return tensors[0] if single else inputs
 
 
+def reduce_scatter(reduce_type, input, scale: float, scatter_dim: int, shard_count: int, groups=None,
+                   output=None, pin_layout=True, channel_id=None, use_global_device_ids=None):
+    """torch_xla's ``reduce_scatter``: ``input`` reduced over the ranks, times ``scale``, split
+    into ``shard_count`` (the world size) equal shards along ``scatter_dim``; this rank gets
+    shard ``rank``, a new tensor (written into ``output`` and returned when it is given). A
+    list of inputs gives a list of results (into ``output``, a list, when given). Outside
+    autograd, as torch_xla's. Over torch.distributed it is an all-reduce then this rank's
+    shard (any ``reduce_type``, any ``scatter_dim``)."""
+    _all_ranks("reduce_scatter", groups)
+    if not isinstance(input, torch.Tensor):
+        if not isinstance(input, (list, tuple)) or not all(isinstance(v, torch.Tensor) for v in input):
+            raise TypeError(f"`input` needs to be a Tensor or a list of Tensors, but given {type(input)}.")
+        if output is not None and (not isinstance(output, list) or len(output) != len(input)):
+            raise ValueError("`output` needs to be a list of Tensors as long as `input`")
+        outs = output or [None] * len(input)
+        return [reduce_scatter(reduce_type, v, scale, scatter_dim, shard_count, groups, o)
+                for v, o in zip(input, outs)]
+    world = xrt_world_size()
+    if shard_count != world:
+        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}): kiln shards over all {world} ranks")
+    if input.shape[scatter_dim] % shard_count:
+        raise ValueError(f"xm.reduce_scatter: dimension {scatter_dim} of {list(input.shape)} does not split "
+                         f"into {shard_count} equal shards")
+    op, dist = _reduce_op(reduce_type), _collective_dist()
+    reduced = input.detach().clone()
+    if dist is not None:
+        dist.all_reduce(reduced, op=op)
+    if scale != 1.0:
+        reduced.mul_(scale)
+    shard = reduced.chunk(shard_count, scatter_dim)[get_ordinal()].clone()
+    if output is not None:
+        output.copy_(shard)
+        return output
+    return shard
+
+
+def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None,
+               pin_layout=True):
+    """torch_xla's ``all_to_all``: ``value`` split into ``split_count`` (the world size) equal
+    blocks along ``split_dimension``, block ``j`` sent to rank ``j``; the blocks received
+    (one from each rank, in rank order) concatenated along ``concat_dimension``. A new
+    tensor, outside autograd (as torch_xla's)."""
+    _all_ranks("all_to_all", groups)
+    world = xrt_world_size()
+    if split_count != world:
+        raise ValueError(f"xm.all_to_all(split_count={split_count}): kiln splits over all {world} ranks")
+    if value.shape[split_dimension] % split_count:
+        raise ValueError(f"xm.all_to_all: dimension {split_dimension} of {list(value.shape)} does not split "
+                         f"into {split_count} equal blocks")
+    dist = _collective_dist()
+    if dist is None:
+        return value.detach().clone()
+    blocks = value.detach().movedim(split_dimension, 0).contiguous()     # block j: rows j*n/world...
+    received = torch.empty_like(blocks)
+    dist.all_to_all_single(received, blocks)
+    parts = [p.movedim(0, split_dimension) for p in received.chunk(split_count, 0)]
+    return torch.cat(parts, dim=concat_dimension)
+
+
 def reduce_gradients(optimizer, groups=None, pin_layout=True):
     """Average every parameter's gradient over the ranks (data parallelism)."""
     _all_ranks("reduce_gradients", groups)

@@ -4,7 +4,10 @@ in a torch-neuronx training script's imports, or run it unchanged with
 
 * ``kiln.xla.core.xla_model``: ``xla_device``, ``mark_step``, ``optimizer_step``, ``save``,
   ``get_ordinal``, ``xrt_world_size``, ``is_master_ordinal``, ``master_print``,
-  ``add_step_closure``, ``rendezvous``, ``all_reduce`` (:mod:`kiln.compat.xla_model`).
+  ``add_step_closure``, ``rendezvous``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``
+  (:mod:`kiln.compat.xla_model`).
+* ``kiln.xla.distributed.fsdp``: not provided; importing it raises ImportError naming
+  FSDP2 (``torch.distributed.fsdp.fully_shard``), which runs on kiln's device.
 * ``kiln.xla.distributed.parallel_loader``: ``MpDeviceLoader``, ``ParallelLoader``.
 * ``kiln.xla.distributed.xla_backend``: importing it registers the ``"xla"``
   ``torch.distributed`` backend (gloo on the device's host memory).

@@ -3,8 +3,9 @@ synthetic data): ``xmp.spawn`` starts the ranks, the script makes no process gro
 own, the replicas start apart and ``xm.broadcast_master_param`` makes them rank 0's, then
 ``xm.optimizer_step`` averages gradients, ``xm.mesh_reduce``/``xm.all_gather`` collect
 metrics. Run unchanged through ``kiln run-xla`` by tests/test_device_distributed.py; rank 0
-prints the mean loss per step and writes the final parameters. Then ``xm.all_reduce``
-on its own (:func:`_collectives`): every rank's results, printed by rank 0 as JSON."""
+prints the mean loss per step and writes the final parameters. Then torch_xla's other
+collectives (:func:`_collectives`): every rank's results, printed by rank 0 as JSON."""
+import importlib
 import json
 import sys
 
@@ -35,6 +36,18 @@ def _collectives(device, rank, world):
     both = [a, b]
     back = xm.all_reduce(xm.REDUCE_MAX, both, scale=2.0)
     got["list"] = [back is both, a.cpu().tolist(), b.cpu().tolist()]
+    x = (torch.arange(8.0).reshape(2, 4) + 10 * rank).to(device)
+    got["reduce_scatter"] = xm.reduce_scatter(xm.REDUCE_SUM, x, 0.5, 1, world).cpu().tolist()
+    into = torch.zeros(1, 4, device=device)
+    parts = xm.reduce_scatter(xm.REDUCE_MAX, [x, x * -1.0], 1.0, 0, world, output=[into, torch.zeros(1, 4, device=device)])
+    got["reduce_scatter_list"] = [parts[0] is into] + [p.cpu().tolist() for p in parts]
+    v = (torch.arange(8.0).reshape(4, 2) + 100 * rank).to(device)
+    got["all_to_all"] = xm.all_to_all(v, 0, 1, world).cpu().tolist()
+    try:
+        importlib.import_module("torch_xla.distributed.fsdp")
+        got["fsdp"] = "imported"
+    except ImportError as e:
+        got["fsdp"] = str(e)
     return got
 
 
