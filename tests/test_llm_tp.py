@@ -177,7 +177,8 @@ def test_a_follower_thread_that_fails_is_named_as_the_cause(built, unhandled):
     try:
         assert llm.batch_invariance["decode_rows"] == [2]
         failing.armed = True
-        with pytest.raises(Exception):
+        # the request in flight fails naming rank 1 (rank 0's aborted collective named none)
+        with pytest.raises(KilnError, match=r"ranks have stopped \(rank 1 failed: RuntimeError: engine failure"):
             llm.generate(PROMPTS, NEW)
         for t in llm._threads:
             t.join(30)
@@ -200,10 +201,40 @@ def test_only_the_first_follower_process_to_die_is_the_cause(built):
     llm = load(path)
     heard = []
     llm.on_failure.append(lambda rank, code, text: heard.append((rank, code)))
+    llm.mode, llm._channel = "processes", object()          # as if started (nothing is)
     for rank in (2, 3, 1):                     # as their watchdogs report, one after another
         llm._rank_failed(rank, -9, "tail")
     assert llm.failed == "rank 2 exited with code -9"
     assert heard == [(2, -9)]
+    # every later call says so (it used to send on the dead group: gloo's 'Connection closed by
+    # peer'), and so does a request rank 0's collective failed for (gloo's error its cause)
+    with pytest.raises(KilnError, match=r"ranks have stopped \(rank 2 exited with code -9\); close\(\) it"):
+        llm.generate(PROMPTS, NEW)
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    explained = llm._explain(gloo)
+    assert isinstance(explained, KilnError) and explained.__cause__ is gloo
+    assert "(rank 2 exited with code -9): RuntimeError: [" in str(explained) and "load the artifact again" in str(explained)
+    llm.mode = None
+
+
+def test_a_model_not_ready_says_why():
+    """The server's 503 for a model whose rank died said 'not ready (unavailable)', and one
+    while the server drained 'not ready (ready)': it now gives the model's error, or says
+    that the server is shutting down."""
+    from types import SimpleNamespace
+
+    from kiln.serving.openai_api import served_llm
+    from kiln.serving.openai_params import OpenAIError
+    dead = SimpleNamespace(kind="llm", ready=False, state="UNAVAILABLE",
+                           error="tensor-parallel rank 1 exited with code -9")
+    live = SimpleNamespace(kind="llm", ready=True, state="READY", error=None)
+    for sm, draining, why in [(dead, False, "rank 1 exited with code -9"), (dead, True, "rank 1 exited with code -9"),
+                              (live, True, "the server is shutting down")]:
+        state = SimpleNamespace(models={"tiny": sm}, draining=draining)
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(kiln=state)))
+        with pytest.raises(OpenAIError, match="not ready") as e:
+            served_llm(request, {"model": "tiny"})
+        assert e.value.status == 503 and why in str(e.value), str(e.value)
 
 
 def test_head_plans():

@@ -103,6 +103,7 @@ class LockstepScheduler(Scheduler):
         self.failure = None              # the first graph call that failed on this rank
         self._ending = False             # ending requests by the leader's word, not a failed call
         self.on_broken = None            # leader: called once the ranks are out of step
+        self.explain = None              # leader: error -> the error a request fails with (a failed rank named)
 
     # -- the leader's side ---------------------------------------------------------------
     def add(self, request: Request) -> Request:
@@ -202,6 +203,8 @@ class LockstepScheduler(Scheduler):
 
     def _finish(self, request, reason):
         self._requests.pop(getattr(request, "tp_id", None), None)
+        if reason == "error" and self.explain is not None and request.error is not None:
+            request.error = self.explain(request.error)
         if reason == "error" and not self._ending and self.failure is None:
             self.failure = request.error      # a failed graph call is its rank's failure (module doc)
         super()._finish(request, reason)

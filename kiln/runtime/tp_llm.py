@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 import traceback
 
 import torch
@@ -128,7 +129,9 @@ class TensorParallelLLM:
         Each rank has a watchdog thread of its own, so ranks that exit because the first one
         did (their collectives aborted) report too: only the first is the cause, kept and
         told once, as for threads."""
-        if self._first_failure(f"rank {rank} exited with code {returncode}"):
+        first = self._first_failure(f"rank {rank} exited with code {returncode}")
+        self._channel = None        # nothing can run any more: _command says so, not gloo's error
+        if first:
             for listener in list(self.on_failure):
                 listener(rank, returncode, tail)
 
@@ -205,8 +208,26 @@ class TensorParallelLLM:
         _refuse_draft(draft)
         self._command("scheduler", options)
         scheduler = local_scheduler(self.leader, options, self._channel)
-        scheduler.on_broken = self._broken
+        scheduler.on_broken, scheduler.explain = self._broken, self._explain
         return scheduler
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """A request's error on rank 0 as its cause: where a rank has failed (a follower process
+        died, its thread failed), rank 0's collective raises its own error (gloo's 'Connection
+        closed by peer', an aborted thread group's), which names no rank; that becomes a KilnError naming the failed rank
+        and what to do, caused by it. Rank 0's own failure, and a request's own, stay as they are."""
+        launched = self._launched
+        if self.failed is None and launched is not None and not launched.alive():
+            deadline = time.monotonic() + 5.0       # a rank died: its watchdog records why, at once
+            while self.failed is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.failed is None or self.failed.startswith("rank 0 ") or self.failed in str(error):
+            return error
+        explained = KilnError(f"this tensor-parallel model's ranks have stopped ({self.failed}): "
+                              f"{type(error).__name__}: {error}; close() it and load the artifact again "
+                              "(a server shuts down; restart it)")
+        explained.__cause__ = error
+        return explained
 
     def _broken(self, error):
         """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a

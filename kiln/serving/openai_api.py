@@ -60,7 +60,10 @@ def served_llm(request: Request, payload: dict):
                                f"{', '.join(llm_names(state)) or 'no LLMs'}", "NotFoundError", "model",
                           "model_not_found")
     if not answering(state, sm):
-        raise OpenAIError(503, f"model '{name}' is not ready ({sm.state.lower()})", "service_unavailable")
+        # why: a failed model's error (a tensor-parallel rank that died), not just its state
+        why = (sm.error if sm.error and sm.state == "UNAVAILABLE" else
+               "the server is shutting down" if state.draining else sm.state.lower())
+        raise OpenAIError(503, f"model '{name}' is not ready ({why})", "service_unavailable")
     return sm
 
 
