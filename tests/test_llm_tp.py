@@ -247,6 +247,18 @@ def test_head_plans():
     assert shard.plan_heads(6, 1, 4).q == ((0, 1), (2, 3), (4, 5), (-1, -1))     # 6 heads over 4 copies
 
 
+def test_speculation_with_tp_is_refused_before_compiling(monkeypatch):
+    """It compiled verify graphs (35-42 s for the tiny model) that no tensor-parallel run can
+    use (a draft is refused when generating)."""
+    import kiln.llm.tp
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("compile_tp was reached")
+    monkeypatch.setattr(kiln.llm.tp, "compile_tp", compiles)
+    with pytest.raises(CompilerArgsError, match="speculation_length=3 with tp_degree=2"):
+        compile_llm(_model("llama"), tp_degree=2, speculation_length=3, context_buckets=(4,), cache_length=16)
+
+
 def test_quantize_with_tp_is_a_clear_error():
     with pytest.raises(CompilerArgsError, match="tp_degree=2"):
         compile_llm(_model("llama"), tp_degree=2, quantize="int8", context_buckets=(4,), cache_length=16)

@@ -250,6 +250,10 @@ def _compile_tp(model, tp_degree, args):
     from kiln.llm.tp import compile_tp
     if not isinstance(tp_degree, int) or tp_degree < 1:
         raise CompilerArgsError(f"tp_degree must be a positive integer; got {tp_degree!r}")
+    if args["speculation_length"]:      # refused before its verify graphs take a minute to compile
+        raise CompilerArgsError(f"speculation_length={args['speculation_length']} with tp_degree={tp_degree}: "
+                                "speculative decoding does not run tensor-parallel LLMs yet (their verify "
+                                "graphs could never run); compile without speculation_length, or at tp_degree=1")
     options = {k: args[k] for k in ("batch_size", "context_buckets", "cache_length", "decode_batches",
                                     "speculation_length", "prefill_chunk", "sequence_buckets", "prefill_auto_cast")}
     options.update(args["trace_options"])
