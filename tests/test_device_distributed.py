@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 import torch.nn as nn
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_py
 
 SCRIPT = os.path.join(ROOT, "tests", "data", "ddp_train.py")
 SPAWN_SCRIPT = os.path.join(ROOT, "tests", "data", "xla_spawn_train.py")
@@ -165,3 +166,32 @@ def test_a_script_that_lets_pytorch_choose_the_backend(tmp_path):
             assert r[where]["sum"] == [0.0, 3.0, 6.0]
             assert r[where]["funcol"] == [1.0, 13.0, 25.0]     # a functional all-reduce, used after (eager mode)
             assert r[where]["grad"] == [[1.5, 1.5, 1.5], [1.5, 1.5, 1.5]]     # inputs 1 and 2, averaged
+
+
+def test_a_cpu_fsdp2_script_stays_on_the_cpu():
+    """``fully_shard`` without a mesh takes PyTorch's accelerator, and kiln's device is one
+    wherever kiln is installed: a CPU-only FSDP2 script over gloo had its parameters moved
+    onto the device and failed at once ("incompatible tensor type"). Over a group with no
+    backend for the device, the default mesh is now the CPU (kiln.device.fsdp_mesh)."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        ref.load_state_dict(m.state_dict())
+        fully_shard(m)
+        x = torch.randn(4, 8)
+        out = m(x)
+        out.sum().backward()
+        ref(x).sum().backward()
+        assert torch.accelerator.current_accelerator().type == "kiln"
+        print(next(m.parameters()).device.type, (out - ref(x)).abs().max().item(),
+              max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters())))
+        dist.destroy_process_group()
+    """)
+    proc = run_py(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    device, out_diff, grad_diff = proc.stdout.split()
+    assert device == "cpu" and float(out_diff) == 0.0 and float(grad_diff) <= 1e-6
