@@ -347,3 +347,39 @@ def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):
         assert '"event": "rank_failed"' in log or '"event":"rank_failed"' in log, log[-3000:]
     finally:
         server.stop()
+
+
+def test_shutdown_with_a_stalled_rank_ends_after_the_drain_timeout(built):
+    """A follower process that stops answering (SIGSTOP) while a request runs: the served
+    model's close waited for the scheduler's step, stuck in a collective with it, for the
+    collective timeout (30 minutes), so a server's SIGTERM never ended (found by probing).
+    ``close(timeout)`` now stops the ranks once the timeout has passed: the step fails, the
+    request with it, and close returns, the model's failure saying why."""
+    import asyncio
+
+    from kiln.runtime.sampling import SamplingParams
+    from kiln.serving.llm import ServedLLM
+    from kiln.serving.metrics import ServeMetrics
+    from kiln.serving.settings import ServeConfig
+    _, _, path = built["llama"]
+    sm = ServedLLM("tiny", str(path), ServeConfig(), ServeMetrics())
+    sm.load()
+    (follower,) = [c.proc for c in sm.llm._launched._children]
+
+    async def run():
+        sm.start()
+        gen = sm.submit([5, 17, 3], 28, SamplingParams(), (), ())
+        await gen.events.get()                          # a token came: the request is running
+        os.kill(follower.pid, signal.SIGSTOP)
+        await asyncio.wait_for(sm.close(1.0), 120)
+        return gen
+    try:
+        gen = asyncio.run(run())
+    finally:
+        if follower.poll() is None:
+            os.kill(follower.pid, signal.SIGCONT)
+            follower.kill()
+    assert "does not answer" in sm.llm.failed
+    assert gen.request.finish_reason not in ("length", "stop")      # it did not finish: it failed
+    assert follower.wait(30) is not None
+    sm.llm.close()

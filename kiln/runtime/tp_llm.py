@@ -229,6 +229,21 @@ class TensorParallelLLM:
         explained.__cause__ = error
         return explained
 
+    def stop_ranks(self, why: str):
+        """Kill the other ranks now, as the cause ``why``: rank 0's collective with a rank that
+        does not answer (stopped, or stuck) then fails at once instead of waiting out the
+        collective timeout (30 minutes). SIGKILL, since a stopped process keeps a SIGTERM
+        pending until it is continued. A server stopping calls this when its scheduler is still
+        in a step after the drain timeout."""
+        self._first_failure(why)
+        if self._launched is not None:
+            for child in self._launched._children:
+                if child.proc.poll() is None:
+                    child.proc.kill()
+        for group in self._thread_groups:
+            group.abort()
+        self._channel = None
+
     def _broken(self, error):
         """Rank 0's graph call failed: the ranks are out of step, so they are stopped (a
         follower waiting in a collective would otherwise wait for a call that never comes)."""
@@ -292,7 +307,6 @@ class TensorParallelLLM:
 
 def _agree(ok: bool) -> bool:
     """Every rank's finding at once: true only where it is true on all ranks."""
-    from kiln.distributed import ops
     return bool(ops.all_reduce(torch.tensor([1.0 if ok else 0.0]), "tp", "min")[0] > 0)
 
 

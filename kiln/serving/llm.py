@@ -215,11 +215,23 @@ class ServedLLM:
         if self.on_fatal is not None:
             self.on_fatal()
 
-    async def close(self):
-        if self.scheduler is not None and self.scheduler.thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.scheduler.close)
+    async def close(self, timeout: float | None = None):
+        """Finish what was queued and stop, waiting up to ``timeout`` seconds for the
+        scheduler (the server's drain timeout). A tensor-parallel model whose scheduler is
+        still in a step by then has a rank that does not answer (a stalled process): its ranks
+        are stopped, so that the step fails and shutdown ends, instead of waiting out the
+        collective timeout."""
+        loop = asyncio.get_running_loop()
+        thread = self.scheduler.thread if self.scheduler is not None else None
+        if thread is not None:
+            await loop.run_in_executor(None, self.scheduler.close, timeout)
+            if thread.is_alive() and hasattr(self.llm, "stop_ranks"):
+                why = f"still in a step {timeout:g} s after the server began to stop: a rank does not answer"
+                log("error", "llm_stuck", model=self.name, seconds=timeout)
+                await loop.run_in_executor(None, self.llm.stop_ranks, why)
+                await loop.run_in_executor(None, self.scheduler.close, 30.0)
         if hasattr(self.llm, "on_failure"):
-            await asyncio.get_running_loop().run_in_executor(None, self.llm.close)
+            await loop.run_in_executor(None, self.llm.close)
 
     # -- requests ------------------------------------------------------------------------
     def require_tokenizer(self) -> Tokenizer:

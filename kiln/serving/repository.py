@@ -109,6 +109,7 @@ class ServerState:
         self.in_flight = 0            # inference requests being handled
         self.on_fatal = None          # set by serve(): stop the server when a model fails to load
         self.loop = None
+        self.drain_timeout = None     # set by serve(): how long shutdown waits for an LLM's scheduler
         for sm in self.models.values():
             if isinstance(sm, ServedLLM):
                 sm.on_fatal = self._fatal
@@ -163,7 +164,7 @@ class ServerState:
         self.draining = True
         for sm in self.models.values():
             if isinstance(sm, ServedLLM):
-                await sm.close()
+                await sm.close(self.drain_timeout)
             elif sm.batcher is not None and sm.batcher.started:
                 await sm.batcher.close()
             sm.ready, sm.state = False, "UNAVAILABLE"

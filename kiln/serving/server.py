@@ -35,6 +35,7 @@ def serve(models, host: str = "127.0.0.1", port: int = 8000, *, log_level: str =
     logging.config.dictConfig(logging_config(log_level, access_log))
     app = build_app(models, **settings)
     state: ServerState = app.state.kiln
+    state.drain_timeout = drain_timeout
     log("info", "starting", pid=os.getpid(), config=asdict(state.config),
         models={sm.name: sm.source if isinstance(sm.source, str) else type(sm.source).__name__
                 for sm in state.models.values()})
