@@ -355,6 +355,13 @@ class Ranks:
     def pids(self) -> dict:
         return {c.rank: c.proc.pid for c in self._children}
 
+    def kill(self):
+        """SIGKILL the children now, a stopped (SIGSTOP) one included, which would keep a
+        SIGTERM pending until continued; :meth:`terminate` still reaps them afterwards."""
+        for c in self._children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+
     def _watch(self, child):
         code = child.proc.wait()
         if code == 0 or self._stopping:

@@ -237,9 +237,7 @@ class TensorParallelLLM:
         in a step after the drain timeout."""
         self._first_failure(why)
         if self._launched is not None:
-            for child in self._launched._children:
-                if child.proc.poll() is None:
-                    child.proc.kill()
+            self._launched.kill()
         for group in self._thread_groups:
             group.abort()
         self._channel = None
