@@ -51,6 +51,11 @@ class Helper:
         self.k = k
 
 
+class Named(Helper):
+    def __repr__(self):             # a repr that leaves the setting out
+        return "Named()"
+
+
 def closure(s):
     return lambda t: t * s
 
@@ -72,6 +77,7 @@ PAIRS = {   # each builds a model that computes differently from the other's
     "lambda constant": lambda k: Act([lambda t: t * 2.0, lambda t: t * 3.0][k]),
     "closure": lambda k: Act(closure(2.0 + k)),
     "helper object": lambda k: Act(torch.tanh, Helper(2.0 + k)),
+    "helper object with its own repr": lambda k: Act(torch.tanh, Named(2.0 + k)),
     "tensor past its printed part": lambda k: Act(torch.tanh, big(1.0 + 4 * k)),
     "layer in a plain list": lambda k: Act(torch.tanh, layer(k)),
 }

@@ -170,13 +170,13 @@ class _Reader:
                 pass
         if callable(v) and not hasattr(v, "__dict__"):    # builtins, C functions, torch ops
             return ["builtin", getattr(v, "__module__", None), getattr(v, "__qualname__", None) or repr(v)]
-        text = repr(v)
-        if " at 0x" not in text:
-            return [type(v).__qualname__, text]
         state = getattr(v, "__dict__", None)
-        if state is None:
+        if isinstance(state, dict):     # an object by its attributes: a repr may leave some out
+            return ["object", self.class_digest(type(v)), self.value(state, d)]
+        text = repr(v)
+        if " at 0x" in text:
             raise Opaque(f"a {type(v).__qualname__} ({text[:60]})")
-        return ["object", self.class_digest(type(v)), self.value(state, d)]
+        return [type(v).__qualname__, text]    # a value with no attributes (a number type, a range)
 
     def function(self, fn, depth) -> list:
         """A Python function: its code (constants included: ``t * 2.0`` and ``t * 3.0``
