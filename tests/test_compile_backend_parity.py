@@ -8,16 +8,9 @@ import torch
 import torch.nn as nn
 
 from kiln.device import metrics
+from tests.test_device_compile import OPTIONS, _fresh
 
-OPTIONS = {"optlevel": 1}
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    metrics.clear()
-    yield
-    torch._dynamo.reset()
+_AUTOUSE = (_fresh,)        # test_device_compile's autouse fixture, here too: dynamo reset around each test
 
 
 def _no_compile(monkeypatch):

@@ -251,12 +251,7 @@ def reduce_scatter(reduce_type, input, scale: float, scatter_dim: int, shard_cou
         outs = output or [None] * len(input)
         return [reduce_scatter(reduce_type, v, scale, scatter_dim, shard_count, groups, o)
                 for v, o in zip(input, outs)]
-    world = xrt_world_size()
-    if shard_count != world:
-        raise ValueError(f"xm.reduce_scatter(shard_count={shard_count}): kiln shards over all {world} ranks")
-    if input.shape[scatter_dim] % shard_count:
-        raise ValueError(f"xm.reduce_scatter: dimension {scatter_dim} of {list(input.shape)} does not split "
-                         f"into {shard_count} equal shards")
+    _splits_over_world("reduce_scatter", "shard_count", shard_count, input, scatter_dim)
     op, dist = _reduce_op(reduce_type), _collective_dist()
     reduced = input.detach().clone()
     if dist is not None:
@@ -270,6 +265,15 @@ def reduce_scatter(reduce_type, input, scale: float, scatter_dim: int, shard_cou
     return shard
 
 
+def _splits_over_world(op, name, count, tensor, dim):
+    """``count`` parts along ``dim``, one per rank of the world: ValueError otherwise."""
+    world = xrt_world_size()
+    if count != world:
+        raise ValueError(f"xm.{op}({name}={count}): kiln splits over all {world} ranks")
+    if tensor.shape[dim] % count:
+        raise ValueError(f"xm.{op}: dimension {dim} of {list(tensor.shape)} does not split into {count} equal parts")
+
+
 def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None,
                pin_layout=True):
     """torch_xla's ``all_to_all``: ``value`` split into ``split_count`` (the world size) equal
@@ -277,12 +281,7 @@ def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: 
     (one from each rank, in rank order) concatenated along ``concat_dimension``. A new
     tensor, outside autograd (as torch_xla's)."""
     _all_ranks("all_to_all", groups)
-    world = xrt_world_size()
-    if split_count != world:
-        raise ValueError(f"xm.all_to_all(split_count={split_count}): kiln splits over all {world} ranks")
-    if value.shape[split_dimension] % split_count:
-        raise ValueError(f"xm.all_to_all: dimension {split_dimension} of {list(value.shape)} does not split "
-                         f"into {split_count} equal blocks")
+    _splits_over_world("all_to_all", "split_count", split_count, value, split_dimension)
     dist = _collective_dist()
     if dist is None:
         return value.detach().clone()
