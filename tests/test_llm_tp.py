@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -310,7 +311,7 @@ def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):
     from tests.test_serve import Server
     model, llm, path = built["llama"]
     tok = Tokenizer(llm.tokenizer_files)
-    server = Server([f"tiny={path}"], tmp_path / "server.log")
+    server = Server([f"tiny={path}", "--stall-timeout", "1"], tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         prompt = tok.encode("Hi")
@@ -335,6 +336,29 @@ def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):
         children = [c for c in psutil.Process(server.proc.pid).children() if "kiln.distributed.rank" in
                     " ".join(c.cmdline())]
         assert len(children) == 1
+        # a rank that stops answering (SIGSTOP) holds the next step in a collective: /health
+        # turns 503 naming the model once the step has run --stall-timeout (it stayed 200 for
+        # the 30-minute collective timeout), and 200 again when the rank resumes; the request
+        # then finishes with Hugging Face's tokens
+        expected = _hf(model, prompt, 20)
+        expected = expected[:expected.index(2) + 1] if 2 in expected else expected
+        done = []
+        os.kill(children[0].pid, signal.SIGSTOP)
+        try:
+            worker = threading.Thread(target=lambda: done.append(client.completions.create(
+                model="tiny", prompt="Hi", max_tokens=20, temperature=0)), daemon=True)
+            worker.start()
+            deadline = time.monotonic() + 30
+            while (health := server.call("GET", "/health"))[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert health[0] == 503 and health[2]["stalled"]["tiny"] >= 1, health
+            assert not done                              # the request waits for the step
+        finally:
+            os.kill(children[0].pid, signal.SIGCONT)
+        worker.join(60)
+        assert done and done[0].choices[0].text == tok.decode(expected)
+        assert server.call("GET", "/health")[0] == 200
+        assert [e["model"] for e in server.events() if e.get("event") == "llm_stalled"] == ["tiny"]
         stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=20, temperature=0, stream=True)
         first = next(iter(stream))
         assert first.choices[0].text is not None

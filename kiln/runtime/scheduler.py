@@ -143,12 +143,10 @@ class Scheduler:
         self.window_steps: dict = {}  # window -> decode steps run in it
         self.slots: list = [None] * cache_shape[1]
         self.waiting: collections.deque = collections.deque()
-        self.max_queue, self.prefills_per_step = max_queue, prefills_per_step
-        self.max_context = max_context
+        self.max_queue, self.prefills_per_step, self.max_context = max_queue, prefills_per_step, max_context
         self.cond = threading.Condition()
-        self.closing = False
-        self.thread: threading.Thread | None = None
-        self.steps = 0
+        self.closing, self.thread = False, None    # the background thread (start)
+        self.steps, self.step_started = 0, None    # steps run; perf_counter() when the thread's began
         self.rows_run: dict = {}      # decode graph rows -> steps run with it
         self.moves = 0                # requests moved to a lower slot
         self.prefill_chunks = 0       # chunks run by chunked prefill
@@ -450,6 +448,7 @@ class Scheduler:
                     self.cond.wait()
                 if self.closing and not self.has_work():
                     return
+            self.step_started = time.perf_counter()    # a server's /health names a step that never ends
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the thread serves on
@@ -458,6 +457,7 @@ class Scheduler:
                     if r is not None:
                         r.error = r.error or e
                         self._free(slot, "error")
+            self.step_started = None
 
     def close(self, timeout: float | None = None):
         """Finish what was added, then stop the thread; later adds are refused."""

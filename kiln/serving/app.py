@@ -131,10 +131,12 @@ async def health_live(request):
 
 async def health_ready(request):
     """``/v2/health/ready`` and ``/health``: 200 once every model answers; 503 while any is
-    loading, after one failed to load, and while draining."""
+    loading, after one failed to load, while draining, and while an LLM is stalled (in one
+    step for longer than ``--stall-timeout``: the body names it and the seconds)."""
     state: ServerState = request.app.state.kiln
-    ok = state.ready()
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+    ok, stalled = state.ready(), state.stalled()
+    body = {"ready": ok, "stalled": {name: round(s, 1) for name, s in stalled.items()}} if stalled else {"ready": ok}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 def not_ready(sm):

@@ -140,6 +140,7 @@ class ServedLLM:
         self.created = int(time.time())
         self._times: collections.deque = collections.deque()
         self._lock = threading.Lock()
+        self._stall_logged = None       # the stalled step already logged (its start time)
 
     # -- lifecycle -----------------------------------------------------------------------
     def load(self) -> float:
@@ -203,6 +204,22 @@ class ServedLLM:
         log("info", "model_ready", model=self.name, kind="llm", batch_size=self.llm.batch_size,
             context_buckets=list(self.llm.prefill), cache_positions=self.scheduler.cache.capacity,
             max_queue=self.config.max_queue, tokenizer=self.tokenizer is not None)
+
+    def stalled(self) -> float | None:
+        """Seconds the scheduler has been in its current step, when more than the server's
+        ``stall_timeout_s`` (else None): a rank that stopped answering holds the step in a
+        collective until the collective timeout (30 minutes), and a decode step takes
+        milliseconds, so a load balancer should stop sending requests long before. Logged
+        once per stalled step."""
+        started, limit = getattr(self.scheduler, "step_started", None), self.config.stall_timeout_s
+        seconds = None if started is None or not limit else time.perf_counter() - started
+        if seconds is None or seconds < limit:
+            return None
+        if self._stall_logged != started:
+            self._stall_logged = started
+            log("error", "llm_stalled", model=self.name, seconds=round(seconds, 1), step=self.scheduler.steps,
+                tensor_parallel=hasattr(self.llm, "on_failure"))
+        return seconds
 
     def _rank_failed(self, rank, returncode, tail):
         """A tensor-parallel rank died: its requests fail (their collectives raise), and the

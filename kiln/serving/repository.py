@@ -120,7 +120,13 @@ class ServerState:
             self.on_fatal()
 
     def ready(self) -> bool:
-        return not self.draining and all(m.ready for m in self.models.values())
+        return not self.draining and all(m.ready for m in self.models.values()) and not self.stalled()
+
+    def stalled(self) -> dict:
+        """``{model: seconds}`` of the LLMs whose scheduler has been in one step longer than
+        ``--stall-timeout``: they cannot answer, though loaded (:meth:`ServedLLM.stalled`)."""
+        seconds = {name: sm.stalled() for name, sm in self.models.items() if isinstance(sm, ServedLLM)}
+        return {name: s for name, s in seconds.items() if s is not None}
 
     def load_all(self):
         """Loading thread: load and warm up every model, then start it on the event loop."""

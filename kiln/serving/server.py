@@ -117,6 +117,11 @@ def add_arguments(p: argparse.ArgumentParser):
                         f"(default {d.max_request_bytes >> 20}M; also the limit on an inflated gzip body)")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
                    help=f"seconds a request body may take to arrive before 408 (default {d.body_timeout_s:g})")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s, metavar="S",
+                   help="an LLM whose step (a prefill, a decode step) has run this many seconds is stalled "
+                        "(a tensor-parallel rank that stopped answering, a hung engine): /health and "
+                        f"/v2/health/ready answer 503 naming it until the step ends (default {d.stall_timeout_s:g}; "
+                        "0: never)")
     p.add_argument("--no-merge-check", action="store_true",
                    help="trust that merging requests into a batch never changes a model's answers "
                         "(skip the check at load that turns batching off for models whose rows interact)")
@@ -197,6 +202,7 @@ def run(args) -> int:
                      max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
                      instances=args.instances, timeout_s=args.timeout, threads=args.threads,
                      max_request_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                     stall_timeout_s=args.stall_timeout,
                      merge_check=not args.no_merge_check, embeddings=parse_pairs(args.embeddings),
                      drafts=parse_drafts(args.draft, args.models), prompt_lookup_max=args.prompt_lookup_max,
                      prompt_lookup_min=args.prompt_lookup_min)

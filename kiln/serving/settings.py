@@ -19,6 +19,7 @@ class ServeConfig:
     threads: int | None = None         # engine threads per instance (default: its CPUs)
     max_request_bytes: int = 64 << 20  # larger bodies get 413 (checked while the body streams in)
     body_timeout_s: float = 60.0       # a request body must arrive within this (else 408)
+    stall_timeout_s: float = 120.0     # an LLM step running longer turns /health 503 (0: never)
     merge_check: bool = True           # prove at load that merging requests keeps every answer
     # speculative decoding per LLM: model name ("*": every LLM) -> "ngram" or a draft .kiln path
     drafts: dict = field(default_factory=dict)
