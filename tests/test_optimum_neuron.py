@@ -6,6 +6,7 @@ keywords are applied, noted or refused, never silently dropped."""
 import json
 import logging
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -366,6 +367,14 @@ def test_causal_lm_in_both_of_optimums_spellings_generates_hugging_faces_tokens(
                                                            num_cores=1, auto_cast_type="fp32")
     one = torch.tensor([prompts[0]])
     assert legacy.generate(one, max_new_tokens=8)[0, len(prompts[0]):].tolist() == want[0]
+    with pytest.raises(ValueError, match="Input length of input_ids is 7, but `max_length` is set to 5"):
+        legacy.generate(one, max_length=5)          # as transformers (it made one token)
+    assert legacy.generate(one.int(), max_new_tokens=2).dtype == hf.generate(one.int(), max_new_tokens=2).dtype
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tmp_path / "saved", corrupt)
+    (corrupt / "neuron_config.json").write_text("{bad")
+    with pytest.raises(ArtifactError, match="neuron_config.json is not valid JSON.*save_pretrained the model again"):
+        neuron.NeuronModelForCausalLM.from_pretrained(corrupt)
     with caplog.at_level(logging.WARNING, logger="kiln.optimum"):      # capped as on Neuron, and said so
         assert legacy.generate(one, max_new_tokens=100).shape == (1, 32)
     assert "exported with sequence_length=32: generating at most 25 new tokens" in caplog.text

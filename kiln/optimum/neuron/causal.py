@@ -111,9 +111,13 @@ class NeuronModelForCausalLM(CpuModel):
         if not os.path.exists(os.path.join(path, NEURON_CONFIG)) or not os.path.exists(file):
             raise FileNotFoundError(f"{path} holds no model kiln exported ({NEURON_CONFIG} and {MODEL_FILE}): "
                                     "use get_neuron_config(...) + export(...), or from_pretrained(export=True)")
-        with open(os.path.join(path, NEURON_CONFIG)) as f:
-            nc = json.load(f)
-        if nc.get("compiler") != "kiln":
+        try:
+            with open(os.path.join(path, NEURON_CONFIG)) as f:
+                nc = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{path}/{NEURON_CONFIG} is not valid JSON ({e}): the directory is damaged; "
+                                "save_pretrained the model again, or export it again") from None
+        if not isinstance(nc, dict) or nc.get("compiler") != "kiln":
             raise ArtifactError(f"{path}/{NEURON_CONFIG} was not written by kiln")
         config = require_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
         return cls(load(file), config, nc, preprocessors_of(path), _generation_config(config, path))
@@ -134,6 +138,9 @@ class NeuronModelForCausalLM(CpuModel):
         Neuron: at most ``batch_size`` rows (more run ``batch_size`` at a time here) and
         ``sequence_length`` tokens in all."""
         seq = self.neuron_config["sequence_length"]
+        input_ids = torch.as_tensor(input_ids)
+        if not input_ids.is_floating_point():     # transformers' output is int64 whatever the input's width
+            input_ids = input_ids.to(torch.int64)
         if input_ids.shape[-1] >= seq:
             raise ValueError(f"a prompt of {input_ids.shape[-1]} tokens leaves no room in the compiled "
                              f"sequence_length {seq}")
@@ -149,7 +156,12 @@ class NeuronModelForCausalLM(CpuModel):
                 kwargs["max_length"] = seq
         if "max_length" in kwargs:
             asked = kwargs.pop("max_length")
-            kwargs["max_new_tokens"] = max(1, min(asked, seq) - input_ids.shape[-1])
+            asked = seq if asked is None else asked
+            if asked <= input_ids.shape[-1]:       # transformers' own check and words
+                raise ValueError(f"Input length of input_ids is {input_ids.shape[-1]}, but `max_length` is set to "
+                                 f"{asked}. This can lead to unexpected behavior. You should consider increasing "
+                                 "`max_length` or, better yet, setting `max_new_tokens`.")
+            kwargs["max_new_tokens"] = min(asked, seq) - input_ids.shape[-1]
         else:
             asked = input_ids.shape[-1] + kwargs["max_new_tokens"]
         if asked > seq:     # capped, as on Neuron; said, so a short answer is not a mystery
