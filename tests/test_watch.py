@@ -147,7 +147,7 @@ def test_exited_process_is_forgotten(served, kiln_cli):
     proc.wait(timeout=30)
     info = json.loads(_kiln(kiln_cli, run_dir, "ls", "--json"))
     assert [p for p in info["processes"] if p["pid"] == proc.pid] == []
-    assert not os.path.exists(os.path.join(run_dir, f"{proc.pid}.json"))   # withdrawn at exit
+    assert not os.path.exists(os.path.join(run_dir, registry.entry_name(proc.pid)))   # withdrawn at exit
 
 
 def test_registry_drops_killed_and_silent_processes(tmp_path):
@@ -157,15 +157,42 @@ def test_registry_drops_killed_and_silent_processes(tmp_path):
     me = psutil.Process()
     now = time.time()
     entries = {
-        "dead.json": {"pid": dead.pid, "create_time": now, "heartbeat": now, "period": 1},   # SIGKILLed
-        "silent.json": {"pid": me.pid, "create_time": me.create_time(), "heartbeat": now - 60, "period": 1},
-        "reused.json": {"pid": me.pid, "create_time": me.create_time() - 1000, "heartbeat": now, "period": 1},
-        "live.json": {"pid": me.pid, "create_time": me.create_time(), "heartbeat": now, "period": 1,
-                      "models": []},
+        f"kiln-{dead.pid}.json": {"pid": dead.pid, "create_time": now, "heartbeat": now, "period": 1},   # SIGKILLed
+        f"kiln-{me.pid}.json": {"pid": me.pid, "create_time": me.create_time(), "heartbeat": now, "period": 1,
+                                "models": []},
     }
     for name, e in entries.items():
         (tmp_path / name).write_text(json.dumps(e))
     (tmp_path / "torn.json.123.tmp").write_text("{")   # an unfinished write is never read
     live = registry.processes(str(tmp_path))
     assert [e["pid"] for e in live] == [me.pid] and live[0]["heartbeat"] == now
-    assert sorted(os.listdir(tmp_path)) == ["live.json", "torn.json.123.tmp"]
+    assert sorted(os.listdir(tmp_path)) == [f"kiln-{me.pid}.json", "torn.json.123.tmp"]
+    for stale in ({"pid": me.pid, "create_time": me.create_time(), "heartbeat": now - 60, "period": 1},   # silent
+                  {"pid": me.pid, "create_time": me.create_time() - 1000, "heartbeat": now, "period": 1}):  # reused
+        (tmp_path / f"kiln-{me.pid}.json").write_text(json.dumps(stale))
+        assert registry.processes(str(tmp_path)) == []
+        assert not (tmp_path / f"kiln-{me.pid}.json").exists()
+
+
+def test_registry_never_touches_files_that_are_not_its_heartbeats(tmp_path, kiln_cli):
+    """`--run-dir .` in a project deleted package.json: every *.json that was not a live heartbeat went."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    foreign = {
+        "package.json": '{"name": "my-project", "version": "1.0"}',
+        "settings.json": '{"a": 1}',
+        f"{dead.pid}.json": json.dumps({"pid": dead.pid, "create_time": 1.0, "heartbeat": 1.0, "period": 1}),
+        "kiln-123.json": "[1, 2]",                                                   # not an object
+        "kiln-124.json": json.dumps({"pid": 124, "period": "fast", "heartbeat": 0, "create_time": 1}),
+        "kiln-125.json": json.dumps({"pid": 7, "period": 1, "heartbeat": 0, "create_time": 1}),   # not its pid
+        "kiln-126.json": "{not json",
+    }
+    for name, text in foreign.items():
+        (tmp_path / name).write_text(text)
+    assert registry.processes(str(tmp_path)) == []
+    for args in (("ls",), ("ls", "--json"), ("monitor", "--count", "1", "--period", "0.05"),
+                 ("top", "--once", "--period", "0.05")):
+        r = forkserver.run([kiln_cli, *args, "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, env=_env(tmp_path))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+    assert {n: (tmp_path / n).read_text() for n in os.listdir(tmp_path)} == foreign

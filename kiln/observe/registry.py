@@ -5,7 +5,7 @@ plain CPUs, so processes announce themselves instead. The first kiln model a
 process loads calls :func:`announce` (the runtime does, through
 ``kiln.observe.announce_model``; importing kiln or building a model's counters
 does not), which starts a daemon thread that, every ``KILN_HEARTBEAT_S`` seconds
-(default 1), atomically rewrites ``<run dir>/<pid>.json`` with the process's
+(default 1), atomically rewrites ``<run dir>/kiln-<pid>.json`` with the process's
 model counters (``kiln.metrics()``), its memory and a timestamp. The file is
 removed at exit.
 
@@ -13,7 +13,10 @@ Readers (``kiln ls``, ``kiln monitor``, ``kiln top``) trust an entry only if
 its process is alive with the same start time (so a recycled pid is not
 mistaken for it) and its heartbeat is recent; anything else, such as the file
 of a process killed with SIGKILL, is deleted on sight. So stale entries
-never show up, and nothing has to clean up after a crash.
+never show up, and nothing has to clean up after a crash. Only kiln's own files
+are ever read or deleted: a name ``kiln-<pid>.json`` whose content is a heartbeat
+of that pid (``--run-dir .`` once deleted every ``*.json`` in the directory, a
+project's ``package.json`` included); anything else there is left alone.
 
 The run directory is ``KILN_RUN_DIR``, else ``$XDG_RUNTIME_DIR/kiln``, else
 ``<tmp>/kiln-<uid>``. ``KILN_REGISTRY=off`` keeps a process out of it.
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -35,6 +40,7 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _stop = threading.Event()
 _path: str | None = None
+_NAME = re.compile(r"kiln-([0-9]+)\.json")
 
 
 def run_dir() -> str:
@@ -70,7 +76,7 @@ def announce():
             os.makedirs(d, mode=0o700, exist_ok=True)
         except OSError:
             return   # no writable run dir: the process simply does not show up
-        _path = os.path.join(d, f"{os.getpid()}.json")
+        _path = os.path.join(d, entry_name(os.getpid()))
         _thread = threading.Thread(target=_beat, name="kiln-heartbeat", daemon=True)
         _thread.start()
         atexit.register(_withdraw)
@@ -127,6 +133,26 @@ def _withdraw():
             pass
 
 
+def entry_name(pid: int) -> str:
+    """The file name of a process's heartbeat in the run directory."""
+    return f"kiln-{pid}.json"
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_heartbeat(name: str, entry) -> bool:
+    """Whether ``entry`` (the JSON of file ``name``) is a heartbeat kiln wrote: its own
+    name and schema, the pid of the name. Anything else is not kiln's, never read or removed."""
+    m = _NAME.fullmatch(name)
+    return (m is not None and isinstance(entry, dict) and type(entry.get("pid")) is int
+            and entry["pid"] == int(m.group(1))
+            and all(_number(entry.get(k)) for k in ("create_time", "heartbeat", "period"))
+            and entry["period"] > 0 and isinstance(entry.get("models", []), list)
+            and all(isinstance(x, dict) for x in entry.get("models", [])))
+
+
 def _alive(entry: dict) -> bool:
     import psutil
     try:
@@ -138,10 +164,11 @@ def _alive(entry: dict) -> bool:
 
 
 def processes(directory: str | None = None, now: float | None = None) -> list[dict]:
-    """Live kiln processes on this host, by pid; stale entries are removed."""
+    """Live kiln processes on this host, by pid; stale heartbeats are removed (only
+    kiln's own: see :func:`_is_heartbeat`; other files in the directory are ignored)."""
     d = directory or run_dir()
     try:
-        names = sorted(n for n in os.listdir(d) if n.endswith(".json"))
+        names = sorted(n for n in os.listdir(d) if _NAME.fullmatch(n))
     except OSError:
         return []
     now = time.time() if now is None else now
@@ -152,9 +179,11 @@ def processes(directory: str | None = None, now: float | None = None) -> list[di
             with open(path) as f:
                 entry = json.load(f)
         except (OSError, ValueError):
-            continue   # vanished between listdir and open
-        limit = 3 * float(entry.get("period", 1.0)) + 5.0
-        if not _alive(entry) or now - float(entry.get("heartbeat", 0)) > limit:
+            continue   # vanished between listdir and open, or not JSON: not ours to judge
+        if not _is_heartbeat(name, entry):
+            continue   # someone else's file that happens to have the name: left alone
+        limit = 3 * float(entry["period"]) + 5.0
+        if not _alive(entry) or now - float(entry["heartbeat"]) > limit:
             try:
                 os.unlink(path)
             except OSError:
