@@ -238,6 +238,10 @@ def test_dynamic_batch_runs_a_larger_batch_in_chunks(greedy, beam, hf):
                                            cross=beam.cross)
     want = _hf_generate(hf, three, three_mask, num_beams=2)
     assert beams.generate(three, attention_mask=three_mask, max_new_tokens=NEW).tolist() == want.tolist()
+    # a forced decoder prefix is cut into the chunks' rows too (each chunk was given the whole batch's)
+    prefix = torch.tensor([[0, 7, 9], [0, 9, 7], [0, 5, 6]])
+    assert (dynamic.generate(three, attention_mask=three_mask, decoder_input_ids=prefix, max_new_tokens=NEW).tolist()
+            == _hf_generate(hf, three, three_mask, decoder_input_ids=prefix).tolist())
 
 
 def test_limits_fixed_at_export_are_clear_errors(greedy, beam, t5_dir, tmp_path):

@@ -368,8 +368,8 @@ class NeuronModelForSeq2SeqLM(CpuModel):
             self._fits(ids.shape[0], rows, "rows", "batch_size")
         if kwargs.get("return_dict_in_generate") or config.return_dict_in_generate:
             raise ValueError("return_dict_in_generate=True takes at most batch_size rows; split the batch")
-        parts = [self._hf_generate(ids[i:i + rows], None if mask is None else mask[i:i + rows], config, beams, kwargs)
-                 for i in range(0, ids.shape[0], rows)]
+        parts = [self._hf_generate(ids[i:i + rows], None if mask is None else mask[i:i + rows], config, beams,
+                                   _rows_of(kwargs, ids.shape[0], i, rows)) for i in range(0, ids.shape[0], rows)]
         width = max(p.shape[1] for p in parts)
         return torch.cat([pad_right(p, 1, width, self._fill_value(config, kwargs, beams)) for p in parts])
 
@@ -479,6 +479,13 @@ def _generation_config(config, path=None):
 def _write_json(path, data: dict) -> None:
     text = json.dumps(data, indent=2, sort_keys=True).encode()
     write_atomic(path, lambda f: f.write(text))
+
+
+def _rows_of(kwargs, n: int, start: int, rows: int) -> dict:
+    """A chunk's keywords: every per-row input (a forced ``decoder_input_ids`` prefix, its mask, ...) cut to
+    the chunk's rows; the rest as given."""
+    return {k: v[start:start + rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+            for k, v in kwargs.items()}
 
 
 def _prefix_length(kwargs) -> int:
