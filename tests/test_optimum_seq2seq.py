@@ -364,6 +364,10 @@ def test_kiln_export_infers_the_task_and_validates(cli_export, t5_dir, tmp_path)
     errors = json.loads(line[line.index("{"):])
     assert set(errors) == {"last_hidden_state", "logits"} and max(errors.values()) <= 1e-4
     assert exporter.infer_task(t5_dir) == "text2text-generation"
+    # an encoder task of an encoder-decoder fitted nothing and failed inside T5 ("exactly one of input_ids...")
+    with pytest.raises(CompilerArgsError, match="--task feature-extraction does not fit .*an encoder-decoder "
+                                                "\\(T5ForConditionalGeneration\\).*--task text2text-generation"):
+        exporter.export(t5_dir, str(tmp_path / "fe"), task="feature-extraction", batch_size=1, sequence_length=8)
     # a *ForConditionalGeneration that is not an encoder-decoder (LLaVA-style) is not taken for one
     llava = tmp_path / "llava"
     llava.mkdir()

@@ -11,6 +11,7 @@ against ``atol`` (an encoder-decoder: its encoder output and first decoder step)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -67,12 +68,21 @@ def export(model_dir: str, output: str, task: str = "auto", atol: float | None =
     """Export ``model_dir`` into ``output``; what was done (task, cache hit, validation)."""
     model_dir = os.fspath(model_dir)
     task = infer_task(model_dir) if task in (None, "auto") else task
+    _task_fits(model_dir, task)
     if task == "text-generation":
         return _export_decoder(model_dir, output, kwargs)
     cls = CLASSES.get(task)
     if cls is None:
         raise CompilerArgsError(f"--task {task}: kiln exports {', '.join(sorted([*CLASSES, 'text-generation']))}")
-    model = cls.from_pretrained(model_dir, export=True, **kwargs)
+    try:
+        with _seeded():     # weights the checkpoint lacks are drawn as check() draws them for the source model
+            model = cls.from_pretrained(model_dir, export=True, **kwargs)
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise CompilerArgsError(f"--task {task} does not fit {model_dir}: its weights have other shapes than a "
+                                f"{task} model's (e.g. a classifier head with another number of labels); tasks "
+                                f"that fit this checkpoint: {_fitting(model_dir)}") from None
     report = {"task": task, "class": cls.__name__, "output": output,
               "cache_hit": model.cache_hit}
     if validate:      # before saving: a model that fails its check leaves no directory to load
@@ -83,12 +93,48 @@ def export(model_dir: str, output: str, task: str = "auto", atol: float | None =
     return report
 
 
+@contextlib.contextmanager
+def _seeded(seed: int = 0):
+    """transformers draws the weights a checkpoint lacks (a ``--task fill-mask`` export of a
+    classifier: the LM head) from torch's generator: the exported model and check()'s source
+    model draw them after the same seed, so both have the same head; the caller's generator is
+    left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _task_fits(model_dir: str, task: str) -> None:
+    """An encoder-decoder exports as text2text-generation only: its bare model or an encoder
+    task would need decoder inputs (T5's "exactly one of input_ids or inputs_embeds")."""
+    config_path = os.path.join(model_dir, "config.json")
+    if task in ("text2text-generation", "sentence-similarity") or not os.path.exists(config_path):
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("is_encoder_decoder"):
+        raise CompilerArgsError(f"--task {task} does not fit {model_dir}: it is an encoder-decoder "
+                                f"({', '.join(config.get('architectures') or [config.get('model_type', '?')])}), "
+                                "which kiln (as Optimum Neuron) exports with --task text2text-generation "
+                                "(NeuronModelForSeq2SeqLM)")
+
+
+def _fitting(model_dir: str) -> str:
+    try:
+        own = infer_task(model_dir)
+    except CompilerArgsError:
+        return "feature-extraction"
+    return own if own in ("feature-extraction", "text-generation", "text2text-generation") else \
+        f"{own} (its architecture's), feature-extraction"
+
+
 def check(cls, model, model_dir: str, atol: float) -> dict:
     """The compiled model against the source model at the static shapes, a third of each row
     masked, and on a third shorter input, which the compiled model pads to its shapes (unless
     the export found that padding changes the model's answers: then it takes no shorter one)."""
     import transformers
-    reference = getattr(transformers, cls.auto_class).from_pretrained(model_dir, local_files_only=True).eval()
+    with _seeded():     # as export() drew the weights the checkpoint lacks
+        reference = getattr(transformers, cls.auto_class).from_pretrained(model_dir, local_files_only=True).eval()
     inputs = {k: v for k, v in cls._example(reference, reference.config, model.static).items()
               if k in model.input_names}
     length = inputs["input_ids"].shape[-1]
