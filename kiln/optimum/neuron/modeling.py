@@ -21,8 +21,9 @@ import torch
 
 from kiln.atomic import write_atomic
 from kiln.compiler.api import trace
-from kiln.errors import ArtifactError, CompilerArgsError
+from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.optimum.neuron import options as neuron_options
+from kiln.optimum.neuron.exported import check_positions, exported_class, exported_task, wrong_class
 from kiln.runtime.loader import load
 
 log = logging.getLogger("kiln.optimum")
@@ -127,6 +128,7 @@ class NeuronTracedModel(CpuModel):
         model, info = getattr(tf, cls.auto_class).from_pretrained(path, config=config, local_files_only=True,
                                                                   output_loading_info=True)
         model.eval()
+        check_positions(model, config, opts.shapes.get("sequence_length", 0))
         if info.get("missing_keys"):
             log.warning("kiln.optimum: %s has no weights for %s of %s, so transformers initialised them at "
                         "random and the exported model's %s answers are random too: is the task right, and "
@@ -188,18 +190,19 @@ class NeuronTracedModel(CpuModel):
         if not os.path.exists(model_path):
             task = exported_task(path)
             if task not in (None, cls.task):      # e.g. an encoder-decoder's encoder/ and decoder/ graphs
-                raise ArtifactError(f"{path} was exported for task {task!r}; load it with that task's class, "
-                                    f"not {cls.__name__} ({cls.task!r})")
+                raise ArtifactError(wrong_class(path, exported_class(path), cls.__name__))
             raise FileNotFoundError(f"{model_path} does not exist: {path} holds no model kiln exported; pass "
                                     "export=True to compile a Hugging Face checkpoint")
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
         neuron = getattr(config, "neuron", None)
+        exported = exported_class(path)
         if not isinstance(neuron, dict) or neuron.get("compiler_type") != "kiln":
+            if exported:
+                raise ArtifactError(wrong_class(path, exported, cls.__name__))
             raise ArtifactError(f"{path}/config.json has no kiln 'neuron' section (compiler_type 'kiln'): it was "
                                 "not saved by kiln.optimum; export it with export=True")
         if neuron.get("task") != cls.task:
-            raise ArtifactError(f"{path} was exported for task {neuron.get('task')!r}; load it with that "
-                                f"task's class, not {cls.__name__} ({cls.task!r})")
+            raise ArtifactError(wrong_class(path, exported, cls.__name__))
         return cls(load(model_path), config, neuron, preprocessors_of(path))
 
     def save_pretrained(self, save_directory) -> None:
@@ -259,6 +262,9 @@ class NeuronTracedModel(CpuModel):
                              f"{len(dims)} dimensions like its compiled {tuple(dims)}, with at least one row"
                              + (" (a single sequence is [1, length]: add .unsqueeze(0))" if x.dim() == len(dims) - 1
                                 else ""))
+        if 0 in x.shape:
+            raise InputError(f"{self.main_input_name} has shape {tuple(x.shape)}: an empty sequence has nothing to "
+                             "run the model on (transformers refuses it too); give at least one token")
         batch, static_batch = x.shape[0], self.static["batch_size"]
         if batch <= static_batch:
             return self._run_padded(inputs)
@@ -367,16 +373,6 @@ def per_token(task: str, name: str) -> bool:
 def _output(class_name: str, values: dict):
     from transformers import modeling_outputs
     return getattr(modeling_outputs, class_name)(**values)
-
-
-def exported_task(path) -> str | None:
-    """The task of a directory kiln.optimum saved (its config.json's kiln ``neuron`` section), else None."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            neuron = json.load(f).get("neuron")
-    except (OSError, ValueError):
-        return None
-    return neuron.get("task") if isinstance(neuron, dict) and neuron.get("compiler_type") == "kiln" else None
 
 
 def preprocessors_of(path) -> list:
