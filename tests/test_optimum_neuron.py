@@ -256,6 +256,11 @@ def test_optimum_export_keywords_are_applied_noted_or_refused(exported, caplog):
                                     **SHAPES, **FAST)
     for name in ("instance_type", "inline_weights_to_neff", "compiler_workdir"):
         assert f"{name} is accepted and has no effect" in caplog.text
+    caplog.clear()
+    from kiln.optimum.neuron import options
+    with caplog.at_level(logging.WARNING, logger="kiln.optimum"):     # its non-default value: noted too
+        options.parse(cls.task, cls.shapes, dict(SHAPES, inline_weights_to_neff=False))
+    assert "inline_weights_to_neff is accepted and has no effect" in caplog.text
     assert model.neuron["auto_cast"] == "matmul" and model.neuron["auto_cast_type"] == "bf16"
     assert model.model.manifest["compile_options"]["auto_cast"] == "matmult"     # torch-neuronx's spelling
 

@@ -64,8 +64,8 @@ def parse(task: str, needed: tuple, kwargs: dict) -> ExportOptions:
     if want_task not in (None, task):
         raise CompilerArgsError(f"task={want_task!r} does not match this class's task {task!r}: use the "
                                 "NeuronModelFor... class of that task")
-    for name, why in NOTES.items():
-        if kwargs.pop(name, None) not in (None, False):
+    for name, why in NOTES.items():     # any value given, False too (inline_weights_to_neff defaults to True)
+        if kwargs.pop(name, None) is not None:
             log.warning("kiln.optimum: %s is accepted and has no effect: %s", name, why)
     if kwargs:
         raise CompilerArgsError(f"unknown export argument(s) {', '.join(sorted(kwargs))}; kiln takes Optimum "
