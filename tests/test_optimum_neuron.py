@@ -133,6 +133,28 @@ def test_transformers_pipeline_answers_as_with_the_pytorch_model(exported, task,
         _same(got, expected)
 
 
+def test_pipeline_feature_extraction_and_truncation_answer_as_transformers(exported):
+    """Run at the compiled batch size, the feature-extraction pipeline gave a short text's vectors
+    padded to the batch's longest text (transformers' pipeline returns one per token of the
+    text); truncation=True cut at the tokenizer's 512, not the compiled sequence_length, so a
+    long text still failed."""
+    cls = neuron.NeuronModelForFeatureExtraction
+    path, model = exported[cls]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    want = transformers.pipeline("feature-extraction", model=_eager(cls, path), tokenizer=tok)
+    ours = neuron.pipeline("feature-extraction", model=model)
+    got = ours(TEXTS)
+    assert [len(x[0]) for x in got] == [len(tok(t)["input_ids"]) for t in TEXTS]
+    _same(got, want(TEXTS))
+    long = " ".join(WORDS)                 # 22 tokens; compiled for 16
+    _same(ours(long, truncation=True), want(long, tokenize_kwargs=dict(truncation=True, max_length=16)))
+    path, model = exported[neuron.NeuronModelForSequenceClassification]
+    want = transformers.pipeline("text-classification", model=_eager(neuron.NeuronModelForSequenceClassification,
+                                                                      path), tokenizer=tok)
+    _same(neuron.pipeline("text-classification", model=model)(long, truncation=True),
+          want(long, truncation=True, max_length=16))
+
+
 def _same(got, want):
     if isinstance(want, (list, tuple)):
         assert len(got) == len(want)

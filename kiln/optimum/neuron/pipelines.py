@@ -5,6 +5,7 @@ batch 1, 128 tokens, with a logged warning, as Optimum does)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 
@@ -78,9 +79,42 @@ def pipeline(task, model=None, tokenizer=None, feature_extractor=None, image_pro
     tok = parts["tokenizer"]
     if tok is not None and model.static["batch_size"] > 1 and getattr(tok, "pad_token_id", None) is None:
         tok.pad_token_id = tok.eos_token_id
+    length = model.static.get("sequence_length")
+    if tok is not None and length and cls is not causal.NeuronModelForCausalLM \
+            and (tok.model_max_length or length + 1) > length:
+        parts["tokenizer"] = tok = copy.copy(tok)       # truncation=True cuts at the compiled length, not 512
+        tok.model_max_length = length
+    if task == "feature-extraction" and "pipeline_class" not in kwargs:
+        kwargs["pipeline_class"] = _feature_extraction()
     with quiet_model_check():
         return transformers.pipeline(task, model=model, batch_size=model.static["batch_size"],
                                      **{k: v for k, v in parts.items() if v is not None}, **kwargs)
+
+
+def _feature_extraction():
+    """transformers' feature-extraction pipeline, each text's vectors cut back to its own tokens:
+    run in batches (of the compiled batch size) a text's vectors would otherwise include the
+    positions padded to the batch's longest text, which transformers' pipeline (one text at a
+    time by default) does not return."""
+    import torch
+    from transformers.pipelines.feature_extraction import FeatureExtractionPipeline
+
+    class KilnFeatureExtractionPipeline(FeatureExtractionPipeline):
+        def preprocess(self, inputs, **tokenize_kwargs):
+            model_inputs = super().preprocess(inputs, **tokenize_kwargs)
+            model_inputs["kiln_tokens"] = torch.tensor([model_inputs["input_ids"].shape[-1]])
+            return model_inputs
+
+        def _forward(self, model_inputs):
+            tokens = model_inputs.pop("kiln_tokens")
+            return {"features": self.model(**model_inputs)[0], "kiln_tokens": tokens}
+
+        def postprocess(self, model_outputs, return_tensors=False):
+            n, features = int(model_outputs["kiln_tokens"].reshape(-1)[0]), model_outputs["features"]
+            features = features[:, -n:] if self.tokenizer.padding_side == "left" else features[:, :n]
+            return features if return_tensors else features.tolist()
+
+    return KilnFeatureExtractionPipeline
 
 
 def _kind(preprocessor, transformers) -> str | None:
