@@ -18,17 +18,19 @@ def _entry(model):
 def test_metrics_count_calls_latency_and_bytes():
     model, x = models.mlp()
     compiled = kiln.trace(model, x)
+    fresh = _entry(compiled)   # the validation run at compile time is kiln's call, not the user's
+    assert fresh["calls_completed"] == 0 and fresh["bytes_in"] == 0 and fresh["latency_hist"] == {}
     for _ in range(5):
         compiled(x)
     m = _entry(compiled)
-    assert m["calls_completed"] == 6           # 5 + the validation run at compile time
+    assert m["calls_completed"] == 5
     assert m["calls_failed"] == 0
-    assert m["bytes_in"] == 6 * 2 * 16 * 4 and m["bytes_out"] == 6 * 2 * 4 * 4
+    assert m["bytes_in"] == 5 * 2 * 16 * 4 and m["bytes_out"] == 5 * 2 * 4 * 4
     assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p99"] <= m["latency_ms"]["max"] * 1.26
     assert m["host_seconds"] == 0 and m["device_seconds"] > 0
     assert "compile_cache" in kiln.metrics()
     report = kiln.metrics_report()
-    assert "Model MLP" in report and "Calls: completed=6 failed=0" in report
+    assert "Model MLP" in report and "Calls: completed=5 failed=0" in report
 
 
 def test_metrics_split_device_and_host_fallback_time():
@@ -197,3 +199,46 @@ def test_a_dynamic_batch_model_counts_the_callers_calls_not_its_chunks():
     assert mine["kind"] == "dynamic_batch" and mine["parent"] is None
     assert mine["calls_completed"] == 3 and mine["bytes_in"] == 3 * 7 * 16 * 4
     assert snaps[dynamic.inner.metrics.id]["parent"] == dynamic.metrics.id      # its chunks: a detail
+
+
+def test_a_served_model_counts_requests_only():
+    """Found by probing: kiln serve's warm-up and merge-check calls were counted (38 calls for 37
+    requests); two models of one class served as a and c were both 'Tiny' in kiln ls/top/monitor;
+    kiln_serve_batch_size with batching off recorded 1 per request whatever its rows."""
+    from kiln.serving.metrics import ServeMetrics
+    from kiln.serving.models import ServedModel
+    from kiln.serving.settings import ServeConfig
+    model = torch.nn.Linear(16, 4)
+    for name, compiled, batching in (
+            ("a", kiln.trace(model, torch.randn(2, 16), dynamic_batch=True, validate=False), True),
+            ("c", kiln.trace(model, torch.randn(2, 16), validate=False), False)):
+        sm = ServedModel(name, compiled, ServeConfig(max_batch_size=4), ServeMetrics())
+        sm.load()
+        assert sm.batcher.batching is batching
+        snap = _entry(compiled)
+        assert snap["calls_completed"] == 0 and snap["served_as"] == name, snap
+        assert f"{name} (" in kiln.observe.metrics.label(snap)
+        payload = {"inputs": [{"name": sm.signature.inputs[0]["name"], "shape": [2, 16], "datatype": "FP32",
+                               "data": [0.5] * 32}]}
+        assert sm.decode(payload, b"")[1] == 2   # rows (dim 0), merged or not
+
+
+def test_a_request_that_times_out_is_counted_in_the_models_metrics():
+    """kiln monitor's timed_out and error_summary.timeout were always 0: nothing recorded a 504."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+    from kiln.errors import RequestTimeoutError
+    from kiln.observe.metrics import ModelMetrics
+    from kiln.serving.batching import Batcher
+    from kiln.serving.layout import Layout
+    slow = SimpleNamespace(metrics=ModelMetrics("slow"), run_flat=lambda flat: time.sleep(0.2) or flat)
+    b = Batcher("slow", [slow], Layout([{0}], [{0}], [True], [True]), max_batch_size=1)
+
+    async def go():
+        b.start()
+        with pytest.raises(RequestTimeoutError):
+            await b.submit([torch.zeros(1, 16)], 1, timeout=0.01)
+        await b.close()
+    asyncio.run(go())
+    assert slow.metrics.snapshot()["calls_timed_out"] == 1

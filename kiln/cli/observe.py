@@ -6,6 +6,7 @@ import json
 from rich.table import Table
 
 from kiln.cli.common import positive_int, positive_seconds
+from kiln.observe.metrics import label
 
 
 def add_ls(sub):
@@ -38,7 +39,8 @@ def cmd_ls(a, console):
     info = host_info()
     info["processes"] = [{"pid": e["pid"], "cmd": e.get("cmd"), "tag": e.get("tag"),
                           "memory_rss_bytes": e.get("memory_rss_bytes"),
-                          "models": [{k: m[k] for k in ("name", "kind", "core", "calls_completed", "calls_failed")}
+                          "models": [{**{k: m[k] for k in ("name", "kind", "core", "calls_completed", "calls_failed")},
+                                      "served_as": m.get("served_as")}
                                      for m in registry.top_level(e)]}
                          for e in registry.processes(a.run_dir)]
     if a.json:
@@ -55,7 +57,7 @@ def _print_host(info, console):
     on_core: dict = {}
     for p in info["processes"]:
         for m in p["models"]:
-            on_core.setdefault(m["core"], []).append(f"{m['name']} (pid {p['pid']})")
+            on_core.setdefault(m["core"], []).append(f"{label(m)} (pid {p['pid']})")
     for c in info["cores"]:
         t.add_row(str(c["id"]), str(c["host_index"]), format_cpus(c["cpus"]), ", ".join(on_core.get(c["id"], [])))
     console.print(t)
@@ -77,7 +79,7 @@ def _print_processes(info, console):
         for i, m in enumerate(p["models"] or [{"name": "-", "kind": "", "core": None, "calls_completed": "",
                                                "calls_failed": ""}]):
             first = i == 0
-            pt.add_row(str(p["pid"]) if first else "", rss if first else "", m["name"], m["kind"],
+            pt.add_row(str(p["pid"]) if first else "", rss if first else "", label(m), m["kind"],
                        "all" if m["core"] is None else str(m["core"]), str(m["calls_completed"]),
                        str(m["calls_failed"]), cmd if first else "")
     console.print(pt)

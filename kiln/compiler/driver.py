@@ -28,6 +28,7 @@ from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
 from kiln.observe import build_log
+from kiln.observe.metrics import forget_calls
 from kiln.progress import Progress
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
@@ -156,6 +157,7 @@ def _build_checked(plan, model, threads, calibration_data, progress, started, un
         built = phases.build(plan, runtime_opts, progress, calibration=[flat for flat, _ in samples])
         compiled = CompiledModel(phases.package(built), runtime_opts, loaded=(runtime_opts, built.runners))
         check(compiled, plan, samples, progress, unsplit)
+        forget_calls(compiled)   # the validation's / gate's calls are kiln's, not the user's
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
     build_log.record({"model": captured.model_name, "graph": "whole compile",

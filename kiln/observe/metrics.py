@@ -77,6 +77,7 @@ class ModelMetrics:
         self.core = None
         self.parent = None          # id of the model this one is a detail of (a bucket variant)
         self.timed_out = 0
+        self.served_as = None       # the name kiln serve serves it under (two of one class differ)
         self.loaded_at = time.time()
 
     def reset(self):
@@ -128,7 +129,7 @@ class ModelMetrics:
             calls = self.completed
             return {
                 "name": self.name, "kind": self.kind, "id": self.id, "core": self.core,
-                "parent": self.parent, "loaded_at": round(self.loaded_at, 3),
+                "parent": self.parent, "served_as": self.served_as, "loaded_at": round(self.loaded_at, 3),
                 "calls_completed": calls, "calls_failed": self.failed, "calls_timed_out": self.timed_out,
                 "latency_ms": {**pcts, "mean": _ms(self.latency_sum / calls) if calls else None,
                                "max": _ms(self.latency_max) if calls else None},
@@ -139,6 +140,25 @@ class ModelMetrics:
                 "bucket_hits": dict(self.buckets),
                 "latency_hist": {str(i): n for i, n in enumerate(self.hist) if n},
             }
+
+
+def label(snapshot: dict) -> str:
+    """How reports name a model: its served name first when it has one (``a (Tiny)``)."""
+    served = snapshot.get("served_as")
+    return f"{served} ({snapshot['name']})" if served and served != snapshot["name"] else snapshot["name"]
+
+
+def forget_calls(model):
+    """Reset the counters of ``model`` and of the models inside it (bucket variants, a dynamic
+    batch's inner model): the calls kiln made itself (a compile's validation or accuracy gate,
+    a server's warm-up and merge check) are not the user's, so metrics start from zero."""
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        counters = getattr(m, "metrics", None)
+        if isinstance(counters, ModelMetrics):
+            counters.reset()
+        stack.extend(m.inner_models() if hasattr(m, "inner_models") else [])
 
 
 def _ms(seconds):
@@ -187,7 +207,8 @@ def metrics_report() -> str:
         if s["parent"] is not None:
             continue
         lat = s["latency_ms"]
-        lines.append(f"Model {s['name']} [{s['kind']} #{s['id']}]" + (f" on core {s['core']}" if s["core"] is not None else ""))
+        served = f" served as {s['served_as']}" if s.get("served_as") else ""
+        lines.append(f"Model {s['name']} [{s['kind']} #{s['id']}]{served}" + (f" on core {s['core']}" if s["core"] is not None else ""))
         lines.append(f"  Calls: completed={s['calls_completed']} failed={s['calls_failed']}")
         lines.append(f"  Latency ms: p50={lat['p50']} p90={lat['p90']} p99={lat['p99']} mean={lat['mean']} max={lat['max']}")
         lines.append(f"  Time: device={s['device_seconds']:.4f}s host fallback={s['host_seconds']:.4f}s "

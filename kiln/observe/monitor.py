@@ -25,7 +25,7 @@ import sys
 import time
 
 from kiln.observe import registry
-from kiln.observe.metrics import hist_percentile
+from kiln.observe.metrics import hist_percentile, label
 
 _PCTS = (("p0", 0), ("p1", 1), ("p25", 25), ("p50", 50), ("p75", 75), ("p99", 99), ("p100", 100))
 
@@ -126,9 +126,9 @@ class Sampler:
             core = "unpinned" if m["core"] is None else str(m["core"])
             c = cores.setdefault(core, {"neuroncore_utilization": 0.0, "models": []})
             c["neuroncore_utilization"] += 100.0 * d_busy / span
-            c["models"].append(m["name"])
+            c["models"].append(label(m))
             models.append({
-                "name": m["name"], "kind": m["kind"], "core": m["core"],
+                "name": m["name"], "served_as": m.get("served_as"), "kind": m["kind"], "core": m["core"],
                 "completed": d_done, "failed": d_fail, "timed_out": d_tout,
                 "completed_total": m["calls_completed"], "failed_total": m["calls_failed"],
                 "throughput": round(d_done / span, 3),

@@ -17,6 +17,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from kiln.observe.metrics import label
 from kiln.observe.monitor import Sampler
 
 
@@ -76,7 +77,7 @@ def render(report: dict, max_rows: int = 12) -> Group:
     for p, m in rows[:max_rows]:
         lat = m["latency_ms"]
         host = 100 * m["host_share"]
-        models.add_row(str(p["pid"]), m["name"], "-" if m["core"] is None else str(m["core"]),
+        models.add_row(str(p["pid"]), label(m), "-" if m["core"] is None else str(m["core"]),
                        f"{m['throughput']:.1f}", _num(lat["p50"]), _num(lat["p99"]),
                        Text(f"{host:.0f}", style="red" if host >= 10 else ""),
                        Text(str(m["failed_total"]), style="red" if m["failed"] else ""),

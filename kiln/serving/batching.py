@@ -158,11 +158,19 @@ class Batcher:
             return await asyncio.wait_for(asyncio.shield(req.future), timeout)
         except asyncio.TimeoutError:
             self._discard(req)
+            self._count_timeout()
             raise RequestTimeoutError(f"model '{self.name}': request timed out after "
                                       f"{duration(timeout)}") from None
         except asyncio.CancelledError:      # its caller gave up: nobody waits for the answer
             self._discard(req)
             raise
+
+    def _count_timeout(self):
+        """A 504: counted in the model's own metrics too (``calls_timed_out``; kiln monitor's
+        ``timed_out`` and ``error_summary.timeout``), on its first instance."""
+        counters = getattr(self.instances[0], "metrics", None)
+        if counters is not None:
+            counters.record_timeout()
 
     def _discard(self, req):
         """A request nobody waits for: out of the queue now (its place freed, the depth

@@ -23,6 +23,7 @@ from kiln.serving.batching import Batcher
 from kiln.serving.layout import layout_of
 from kiln.serving.logs import log
 from kiln.serving.merging import check_merging
+from kiln.observe.metrics import forget_calls
 from kiln.serving.metrics import ServeMetrics
 from kiln.serving.protocol import InferRequest, decode_request, encode_response, signature_of
 from kiln.serving.settings import ServeConfig
@@ -67,6 +68,10 @@ class ServedModel:
         elif b.batching:
             log("info", "merge_check_skipped", model=self.name,
                 reason="merge_check is off: merged batches are trusted to equal requests run alone")
+        for model in self.instances:   # warm-up and merge-check calls are kiln's, not requests
+            forget_calls(model)
+            if getattr(model, "metrics", None) is not None:
+                model.metrics.served_as = self.name   # kiln ls/top/monitor tell a=x.kiln from c=x.kiln
         # published only now, its batching settled: nothing reads a batcher whose merge check
         # has not run (the routes answer 503 until the model is ready anyway)
         self.batcher = b
@@ -165,7 +170,8 @@ class ServedModel:
         """(request, rows it adds to a batch, timeout in seconds) of an infer request, checked
         by the protocol and by the model itself; raises :class:`BadRequestError`."""
         req: InferRequest = decode_request(self.signature, payload, binary, self.check_inputs)
-        rows = int(req.inputs[0].shape[0]) if self.batcher.batching else 1
+        # rows (dim 0) whether or not requests are merged: kiln_serve_batch_size counts them
+        rows = int(req.inputs[0].shape[0]) if req.inputs and req.inputs[0].dim() else 1
         timeout = self.config.timeout_s
         if req.timeout is not None:
             timeout = min(timeout, req.timeout)
