@@ -301,8 +301,31 @@ def test_processes_pinned_to_their_cores(built):
         mine = os.sched_getaffinity(0)
         theirs = os.sched_getaffinity(children[1])
         assert mine and theirs and not (mine & theirs)
+        # a second tensor-parallel model in the same process, while these ranks run, joined
+        # their world as if torchrun had made it and waited for followers that serve the first
+        # model, for good (found by probing): now a clear error, and it runs once the first closes
+        llama, _, path = built["llama"]
+        other, done = load(path), []
+        worker = threading.Thread(target=lambda: done.append(_raised(lambda: other.generate(PROMPTS, NEW))),
+                                  daemon=True)
+        worker.start()
+        worker.join(120)
+        assert done, "a second tensor-parallel model's generation did not end within 120 s"
+        assert isinstance(done[0], KilnError) and "close() it" in str(done[0]) and other.mode is None, done
+        assert llm.generate(PROMPTS[:1], NEW) == [_hf(model, PROMPTS[0], NEW)]     # the first still runs
     finally:
         llm.close()
+    try:
+        assert other.start(mode="threads").generate(PROMPTS, NEW) == [_hf(llama, p, NEW) for p in PROMPTS]
+    finally:
+        other.close()
+
+
+def _raised(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - the caller checks which
+        return e
 
 
 def test_served_with_the_openai_client_and_a_rank_that_dies(built, tmp_path):

@@ -32,6 +32,7 @@ from kiln.runtime.llm import LLM, generate_args
 from kiln.runtime.scheduler import run_all
 
 KIND = "llm_tp"
+_started: set = set()        # the models whose ranks run in this process (start .. close)
 
 
 class TensorParallelLLM:
@@ -88,6 +89,14 @@ class TensorParallelLLM:
         for llm in self.ranks:
             if llm is not None:
                 llm._invariance = None
+        others = [m for m in _started if m is not self]
+        if others:
+            # the collective group its graphs call ("tp") and the world its processes serve are
+            # this process's: a second model joined the first's world as if torchrun had made
+            # it and waited for followers that serve the first, for good (found by probing)
+            raise KilnError(f"another tensor-parallel model in this process has its ranks running "
+                            f"({others[0].mode}, from {others[0].source or 'memory'}); close() it before "
+                            "starting this one: one process runs one tensor-parallel model's ranks at a time")
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.tp_degree:
             self._join_group()
@@ -100,6 +109,7 @@ class TensorParallelLLM:
         for llm in self.ranks:
             if llm is not None:
                 llm.agree = _agree
+        _started.add(self)
         return self
 
     def _start_threads(self):
@@ -193,6 +203,7 @@ class TensorParallelLLM:
         from kiln.distributed import groups
         groups.unregister("tp")
         self.mode = None
+        _started.discard(self)
 
     def _command(self, *message):
         self.start()
