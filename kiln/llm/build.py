@@ -20,6 +20,7 @@ from kiln.engines import onnx_model, ort_once
 from kiln.errors import CompilerArgsError, ValidationError
 from kiln.llm import cuda, gate, gguf_keep, parallel
 from kiln.llm.decoder import DecoderStep, cache_shape, check_supported, max_positions
+from kiln.runtime import hf_settings
 from kiln.runtime.llm import FORMAT, LLM
 
 
@@ -92,7 +93,9 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
             "context_buckets": buckets, "speculation_length": speculation_length,
             "prefill_chunk": prefill_chunk or None, "sequence_buckets": windows,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
-            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
+            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            # generate's defaults, as transformers' generate takes them from model.generation_config
+            "generation_config": hf_settings.recorded(model.generation_config)}
     llm = LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
               verify=built.get("verify"), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
     if kept is not None:

@@ -4,8 +4,10 @@ Scripts ported from transformers, Optimum Neuron or NxD Inference call ``generat
 ``GenerationConfig`` and keyword overrides. What kiln does with each setting:
 
 * **honoured**, with transformers' own defaults and precedence (an override over the
-  config, ``max_new_tokens`` over ``max_length``, ``max_length`` counting the prompt's
-  padded width, 20 new tokens when neither is set);
+  config, the config over the checkpoint's generation config where the artifact recorded
+  it (:func:`recorded`), ``max_new_tokens`` over ``max_length``, ``max_length`` counting
+  the prompt's padded width, 20 new tokens when neither is set; an override given as None
+  counts: ``eos_token_id=None`` is no stop token);
 * **ignored when greedy**, as transformers ignores them: ``temperature``, ``top_k``,
   ``top_p`` (and kiln's ``seed``) with ``do_sample=False``, so ``temperature=0.0`` with
   ``do_sample=False`` is greedy decoding, not an error;
@@ -66,14 +68,37 @@ def _is_default(name, value) -> bool:
     return False
 
 
-def resolve(generation_config, overrides: dict, width: int) -> tuple:
-    """``(settings, max_new_tokens)`` for prompts padded to ``width`` tokens, or InputError."""
+def recorded(generation_config) -> dict:
+    """The settings of a checkpoint's ``generation_config`` (its ``generation_config.json``,
+    or what transformers derives from ``config.json``) that :func:`resolve` reads, as JSON
+    values, for the LLM artifact's meta: generate's defaults where the call leaves a
+    setting unset, as transformers' generate fills them from ``model.generation_config``."""
+    import json
+    out = {}
+    for k in (*HONOURED, *REFUSED):
+        value = getattr(generation_config, k, None)
+        if value is None:
+            continue
+        try:
+            out[k] = json.loads(json.dumps(value))
+        except (TypeError, ValueError):         # not JSON (a dict with tuple keys): kept as text, refused by name
+            out[k] = repr(value)
+    return out
+
+
+def resolve(generation_config, overrides: dict, width: int, model_defaults: dict | None = None) -> tuple:
+    """``(settings, max_new_tokens)`` for prompts padded to ``width`` tokens, or InputError.
+    Precedence as transformers' generate: an override (even None: ``eos_token_id=None`` is
+    no stop token, ``settings["eos_given"]`` says it was given) over the config's settings
+    that are not None, over ``model_defaults`` (the checkpoint's, :func:`recorded`), over
+    GenerationConfig's defaults."""
     overrides = {k: v for k, v in overrides.items() if k not in ACCEPTED}
     unknown = set(overrides) - set(HONOURED) - set(REFUSED)
     if unknown:
         raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
-    given = {k: getattr(generation_config, k) for k in (*HONOURED, *REFUSED)
-             if generation_config is not None and getattr(generation_config, k, None) is not None}
+    given = {k: v for k, v in (model_defaults or {}).items() if k in HONOURED or k in REFUSED}
+    given.update({k: getattr(generation_config, k) for k in (*HONOURED, *REFUSED)
+                  if generation_config is not None and getattr(generation_config, k, None) is not None})
     given.update(overrides)          # an override of None too, as transformers' generate(**kwargs)
     refused = {k: v for k, v in given.items() if k in REFUSED and not _is_default(k, v)}
     if refused:
@@ -82,6 +107,7 @@ def resolve(generation_config, overrides: dict, width: int) -> tuple:
                          "prompt (temperature, top_k, top_p, repetition_penalty). Leave these at their "
                          "defaults; transformers' own generate would give other tokens")
     cfg = {**HONOURED, **{k: v for k, v in given.items() if k in HONOURED and v is not None}}   # None: the default
+    cfg["eos_given"] = "eos_token_id" in given      # given as None: no stop token (transformers' kwargs)
     if cfg["max_new_tokens"] is not None:
         new = value_checks.count(cfg["max_new_tokens"], "max_new_tokens")
     elif cfg["max_length"] is None:

@@ -183,31 +183,38 @@ class LLM:
             return run_all(self.scheduler(draft=draft), prompts, max_new_tokens, params, eos)
         return self._generate_rows(prompts, max_new_tokens, params, eos)
 
-    def hf_generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None, **overrides):
+    def hf_generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None,
+                    checkpoint_defaults: bool = True, **overrides):
         """Hugging Face's ``generate`` for decoder-only models: ``[B, T]`` ids (left or right
         padded, ``attention_mask`` marking the real tokens) → ``[B, T + N]``, the input
         followed by each row's new tokens, rows that stopped early padded with
         ``pad_token_id``. Settings come from ``generation_config`` (a transformers
         ``GenerationConfig`` or anything with its attributes) and keyword overrides,
-        with GenerationConfig's defaults and precedence (20 new tokens when no length is
-        set, as transformers 5 generates; ``max_length`` counts the padded prompt;
-        ``top_k=50`` when sampling, as there); settings kiln does not implement are errors,
-        not ignored (:mod:`kiln.runtime.hf_settings`). ``streamer``: transformers' protocol
-        (``TextStreamer``), one row only, as there: ``put`` the input ids, then each new token
-        (shape ``[1]``) as the scheduler makes it, then ``end()``."""
+        with transformers' precedence (the checkpoint's generation config, recorded in
+        ``meta["generation_config"]`` at compile, under the call's config under its
+        keywords; then GenerationConfig's defaults: 20 new tokens when no length is set, as
+        transformers 5 generates; ``eos_token_id=None`` given is no stop token;
+        ``max_length`` counts the padded prompt; ``top_k=50`` when sampling, as there);
+        settings kiln does not implement are errors, not ignored
+        (:mod:`kiln.runtime.hf_settings`). ``streamer``: transformers' protocol
+        (``TextStreamer``), one row only, as there: ``put`` the input ids, then each new
+        token (shape ``[1]``) as the scheduler makes it, then ``end()``.
+        ``checkpoint_defaults=False``: without the checkpoint's generation config
+        (transformers-neuronx's ``sample()``)."""
         import torch
         ids = torch.as_tensor(input_ids)
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
         if ids.dim() != 2 or mask.shape != ids.shape:
             raise InputError(f"input_ids must be [batch, tokens] with attention_mask of the same shape; got "
                              f"{tuple(ids.shape)} and {tuple(mask.shape)}")
-        cfg, max_new_tokens = hf_settings.resolve(generation_config, overrides, ids.shape[1])
+        cfg, max_new_tokens = hf_settings.resolve(generation_config, overrides, ids.shape[1],
+                                                  self.meta.get("generation_config") if checkpoint_defaults else None)
         prompts = [value_checks.token_ids(row[m.bool()]) for row, m in zip(ids, mask)]
         if any(not p for p in prompts):
             raise InputError("every row of attention_mask needs at least one real token")
         eos = cfg["eos_token_id"]
-        if eos is None:
-            eos = self.meta["eos_token_ids"]
+        if eos is None:     # eos_token_id=None given: no stop token, as in transformers
+            eos = [] if cfg["eos_given"] else self.meta["eos_token_ids"]
         else:      # an int of Python's or NumPy's, or a list, tensor or array of them
             one = isinstance(eos, numbers.Integral) or (isinstance(eos, torch.Tensor) and eos.dim() == 0)
             eos = value_checks.token_ids([eos] if one else eos)
