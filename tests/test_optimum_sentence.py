@@ -8,6 +8,7 @@ an empty sequence, RoBERTa's position offset, the class a directory was exported
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -154,6 +155,15 @@ def test_saved_and_reloaded_keeps_the_modules(dense, tmp_path):
     assert again.similarity_fn_name == "manhattan"
     torch.testing.assert_close(again.encode(TEXTS, convert_to_tensor=True), ref.encode(TEXTS, convert_to_tensor=True),
                                atol=ATOL, rtol=0)
+    # the saved plan names each Dense's activation class; loading imports torch.nn's only
+    # (importing `this` would print the Zen of Python: any other module runs its code)
+    config = json.loads((tmp_path / "kiln" / "config.json").read_text())
+    dense_step = [s for s in config["neuron"]["sentence_transformers"]["steps"] if s["type"] == "Dense"][0]
+    dense_step["activation_function"] = "this.Zen"
+    (tmp_path / "kiln" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CompilerArgsError, match="not a torch.nn module"):
+        neuron.NeuronSentenceTransformers.from_pretrained(tmp_path / "kiln").encode(TEXTS)
+    assert "this" not in sys.modules
 
 
 def test_empty_sequence_is_an_input_error(dense):

@@ -103,7 +103,11 @@ def _dense_weights(sub: str) -> dict:
 
 
 def _activation(path: str):
+    """The activation module named ``path``; only torch's are imported (a saved directory's
+    plan names one too, and loading must not import what a file names)."""
     module, _, name = path.rpartition(".")
+    if not module.startswith("torch.nn"):
+        raise CompilerArgsError(f"Dense activation_function {path!r} is not a torch.nn module; kiln imports no other")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
