@@ -21,6 +21,9 @@ def test_transformers_neuronx_script_runs_after_swapping_the_import(tmp_path, mo
     save_pretrained_split(model, str(tmp_path / "split"))
     with pytest.raises(CompilerArgsError, match="holds a 'llama' model: use LlamaForSampling"):
         GPT2ForSampling.from_pretrained(str(tmp_path / "split"))
+    save_pretrained_split(_model("gpt2"), str(tmp_path / "gpt2"))
+    with pytest.raises(CompilerArgsError, match="n_positions=300 exceeds the 128 positions .* n_positions <= 128"):
+        GPT2ForSampling.from_pretrained(str(tmp_path / "gpt2"), n_positions=300)
     # n_positions as a list: token-generation buckets (the cache holds the largest)
     neuron = LlamaForSampling.from_pretrained(str(tmp_path / "split"), batch_size=1, n_positions=[16, 32],
                                               tp_degree=1, amp="f32", context_length_estimate=8)
@@ -59,8 +62,18 @@ def test_a_neuron_config_save_and_load(tmp_path, monkeypatch):
     from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
     from kiln.transformers_neuronx.config import (GQA, ContinuousBatchingConfig, GenerationConfig, NeuronConfig,
                                                   QuantizationConfig)
+    from transformers import AutoModelForCausalLM
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from kiln.errors import PlacementError
+    from kiln.host import cores
+    from kiln.transformers_neuronx.generation_utils import HuggingFaceGenerationModelAdapter
     model = _model("llama")
     model.save_pretrained(tmp_path / "ckpt")
+    # the checkpoint's generation_config.json: generate's defaults through the adapter, as in
+    # transformers' generate (they were ignored); sample() reads none of it but the stop token
+    HFGenerationConfig(repetition_penalty=1.3, max_new_tokens=8, eos_token_id=2,
+                       pad_token_id=0).save_pretrained(tmp_path / "ckpt")
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(max_num_seqs=2), fuse_qkv=True,
                           on_device_generation=GenerationConfig(top_k=1), group_query_attention=GQA.SHARD_OVER_HEADS)
     neuron = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), n_positions=32,
@@ -79,6 +92,43 @@ def test_a_neuron_config_save_and_load(tmp_path, monkeypatch):
         again.sample(torch.tensor(prompt), sequence_length=12)
     with pytest.raises(InputError, match="longer than the largest context_length_estimate \\(8\\)"):
         again.sample(torch.tensor([list(range(3, 12))]), sequence_length=16)
+    assert torch.equal(again.sample([prompt], sequence_length=12), out)      # a list, as the tutorials' ids
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    adapter, ids = HuggingFaceGenerationModelAdapter(hf.config, again), torch.tensor([[30, 31, 32, 33]])
+    for kw in ({}, {"eos_token_id": None}, {"eos_token_id": 96}, {"eos_token_id": 96, "repetition_penalty": 1.0},
+               {"max_new_tokens": None, "max_length": 10, "eos_token_id": 96},
+               {"generation_config": HFGenerationConfig(max_length=6, eos_token_id=96)},
+               {"generation_config": HFGenerationConfig(eos_token_id=91)}):
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert torch.equal(adapter.generate(ids, **kw), want), kw
+    assert adapter.generate(ids, eos_token_id=None).shape[1] == 12              # eos 2 twice: no stop token
+    # on_device_generation's stop token and length, and sample()'s eos_token_override, are honoured
+    stops = NeuronConfig(continuous_batching=ContinuousBatchingConfig(max_num_seqs=2),
+                         on_device_generation=GenerationConfig(top_k=1, eos_token_id=60, max_length=10))
+    # other shapes given than compiled: the errors name the compiled ones, in transformers-neuronx's names
+    other = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), n_positions=64,
+                                                       context_length_estimate=[16], neuron_config=stops)
+    other.load(tmp_path / "compiled").to_neuron()
+    assert other.sample(torch.tensor([prompt]), sequence_length=30).tolist() == [prompt + want_head(out, 60)]
+    assert other.sample(torch.tensor([prompt]), sequence_length=30, eos_token_override=65).tolist() == [prompt + [65]]
+    with pytest.raises(InputError, match="longer than the largest context_length_estimate \\(8\\)"):
+        other.sample(torch.tensor([list(range(3, 12))]), sequence_length=10)
+    with pytest.raises(InputError, match="4 prompt tokens \\+ 36 new ones exceed n_positions=32"):
+        again.sample(torch.tensor([prompt]), sequence_length=40)
+    with pytest.raises(InputError, match="at least one token"):
+        again.sample(torch.ones(1, 0, dtype=torch.long), sequence_length=12)
+    with pytest.raises(InputError, match="no_repeat_ngram_size=2"):
+        again.sample(torch.tensor([prompt]), sequence_length=12, no_repeat_ngram_size=2)
+    for bad, named in ((GenerationConfig(do_sample=True, global_top_k=10), "global_top_k=10"),
+                       (GenerationConfig(do_sample=True, deterministic=True), "deterministic=True")):
+        with pytest.raises(CompilerArgsError, match=named):
+            NeuronConfig(on_device_generation=bad)
+    # more tensor-parallel ranks than cores: refused before the compile, not at the first sample()
+    wide = NeuronAutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), n_positions=32,
+                                                      tp_degree=len(cores.visible()) + 1)
+    with pytest.raises(PlacementError, match=f"tp_degree={len(cores.visible()) + 1}"):
+        wide.to_neuron()
     assert NeuronConfig(quant=QuantizationConfig(quant_dtype="s8")).compile_options() == {"quantize": "int8"}
     with pytest.raises(CompilerArgsError, match="quant_dtype='f8e4m3'"):
         NeuronConfig(quant=QuantizationConfig(quant_dtype="f8e4m3")).compile_options()
@@ -88,8 +138,17 @@ def test_a_neuron_config_save_and_load(tmp_path, monkeypatch):
         NeuronConfig(bogus=1)
 
 
+def want_head(out, eos):
+    """The new tokens of ``out``'s first row up to ``eos`` (kept), at most 6 (max_length=10)."""
+    new = out[0, 4:10].tolist()
+    return new[:new.index(eos) + 1] if eos in new else new
+
+
 @pytest.mark.parametrize("kw, msg", [({"tp_degree": 0}, "positive integer"), ({"amp": "bf16"}, "fp32 today"),
-                                     ({"fuse_qkv": True}, "does not know yet")])
+                                     ({"fuse_qkv": True}, "does not know yet"),
+                                     ({"n_positions": []}, "n_positions=\\[\\]: give"),
+                                     ({"n_positions": 32, "context_length_estimate": 64},
+                                      "context_length_estimate=\\[64\\]: each must lie in \\[1, n_positions=32\\]")])
 def test_options_kiln_cannot_honour_are_clear_errors(kw, msg):
     from kiln.transformers_neuronx import NeuronAutoModelForCausalLM
     with pytest.raises(CompilerArgsError, match=msg):

@@ -72,6 +72,13 @@ def test_nxd_inference_script_runs_after_swapping_the_package(checkpoint, tmp_pa
     streamer = type("Streamer", (), {"put": lambda self, v: pieces.append(v.tolist()), "end": lambda self: None})()
     one = HuggingFaceGenerationAdapter(reloaded).generate(ids[1:], max_new_tokens=5, streamer=streamer)
     assert torch.equal(one, got[1:, :9]) and pieces == [ids[1:].tolist()] + [[t] for t in got[1, 4:9].tolist()]
+    # eos_token_id=None given is no stop token, as in transformers' generate (kiln stopped at the
+    # model's): here a model whose end-of-sequence token is the 1st row's 7th new token
+    prompt = [5, 17, 3]
+    reloaded.llm.meta["eos_token_ids"] = [_hf_greedy(model, prompt, 10)[6]]
+    assert HuggingFaceGenerationAdapter(reloaded).generate(ids[:1], attention_mask=mask[:1], max_new_tokens=10,
+                                                           eos_token_id=None)[0, 4:].tolist() == \
+        _hf_greedy(model, prompt, 10)
     with pytest.raises(InputError, match="holds no neuron_config.json"):
         NeuronLlamaForCausalLM(path)
     saved = (tmp_path / "compiled" / "neuron_config.json")

@@ -71,3 +71,40 @@ def as_model(obj):
         from kiln.runtime.script_op import model_for
         return model_for(obj.artifact)      # keyed by the bytes' sha256, as its kiln::run calls are
     return None
+
+
+def shape_problems(names: dict, batch_size, seq_len, max_context, context_buckets, token_buckets) -> list:
+    """What is wrong with an LLM's compile shapes, in the spelling's own option names
+    (``names``: ``batch_size``, ``seq_len``, ``max_context``, ``context_buckets``,
+    ``token_buckets``), where kiln's compile_llm would say cache_length and context bucket.
+    ``max_context`` None: checked as the context buckets."""
+    def positive(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    scalars = [("batch_size", batch_size), ("seq_len", seq_len)] + ([("max_context", max_context)]
+                                                                      if max_context is not None else [])
+    problems = [f"{names[key]}={value!r}: must be a positive integer" for key, value in scalars if not positive(value)]
+    if problems:
+        return problems
+    seq = names["seq_len"]
+    if max_context is not None and max_context > seq_len:
+        problems.append(f"{names['max_context']}={max_context} exceeds {seq}={seq_len}: the prompt's keys must fit "
+                        f"in the KV cache's {seq} positions; raise {seq} or lower {names['max_context']}")
+    for key, buckets in (("context_buckets", context_buckets), ("token_buckets", token_buckets)):
+        bad = [b for b in buckets or () if not positive(b) or b > seq_len]
+        if bad:
+            problems.append(f"{names[key]}={list(buckets)}: each must lie in [1, {seq}={seq_len}]; {bad} do not")
+    return problems
+
+
+def length_problem(llm, longest: int, new: int, names: dict) -> str | None:
+    """A prompt of ``longest`` tokens past the compiled context buckets, or prompt and ``new``
+    tokens past the KV cache, said in the spelling's names (``context_bucket``,
+    ``context_fix``, ``seq_len``); None when they fit."""
+    if longest > llm.max_context and not llm.meta.get("prefill_chunk"):
+        return (f"a prompt of {longest} tokens is longer than the largest {names['context_bucket']} "
+                f"({llm.max_context}): {names['context_fix']}")
+    cache = llm.meta["cache_shape"][3]
+    if longest + new > cache:
+        return (f"{longest} prompt tokens + {new} new ones exceed {names['seq_len']}={cache} (the KV cache the model "
+                f"was compiled with): ask for fewer new tokens, or compile with a larger {names['seq_len']}")
+    return None

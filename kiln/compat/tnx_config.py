@@ -7,7 +7,8 @@ hands it to ``from_pretrained(..., neuron_config=)``. Each setting is one of thr
 
 * **applied**: int8 weights (``quant_dtype="s8"``: kiln's ``quantize="int8"``, with its
   accuracy gate), the rows decoded at once (``max_num_seqs``: the batch size), and the
-  sampling defaults of ``sample()`` (``on_device_generation``);
+  defaults of ``sample()`` (``on_device_generation``: sampling, ``eos_token_id``,
+  ``max_length``; :meth:`NeuronConfig.sampling`);
 * **no effect on the tokens**: device layouts and fusions that Neuron needs and a CPU does
   not (``fuse_qkv``, ``attention_layout``, ``group_query_attention`` ...): accepted;
 * **refused**, with the reason: what would change the answer and kiln does not do.
@@ -87,6 +88,7 @@ class NeuronConfig:
                                     "computes dense attention; leave it unset")
         self.quant, self.continuous_batching, self.on_device_generation = quant, continuous_batching, on_device_generation
         self.layout = layout            # accepted, no effect on the tokens
+        self.sampling()                 # its refusals now, not at the first sample()
 
     def compile_options(self) -> dict:
         """``compile_llm`` options this config sets."""
@@ -101,8 +103,27 @@ class NeuronConfig:
         return int(rows or given)
 
     def sampling(self) -> dict:
-        """``sample()``'s defaults from ``on_device_generation``."""
+        """``sample()``'s defaults from ``on_device_generation``: the sampling settings, the
+        stop token (``eos_token_id``) and the cap on ``sequence_length`` (``max_length``).
+        ``dynamic`` and ``per_batch_line`` (which settings a compiled Neuron graph takes per
+        call or per row) change no token and are accepted. ``deterministic`` and
+        ``global_top_k`` are accepted where they change no token (greedy decoding, and a
+        ``top_k`` within ``global_top_k``); elsewhere they are refused, as NxD Inference's
+        ``OnDeviceSamplingConfig`` refuses them: kiln's sampler does neither."""
         g = self.on_device_generation
         if g is None:
             return {}
-        return {"top_k": 1 if not g.do_sample else g.top_k, "top_p": g.top_p, "temperature": g.temperature}
+        if g.do_sample and g.deterministic:
+            raise CompilerArgsError("GenerationConfig(deterministic=True) with do_sample=True: transformers-neuronx "
+                                    "then takes the token at a fixed point of the distribution, which kiln's sampler "
+                                    "does not; leave deterministic=False")
+        if g.do_sample and g.global_top_k is not None and not 1 <= g.top_k <= g.global_top_k:
+            raise CompilerArgsError(f"GenerationConfig(top_k={g.top_k}, global_top_k={g.global_top_k}): "
+                                    "transformers-neuronx samples among the global_top_k best tokens first, which "
+                                    "kiln's sampler does not; give a top_k between 1 and global_top_k")
+        out = {"top_k": 1 if not g.do_sample else g.top_k, "top_p": g.top_p, "temperature": g.temperature}
+        if g.eos_token_id is not None:
+            out["eos_token_id"] = g.eos_token_id
+        if g.max_length is not None:
+            out["max_length"] = g.max_length
+        return out

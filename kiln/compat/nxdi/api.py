@@ -6,6 +6,7 @@ import os
 from types import SimpleNamespace
 
 from kiln.atomic import write_atomic
+from kiln.compat.common import length_problem, shape_problems
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 
 ARTIFACT = "model.kiln"
@@ -22,24 +23,10 @@ NEURON_ONLY = {"flash_decoding_enabled": False, "fused_qkv": False, "sequence_pa
 QUANTIZATION = ("quantization_type", "quantization_dtype", "quantized_checkpoints_path")
 
 
-def _shape_problems(batch_size, seq_len, max_context_length, context_buckets, token_buckets) -> list:
-    """What is wrong with the NeuronConfig's shapes, in NxD Inference's names (kiln's
-    compile_llm would say cache_length and context bucket)."""
-    def positive(value):
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    problems = [f"{name}={value!r}: must be a positive integer" for name, value in
-                (("batch_size", batch_size), ("seq_len", seq_len), ("max_context_length", max_context_length))
-                if not positive(value)]
-    if problems:
-        return problems
-    if max_context_length > seq_len:
-        problems.append(f"max_context_length={max_context_length} exceeds seq_len={seq_len}: the prompt's keys must "
-                        "fit in the KV cache's seq_len positions; raise seq_len or lower max_context_length")
-    for name, buckets in (("context_encoding_buckets", context_buckets), ("token_generation_buckets", token_buckets)):
-        bad = [b for b in buckets or () if not positive(b) or b > seq_len]
-        if bad:
-            problems.append(f"{name}={list(buckets)}: each must lie in [1, seq_len={seq_len}]; {bad} do not")
-    return problems
+NAMES = {"batch_size": "batch_size", "seq_len": "seq_len", "max_context": "max_context_length",
+         "context_buckets": "context_encoding_buckets", "token_buckets": "token_generation_buckets",
+         "context_bucket": "context-encoding bucket",
+         "context_fix": "compile with a larger max_context_length (or context_encoding_buckets), at most seq_len"}
 
 
 class OnDeviceSamplingConfig:
@@ -91,9 +78,9 @@ class NeuronConfig:
                             "are weight-only on grids of their own (int8: symmetric groups of 32) and must pass "
                             "an accuracy gate; build one with kiln.llm.build.compile_llm(model, quantize='int8' "
                             "or 'int4') or `kiln llm compile --quantize int8` (docs/llm.md, Quantized weights)")
-        problems += _shape_problems(max_batch_size or batch_size, seq_len, max_context_length or seq_len,
-                                    context_encoding_buckets if enable_bucketing else None,
-                                    token_generation_buckets if enable_bucketing else None)
+        problems += shape_problems(NAMES, max_batch_size or batch_size, seq_len, max_context_length or seq_len,
+                                   context_encoding_buckets if enable_bucketing else None,
+                                   token_generation_buckets if enable_bucketing else None)
         if str(torch_dtype).replace("torch.", "") not in ("float32", "fp32"):
             problems.append(f"torch_dtype={torch_dtype}: kiln's LLM path compiles float32 today")
         honoured = {k: v for k, v in kwargs.items() if k in NEURON_ONLY and v == NEURON_ONLY[k]}
@@ -335,17 +322,14 @@ def _check_lengths(llm, nc, input_ids, attention_mask, generation_config, settin
     if mask.shape != ids.shape:
         return
     longest = int(mask.bool().sum(1).max())
-    if longest > llm.max_context:
-        raise InputError(f"a prompt of {longest} tokens is longer than the largest context-encoding bucket "
-                         f"({llm.max_context}): compile with a larger max_context_length (or "
-                         "context_encoding_buckets), at most seq_len")
     try:
-        _, new = hf_settings.resolve(generation_config, dict(settings), ids.shape[1])
+        _, new = hf_settings.resolve(generation_config, dict(settings), ids.shape[1],
+                                     llm.meta.get("generation_config"))
     except Exception:               # hf_generate says what is wrong with the settings
-        return
-    if longest + new > nc.seq_len:
-        raise InputError(f"{longest} prompt tokens + {new} new ones exceed seq_len={nc.seq_len} (the KV cache "
-                         "the model was compiled with): ask for fewer new tokens, or compile with a larger seq_len")
+        new = 0
+    problem = length_problem(llm, longest, new, NAMES)
+    if problem:
+        raise InputError(problem)
 
 
 def _saved_config(path) -> LlamaInferenceConfig:
