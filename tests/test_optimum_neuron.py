@@ -343,6 +343,9 @@ def test_kiln_export_takes_optimums_flags_validates_and_hits_the_cache(tmp_path)
                                                 "this checkpoint: token-classification"):
         exporter.export(path, str(tmp_path / "mc"), task="multiple-choice", batch_size=1, num_choices=2,
                         sequence_length=16, **FAST)
+    with pytest.raises(CompilerArgsError, match="does not fit NeuronModelForMultipleChoice .*other shapes"):
+        neuron.NeuronModelForMultipleChoice.from_pretrained(path, export=True, batch_size=1, num_choices=2,
+                                                            sequence_length=16, **FAST)   # transformers' raw error
     bad = _kiln("export", "-m", path, "--batch_size", "2", str(tmp_path / "c"), env=env)
     assert bad.returncode == 2 and "pass sequence_length" in bad.stderr
     wrong = _kiln("export", "-m", path, "--task", "summarization", "--batch_size", "1", "--sequence_length", "8",

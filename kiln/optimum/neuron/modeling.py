@@ -125,8 +125,15 @@ class NeuronTracedModel(CpuModel):
         if limit and opts.shapes.get("sequence_length", 0) > limit:
             raise CompilerArgsError(f"sequence_length={opts.shapes['sequence_length']} exceeds the {limit} positions "
                                     f"{config.model_type} has position embeddings for; use sequence_length <= {limit}")
-        model, info = getattr(tf, cls.auto_class).from_pretrained(path, config=config, local_files_only=True,
-                                                                  output_loading_info=True)
+        try:
+            model, info = getattr(tf, cls.auto_class).from_pretrained(path, config=config, local_files_only=True,
+                                                                      output_loading_info=True)
+        except RuntimeError as e:       # transformers' "size mismatch for classifier.weight ..."
+            if "size mismatch" not in str(e) and "ignore_mismatched_sizes" not in str(e):
+                raise
+            raise CompilerArgsError(f"{path} does not fit {cls.__name__} (task {cls.task}): its weights have "
+                                    "other shapes than such a model's (e.g. a classifier head with another number "
+                                    "of labels); export it with the class of the task it was trained for") from None
         model.eval()
         check_positions(model, config, opts.shapes.get("sequence_length", 0))
         if info.get("missing_keys"):
