@@ -352,6 +352,15 @@ def test_a_directory_of_another_task_is_an_artifact_error(greedy, cli_export, tm
     with pytest.raises(ArtifactError, match="exported for task 'text2text-generation'.*not "
                                             "NeuronModelForSequenceClassification"):
         neuron.NeuronModelForSequenceClassification.from_pretrained(cli_export[1])
+    # a causal LM's directory (a Hugging Face config.json beside kiln's neuron_config.json): it
+    # said "is a Hugging Face checkpoint ... pass export=True"
+    causal = tmp_path / "causal"
+    causal.mkdir()
+    (causal / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "neuron"}))
+    (causal / "neuron_config.json").write_text(json.dumps({"compiler": "kiln", "task": "text-generation"}))
+    with pytest.raises(ArtifactError, match="by kiln as NeuronModelForCausalLM, not NeuronModelForSeq2SeqLM: load "
+                                            "it with NeuronModelForCausalLM.from_pretrained"):
+        neuron.NeuronModelForSeq2SeqLM.from_pretrained(causal)
 
 
 def test_kiln_export_infers_the_task_and_validates(cli_export, t5_dir, tmp_path):

@@ -45,6 +45,7 @@ from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.optimum.neuron import options as neuron_options
 from kiln.optimum.neuron import seq2seq_graphs as graphs_mod
+from kiln.optimum.neuron.exported import exported_class, wrong_class
 from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of, require_transformers
 from kiln.optimum.neuron.seq2seq_cache import StaticSeq2SeqCache, fill_rows, first, hf_driver, pad_right
 from kiln.runtime.loader import load
@@ -159,6 +160,9 @@ class NeuronModelForSeq2SeqLM(CpuModel):
                                     "to compile a Hugging Face checkpoint")
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
         neuron = getattr(config, "neuron", None)
+        exported = exported_class(path)
+        if exported not in (None, cls.__name__):    # a kiln causal LM has no neuron section of this kind
+            raise ArtifactError(wrong_class(path, exported, cls.__name__))
         if neuron is None:
             raise FileNotFoundError(f"{path} is a Hugging Face checkpoint, not a model kiln exported: pass "
                                     "export=True to compile it")
