@@ -94,3 +94,33 @@ def test_a_window_with_no_finished_call_and_an_input_every_row_shares(tmp_path, 
     (row,) = report["results"]
     assert row["calls"] == 0 and row["latency_ms"]["p50"] is None     # a microsecond holds no call
     assert (tmp_path / "b.png").exists()
+
+
+def test_each_measuring_thread_runs_with_the_threads_the_run_asked_for():
+    """Found by probing: eager at batch 4 measured 13-32 ms a call instead of 0.02-0.04 ms.
+    OpenMP's thread count is per thread; the copy set it in its main thread, and the GEMMs run
+    in measure()'s threads took the OpenMP default (every CPU), a 2-thread team on one CPU.
+    torch.get_num_threads() cannot show it: it applies torch's setting to the thread it asks
+    from, so this reads OpenMP's own count, before any torch call in that thread."""
+    import ctypes
+    import threading
+    from kiln.benchmark.child import measure
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(lib):
+        pytest.skip("torch is not built with libgomp here")
+    omp = ctypes.CDLL(lib)
+    fresh = []   # what a new thread gets without being told: the check needs another count
+    t = threading.Thread(target=lambda: fresh.append(omp.omp_get_max_threads()))
+    t.start()
+    t.join()
+    asked = 1 if fresh[0] != 1 else 2
+    seen = {}
+
+    def run():
+        seen.setdefault(threading.get_ident(), omp.omp_get_max_threads())
+    before = torch.get_num_threads()
+    try:
+        measure(run, 2, 0.01, threads=asked)
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 2 and set(seen.values()) == {asked}, seen

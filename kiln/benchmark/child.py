@@ -52,7 +52,7 @@ def main():
         if cmd.get("exit"):
             break
         before = _busy(model)
-        res = measure(run, int(cmd["workers"]), float(cmd["duration"]))
+        res = measure(run, int(cmd["workers"]), float(cmd["duration"]), threads)
         if model is not None:
             after = _busy(model)
             busy = (after[0] - before[0]) + (after[1] - before[1])
@@ -103,8 +103,14 @@ def _make_runner(cfg, threads):
     return peers.build(cfg["runner"], model, args, kwargs, threads), None, None
 
 
-def measure(run, workers, duration) -> dict:
-    """Call ``run`` back to back from ``workers`` threads for ``duration`` seconds, all starting together."""
+def measure(run, workers, duration, threads: int | None = None) -> dict:
+    """Call ``run`` back to back from ``workers`` threads for ``duration`` seconds, all starting together.
+
+    ``threads``: the intra-op threads each measuring thread runs with. OpenMP's thread count is
+    per thread: torch.set_num_threads in the main thread reaches a new thread only when ATen's
+    own parallel code runs there, not MKL/oneDNN GEMMs, which took the OpenMP default (every CPU
+    the process had at start). On a copy pinned to one CPU, eager at batch 4 ran a 2-thread team
+    on that CPU: 13-32 ms a call instead of 0.02-0.04 ms. Each thread sets it for itself."""
     samples = [[] for _ in range(workers)]
     ends = [0.0] * workers
     errors: list = []
@@ -113,6 +119,9 @@ def measure(run, workers, duration) -> dict:
 
     def loop(i):
         mine = samples[i]
+        if threads is not None:
+            import torch
+            torch.set_num_threads(threads)   # this thread's OpenMP team (see above)
         gate.wait()
         deadline = state["deadline"]
         try:
@@ -126,13 +135,13 @@ def measure(run, workers, duration) -> dict:
             errors.append(f"{type(e).__name__}: {e}")
         ends[i] = time.perf_counter()
 
-    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(workers)]
-    for t in threads:
+    pool = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(workers)]
+    for t in pool:
         t.start()
     start = time.perf_counter()
     state["deadline"] = start + duration
     gate.wait()
-    for t in threads:
+    for t in pool:
         t.join()
     if errors:
         raise KilnError(f"bench: a call failed: {errors[0]}")
