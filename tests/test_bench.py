@@ -124,3 +124,13 @@ def test_each_measuring_thread_runs_with_the_threads_the_run_asked_for():
     finally:
         torch.set_num_threads(before)
     assert len(seen) == 2 and set(seen.values()) == {asked}, seen
+
+
+def test_a_copy_with_no_call_in_the_window_does_not_break_the_row():
+    """Found by probing: --copies 2 where one copy finished no call: TypeError in max() over None."""
+    from kiln.benchmark.report import aggregate
+    done = {"calls": 2, "elapsed": 1.0, "latencies_ms": [1.0, 3.0], "max_ms": 3.0, "sum_ms": 4.0}
+    idle = {"calls": 0, "elapsed": 1.0, "latencies_ms": [], "max_ms": None, "sum_ms": 0.0}
+    row = aggregate("kiln", 1, 2, 1, [idle, done], [{}, {}], None)
+    assert row["calls"] == 2 and row["latency_ms"]["max"] == 3.0
+    assert aggregate("kiln", 1, 2, 1, [idle, idle], [{}, {}], None)["latency_ms"]["max"] is None

@@ -27,7 +27,8 @@ def aggregate(runner, batch, copies, workers, replies, ready, price) -> dict:
            "calls": calls, "inferences": calls * batch, "duration_s": round(elapsed, 3),
            "throughput": round(throughput, 3),
            "latency_ms": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
-                          "max": max(r["max_ms"] for r in replies),
+                          # a copy with no call in the window has no max (None): not a TypeError
+                          "max": max((r["max_ms"] for r in replies if r["max_ms"] is not None), default=None),
                           "mean": round(sum(r["sum_ms"] for r in replies) / calls, 4) if calls else None},
            "setup_s": round(max(r.get("setup_s", 0.0) for r in ready), 3),
            "cost_per_1m": round(price / 3600 / throughput * 1e6, 4) if price and throughput else None}
