@@ -134,3 +134,17 @@ def test_a_copy_with_no_call_in_the_window_does_not_break_the_row():
     row = aggregate("kiln", 1, 2, 1, [idle, done], [{}, {}], None)
     assert row["calls"] == 2 and row["latency_ms"]["max"] == 3.0
     assert aggregate("kiln", 1, 2, 1, [idle, idle], [{}, {}], None)["latency_ms"]["max"] is None
+
+
+@pytest.mark.parametrize("argv", [["bench", "m.kiln", "--duration", "nan"], ["bench", "m.kiln", "--duration", "inf"],
+                                  ["bench", "m.kiln", "--warmup", "nan"], ["bench", "m.kiln", "--price-per-hour", "inf"],
+                                  ["monitor", "--period", "inf"], ["top", "--period", "nan"]])
+def test_durations_and_periods_must_be_finite(argv, capsys):
+    """Found by probing: kiln bench --duration nan measured forever (nan passed `<= 0`);
+    kiln monitor --period inf was an OverflowError traceback from time.sleep."""
+    from kiln.cli.app import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "finite" in capsys.readouterr().err
+    with pytest.raises(kiln.KilnError, match="finite"):
+        kiln.bench("m.kiln", duration=float("nan"), quiet=True)

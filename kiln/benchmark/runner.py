@@ -8,6 +8,7 @@ and measure each workers setting in windows that all copies run at once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,8 +36,10 @@ def bench(target, *, path: str | None = None, batch_sizes=(1,), copies=None, wor
     for label, values in (("batch_sizes", batch_sizes), ("copies", copies), ("workers", workers)):
         if not values or any(int(v) < 1 for v in values):
             raise KilnError(f"bench: {label} must be positive integers, got {values}")
-    if duration <= 0 or warmup < 0:
-        raise KilnError("bench: duration must be positive and warmup not negative")
+    if not (math.isfinite(duration) and duration > 0 and math.isfinite(warmup) and warmup >= 0):
+        # nan passed `duration <= 0` and measured forever
+        raise KilnError("bench: duration must be a finite number above 0 and warmup finite, not below 0, "
+                        f"got duration={duration}, warmup={warmup}")
     log = (lambda msg: None) if quiet else (lambda msg: print(f"kiln bench: {msg}", file=sys.stderr, flush=True))
     if isinstance(target, str) and not is_factory(target):
         refuse_llm(target, "kiln bench")

@@ -1,11 +1,13 @@
 """``kiln bench``: the command-line face of :func:`kiln.bench` (its table, notes and files)."""
 from __future__ import annotations
 
+import argparse
+import math
 import os
 
 from rich.console import Console
 
-from kiln.cli.common import TRUST_HELP
+from kiln.cli.common import TRUST_HELP, non_negative_seconds, positive_seconds
 
 
 def add_parser(sub):
@@ -17,16 +19,26 @@ def add_parser(sub):
     sp.add_argument("--copies", default=None, help="model copies, one process per kiln core, e.g. 1,2 "
                     "(default: one per kiln core)")
     sp.add_argument("--workers", default="1", help="threads calling each copy, e.g. 1,2 (default 1)")
-    sp.add_argument("--duration", type=float, default=5.0, help="measured seconds per configuration")
-    sp.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each runner")
+    sp.add_argument("--duration", type=positive_seconds, default=5.0, help="measured seconds per configuration")
+    sp.add_argument("--warmup", type=non_negative_seconds, default=1.0, help="warm-up seconds before each runner")
     sp.add_argument("--compare", default=None, help="peers: eager,torchscript,torch.compile,onnxruntime,openvino")
-    sp.add_argument("--price-per-hour", type=float, default=None, help="instance price, for cost per 1M inferences")
+    sp.add_argument("--price-per-hour", type=_price, default=None, help="instance price, for cost per 1M inferences")
     sp.add_argument("--compiler-args", default=None, help="kiln compile flags for a factory, e.g. \"-O3\"")
     sp.add_argument("--json", default=None, help="write the report here")
     sp.add_argument("--plot", default=None, help="write a throughput-vs-latency PNG here")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp.add_argument("--trust-native-code", action="store_true", help=TRUST_HELP)
     sp.set_defaults(fn=cmd_bench)
+
+
+def _price(text) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite price, not below 0, got {text}")
+    return value
 
 
 def _ints(text, what):

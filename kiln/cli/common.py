@@ -1,5 +1,6 @@
 """Help text and argument types more than one ``kiln`` command shares, so the flags read the same everywhere."""
 import argparse
+import math
 
 TRUST_HELP = ("load native code (TorchInductor partitions) from an artifact that no key trusted here "
               "signed (as KILN_TRUST_NATIVE_CODE=1); only for artifacts from a source you trust")
@@ -37,12 +38,29 @@ def positive_int(text) -> int:
 
 
 def positive_seconds(text) -> float:
-    """An argparse type for periods and durations: above 0 (``--period 0`` exited with status 1
-    from inside the command, or was taken, and busy-looped, by ``kiln top``)."""
+    """An argparse type for periods and durations: a finite number above 0 (``--period 0``
+    exited with status 1 from inside the command, or was taken, and busy-looped, by ``kiln top``;
+    ``kiln bench --duration nan`` measured forever and ``kiln monitor --period inf`` was an
+    OverflowError traceback)."""
+    value = _seconds(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
+
+
+def non_negative_seconds(text) -> float:
+    """An argparse type for waits that may be 0 (a warm-up): a finite number, not below 0."""
+    value = _seconds(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be below 0 seconds, got {text}")
+    return value
+
+
+def _seconds(text) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
     return value
