@@ -148,3 +148,23 @@ def test_durations_and_periods_must_be_finite(argv, capsys):
     assert e.value.code == 2 and "finite" in capsys.readouterr().err
     with pytest.raises(kiln.KilnError, match="finite"):
         kiln.bench("m.kiln", duration=float("nan"), quiet=True)
+
+
+def test_output_paths_are_checked_before_measuring(tmp_path, monkeypatch):
+    """Found by probing: an unwritable --json or a directory as --plot failed only after the whole
+    run, and --plot /tmp left a stray /tmp.tmpPID.png next to it."""
+    from kiln.benchmark import runner
+    monkeypatch.setattr(runner, "_runners", lambda *a: pytest.fail("measured before checking the outputs"))
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o500)
+    bad = [{"plot_path": str(tmp_path)}, {"json_path": str(tmp_path)}, {"json_path": "/proc/nope/b.json"}]
+    if os.geteuid() != 0:
+        bad.append({"json_path": str(tmp_path / "ro" / "b.json")})
+    for kw in bad:
+        with pytest.raises(kiln.KilnError, match="directory|cannot write"):
+            kiln.bench("m.kiln", quiet=True, **kw)
+    os.chmod(tmp_path / "ro", 0o700)
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(tmp_path.name)) == [tmp_path.name]
+    from kiln.benchmark.report import write_json
+    write_json(tmp_path / "out" / "r.json", {"results": []})
+    assert os.listdir(tmp_path / "out") == ["r.json"]   # the temporary file renamed, in its own directory

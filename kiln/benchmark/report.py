@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+
+from kiln.errors import KilnError
 
 
 def percentile(sorted_values, q):
@@ -51,14 +54,47 @@ def add_ratios(report):
             if b and b["throughput"] else None
 
 
+def check_output(path, what: str):
+    """Refuse, before anything is measured, an output path that cannot be written: a directory,
+    or a directory that cannot be made or written to (until 12-01 that was found only after the
+    whole run, with a traceback and no table; ``--plot /tmp`` also left ``/tmp.tmpPID.png``)."""
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        raise KilnError(f"bench: {what} {path} is a directory; give a file name")
+    d = os.path.dirname(target)
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise KilnError(f"bench: cannot write {what} {path}: {e.strerror or e}") from None
+
+
+def _atomic(path, write, suffix=""):
+    """Write through a temporary file in the target's own directory, then rename it over the target."""
+    target = os.path.abspath(os.fspath(path))
+    d = os.path.dirname(target)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(target)}.", suffix=f".tmp{suffix}")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def write_json(path, report):
     """Write the report atomically, so a reader never sees half of it."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    _atomic(path, write)
 
 
 def table(report):
@@ -144,7 +180,7 @@ def plot(report, path):
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        _atomic(path, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+    finally:
+        plt.close(fig)

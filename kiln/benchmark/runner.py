@@ -18,7 +18,7 @@ import time
 from kiln.artifact.container import refuse_llm
 from kiln.benchmark import peers
 from kiln.benchmark.inputs import factory_inputs, is_factory
-from kiln.benchmark.report import add_ratios, aggregate, plot, write_json
+from kiln.benchmark.report import add_ratios, aggregate, check_output, plot, write_json
 from kiln.errors import KilnError
 from kiln.host import child
 
@@ -40,6 +40,9 @@ def bench(target, *, path: str | None = None, batch_sizes=(1,), copies=None, wor
         # nan passed `duration <= 0` and measured forever
         raise KilnError("bench: duration must be a finite number above 0 and warmup finite, not below 0, "
                         f"got duration={duration}, warmup={warmup}")
+    for out, what in ((json_path, "--json"), (plot_path, "--plot")):
+        if out:
+            check_output(out, what)   # before the run, not after it
     log = (lambda msg: None) if quiet else (lambda msg: print(f"kiln bench: {msg}", file=sys.stderr, flush=True))
     if isinstance(target, str) and not is_factory(target):
         refuse_llm(target, "kiln bench")
