@@ -242,3 +242,33 @@ def test_a_request_that_times_out_is_counted_in_the_models_metrics():
         await b.close()
     asyncio.run(go())
     assert slow.metrics.snapshot()["calls_timed_out"] == 1
+
+
+def test_the_xla_style_report_prints_a_real_99th_percentile(monkeypatch):
+    """Found by probing: metrics_report()'s "99%" was the largest sample (one 5 s first call among
+    1000 calls of 1 ms read as p99 = 5000 ms)."""
+    from kiln.device import metrics as device_metrics
+    monkeypatch.setattr(device_metrics, "_samples", __import__("collections").defaultdict(list))
+    for _ in range(1000):
+        device_metrics.sample("KilnProbeTime", 0.001)
+    device_metrics.sample("KilnProbeTime", 5.0)
+    line = next(x for x in device_metrics.report().splitlines() if "Percentiles" in x)
+    assert line.strip() == "Percentiles: 50%=1.000ms; 99%=1.000ms", line
+
+
+def test_histogram_percentiles_never_exceed_the_slowest_call():
+    """Found by probing: kiln monitor's p100 (and p99) read above the process's slowest call:
+    a bin answers with its geometric middle, and the monitor did not cap it at the max."""
+    from kiln.observe.metrics import ModelMetrics
+    from kiln.observe.monitor import Sampler
+    m = ModelMetrics("capped")
+    for _ in range(10):
+        m.record_call(0.0105, 0)   # the bin's middle is above 10.5 ms
+    snap = m.snapshot()
+    entry = {"pid": 1, "models": [snap], "memory_rss_bytes": 0}
+    report = Sampler.__new__(Sampler)
+    report._models = {}
+    out = report._process(entry, 1.0, {})
+    lat = out["report"]["execution_stats"]["latency_stats"]["total_latency"]
+    assert lat["p100"] <= 0.0105 and lat["p99"] <= 0.0105, lat
+    assert out["report"]["models"][0]["latency_ms"]["p99"] <= 10.5

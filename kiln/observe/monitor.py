@@ -107,6 +107,7 @@ class Sampler:
         pid = entry["pid"]
         completed = failed = timed_out = 0
         hist: dict = {}
+        slowest = None
         cores: dict = {}
         models = []
         for m in registry.top_level(entry):
@@ -120,6 +121,11 @@ class Sampler:
             d_host = m["host_seconds"] - (prev["host_seconds"] if prev else 0.0)
             # first seen: the counts cover the model's life so far, so rates are over that span
             span = period if prev else max(time.time() - m.get("loaded_at", 0), period)
+            # a bin answers with its middle: never above the slowest call the model recorded
+            top = (m.get("latency_ms") or {}).get("max")
+            cap = top / 1e3 if isinstance(top, (int, float)) else None
+            if cap is not None:
+                slowest = cap if slowest is None else max(slowest, cap)
             completed, failed, timed_out = completed + d_done, failed + d_fail, timed_out + d_tout
             for k, n in d_hist.items():
                 hist[k] = hist.get(k, 0) + n
@@ -132,14 +138,14 @@ class Sampler:
                 "completed": d_done, "failed": d_fail, "timed_out": d_tout,
                 "completed_total": m["calls_completed"], "failed_total": m["calls_failed"],
                 "throughput": round(d_done / span, 3),
-                "latency_ms": {q: _ms(hist_percentile(d_hist, v)) for q, v in (("p50", 50), ("p99", 99))},
+                "latency_ms": {q: _ms(hist_percentile(d_hist, v, cap)) for q, v in (("p50", 50), ("p99", 99))},
                 "host_share": round(d_host / d_busy, 4) if d_busy > 0 else 0.0,
                 "bucket_hits": m.get("bucket_hits", {}),
             })
         for name, c in cores.items():
             u = c["neuroncore_utilization"]
             c["neuroncore_utilization"] = round(min(u, 100.0) if name != "unpinned" else u, 2)
-        lat = {q: float(f"{hist_percentile(hist, v):.6g}") for q, v in _PCTS} if hist else None
+        lat = {q: float(f"{hist_percentile(hist, v, slowest):.6g}") for q, v in _PCTS} if hist else None
         return {
             "pid": pid, "neuron_runtime_tag": entry.get("tag") or entry.get("cmd", ""), "error": "",
             "report": {
