@@ -272,3 +272,20 @@ def test_histogram_percentiles_never_exceed_the_slowest_call():
     lat = out["report"]["execution_stats"]["latency_stats"]["total_latency"]
     assert lat["p100"] <= 0.0105 and lat["p99"] <= 0.0105, lat
     assert out["report"]["models"][0]["latency_ms"]["p99"] <= 10.5
+
+
+def test_an_unwritable_kiln_profile_is_a_one_line_warning(capsys, monkeypatch):
+    """Found by probing: KILN_PROFILE=/proc/nope/t.json printed a traceback at exit."""
+    import atexit
+    from kiln.observe import profiler
+    hooks = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args: hooks.append((fn, args)))
+    monkeypatch.setattr(profiler, "_active", None)
+    monkeypatch.setattr(profiler, "_env_read", False)
+    monkeypatch.setenv("KILN_PROFILE", "/proc/nope/t.json")
+    profiler.start_from_env()
+    monkeypatch.setattr(profiler, "_active", None)
+    (fn, args), = hooks
+    fn(*args)   # what runs at exit: no exception
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "KILN_PROFILE=/proc/nope/t.json" in err[0] and "No such file" in err[0], err

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -89,7 +90,17 @@ def start_from_env():
         path = config.get("KILN_PROFILE")
         if path and _active is None:
             _active = Recorder(path)
-            atexit.register(_active.write)
+            atexit.register(_write_at_exit, _active)
+
+
+def _write_at_exit(rec):
+    """KILN_PROFILE's write at exit: a path that cannot be written is a one-line warning naming
+    it and why (it was a traceback from the atexit hook, and the exit status stayed 0)."""
+    try:
+        rec.write()
+    except OSError as e:
+        print(f"kiln: warning: KILN_PROFILE={rec.path}: the trace was not written: "
+              f"{e.strerror or e}", file=sys.stderr, flush=True)
 
 
 def torch_profiling() -> bool:
