@@ -159,6 +159,36 @@ def test_truncated_entry_is_discarded_and_recompiled(tmp_path):
     assert path.stat().st_size > 0 and cache_mod.Cache(url).lookup(key)[0] == "ok"
 
 
+def test_an_alias_naming_a_path_outside_the_cache_is_not_followed(tmp_path, caplog):
+    """An alias file's key is a path component: ``../../outside`` was served as a hit, and a
+    wrong size there deleted that outside directory. Such an alias is ignored and overwritten."""
+    url = str(tmp_path / "cache")
+    model, x = models.mlp()
+    key = kiln.trace(model, x, cache=url).cache_key
+    (alias,) = (tmp_path / "cache" / "aliases").iterdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keepme.txt").write_text("victim")
+    (outside / "artifact.kiln").write_bytes(b"x" * 10)
+    (outside / "meta.json").write_text(json.dumps({"status": "ok", "size": 5}))
+    alias.write_text(json.dumps({"key": "../../outside"}))
+    s = snap()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        again = kiln.trace(model, x, cache=url)
+    assert sorted(p.name for p in outside.iterdir()) == ["artifact.kiln", "keepme.txt", "meta.json"]
+    assert json.loads((outside / "meta.json").read_text()) == {"status": "ok", "size": 5}   # not touched
+    assert again.cache_key == key and delta(s)["hits"] == 1 and delta(s)["discarded"] == 0
+    assert "not a cache key" in caplog.text
+    assert json.loads(alias.read_text()) == {"key": key}          # overwritten with the real key
+    store = cache_mod.Cache(url)
+    for bad in ("../outside", "/etc", "a/b", "..", "", None):
+        with pytest.raises(kiln.errors.CacheError):
+            store.lookup(bad)
+        with pytest.raises(kiln.errors.CacheError):
+            store.forget(bad)
+    assert [e["key"] for e in store.entries()] == [key]
+
+
 def test_entry_without_meta_is_not_used(tmp_path):
     """A process killed between writing the artifact and its meta leaves no valid entry."""
     url = str(tmp_path / "cache")

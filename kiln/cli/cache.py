@@ -97,9 +97,12 @@ def _info(a, url, store, entries):
                           "bytes": sum(int(e.get("size", 0)) for e in entries),
                           "max_bytes": store.max_bytes}, indent=1))
         return 0
+    from kiln.errors import KilnError
+    from kiln.compiler.cache import valid_name
+    if not valid_name(a.key):
+        raise KilnError(f"{a.key!r} is not a cache key (or a prefix of one): kiln's keys are hex digits")
     match = [e for e in entries if e["key"].startswith(a.key)]
     if len(match) != 1:
-        from kiln.errors import KilnError
         raise KilnError(f"{len(match)} cache entries match key {a.key!r}; give more of the key")
     print(json.dumps(match[0], indent=1))
     return 0

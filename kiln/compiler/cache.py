@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import time
 import uuid
 
@@ -55,6 +56,25 @@ _warned: set = set()       # cache URLs already reported unusable (or with a cap
 # Process-wide counters (also per Cache instance): they live in kiln.observe, which reports them
 # and may not import the compiler; ``stats`` is that same dict, for readers.
 stats = compile_cache.values
+
+
+# -- names --------------------------------------------------------------------------------------
+# Keys and fingerprints are kiln's own digests (64 hex digits from keys._hash_json); a name read
+# from the store (an alias file, a listing) or given by a caller becomes one path component
+# under entries/, locks/ or aliases/, so it is checked to be a plain name that cannot climb out
+# (no separator, no dot: no "..", "/", "\\" or absolute path). Tests use other plain names.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+
+
+def valid_name(name) -> bool:
+    """Whether ``name`` can be a cache key or fingerprint (a plain path component)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def check_name(name, what="key"):
+    if not valid_name(name):
+        raise CacheError(f"{name!r} is not a kiln cache {what} (kiln's keys are 64 hex digits)")
+    return name
 
 
 # -- where ----------------------------------------------------------------------------------
@@ -164,6 +184,12 @@ class Cache(CompileLocks):
                              "Pass --url (or set KILN_CACHE_URL) to a directory or store URL") from None
 
     def _path(self, *parts):
+        if len(parts) > 1 and parts[0] in ("entries", "locks", "aliases"):   # no name escapes its folder
+            suffix = {"entries": "", "locks": ".lock", "aliases": ".json"}[parts[0]]
+            name = parts[1]
+            if not (isinstance(name, str) and name.endswith(suffix) and valid_name(name[:len(name) - len(suffix)])):
+                raise CacheError(f"cache {self.url!r}: {name!r} is not a kiln cache "
+                                 f"{'fingerprint' if parts[0] == 'aliases' else 'key'}")
         return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
 
     # -- primitive file operations ------------------------------------------------------------
@@ -323,11 +349,23 @@ class Cache(CompileLocks):
 
     # -- aliases ------------------------------------------------------------------------------------
     def alias(self, fp):
+        """The key a fingerprint's alias names, or None. An alias whose key is not a kiln key (a
+        path such as ``../../x``, written by anyone with access to the store) is never followed:
+        it is a miss (warned once per location), and the trace's capture overwrites it."""
+        if not valid_name(fp):
+            return None
         raw = self._read(self._path("aliases", f"{fp}.json"))
         try:
-            return json.loads(raw)["key"] if raw else None
-        except (ValueError, KeyError):
+            key = json.loads(raw)["key"] if raw else None
+        except (ValueError, KeyError, TypeError):
             return None
+        if key is not None and not valid_name(key):
+            if (self.url, "alias") not in _warned:
+                _warned.add((self.url, "alias"))
+                log.warning("kiln cache %s: alias %s.json names %r, which is not a cache key; ignoring it "
+                            "(it is overwritten once the model is captured)", self.url, fp[:16], str(key)[:80])
+            return None
+        return key
 
     def set_alias(self, fp, key):
         self._write_atomic(self._path("aliases", f"{fp}.json"), json.dumps({"key": key}).encode(),
@@ -344,6 +382,7 @@ class Cache(CompileLocks):
             keys = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
         except FileNotFoundError:
             return []
+        keys = [k for k in keys if valid_name(k)]      # nothing else is kiln's (a stray file, "..")
         out = []
         for key in keys:
             meta = self._meta(key)
