@@ -245,3 +245,64 @@ def test_a_long_reply_is_decoded_in_linear_time():
             del tok.decode
         assert out == real(ids)
         assert sum(decoded) < 30 * len(ids), (name, sum(decoded))
+
+
+ATTACKS = {     # 80-byte templates that took a server's memory or a core for good (found by probing)
+    "repeat": "{{ 'ab' * 2000000000 }}",
+    "nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling in a namespace": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                               "{% endfor %}{{ ns.s|length }}",
+    "doubling by +": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "power": "{{ 2 ** 100000000 }}",
+    "center": "{{ 'a'|center(3000000000) }}",
+    "format width": "{{ '%0999999999d' % 1 }}",
+    "replace": "{% set ns = namespace(s='aaaa') %}{% for i in range(64) %}{% set ns.s = ns.s|replace('a', 'aa') %}"
+               "{% endfor %}",
+    "a macro doubling its argument": "{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}"
+                                     "{{ f('a', 60) }}",
+    "endless recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+}
+
+
+def test_a_chat_template_cannot_take_the_memory_or_a_core():
+    """The template comes from the artifact: rendering bounds what its operators, filters,
+    calls, namespaces and ranges may make (kiln.runtime.chat_limits), so each of these is an
+    InputError at once. Run under a 2 GiB address-space limit and a timeout, where the sandbox
+    alone made 4 GB strings and looped 10^10 times; a real template still renders."""
+    import json
+    import subprocess
+    import sys
+    script = """if True:
+        import json, resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        import tokenizers
+        from tokenizers.models import WordLevel
+        from kiln.errors import InputError
+        from kiln.runtime.text import Tokenizer
+        base = tokenizers.Tokenizer(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).to_str().encode()
+        out = {}
+        for name, template in json.loads(sys.argv[1]).items():
+            try:
+                Tokenizer({"tokenizer.json": base, "chat_template.jinja": template.encode()}).apply_chat_template(
+                    [{"role": "user", "content": "hi"}])
+                out[name] = "rendered"
+            except InputError as e:
+                out[name] = str(e)
+        print(json.dumps(out))
+    """
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(ATTACKS)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    refused = {name: why for name, why in out.items() if why.startswith("the chat template")}
+    assert set(refused) == set(ATTACKS), out
+    big = "x" * 200_000                 # a long real prompt renders, with ranges, +, % and loops
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] + '\\n' }}{% endfor %}"
+                "{{ range(3)|list|length }}{{ (range(5)|reverse|list)[0] }}{% for i in range(2) %}{{ loop.last }}"
+                "{% endfor %}{{ '%3d' % 7 }}")
+    from tests.conftest import tiny_tokenizer
+    tok = tiny_tokenizer()
+    tok.chat_template = template
+    messages = [{"role": "user", "content": big}]
+    assert Tokenizer(tokenizer_files(tok)).apply_chat_template(messages) == \
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

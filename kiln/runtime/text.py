@@ -22,6 +22,7 @@ import datetime
 import json
 
 from kiln.errors import ArtifactError, InputError
+from kiln.runtime import chat_limits
 
 # transformers' named special tokens (``SPECIAL_TOKENS_ATTRIBUTES``), passed to the chat template
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -92,13 +93,15 @@ class Tokenizer:
                 raise ArtifactError(f"this model's chat template does not compile (line {e.lineno}: {e.message}); "
                                     "use completions instead") from None
         special = {k: self.token(k) for k in SPECIAL_TOKENS if self.token(k) is not None}
+        chat_limits.start()
         try:
             return self._compiled_template.render(
                 messages=[_chat_message(m) for m in messages], tools=None, documents=None,
                 add_generation_prompt=add_generation_prompt, **special)
         except InputError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as e:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError, AttributeError,
+                RecursionError, MemoryError) as e:
             raise InputError(f"the chat template could not render these messages: {type(e).__name__}: {e}") from None
 
     def encode_chat(self, messages: list) -> list:
@@ -160,15 +163,29 @@ def _chat_environment():
 
         def __setitem__(self, name, value):
             TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
+            jinja2.utils.Namespace.__setitem__(self, name, chat_limits.sized(value, f"namespace value {name!r}"))
 
         @staticmethod
         def _check(name):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace cannot hold {name!r} (underscore-prefixed)")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):       # what a template may make (kiln.runtime.chat_limits)
+        intercepted_binops = frozenset(["*", "+", "**", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            return chat_limits.binop(self.binop_table, operator, left, right)
+
+        def call(*args, **kwargs):
+            for value in (*args[3:], *kwargs.values()):
+                chat_limits.sized(value, "a call's argument")
+            return chat_limits.sized(ImmutableSandboxedEnvironment.call(*args, **kwargs), "a call's result")
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["replace"] = chat_limits.replace(env.filters["replace"])
+    env.filters.update({name: chat_limits.filtered(name, fn) for name, fn in env.filters.items()})
+    env.globals["range"] = chat_limits.counted_range(env.globals["range"])
     env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)
     return env
