@@ -102,6 +102,68 @@ def test_corrupted_blob(mlp_artifact, tmp_path):
         kiln.load(bad)
 
 
+def _bomb(src, dst, member, inflated=72 << 20, declare=None, manifest_size=None):
+    """``src`` rewritten with ``member`` deflated and inflating to ``inflated`` bytes of zeros
+    (70 KB in the file); ``declare``: the uncompressed size its directory entry then claims;
+    ``manifest_size``: the blob size the manifest records."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", compresslevel=1) as zout:
+        for item in zin.namelist():
+            data = zin.read(item)
+            if item == "manifest.json" and manifest_size is not None:
+                m = json.loads(data)
+                m["blobs"][member]["size"] = manifest_size
+                data = json.dumps(m).encode()
+            if item == "signature.json":
+                continue
+            if item != member:
+                zout.writestr(item, data)
+                continue
+            info = zipfile.ZipInfo(item)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with zout.open(info, "w") as f:
+                if item == "manifest.json":
+                    f.write(data[:-1])
+                zeros = b" " * (8 << 20)
+                for _ in range(inflated // len(zeros)):
+                    f.write(zeros)
+                if item == "manifest.json":
+                    f.write(data[-1:])
+    if declare is not None:        # rewrite the central directory's uncompressed size
+        raw = bytearray(dst.read_bytes())
+        pos = raw.find(b"PK\x01\x02")
+        while pos >= 0:
+            name_len = int.from_bytes(raw[pos + 28:pos + 30], "little")
+            if raw[pos + 46:pos + 46 + name_len] == member.encode():
+                raw[pos + 24:pos + 28] = declare.to_bytes(4, "little")
+            pos = raw.find(b"PK\x01\x02", pos + 4)
+        dst.write_bytes(bytes(raw))
+
+
+def test_a_zip_bomb_is_refused_before_it_inflates(mlp_artifact, tmp_path, monkeypatch):
+    """Deflated members are inflated only up to what they declare, and only when that fits:
+    the manifest's cap, the size the manifest records for a blob. 72 MB of spaces in 70 KB
+    cost 72 MB of memory (the probe's 3 GB ones, 6.5 GB) before the checksum failed."""
+    from kiln.artifact.container import manifest_of
+    path, _, _ = mlp_artifact
+    read = []
+    real_read = zipfile.ZipExtFile.read
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", lambda self, n=-1: read.append(r := real_read(self, n)) or r)
+    blob = next(n for n in zipfile.ZipFile(path).namelist() if n.startswith("partitions/"))
+    bomb = tmp_path / "bomb.kiln"
+    _bomb(path, bomb, "manifest.json")
+    for load in (kiln.load, manifest_of):
+        with pytest.raises(kiln.ArtifactError, match=r"manifest.json declares 755\d{5} bytes uncompressed"):
+            load(str(bomb))
+    _bomb(path, bomb, blob)      # the manifest records the blob's real size
+    with pytest.raises(kiln.ArtifactError, match=rf"blob {blob} is 75497472 bytes in the archive but the manifest "
+                                                 "records"):
+        kiln.load(bomb)
+    _bomb(path, bomb, blob, declare=10240, manifest_size=10240)   # a lying size: stops after it
+    with pytest.raises(kiln.ArtifactError, match=f"blob {blob} cannot be read"):
+        kiln.load(bomb)
+    assert sum(map(len, read)) < 8 << 20
+
+
 @pytest.mark.parametrize("dropped", [("xxh3c",), ("xxh3c", "crc32")], ids=["crc32", "sha256"])
 def test_older_artifacts_are_checked_by_their_digests(mlp_artifact, tmp_path, dropped):
     """Artifacts written before the manifest recorded xxh3c (or crc32) still load, and are

@@ -56,6 +56,8 @@ READS_FORMAT = POOLED_FORMAT    # the newest format this kiln reads
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.json"   # kiln.artifact.trust: who signed the manifest (absent: unsigned)
 MAX_SIGNATURE = 64 << 10
+MAX_MANIFEST = 64 << 20       # a manifest is JSON of a few MB at most (an LLM's holds every graph's)
+MAX_INFLATED = 256 << 20      # a compressed member (kiln writes none) inflates to no more than this
 ALIGN = 4096          # blob data starts on a page boundary, so engines can map it
 
 
@@ -292,7 +294,7 @@ class Artifact:
             if MANIFEST not in names:
                 raise ArtifactError(f"{source}: zip archive without {MANIFEST}; not a kiln artifact")
             try:
-                manifest = json.loads(z.read(MANIFEST))
+                manifest = json.loads(read_bounded(z, z.getinfo(MANIFEST), MAX_MANIFEST))
             # NotImplementedError, RuntimeError: a compression method or encryption zipfile
             # cannot read; RecursionError: JSON nested too deep to parse
             except (ValueError, zipfile.BadZipFile, OSError, EOFError, NotImplementedError,
@@ -312,9 +314,7 @@ class Artifact:
             if SIGNATURE in names:
                 try:
                     info = z.getinfo(SIGNATURE)
-                    if info.file_size > MAX_SIGNATURE:
-                        raise ValueError(f"{info.file_size} bytes")
-                    signature = z.read(info)
+                    signature = read_bounded(z, info, MAX_SIGNATURE)
                 except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError,
                         RuntimeError) as e:
                     raise ArtifactError(f"{source}: {SIGNATURE} cannot be read ({e}); the file is "
@@ -324,8 +324,12 @@ class Artifact:
                 if name not in names:
                     raise ArtifactError(f"{source}: blob {name} listed in the manifest is missing; "
                                         "the file is truncated or was edited")
+                info = z.getinfo(name)
+                if info.file_size != meta["size"]:     # before reading anything: a zip bomb declares GBs
+                    raise ArtifactError(f"{source}: blob {name} is {info.file_size} bytes in the archive but "
+                                        f"the manifest records {meta['size']}; the file is corrupt or was edited")
                 try:
-                    data, offsets[name] = _member(view, z, z.getinfo(name))
+                    data, offsets[name] = _member(view, z, info)
                 except (zipfile.BadZipFile, OSError, EOFError, ValueError, struct.error,
                         NotImplementedError, RuntimeError) as e:
                     raise ArtifactError(f"{source}: blob {name} cannot be read ({e}); the file is "
@@ -380,8 +384,8 @@ def _ends_with_directory(view: memoryview) -> bool:
 def _member(view: memoryview, z: zipfile.ZipFile, info: zipfile.ZipInfo):
     """(data, offset): a stored member as a view into ``view`` (no copy) and where it
     starts; other members are read out (offset None)."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return z.read(info), None      # not written by kiln; zipfile checks its CRC
+    if info.compress_type != zipfile.ZIP_STORED:      # not written by kiln; zipfile checks its CRC
+        return read_bounded(z, info, MAX_INFLATED), None
     header = bytes(view[info.header_offset:info.header_offset + 30])
     if len(header) < 30 or header[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile("bad local file header")
@@ -390,6 +394,19 @@ def _member(view: memoryview, z: zipfile.ZipFile, info: zipfile.ZipInfo):
     if start + info.file_size > len(view):
         raise EOFError("member extends past the end of the file")
     return view[start:start + info.file_size], start
+
+
+def read_bounded(z: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """A member's bytes; a ValueError naming the member and the sizes if it declares more than
+    ``limit`` or inflates to other than it declares: a zip bomb costs at most ``limit`` + 1 bytes."""
+    if info.file_size > limit:
+        raise ValueError(f"member {info.filename} declares {info.file_size} bytes uncompressed "
+                         f"({info.compress_size} stored), over the {limit} allowed")
+    with z.open(info) as f:
+        data = f.read(info.file_size + 1)      # never more, whatever the stream holds
+    if len(data) != info.file_size:
+        raise ValueError(f"member {info.filename} inflates to {len(data)} bytes, not the {info.file_size} it declares")
+    return data
 
 
 def _intact(data, meta: dict, info: zipfile.ZipInfo, verify=True) -> bool:
@@ -446,8 +463,8 @@ def manifest_of(path: str) -> dict:
         raise ArtifactError(f"{path}: no such file")
     try:
         with zipfile.ZipFile(path) as z:
-            manifest = json.loads(z.read(MANIFEST))
-    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
+            manifest = json.loads(read_bounded(z, z.getinfo(MANIFEST), MAX_MANIFEST))
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError, NotImplementedError, RuntimeError) as e:
         raise ArtifactError(f"{path}: not a kiln artifact ({e})") from None
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}: not a kiln artifact (its manifest is not an object)")
