@@ -270,3 +270,26 @@ def test_generate_calls_reuse_one_zeroed_kv_cache(compiled):
     assert held.cache.keys.data_ptr() == address and not held.cache.keys.isnan().any()
     assert llm.generate(PROMPTS[:1], 12, stop_at_eos=False) == expected[:1]
     del held
+
+
+def test_a_cache_shape_that_disagrees_with_the_graphs_is_refused_at_load(compiled, tmp_path):
+    """``llm.cache_shape`` is what generation allocates: edited to 2^31 positions the artifact
+    loaded and its first generate asked for 137 GB; to 2^20 it failed with an InputError
+    blaming the prompt. Load compares it with the decode graphs' cache inputs."""
+    import zipfile
+    _, _, path = compiled
+    shape = json.loads(zipfile.ZipFile(path).read("manifest.json"))["llm"]["cache_shape"]
+    for changed in ([*shape[:3], 1 << 31, shape[4]], [shape[0], shape[1], shape[2] + 1, *shape[3:]]):
+        bad = tmp_path / "bad.kiln"
+        with zipfile.ZipFile(path) as zin, zipfile.ZipFile(bad, "w") as zout:
+            for item in zin.infolist():
+                data = zin.read(item)
+                if item.filename == "manifest.json":
+                    m = json.loads(data)
+                    m["llm"]["cache_shape"] = changed
+                    data = json.dumps(m).encode()
+                if item.filename != "signature.json":
+                    zout.writestr(item.filename, data)
+        with pytest.raises(kiln.ArtifactError, match=rf"llm.cache_shape \[{', '.join(map(str, changed))}\] does "
+                                                     r"not match the decode/\d+.kiln graph"):
+            kiln.load(bad)

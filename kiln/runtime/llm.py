@@ -335,6 +335,33 @@ def load_llm(art, opts, source, core=None, worker=None, load_nested=None) -> LLM
                  if name.startswith("tokenizer/")}
     windows = {int(w): {"decode": loaded[(int(w), "decode")], "chunk": loaded[(int(w), "chunk")].get(0)}
                for w in graphs.get("windows", {})}
+    check_cache_shape(meta, loaded["prefill"], loaded["decode"], windows, source)
     return LLM(loaded["prefill"], loaded["decode"], meta, tokenizer, art.manifest, dict(loaded["verify"]),
                loaded["chunk"].get(0), windows=windows)
+
+
+def check_cache_shape(meta, prefill, decode, windows, source):
+    """The manifest's ``cache_shape`` ``[L, B, H_kv, S, D]`` is what generation allocates: it must
+    agree with ``batch_size``, the context buckets and every decode graph's cache inputs (``2L``
+    of ``[rows, H_kv, S or its window, D]`` after the ids and positions), or an edited number
+    costs an allocation of any size (2^31 positions: 137 GB) or an error blaming the input."""
+    shape = meta.get("cache_shape")
+    if not (isinstance(shape, list) and len(shape) == 5 and all(type(d) is int and d > 0 for d in shape)):
+        raise ArtifactError(f"{source}: llm.cache_shape is {shape!r}, not [layers, batch, kv heads, positions, "
+                            "head dim] of positive integers; the file is corrupt or was edited")
+    layers, batch, heads, slots, dim = shape
+    if batch != meta.get("batch_size") or max(prefill) > slots:
+        raise ArtifactError(f"{source}: llm.cache_shape {shape} does not agree with llm.batch_size "
+                            f"{meta.get('batch_size')!r} and the largest context bucket {max(prefill)} (at most "
+                            f"{slots} positions); the file is corrupt or was edited")
+    graphs = [("decode", rows, slots, model) for rows, model in decode.items()]
+    graphs += [(f"window/{w}/decode", rows, w, model) for w, g in windows.items() for rows, model in g["decode"].items()]
+    for kind, rows, positions, model in graphs:
+        specs = model.manifest["inputs"]["tensors"]
+        want = [rows, heads, positions, dim]
+        found = [s.get("shape") for s in specs[2:2 + 2 * layers]]
+        if rows > batch or len(specs) < 2 * layers + 3 or any(f != want for f in found):
+            raise ArtifactError(f"{source}: llm.cache_shape {shape} does not match the {kind}/{rows}.kiln graph, "
+                                f"whose cache inputs are {found[:2]}{'...' if len(found) > 2 else ''} ({len(found)} "
+                                f"of them; {2 * layers} of {want} expected); the file is corrupt or was edited")
 
