@@ -164,6 +164,26 @@ def test_a_zip_bomb_is_refused_before_it_inflates(mlp_artifact, tmp_path, monkey
     assert sum(map(len, read)) < 8 << 20
 
 
+def test_an_input_no_machine_could_hold_is_refused_and_a_failed_warm_up_names_it(mlp_artifact, tmp_path,
+                                                                                monkeypatch):
+    """A manifest's input of 2^41 x 16 elements loaded; kiln serve's warm-up then failed with the
+    allocator's own message, naming no input (the probe's [2^32, 8]: 128 GB)."""
+    from kiln.serving.models import warmup_inputs
+    path, _, _ = mlp_artifact
+    bad = tmp_path / "huge.kiln"
+    _rewrite(path, bad, edit_manifest=lambda m: m["inputs"]["tensors"][0].update(shape=[2 ** 41, 16]))
+    with pytest.raises(kiln.ArtifactError, match=r"inputs.tensors\[0\].shape.*35184372088832 elements, more than"):
+        kiln.load(bad)
+    model = kiln.load(path)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory")
+    monkeypatch.setattr(torch, "zeros", refuse)
+    with pytest.raises(kiln.KilnError, match=r"warm-up: input 'x' of shape \[2, 16\] \(torch.float32\) needs 128 "
+                                             "bytes.*DefaultCPUAllocator"):
+        warmup_inputs(model)
+
+
 @pytest.mark.parametrize("dropped", [("xxh3c",), ("xxh3c", "crc32")], ids=["crc32", "sha256"])
 def test_older_artifacts_are_checked_by_their_digests(mlp_artifact, tmp_path, dropped):
     """Artifacts written before the manifest recorded xxh3c (or crc32) still load, and are

@@ -22,6 +22,7 @@ from kiln.errors import ArtifactError
 
 MAX_DEPTH = 64          # nesting of structures and program arguments
 MAX_DIM = 2 ** 62       # a dim size or count beyond any real tensor
+MAX_ELEMENTS = 2 ** 40  # a tensor spec's element count beyond any real input (4 TiB of float32)
 
 
 class Fail:
@@ -144,10 +145,13 @@ def check_specs(fail: Fail, value, path: str) -> list:
         p = f"{path}[{i}]"
         need(fail, p, spec, "object")
         field(fail, spec, "name", p, "string")
-        for d, size in enumerate(field(fail, spec, "shape", p, "list")):
+        shape = field(fail, spec, "shape", p, "list")
+        for d, size in enumerate(shape):
             need(fail, f"{p}.shape[{d}]", size, "integer")
             if not 0 <= size < MAX_DIM:
                 fail(f"{p}.shape[{d}]", f"is {size}")
+        if math.prod(shape) > MAX_ELEMENTS:     # what serving's warm-up and benchmarks would allocate
+            fail(f"{p}.shape", f"is {shape}: {math.prod(shape)} elements, more than any real tensor ({MAX_ELEMENTS})")
         dtype(fail, f"{p}.dtype", field(fail, spec, "dtype", p, "string"))
         if "range" in spec:         # an indexing input's accepted range (kiln.graph.index_ranges)
             r = spec["range"]

@@ -10,11 +10,12 @@ keeps every answer, and turns batching off for this model otherwise.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
 
-from kiln.errors import BadRequestError, InputError
+from kiln.errors import BadRequestError, InputError, KilnError
 from kiln.host import cores as placement
 from kiln.runtime.buckets import Bucketed, DynamicBatch
 from kiln.runtime.loader import load as load_model
@@ -197,7 +198,12 @@ def warmup_inputs(model) -> list:
         return [flat for v in model.variants for flat in warmup_inputs(v)]
 
     def filler(spec):
-        if spec.dtype.is_floating_point or spec.dtype.is_complex:
-            return torch.zeros(spec.shape, dtype=spec.dtype)
-        return torch.ones(spec.shape, dtype=spec.dtype)
+        make = torch.zeros if spec.dtype.is_floating_point or spec.dtype.is_complex else torch.ones
+        try:
+            return make(spec.shape, dtype=spec.dtype)
+        except (RuntimeError, MemoryError) as e:    # the allocator's own message names no input
+            need = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+            raise KilnError(f"warm-up: input {spec.name!r} of shape {list(spec.shape)} ({spec.dtype}) needs "
+                            f"{need} bytes ({need / 2**30:.1f} GiB), which could not be allocated "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     return [[filler(s) for s in model.input_specs]]
