@@ -268,7 +268,20 @@ def test_eager_blob_calls_only_aten_operators(target):
     def edit(header):
         node = next(n for n in header["nodes"] if n["op"] == "call_function")
         node["target"] = target
-    with pytest.raises(kiln.ArtifactError, match="not an ATen operator"):
+    with pytest.raises(kiln.ArtifactError, match="not an ATen operator|may not run"):
+        EagerEngine().load(_edit_header(blob, edit), RuntimeOptions())
+
+
+@pytest.mark.parametrize("target", ["aten.save.default", "aten.set_.source_Storage"])
+def test_eager_blob_refuses_operators_on_files_and_storages(target):
+    """The host program's rule (kiln.engines.safe_ops): only from_file was refused before."""
+    blob, _ = _eager_blob()
+
+    def edit(header):
+        node = next(n for n in header["nodes"] if n["op"] == "call_function")
+        node["target"] = target
+    with pytest.raises(kiln.ArtifactError, match=target.replace("aten.", "aten::").replace(".", r"\.")
+                       + ".*may not run"):
         EagerEngine().load(_edit_header(blob, edit), RuntimeOptions())
 
 

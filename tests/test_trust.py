@@ -322,3 +322,40 @@ def test_inspect_shows_signer_and_trust_and_run_needs_the_flag(native, tmp_path,
     assert cli.main(["run", str(native.path), "--input", str(tmp_path / "x.npy")]) == 2
     assert "native code" in capsys.readouterr().err
     assert cli.main(["run", str(native.path), "--input", str(tmp_path / "x.npy"), "--trust-native-code"]) == 0
+
+
+# -- an unsigned data-only artifact computes on tensors, nothing else ------------------------------
+def _tampered(data_only, tmp_path, monkeypatch, edit):
+    """``data_only`` resaved unsigned after ``edit(art)``, beside nothing but tmp_path's files."""
+    art = Artifact.load(data_only.path)
+    edit(art)
+    path = tmp_path / "model.kiln"
+    _resave(art, path, monkeypatch, None)
+    return path
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_host_program_may_not_read_or_write_files(data_only, tmp_path, monkeypatch, shared):
+    """A program step aten::from_file read any file into the output (shared=True plus fill_
+    overwrote it, at kiln serve's warm-up): refused at load, naming the op, the file untouched."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"A" * 32)
+
+    def edit(art):
+        p = art.manifest["program"]
+        (first,) = p["steps"]
+        p["num_slots"] = p["num_inputs"] + len(first["out"]) + 3
+        s = p["num_inputs"] + len(first["out"])
+        p["steps"] += [
+            {"op": "aten::from_file.default", "args": [{"v": str(victim)}, {"v": shared}, {"v": 8}],
+             "kwargs": {"dtype": {"dtype": "float32"}}, "out": [s]},
+            {"op": "aten::fill_.Scalar" if shared else "aten::clone.default",
+             "args": [{"slot": s}] + ([{"v": 1.0}] if shared else []), "kwargs": {}, "out": [s + 1]},
+            {"op": "aten::reshape.default", "args": [{"slot": s + 1}, {"list": [{"v": 2}, {"v": 4}]}],
+             "kwargs": {}, "out": [s + 2]}]
+        p["outputs"] = [{"slot": s + 2}]
+    path = _tampered(data_only, tmp_path, monkeypatch, edit)
+    with pytest.raises(kiln.ArtifactError, match=r"aten::from_file\.default.*may not run"):
+        kiln.load(path)(data_only.x)
+    assert victim.read_bytes() == b"A" * 32
+

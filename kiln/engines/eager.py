@@ -13,8 +13,9 @@ values only among a fixed set of types (numbers, strings, dtypes, devices,
 layouts, memory formats), so a blob can call ATen operators and nothing else:
 no pickle, no Python from the file (the code fx generates from the graph is
 made of those checked names and the values' ``repr``), hence ``native_code``
-is False and unsigned artifacts load. Operators that read files (``from_file``)
-are refused both ways.
+is False and unsigned artifacts load. Operators that touch files or storages
+(``from_file``, ``save``, ``set_`` from a Storage: :mod:`kiln.engines.safe_ops`, the
+host program's rule too) are refused both ways.
 
 A call runs the rebuilt GraphModule under ``no_grad``, with the runtime's
 thread count set for the calling thread only (``kiln.engines.openmp``). The
@@ -35,12 +36,11 @@ import struct
 
 import torch
 
-from kiln.engines import openmp
+from kiln.engines import openmp, safe_ops
 from kiln.engines.base import Engine
 from kiln.errors import ArtifactError
 
 _MAGIC = b"KILNEAG1"
-_REFUSED = {"from_file"}                     # ATen operators that read files
 _OP = re.compile(r"^aten\.(?!__)(\w+)\.(\w+)$")
 _CONSTANT = re.compile(r"^c\d+$")
 
@@ -63,8 +63,9 @@ class EagerEngine(Engine):
         target = node.target
         if reason is not None or not isinstance(target, torch._ops.OpOverload):
             return reason            # an ATen-less node it may still take: tuple unpacking
-        if target.overloadpacket.__name__ in _REFUSED:
-            return "reads files: the eager engine runs only operators that compute"
+        refused = safe_ops.refusal(target)
+        if refused is not None:
+            return f"the eager engine runs only operators that compute: {refused}"
         try:
             _Encoder().value((node.args, tuple(node.kwargs.values())))
         except TypeError as e:
@@ -193,12 +194,12 @@ def _operator(name: str):
     if name == "getitem":
         return operator.getitem
     match = _OP.match(str(name))
-    if not match or match.group(1) in _REFUSED:
+    if not match:
         raise ArtifactError(f"kiln eager blob calls {name!r}, which is not an ATen operator it runs")
     overload = getattr(getattr(torch.ops.aten, match.group(1)), match.group(2))
     if not isinstance(overload, torch._ops.OpOverload) or overload.namespace != "aten":
         raise ArtifactError(f"kiln eager blob calls {name!r}, which is not an ATen operator")
-    return overload
+    return safe_ops.check(overload, "kiln eager blob")     # the host program's rule
 
 
 def _keywords(op, raw: dict, made) -> dict:
