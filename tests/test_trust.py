@@ -359,3 +359,50 @@ def test_host_program_may_not_read_or_write_files(data_only, tmp_path, monkeypat
         kiln.load(path)(data_only.x)
     assert victim.read_bytes() == b"A" * 32
 
+
+def _with_external(blob, location, where):
+    """The ONNX Runtime blob with its first bias read from ``location``: as a Constant node's
+    tensor (packed blob) or as a plain ONNX blob's initializer."""
+    import onnx
+    from onnx import helper
+    from kiln.engines import ort_blob
+    header, graph, offset = ort_blob.unpack(blob)
+    data = bytes(blob)[offset:offset + header["data"]]
+    model = onnx.load_from_string(graph)
+    bias = next(i for i in model.graph.initializer if len(i.dims) == 1 and not i.external_data)
+    if where == "plain":        # an older kiln's blob: every weight inline, one now external
+        for init in model.graph.initializer:
+            if init.external_data:
+                e = {x.key: x.value for x in init.external_data}
+                init.raw_data = data[int(e["offset"]):int(e["offset"]) + int(e["length"])]
+                del init.external_data[:]
+                init.data_location = onnx.TensorProto.DEFAULT
+        bias.ClearField("raw_data")
+        del bias.float_data[:]
+        bias.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", "0"), ("length", str(4 * bias.dims[0]))):
+            bias.external_data.add(key=k, value=v)
+        return model.SerializeToString()
+    t = onnx.TensorProto(name=bias.name + "_ext", data_type=bias.data_type, dims=bias.dims)
+    t.data_location = onnx.TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", str(4 * bias.dims[0]))):
+        t.external_data.add(key=k, value=v)
+    model.graph.initializer.remove(bias)
+    model.graph.node.insert(0, helper.make_node("Constant", [], [bias.name], value=t))
+    g = model.SerializeToString()
+    return ort_blob.pack(dict(header, graph=len(g)), g, data)
+
+
+@pytest.mark.parametrize("where", ["constant", "plain"])
+def test_onnx_external_data_outside_the_blob_is_refused(data_only, tmp_path, monkeypatch, where):
+    """A Constant's tensor (relocate() rewrote initializers only) read a file beside the
+    artifact; a plain ONNX blob's initializer one in the working directory."""
+    (tmp_path / "secret.txt").write_bytes(b"SECRET-BESIDE-ARTIFACT!!" * 8)
+    monkeypatch.chdir(tmp_path)
+
+    def edit(art):
+        art.blobs["partitions/0.onnx"] = _with_external(art.blobs["partitions/0.onnx"], "secret.txt", where)
+    path = _tampered(data_only, tmp_path, monkeypatch, edit)
+    with pytest.raises(kiln.ArtifactError, match="external data from 'secret.txt'"):
+        out = kiln.load(path)(torch.zeros_like(data_only.x))
+        assert b"SECRET" not in out.numpy().tobytes()

@@ -40,7 +40,7 @@ from kiln.errors import CompilerArgsError
 from kiln.engines.base import Engine
 from kiln.engines import onnx_model, ort_decomps, ort_decoder, ort_export, ort_fusions, ort_gqa
 from kiln.engines.ort_blob import is_packed, pack as _pack, pooled_data, \
-    relocate as _relocate, unpack as _unpack
+    refuse_external as _refuse_external, relocate as _relocate, unpack as _unpack
 from kiln import config, scratch
 
 _DATA = "weights.bin"
@@ -154,7 +154,8 @@ class OnnxRuntimeEngine(Engine):
     def load(self, blob, runtime_options, origin=None, shared=None):
         import onnxruntime as ort
         so = _session_options(runtime_options)
-        if not is_packed(blob):   # an older kiln's plain ONNX blob
+        if not is_packed(blob):   # an older kiln's plain ONNX blob: its weights inline
+            _refuse_external(bytes(blob))
             return OrtRunner(ort.InferenceSession(bytes(blob), so, providers=["CPUExecutionProvider"]))
         header, graph, data_offset = _unpack(blob)
         keep_prepacked = (header["prepacked"] and header["isa"] == _isa()
@@ -169,7 +170,8 @@ class OnnxRuntimeEngine(Engine):
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
             try:
                 session = ort.InferenceSession(
-                    _relocate(graph, name, origin.offset + data_offset, keep_prepacked), so,
+                    _relocate(graph, name, origin.offset + data_offset, keep_prepacked, _DATA,
+                              len(data)), so,
                     providers=["CPUExecutionProvider"])
             except Exception:
                 if origin.unchanged():
@@ -184,7 +186,7 @@ class OnnxRuntimeEngine(Engine):
         tmp = _private_copy(data)
         try:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", tmp)
-            session = ort.InferenceSession(_relocate(graph, _DATA, 0, keep_prepacked), so,
+            session = ort.InferenceSession(_relocate(graph, _DATA, 0, keep_prepacked, _DATA, len(data)), so,
                                            providers=["CPUExecutionProvider"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -53,17 +53,24 @@ def unpack(blob):
     return header, graph, offset
 
 
-def relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> bytes:
+def relocate(graph: bytes, location: str, base: int, keep_prepacked: bool,
+             stored: str = "weights.bin", size: int | None = None) -> bytes:
     """Point the graph's external data at ``location`` + ``base``; drop the prepacked
-    entries unless they were made for this host's kernels."""
+    entries unless they were made for this host's kernels.
+
+    Every tensor of the graph is visited (initializers, node attributes such as a
+    Constant's value, subgraphs, sparse tensors, functions): each one with external data
+    must name the blob's own data (``stored``, what the compile wrote) within its ``size``
+    bytes (the engine's load always says), or the blob is refused. ONNX Runtime reads an external-data location relative to
+    the folder it is told (the artifact's), so a tensor left naming ``.ssh/id_rsa`` or
+    ``/etc/passwd`` read that file into the model's outputs before."""
     import onnx
     model = onnx.ModelProto()
     model.ParseFromString(graph)
-    for init in model.graph.initializer:
-        if not init.external_data:
-            continue
+    for tensor in external_tensors(model):
+        values = _checked(tensor, stored, size)
         entries = []
-        for e in init.external_data:
+        for e in tensor.external_data:
             key, value = e.key, e.value
             if key == "location":
                 value = location
@@ -74,10 +81,80 @@ def relocate(graph: bytes, location: str, base: int, keep_prepacked: bool) -> by
                     continue
                 value = moved_prepacked(value, lambda offset: offset + base)
             entries.append((key, value))
-        del init.external_data[:]
+        if "offset" not in values:
+            entries.append(("offset", str(base)))
+        del tensor.external_data[:]
         for key, value in entries:
-            init.external_data.add(key=key, value=value)
+            tensor.external_data.add(key=key, value=value)
     return model.SerializeToString()
+
+
+def refuse_external(graph: bytes) -> None:
+    """An older kiln's plain ONNX blob holds its weights inline: refuse one whose tensors
+    name external data (ONNX Runtime would read it from the working directory)."""
+    import onnx
+    model = onnx.ModelProto()
+    model.ParseFromString(graph)
+    for tensor in external_tensors(model):
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        raise ArtifactError(f"kiln ONNX Runtime blob's tensor {tensor.name!r} reads external data "
+                            f"from {location!r}; a blob without kiln's own data may name none: "
+                            "the artifact was edited or is not kiln's")
+
+
+def external_tensors(model):
+    """Each tensor of ``model`` that has external data, wherever it lies."""
+    import onnx
+    external = onnx.TensorProto.EXTERNAL
+    return [t for t in _tensors(model) if t.data_location == external or len(t.external_data)]
+
+
+def _tensors(model):
+    def graph(g):
+        yield from g.initializer
+        for sparse in g.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+        yield from nodes(g.node)
+
+    def nodes(ns):
+        for node in ns:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                for sparse in [a.sparse_tensor] * a.HasField("sparse_tensor") + list(a.sparse_tensors):
+                    yield from (sparse.values, sparse.indices)
+                if a.HasField("g"):
+                    yield from graph(a.g)
+                for g in a.graphs:
+                    yield from graph(g)
+
+    yield from graph(model.graph)
+    for f in model.functions:
+        yield from nodes(f.node)
+
+
+_KEYS = ("location", "offset", "length", "checksum")
+
+
+def _checked(tensor, stored: str, size: int | None) -> dict:
+    """``tensor``'s external-data entries, refused unless they name the blob's own data."""
+    values = {e.key: e.value for e in tensor.external_data}
+    where = f"kiln ONNX Runtime blob's tensor {tensor.name!r}"
+    if values.get("location") != stored:
+        raise ArtifactError(f"{where} reads external data from {values.get('location')!r}, not from "
+                            "the blob's own data: the artifact was edited or is not kiln's")
+    spans, size = [], float("inf") if size is None else size
+    try:
+        spans.append((int(values.get("offset", 0)), int(values.get("length", 0))))
+        spans += [prepacked_span(v) for k, v in values.items() if k.startswith("prepacked_")]
+    except (ValueError, IndexError):
+        raise ArtifactError(f"{where} has a corrupt external-data entry") from None
+    unknown = [k for k in values if k not in _KEYS and not k.startswith("prepacked_")]
+    if unknown or any(o < 0 or n < 0 or o + n > size for o, n in spans):
+        raise ArtifactError(f"{where} reads outside the blob's own data ({size} bytes) or has "
+                            f"unknown entries {unknown}: the artifact was edited or is not kiln's")
+    return values
 
 
 def prepacked_span(value: str) -> tuple[int, int]:
