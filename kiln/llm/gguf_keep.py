@@ -180,14 +180,17 @@ def _row_key(shape, projections: np.ndarray) -> str:
 
 
 def _parameters(model) -> dict:
-    """The model's matrices by :func:`_row_key`: ``(weight [N, K] float32, row order)``."""
+    """The model's matrices by :func:`_row_key`: ``(weight [N, K] float32, row order)``, each
+    also transposed: GPT-2's ``Conv1D`` holds ``[in, out]`` (its product is ``x @ W``), which
+    the file stores as ``[out, in]`` like any other matrix. Unmatched, GPT-2's layer matrices
+    went to int8 under ``quantize="gguf"``, F16 ones too (found by probing)."""
     out = {}
     for _, p in model.named_parameters():
         if p.dim() != 2:
             continue
-        w = p.detach().float().numpy()
-        projections = _projections(w)
-        out[_row_key(w.shape, projections)] = (w, np.argsort(projections, kind="stable"))
+        for w in (p.detach().float().numpy(), np.ascontiguousarray(p.detach().float().numpy().T)):
+            projections = _projections(w)
+            out.setdefault(_row_key(w.shape, projections), (w, np.argsort(projections, kind="stable")))
     return out
 
 
