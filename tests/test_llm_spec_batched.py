@@ -4,6 +4,7 @@ own cache position and keeps its own number of proposals, and every request gets
 tokens the target gives it alone: greedy, seeded sampling, logprobs, stop tokens."""
 import concurrent.futures
 import copy
+import logging
 import re
 
 import pytest
@@ -142,7 +143,7 @@ def test_stops_inside_an_accepted_run_and_ngram_drafting(target):
     assert llm.generate(prompts, 20, draft="ngram", stop_at_eos=False) == want
 
 
-def test_ngram_lookup_and_clear_errors(tiny_llm, target):
+def test_ngram_lookup_and_clear_errors(tiny_llm, target, caplog):
     d = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)
     assert d.lookup([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]           # the longest suffix first
     assert d.lookup([1, 2, 5, 1, 2, 6, 1, 2], 2) == [6, 1]           # its latest earlier occurrence
@@ -162,6 +163,19 @@ def test_ngram_lookup_and_clear_errors(tiny_llm, target):
         llm.scheduler(draft=other)
     with pytest.raises(InputError, match="draft= takes 'ngram'"):
         llm.scheduler(draft=3.5)
+    # a context longer than the draft's largest bucket decodes without proposals: the same
+    # answer, and now a warning (the speed-up was lost without a word; found by probing)
+    short = _eager_llm(model, llm)
+    short.prefill = {4: short.prefill[8]}
+    assert short.max_context == 4
+    prompt = [5, 17, 33, 40, 2, 9]
+    alone = _solo(llm, prompt, 6, SamplingParams()).tokens
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        sched = llm.scheduler(draft=short)
+        r = sched.add(Request(prompt, 6, SamplingParams()))
+        sched.run()
+    assert r.tokens == alone and r.draft_proposed == 0
+    assert "longer than the draft's largest context bucket (4)" in caplog.text
     from kiln.errors import KilnError
     from kiln.serving.server import parse_drafts
     assert parse_drafts(["ngram"], ["a=x.kiln"]) == {"*": "ngram"}

@@ -16,6 +16,7 @@ the target's whatever a drafter proposes.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -80,6 +81,7 @@ class ModelDrafter:
         self.cache = KVCache(tuple(meta["cache_shape"]))
         self.owner: list = [None] * meta["cache_shape"][1]   # the request each draft row holds
         self.calls = 0
+        self._told = False              # warned that a context was too long for the draft
 
     def __repr__(self) -> str:
         return f"ModelDrafter({self.draft!r})"
@@ -121,6 +123,12 @@ class ModelDrafter:
         self.owner[slot] = None
         self.cache.reset(slot)
         if n < 1 or n > self.draft.max_context or n >= self.cache.capacity:
+            if n > self.draft.max_context and not self._told:     # else a speed-up silently lost
+                self._told = True
+                logging.getLogger("kiln").warning(
+                    "kiln speculative decoding: a request's context (%d tokens) is longer than the draft's largest "
+                    "context bucket (%d), so it decodes without proposals (the answer is the same); compile the "
+                    "draft with a context bucket that holds your prompts", n, self.draft.max_context)
             return                       # no proposals for this request: the target decodes alone
         with torch.no_grad():
             _, k, v = self.draft.prefill_for(n)(torch.tensor([context[:n]]), torch.arange(n).unsqueeze(0),
