@@ -46,3 +46,14 @@ def test_a_file_missing_a_weight_is_refused_not_filled_with_random_values(tmp_pa
     with pytest.raises(UnsupportedModelError, match=r"1 weight\(s\) the model needs are not in it "
                                                     r"\(model\.layers\.1\.mlp\.down_proj\.weight\)"):
         load_pretrained(str(tmp_path / "holed.GGUF"))
+    # a tensor of another shape than the metadata's model (K with 2 heads where the file says
+    # 1): transformers' own error named none ("You set ignore_mismatched_sizes to False ...
+    # look at the above report!"); found by probing
+    import numpy as np
+    tensors = gguf_files.llama_tensors(2, 16, 2, 1, 32, 64)
+    tensors["blk.0.attn_k.weight"] = np.zeros((16, 16), np.float32)
+    gguf_files.write_llama(tmp_path / "wrong.gguf", {}, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=64,
+                           tensors=tensors)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight is \(16, 16\) in "
+                                                    r"the file, \(8, 16\) in the model"):
+        load_pretrained(str(tmp_path / "wrong.gguf"))

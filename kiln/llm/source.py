@@ -67,6 +67,27 @@ def _stamp(path) -> tuple:
     return st.st_size, st.st_mtime_ns
 
 
+def _mismatched(folder, where) -> str | None:
+    """Which tensors have another shape than the model's, by loading once more without
+    refusing them: transformers' own error names none ("You set ignore_mismatched_sizes to
+    False ... look at the above report!"), and a user cannot pass its option through kiln."""
+    import torch
+    import transformers
+    try:
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, output_loading_info=True,
+            ignore_mismatched_sizes=True, **where)
+    except Exception:  # noqa: BLE001 - only a better message was sought; the first error stands
+        return None
+    wrong = [f"{key} is {tuple(found)} in the file, {tuple(wanted)} in the model"
+             for key, found, wanted in (info or {}).get("mismatched_keys") or ()]
+    if not wrong:
+        return None
+    return (f"{len(wrong)} tensor(s) have another shape than the model its config describes needs: "
+            f"{'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''} (the file's metadata, such as its "
+            "head counts or lengths, and its tensors disagree)")
+
+
 def _load(folder, where, source):
     import torch
     import transformers
@@ -74,7 +95,8 @@ def _load(folder, where, source):
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, local_files_only=True, output_loading_info=True, **where)
     except (ValueError, KeyError, RuntimeError) as e:   # RuntimeError: a tensor of the wrong shape
-        raise UnsupportedModelError(f"{source}: transformers cannot load a causal LM from it: {e}") from None
+        raise UnsupportedModelError(f"{source}: transformers cannot load a causal LM from it: "
+                                    f"{_mismatched(folder, where) or e}") from None
     except ImportError as e:
         raise CompilerArgsError(f"{source}: {e} (GGUF files need the 'gguf' package)") from None
     missing = sorted((info or {}).get("missing_keys") or ())
