@@ -126,7 +126,7 @@ def test_a_jit_loaded_model_a_shared_input_and_another_dim(tmp_path, caplog):
     """Neuron's serving pattern, DataParallel(torch.jit.load(path)), was refused; an input
     every row shares (a bias) was taken for a batch ("inputs disagree on the batch size");
     dim=2 with Neuron's default set_dynamic_batching=True raised where Neuron turns dynamic
-    batching off."""
+    batching off. A split along dim 2 is refused: kiln.trace proves rows independent along dim 0."""
     from tests.test_neuron_compat import _Biased
     model, x, bias = _Biased().eval(), torch.randn(2, 16), torch.randn(4)
     torch.jit.save(kiln.neuronx.trace(model, (x, bias)), str(tmp_path / "m.pt"))
@@ -135,6 +135,8 @@ def test_a_jit_loaded_model_a_shared_input_and_another_dim(tmp_path, caplog):
         assert_close(dp(five, bias), model(five, bias).detach(), atol=1e-5, rtol=1e-5)
     plus_one = kiln.neuronx.trace(lambda t: t + 1, torch.rand(1, 3, 8, 8))
     with kiln.neuronx.DataParallel(plus_one, device_ids=[0, 1], dim=2) as dp:
-        image = torch.rand(1, 3, 16, 8)
-        assert_close(dp(image), image + 1, atol=0, rtol=0)
+        image = torch.rand(1, 3, 8, 8)
+        assert_close(dp(image), image + 1, atol=0, rtol=0)     # the compiled size along dim 2: whole
+        with pytest.raises(InputError, match="the trace-time proof is along dim 0, and DataParallel splits dim 2"):
+            dp(torch.rand(1, 3, 16, 8))     # kiln.trace proves rows independent along dim 0 only
     assert "with dim=2 it is off" in caplog.text

@@ -92,14 +92,22 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
                                          pipeline_cores, trace_one)
         compiled = _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_dims,
                            pipeline_cores, calibration, trace_one, opts, progress)
+        tol = padding_tolerance(opts, compiled)
         if dynamic_batch:
             from kiln.runtime.buckets import DynamicBatch
             compiled = DynamicBatch(compiled)
-            tol = padding_tolerance(opts, compiled)
+            padcheck.settle_rows(compiled)
             if tol is not None:
                 with progress.phase("batch check"):
                     compiled.manifest["batch_check"] = padcheck.check_dynamic_batch(
                         model, compiled, example_inputs, example_kwargs, tol)
+            else:
+                compiled.manifest["batch_check"] = {"skipped": "validate=False"}
+        elif tol is not None:
+            # dynamic_batch() and DataParallel split batches without the eager model: they split
+            # only a model this proves row-independent (kiln.runtime.synthetic_rows.proven_rows)
+            compiled.manifest["row_check"] = padcheck.check_rows(model, compiled, example_inputs,
+                                                                 example_kwargs, tol)
     return compiled
 
 

@@ -324,6 +324,42 @@ def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Toler
     return record
 
 
+def settle_rows(wrapped):
+    """Decide, once at trace time, which outputs of a dynamic batch follow its rows: measured
+    (:func:`kiln.runtime.synthetic_rows.follows_rows`) on one compiled batch of made-up rows,
+    which are never all alike (a caller's zeros were: every output then looked per-row), and
+    kept in the wrapper's manifest. The batch check that follows verifies the verdict against
+    eager; the runtime never measures on a caller's rows."""
+    from kiln.runtime.synthetic_rows import follows_rows, synthetic_chunk
+    chunk = synthetic_chunk(wrapped.input_specs, wrapped.index_ranges)
+    wrapped.settle_rows(follows_rows(wrapped.inner.run_flat, chunk, wrapped._batched_in, wrapped._batched_out))
+    _forget_calls(wrapped)
+
+
+def check_rows(model, compiled, example_args, example_kwargs, tol: Tolerance) -> dict:
+    """What every ``kiln.trace`` records (``row_check`` in the manifest) for ``dynamic_batch()``
+    and DataParallel, which split a batch into compiled-size chunks without the eager model:
+    :func:`check_dynamic_batch` on a dynamic batch around ``compiled``. A record with
+    ``max_abs_error`` and ``follows_rows`` proves splitting gives eager's answers; ``mixes``
+    (the check's finding) or ``skipped`` (no answer) leaves the model unsplit."""
+    from kiln.runtime.buckets import DynamicBatch
+    try:
+        wrapped = DynamicBatch(compiled, track=False)
+        settle_rows(wrapped)
+        record = check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol)
+    except ValidationError as e:
+        rows = e.metrics.get("rows")
+        return {"mixes": f"{rows} rows run as chunks ({e.metrics.get('data')} data) are not eager's answer: "
+                         f"{_detail(e)[:300]}", "rows": rows}
+    except Exception as e:  # noqa: BLE001 - no batch dim, a probe the compiled model refuses: no proof
+        return {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    finally:
+        _forget_calls(compiled)
+    if "max_abs_error" in record:
+        record["follows_rows"] = list(wrapped._follows)
+    return record
+
+
 def _forget_calls(model):
     """The probes are kiln's calls, not the user's: metrics start from zero."""
     stack = [model]

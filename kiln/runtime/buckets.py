@@ -10,7 +10,8 @@ compiled models and are saved as artifacts that nest them:
   output shapes, or declared).
 * ``DynamicBatch``: any batch size on dim 0, split into compile-size chunks,
   the last one padded by repeating its last row (real data, so no NaN from an
-  all-padding row), outputs concatenated and trimmed.
+  all-padding row), outputs concatenated and trimmed: only for a model proven at
+  trace time to answer so (:func:`kiln.runtime.synthetic_rows.proven_rows`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
 from kiln.runtime.bucket_meta import FlattenView, IndexPlan, check_variants, shown_specs
 from kiln.runtime.model import DEFAULT, CompiledModel, Model
-from kiln.runtime.synthetic_rows import follows_rows, synthetic_chunk
+from kiln.runtime.synthetic_rows import proven_rows
 
 
 class _Wrapper(Model):
@@ -252,13 +253,15 @@ class DynamicBatch(_Wrapper):
             raise CompilerArgsError("dynamic batch needs inputs with a batch dim (dim 0)")
         self.batch_size = lead[0]
         # inputs split by rows: those with the batch on dim 0 (DataParallel's rule). Outputs with it
-        # there may follow the rows (x.mean(0) of 8 features at batch 8 does not): see _measure
+        # there may follow the rows (x.mean(0) of 8 features at batch 8 does not): proven at trace time
         self._batched_in = with_batch_dim(inner.input_specs, self.batch_size)
         self._batched_out = with_batch_dim(inner.output_specs, self.batch_size)
         self._init_common(manifest or wrapper_manifest(
             "dynamic_batch", inner.manifest, dynamic_batch={"batch_size": self.batch_size,
                                                             "inner": "inner.kiln"}), inner)
-        self._follows = _recorded(self.manifest, self._batched_out)
+        # which outputs are joined from the chunks, from the trace-time proof; None: not proven, and a
+        # call is not split (``_why`` says why), never decided from a call's rows (all alike, they cannot tell)
+        self._follows, self._why = proven_rows(self.manifest, inner.manifest, self._batched_out)
         # the caller's calls and bytes, as a bucketed model counts them: the inner model's
         # counters are its chunks (a 7-row call on a 2-row model was 4 calls in kiln.metrics(),
         # kiln top and kiln monitor, and its padded bytes). ``track=False``: a checker only
@@ -297,16 +300,19 @@ class DynamicBatch(_Wrapper):
                                  f"'{first}' has {n}; all batched inputs must agree")
         return n
 
-    def _measure(self, chunk, first):
-        """Which outputs follow the rows, measured once per model on ``chunk`` (the caller's rows; ``first``
-        its outputs): with the rows rolled by one, a row-independent output rolls with them exactly; one with
-        the batch on dim 0 by coincidence (a mean over rows of as many features) does not. Kept in the manifest."""
-        if self._follows is not None:
-            return self._follows
-        self._follows = follows_rows(self.inner.run_flat, chunk, self._batched_in, self._batched_out, first)
+    def settle_rows(self, follows):
+        """The compiler's verdict (kiln.compiler.api): which outputs follow the rows, kept in the manifest."""
+        self._follows, self._why = list(follows), None
         if isinstance(self.manifest.get("dynamic_batch"), dict):
-            self.manifest["dynamic_batch"]["follows_rows"] = list(self._follows)
-        return self._follows
+            self.manifest["dynamic_batch"]["follows_rows"] = list(follows)
+
+    def refusal(self, n: int, split: str) -> InputError:
+        """The error for a call of ``n`` rows that would be ``split`` with no proof that it may be."""
+        return InputError(
+            f"{split}: a batch of {n} rows would be split into chunks of the compiled {self.batch_size}, and that "
+            f"is not proven to give the model's answers: {self._why}. Call with {self.batch_size} rows, or trace "
+            "with kiln.trace(..., dynamic_batch=True) (torch_neuron: dynamic_batch_size=True), which checks the "
+            "model against eager; a model that mixes rows must be compiled at each batch size you need")
 
     def _chunk(self, flat, start, n):
         out = []
@@ -318,11 +324,6 @@ class DynamicBatch(_Wrapper):
                     t = torch.cat([t, fill])
             out.append(t)
         return out
-
-    @property
-    def fixed_outputs(self) -> list:
-        """:func:`fixed_outputs` on dim 0."""
-        return fixed_outputs(self.manifest, self.inner.output_specs, self._follows or [False] * len(self._batched_out))
 
     def check(self, flat):
         if len(flat) != len(self.input_specs):
@@ -356,15 +357,8 @@ class DynamicBatch(_Wrapper):
                              f"(batch {self.batch_size}); {e}") from None
         if not exact:   # the probe is the first row: indices into a bucketed dim, every row's
             self.inner._indices.check(flat, *self.inner._select(probe))
-        if n == self.batch_size:
-            return
-        if self._follows is None:
-            self._measure(chunk := self._chunk(flat, 0, n), self.inner.run_flat(chunk))
-        if self.fixed_outputs:
-            raise InputError(f"dynamic batch: output(s) {', '.join(self.fixed_outputs)} do not follow the batch "
-                             f"on dim 0, so a batch of {n} rows, run as chunks of the compiled {self.batch_size}, "
-                             f"has no answer for them (each chunk gives its own): call with {self.batch_size} "
-                             "rows, or trace with kiln.trace(..., dynamic_batch=True), which checks the model")
+        if n != self.batch_size and self._follows is None:
+            raise self.refusal(n, "dynamic batch")
 
     def _empty_shapes(self, flat) -> list:
         """The outputs' shapes for these inputs but for dim 0: a bucketed model's bucketed
@@ -392,10 +386,11 @@ class DynamicBatch(_Wrapper):
         except InputError as e:
             raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
                              f"(batch {self.batch_size}); {e}") from None
-        if self._follows is None:       # no row to measure on: made-up rows
-            self._measure(chunk := synthetic_chunk(self.input_specs, self.index_ranges), self.inner.run_flat(chunk))
-        if self.fixed_outputs:
-            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(self.fixed_outputs)} do "
+        if self._follows is None:
+            raise self.refusal(0, "dynamic batch")
+        if not all(self._follows):
+            fixed = [s.name for s, f in zip(self.inner.output_specs, self._follows) if not f]
+            raise InputError(f"dynamic batch: the batch is empty, and output(s) {', '.join(fixed)} do "
                              "not follow the batch dim, so there is no answer for 0 rows")
 
     def run_flat(self, flat):
@@ -414,16 +409,17 @@ class DynamicBatch(_Wrapper):
         n = self._batch(flat)
         if n == self.batch_size:
             return self.inner.run_flat(flat)
+        if self._follows is None:       # check() refuses such a call; run_flat may come without it
+            raise self.refusal(n, "dynamic batch")
         if n == 0:      # every output follows the batch (check): 0 rows of each
             device = next(t.device for t, b in zip(flat, self._batched_in) if b)
             return [torch.empty((0, *shape[1:]), dtype=s.dtype, device=device)
                     for shape, s in zip(self._empty_shapes(flat), self.inner.output_specs)]
         first = self._chunk(flat, 0, n)
         pieces = [self.inner.run_flat(first)]
-        follows = self._measure(first, pieces[0]) if any(self._batched_out) else self._batched_out
         pieces += [self.inner.run_flat(self._chunk(flat, s, n)) for s in range(self.batch_size, n, self.batch_size)]
         outs = []
-        for o, batched in enumerate(follows):
+        for o, batched in enumerate(self._follows):
             if batched:
                 outs.append(torch.cat([p[o] for p in pieces])[:n])
             else:
@@ -437,31 +433,10 @@ class DynamicBatch(_Wrapper):
         return f"kiln.DynamicBatch({self.inner!r}, compiled batch {self.batch_size})"
 
 
-def fixed_outputs(manifest: dict, output_specs, follows: list) -> list:
-    """The outputs that do not follow the batch (``follows``: per output; a sum over rows,
-    the batch moved to another dim), unless the compile-time batch check
-    (``kiln.trace(dynamic_batch=True)``, :func:`kiln.compiler.padcheck.check_dynamic_batch`,
-    in ``manifest``) found the first chunk's value right for a split batch. A split batch
-    has no answer for these (each chunk gives its own): dynamic batch and DataParallel
-    refuse such a call, where they had returned the first chunk's value without a word."""
-    if "max_abs_error" in (manifest.get("batch_check") or {}):
-        return []
-    return [s.name for s, b in zip(output_specs, follows) if not b]
-
-
 def with_batch_dim(specs, batch_size, dim=0) -> list:
     """Per tensor: whether it has the compiled batch on ``dim``. Inputs that do are split by rows, others
     (a bias every row shares) go whole to each chunk; an output that does may follow the rows."""
     return [len(s.shape) > dim and s.shape[dim] == batch_size for s in specs]
-
-
-def _recorded(manifest, candidates):
-    """A saved model's measured ``follows_rows``, if sound (an output without the batch on dim 0 never follows)."""
-    got = (manifest.get("dynamic_batch") or {}).get("follows_rows")
-    if (isinstance(got, list) and len(got) == len(candidates)
-            and all(isinstance(f, bool) and (c or not f) for f, c in zip(got, candidates))):
-        return list(got)
-    return None if any(candidates) else list(candidates)
 
 
 def load_dynamic_batch(art, opts, source, core=DEFAULT, worker=None, load_nested=None):

@@ -184,12 +184,20 @@ class DataParallel(Model):
         self.batch_size = lead[dim] if len(lead) > dim else 1
         # which inputs are split and which outputs gathered: those with the compiled batch on
         # ``dim`` (others, such as a bias every row shares, go whole to every replica)
-        from kiln.runtime.buckets import DynamicBatch, fixed_outputs, with_batch_dim
+        from kiln.runtime.buckets import DynamicBatch, with_batch_dim
         self._batched_in = with_batch_dim(self.input_specs, self.batch_size, dim)
         self._batched_out = with_batch_dim(self.output_specs, self.batch_size, dim)
-        self._follows = None         # which outputs follow the rows: measured at the first split call
-        self._fixed_out = fixed_outputs(module.manifest, self.output_specs, self._batched_out)
-        self._checker = DynamicBatch(module, track=False) if dynamic_batching else None
+        # which outputs are joined from the chunks: the trace-time proof that splitting along dim 0 gives
+        # the model's answers (kiln.runtime.synthetic_rows.proven_rows), never a call's rows. Without it
+        # (None; ``_why`` says why) a batch is not split: one of the compiled size runs whole on one replica
+        try:
+            self._checker = module if isinstance(module, DynamicBatch) else DynamicBatch(module, track=False)
+            self._follows, self._why = self._checker._follows, self._checker._why
+        except KilnError as e:      # no batch dim to split, or one bucketed already
+            self._checker, self._follows, self._why = None, None, str(e)
+        if dim != 0:
+            self._follows, self._why = None, (f"the trace-time proof is along dim 0, and DataParallel splits "
+                                              f"dim {dim}")
 
         self._dir = tempfile.mkdtemp(prefix="kiln-dp-")
         path = os.path.join(self._dir, "model.kiln")
@@ -267,6 +275,14 @@ class DataParallel(Model):
         n = sizes.pop() if sizes else 1
         if n == 0:      # no chunk to scatter, so nothing would ever answer the call
             raise InputError(f"DataParallel: the batch is empty (size 0 along dim {self.dim})")
+        if self._follows is None:
+            if n == self.batch_size:     # the compiled batch runs whole on one replica, unsplit
+                return [list(flat)]
+            raise InputError(f"DataParallel: a batch of {n} along dim {self.dim} would be split into chunks, and "
+                             f"that is not proven to give the model's answers: {self._why}. Call with the "
+                             f"compiled {self.batch_size}, or trace with kiln.trace(..., dynamic_batch=True) "
+                             "(torch_neuron: dynamic_batch_size=True), which checks the model against eager; a "
+                             "model that mixes rows must be compiled at each batch size you need")
         if self.dynamic_batching:
             self._checker.check(flat)
             split = self.split_size or max(1, math.ceil(n / len(self.replicas)))
@@ -279,19 +295,6 @@ class DataParallel(Model):
         count = math.ceil(n / split)
         pieces = [t.split(split, self.dim) if b else None for t, b in zip(flat, batched)]
         chunks = [[p[k] if p is not None else t for p, t in zip(pieces, flat)] for k in range(count)]
-        if count > 1 and self._follows is None and not self.dynamic_batching:
-            # an output whose dim equals the batch only by its size (a mean over rows of as many
-            # features) was joined as if per-row (the dynamic batching path's checker measures its own)
-            from kiln.runtime.buckets import fixed_outputs
-            from kiln.runtime.synthetic_rows import follows_rows
-            self._follows = follows_rows(self.module.run_flat, chunks[0], self._batched_in, self._batched_out,
-                                         dim=self.dim)
-            self._fixed_out = fixed_outputs(self.manifest, self.output_specs, self._follows)
-        if count > 1 and self._fixed_out:
-            raise InputError(f"DataParallel: output(s) {', '.join(self._fixed_out)} do not follow the batch along dim "
-                             f"{self.dim} (the compiled {self.batch_size}), so a batch split into {count} chunks "
-                             "has no answer for them (each chunk gives its own): call with one chunk's rows, or "
-                             "trace with kiln.trace(..., dynamic_batch=True), which checks the model")
         return chunks
 
     def _scatter(self, flat) -> Future:
@@ -330,7 +333,7 @@ class DataParallel(Model):
         if len(results) == 1:
             return results[0]
         return [torch.cat([r[o] for r in results], self.dim) if batched else results[0][o]
-                for o, batched in enumerate(self._follows or self._batched_out)]
+                for o, batched in enumerate(self._follows)]
 
     # -- the Model interface --------------------------------------------------------------------
     def flatten(self, args, kwargs):

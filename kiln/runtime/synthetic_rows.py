@@ -4,8 +4,9 @@ An output whose dim 0 (or DataParallel's ``dim``) equals the compiled batch may 
 rows (a row-wise layer) or only share the size (a mean over rows of as many features): a
 split batch joins the first and has no answer for the second, and the shape cannot tell
 them apart. :func:`follows_rows` tells them apart by running one batch with its rows rolled
-by one; a dynamic batch's empty call, which has no row of its own, measures on
-:func:`synthetic_chunk`."""
+by one: at trace time only, on :func:`synthetic_chunk` (never all alike), and verified against
+eager by the batch check; :func:`proven_rows` reads that proof back, and without one a batch is
+not split (a call's own rows decide nothing: all alike, they cannot tell)."""
 from __future__ import annotations
 
 import torch
@@ -53,3 +54,44 @@ def same(a, b) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
+
+
+def proven_rows(manifest: dict, inner_manifest: dict, candidates: list):
+    """``(follows, None)`` where splitting a batch along dim 0 into compiled-size chunks is
+    proven, at trace time against the eager model, to give the model's answers (``follows``:
+    per output, whether it is joined from the chunks; ``candidates``: which outputs have the
+    compiled batch on dim 0), else ``(None, why)``. Never decided from a call's rows: a call
+    whose rows are all alike cannot tell (rows rolled by one look the same).
+
+    The proofs: ``kiln.trace(dynamic_batch=True)``'s ``batch_check`` in ``manifest`` (a
+    check skipped by ``validate=False``, or because eager could not run the probe, is the
+    caller's own request for a dynamic batch: its recorded ``follows_rows`` are used); or the
+    ``row_check`` every ``kiln.trace`` records in the traced model's ``inner_manifest``
+    (:func:`kiln.compiler.padcheck.check_rows`). A model saved without either (an older kiln)
+    has no proof, and is not split."""
+    check = manifest.get("batch_check")
+    if isinstance(check, dict):
+        got = _sound((manifest.get("dynamic_batch") or {}).get("follows_rows"), candidates)
+        if "max_abs_error" in check:    # before follows_rows were recorded, every candidate was joined
+            return (got if got is not None else list(candidates)), None
+        if got is not None:
+            return got, None
+    rows = inner_manifest.get("row_check")
+    if isinstance(rows, dict):
+        got = _sound(rows.get("follows_rows"), candidates)
+        if "max_abs_error" in rows and got is not None:
+            return got, None
+        if rows.get("mixes"):
+            return None, f"the model mixes the rows of a batch (checked at trace time: {rows['mixes']})"
+        return None, ("kiln could not check at trace time that its rows are independent "
+                      f"({rows.get('skipped') or 'no answer'})")
+    return None, ("the model carries no trace-time proof that its rows are independent (traced by an "
+                  "older kiln, or with validate=False)")
+
+
+def _sound(got, candidates):
+    """A recorded ``follows_rows`` if sound (an output without the batch on dim 0 never follows)."""
+    if (isinstance(got, list) and len(got) == len(candidates)
+            and all(isinstance(f, bool) and (c or not f) for f, c in zip(got, candidates))):
+        return list(got)
+    return None
