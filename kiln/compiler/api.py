@@ -106,8 +106,9 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
         elif tol is not None:
             # dynamic_batch() and DataParallel split batches without the eager model: they split
             # only a model this proves row-independent (kiln.runtime.synthetic_rows.proven_rows)
-            compiled.manifest["row_check"] = padcheck.check_rows(model, compiled, example_inputs,
-                                                                 example_kwargs, tol)
+            with progress.phase("row check"):
+                compiled.manifest["row_check"] = padcheck.check_rows(model, compiled, example_inputs,
+                                                                     example_kwargs, tol)
     return compiled
 
 
