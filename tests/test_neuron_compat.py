@@ -176,6 +176,16 @@ def test_neuron_cc_flags_reach_neurons_traces(monkeypatch):
     for trace in (torch_neuronx.trace, torch_neuron.trace):
         with pytest.raises(kiln.CompilerArgsError, match="^NEURON_CC_FLAGS: .*fp8"):
             trace(model, x, compiler_args=["-O1"])
+    # compiler_args given to Neuron's traces are read the same way: a ported script's
+    # "--model-type=transformer --verbose 1" raised CompilerArgsError (found by probing);
+    # kiln.trace's own compiler_args stay strict
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    with pytest.warns(RuntimeWarning, match="compiler_args --model-type=transformer --verbose 1 mean nothing"):
+        traced = torch_neuronx.trace(model, x, compiler_args="--model-type=transformer --verbose 1 -O1")
+    assert traced.manifest["compile_options"]["optlevel"] == 1
+    assert_close(traced(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(kiln.CompilerArgsError, match="unknown compiler flag '--verbose'"):
+        kiln.trace(model, x, compiler_args="--verbose 1")
 
 
 def test_ops_to_partition_takes_bare_names_and_warns_of_names_the_graph_lacks():

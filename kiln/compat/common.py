@@ -35,14 +35,15 @@ def with_neuron_cc_flags(compiler_args) -> list | None:
     variable is an error naming the variable, as the device's is (parsed together with
     ``compiler_args``, it read as if the script's own arguments were wrong)."""
     env = neuron_env.compile_flags(stacklevel=3)
+    given = shlex.split(compiler_args) if isinstance(compiler_args, str) else [str(a) for a in compiler_args or []]
+    given = neuron_env.neuron_flags(given, neuron_env.TRACE_FLAGS, "compiler_args", stacklevel=3)
     if not env:
-        return compiler_args
+        return given if compiler_args is not None else None
     try:
         parse_compiler_args(env)
     except CompilerArgsError as e:
         raise CompilerArgsError(f"NEURON_CC_FLAGS: {e}") from None
-    given = shlex.split(compiler_args) if isinstance(compiler_args, str) else list(compiler_args or [])
-    return env + [str(a) for a in given]
+    return env + given
 
 
 def neuron_names(fn):

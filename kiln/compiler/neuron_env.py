@@ -21,6 +21,8 @@ from kiln.compiler.options import parse_compiler_args
 from kiln.errors import CompilerArgsError
 
 _KNOWN = ("-O1", "-O2", "-O3", "--optlevel", "-O", "--auto-cast", "--auto-cast-type", "--target")
+# what a Neuron trace's own compiler_args may also set
+TRACE_FLAGS = (*_KNOWN, "--neuroncore-pipeline-cores", "--compile-budget")
 
 
 def device_options(stacklevel: int = 2) -> dict:
@@ -39,21 +41,28 @@ def compile_flags(stacklevel: int = 2) -> list:
     """The flags of ``NEURON_CC_FLAGS`` kiln's compiler takes (the module doc's list), as
     tokens: a Neuron trace puts them before its own ``compiler_args``, which win. The
     others are ignored with a warning."""
+    return neuron_flags(shlex.split(config.get("NEURON_CC_FLAGS")), _KNOWN, "NEURON_CC_FLAGS", stacklevel + 1)
+
+
+def neuron_flags(tokens: list, known, source: str, stacklevel: int = 2) -> list:
+    """The tokens of Neuron compiler flags in ``known`` (each with its value), warning that
+    the others (``--model-type transformer``, ``--verbose 1``...: Neuron's compiler's own)
+    are ignored; ``source`` names where they came from. Neuron's traces read their
+    ``compiler_args`` so too: a ported script's ``--model-type=transformer`` raised."""
     flags, ignored = [], []
-    tokens = shlex.split(config.get("NEURON_CC_FLAGS"))
     i = 0
     while i < len(tokens):
         flag = tokens[i].split("=", 1)[0]
         takes_value = "=" not in tokens[i] and flag not in ("-O1", "-O2", "-O3") and i + 1 < len(tokens) \
             and not tokens[i + 1].startswith("-")
         group = tokens[i:i + 2] if takes_value else tokens[i:i + 1]
-        if flag in _KNOWN:
+        if flag in known:
             flags += group
         elif not flag.startswith("--cache_dir") and flag != "--retry_failed_compilation":
             ignored += group
         i += len(group)
     if ignored:
-        warnings.warn(f"kiln: NEURON_CC_FLAGS {' '.join(ignored)} mean nothing to kiln's compiler and are "
+        warnings.warn(f"kiln: {source} {' '.join(ignored)} mean nothing to kiln's compiler and are "
                       "ignored", RuntimeWarning, stacklevel=stacklevel + 1)
     return flags
 
