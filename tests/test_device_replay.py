@@ -113,3 +113,52 @@ def test_a_guard_compared_as_it_is_walked_agrees_with_the_guard_built_whole():
     assert checked == len(calls) ** 2
     # a host tensor with dimensions: the call runs now, never replays
     assert replay.matches(trace, replay.guard(trace, (a, b), {})[0], (a, torch.randn(4, 3)), {}) is None
+
+
+# A Python float in arithmetic is lifted to a 0-dim tensor input (rewrites.lift_scalars):
+# the lifted form must give CPU eager's dtype and values, bit for bit.
+SCALAR_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32]
+SCALAR_OPS = [lambda t, s: t + s, lambda t, s: t - s, lambda t, s: t * s, lambda t, s: t / s,
+              lambda t, s: s / t, lambda t, s: t.clone().add_(s), lambda t, s: t.clone().mul_(s)]
+
+
+def _same(got, want):
+    got = got.cpu()
+    assert got.dtype == want.dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    if want.is_floating_point():
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_python_float_in_arithmetic_gives_cpu_dtypes_and_values(mode):
+    modes.set_mode(mode)
+    for dtype in SCALAR_DTYPES:
+        for shape in [(), (2,)]:
+            x = torch.tensor([3.0, -2.0][:max(1, len(shape) * 2)], dtype=torch.float64).reshape(shape or ()).to(dtype)
+            for op in SCALAR_OPS:
+                for s in [2.5, 0.1, 65519.0, -0.0, 0.0]:
+                    if dtype in (torch.int64, torch.int32) and op is SCALAR_OPS[-2]:
+                        continue                 # int add_ of a float: an error both ways
+                    if dtype in (torch.int64, torch.int32) and op is SCALAR_OPS[-1]:
+                        continue
+                    got = op(x.to(DEV), s)
+                    modes.mark_step()
+                    _same(got, op(x, s))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_times_minus_zero_is_not_times_zero(mode):
+    modes.set_mode(mode)
+    x = torch.tensor([1.0, -2.0])
+    a, b = x.to(DEV) * 0.0, x.to(DEV) * -0.0
+    modes.mark_step()
+    _same(a, x * 0.0)
+    _same(b, x * -0.0)
+    from kiln.device import rewrites
+    before = len(rewrites._SCALARS)
+    for _ in range(5):
+        x.to(DEV) * float("nan")
+    modes.mark_step()
+    assert len(rewrites._SCALARS) <= before + 1

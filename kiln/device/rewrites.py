@@ -4,8 +4,10 @@
   ``addcdiv_(m, v, value=-step_size)``, ``lerp_(g, 0.1)``) becomes a 0-dim tensor input.
   AdamW's bias corrections and a scheduled learning rate change every step; as
   constants they would make every step a new program and a new compile, as inputs
-  they are data. Only for floating-point tensors, where a 0-dim float32 tensor and a
-  Python float promote the same way. For bfloat16 and float16 tensors a lifted scale
+  they are data. Only for floating-point tensors, where a 0-dim float32 (float64 for
+  float64) tensor and a Python float promote the same way, except against a 0-dim
+  bfloat16/float16 tensor (two 0-dim tensors promote to the wider): that call keeps its
+  float. Lifted constants are cached by the float's bits (``-0.0`` is not ``0.0``). For bfloat16 and float16 tensors a lifted scale
   (``alpha``, ``value``, ``lerp``'s weight) keeps the CPU's one rounding: the CPU
   computes those in float32 and rounds the result once, so the lifted form computes in
   float32 too and casts the result back (a scale multiplied in low precision first was a
@@ -16,6 +18,8 @@
   ``_native_batch_norm_legit_functional``), with the tensors it updates.
 """
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -50,7 +54,9 @@ def scalar(value: float, like, ndim=None) -> dt.DeviceTensor:
     0-dim tensor does, but promotes a bfloat16/float16 operation of ``ndim`` dimensions or
     fewer to float32 (a 0-dim tensor does not)."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    key = (value, dtype, ndim)
+    # by the value's bits: 0.0 == -0.0 (``x * -0.0`` got ``x * 0.0``'s constant) and a NaN
+    # equals no NaN (each would be a new entry)
+    key = (struct.pack("<d", value), dtype, ndim)
     t = _SCALARS.get(key)
     if t is None:
         if len(_SCALARS) > 4096:           # a schedule's values come and go
@@ -109,6 +115,10 @@ def lift_scalars(dispatch, func, args, kwargs):
             return NotImplemented            # the common case: nothing to lift
         changed = func._overloadname == "Scalar" and isinstance(other, float)
         if isinstance(other, float):
+            if args[0].dim() == 0 and args[0].dtype in LOW:
+                # a 0-dim float32 tensor promotes a 0-dim bfloat16/float16 one (a Python
+                # float does not): the call runs with its float, as on the CPU
+                return NotImplemented
             other, changed = scalar(other, args[0]), True
         elif isinstance(alpha, float) and alpha != 1 and _floating(other) and low(args[0], other):
             # the CPU's bf16/f16 add: alpha rounded to the dtype, ``self + alpha * other`` in
