@@ -162,3 +162,19 @@ def test_times_minus_zero_is_not_times_zero(mode):
         x.to(DEV) * float("nan")
     modes.mark_step()
     assert len(rewrites._SCALARS) <= before + 1
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_out_with_two_outputs_writes_and_returns_both(mode):
+    modes.set_mode(mode)
+    a = torch.tensor([[3.0, 1.0, 2.0], [0.5, -1.0, 4.0]])
+    for call in [lambda x, o: torch.sort(x, 1, out=o), lambda x, o: torch.max(x, 1, out=o),
+                 lambda x, o: torch.min(x, 0, out=o)]:
+        want_o = (torch.empty(0), torch.empty(0, dtype=torch.long))
+        want = call(a, want_o)
+        got_o = (torch.empty(0, device=DEV), torch.empty(0, dtype=torch.long, device=DEV))
+        got = call(a.to(DEV), got_o)
+        modes.mark_step()
+        assert got[0] is got_o[0] and got[1] is got_o[1]
+        for g, w in zip(list(got) + list(got_o), list(want) + list(want_o)):
+            _same(g, w)

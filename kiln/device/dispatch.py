@@ -218,6 +218,9 @@ def _results(info, func, out, args, kwargs):
     if info.c10d:
         return collectives.same_tensors(out, (args, kwargs))
     if info.returns_written:       # an out= kernel may have resized it
+        if len(info.schema.returns) > 1:       # sort(out=(values, indices)): each written one
+            return tuple(inplace_views.conform(_written_arg(info.schema, args, kwargs, r))
+                         for r in info.schema.returns)
         return inplace_views.conform(_written_arg(info.schema, args, kwargs))
     if not info.returns:
         return None
@@ -261,8 +264,8 @@ def _read_by_trace(a) -> bool:
     return False
 
 
-def _written_arg(schema, args, kwargs):
-    alias = schema.returns[0].alias_info
+def _written_arg(schema, args, kwargs, ret=None):
+    alias = (ret or schema.returns[0]).alias_info
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.before_set == alias.before_set:
             return args[i] if i < len(args) else kwargs[a.name]
