@@ -178,3 +178,18 @@ def test_out_with_two_outputs_writes_and_returns_both(mode):
         assert got[0] is got_o[0] and got[1] is got_o[1]
         for g, w in zip(list(got) + list(got_o), list(want) + list(want_o)):
             _same(g, w)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_pow_and_ldexp_give_the_cpus_dtype_where_meta_does_not(mode):
+    modes.set_mode(mode)
+    b = torch.tensor([[True, False], [False, True]])
+    i = torch.tensor([1, 2, 3])
+    calls = [(lambda x: torch.pow(x, True), b), (lambda x: torch.pow(x, 2), b), (lambda x: torch.pow(x, 2.5), i),
+             (lambda x: torch.ldexp(x, torch.tensor(2.0, dtype=torch.float16).to(x.device)), i),
+             (lambda x: torch.ldexp(x, torch.tensor(1.0, dtype=torch.bfloat16).to(x.device)), i),
+             (lambda x: torch.ldexp(x, torch.tensor([1, 2, 0]).to(x.device)), i)]
+    for call, x in calls:
+        got = call(x.to(DEV))
+        modes.mark_step()
+        _same(got, call(x))

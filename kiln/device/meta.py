@@ -71,6 +71,8 @@ def call(func, args, kwargs, trace):
         raise
     if func in _EVAL_BATCH_NORMS and not _training(func, args, kwargs):
         out = _cpu_statistics(out)
+    elif isinstance(out, torch.Tensor) and _dtype_differs(func):
+        out = _cpu_dtype(func, out, walk.tmap(of, args), {k: walk.tmap(of, v) for k, v in kwargs.items()})
     if key is not None:
         _CACHE[key] = out
     return out
@@ -104,3 +106,35 @@ def _cpu_statistics(out):
     out = list(out)
     out[1], out[2] = out[1].new_empty((0,)), out[2].new_empty((0,))
     return tuple(out)
+
+
+# Operations whose meta kernels give another output dtype than their CPU kernels, by name
+# (every overload: pow.Tensor_Scalar, pow.Scalar, ldexp.Tensor, ...): ``pow(bool, True)``
+# is bool on the CPU and int64 on meta; ``ldexp(int64, 0-dim float16)`` float16 on the CPU
+# and float32 on meta. The device computes on the CPU, and a recorded call with meta's
+# dtype failed at its first read ("a compiled graph returned torch.bool[2, 2] where
+# torch.int64[2, 2] was expected"). For their functional overloads (an in-place or out=
+# one's result is its written tensor's dtype) the dtype is the CPU kernel's on tensors of
+# one element with the arguments' dtypes and numbers of dimensions (all promotion reads).
+_DTYPE_DIFFERS = {"pow", "ldexp"}
+_DIFFERS_OF: dict = {}
+
+
+def _dtype_differs(func) -> bool:
+    hit = _DIFFERS_OF.get(id(func))
+    if hit is None:
+        schema = func._schema
+        hit = _DIFFERS_OF[id(func)] = (func.namespace == "aten" and schema.name.split("::")[-1] in _DTYPE_DIFFERS
+                                       and bool(schema.returns) and schema.returns[0].alias_info is None)
+    return hit
+
+
+def _cpu_dtype(func, out, metas, kwargs):
+    """``out`` (meta's result) in the dtype the CPU kernel gives for these arguments."""
+    def probe(a):
+        return torch.ones((1,) * a.dim(), dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+    try:
+        dtype = func(*walk.tmap(probe, metas), **{k: walk.tmap(probe, v) for k, v in kwargs.items()}).dtype
+    except Exception:
+        return out
+    return out if dtype == out.dtype else out.to(dtype)
