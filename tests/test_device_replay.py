@@ -193,3 +193,17 @@ def test_pow_and_ldexp_give_the_cpus_dtype_where_meta_does_not(mode):
         got = call(x.to(DEV))
         modes.mark_step()
         _same(got, call(x))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_parameters_class_called_on_data_makes_a_parameter_as_on_the_cpu(mode):
+    modes.set_mode(mode)
+    for requires_grad in [True, False, None]:
+        kw = {} if requires_grad is None else {"requires_grad": requires_grad}
+        want = type(torch.nn.Parameter(torch.ones(2)))(torch.zeros(2), **kw)
+        p = torch.nn.Parameter(torch.ones(2, device=DEV))
+        got = type(p)(torch.zeros(2, device=DEV), **kw)
+        assert isinstance(got, torch.nn.Parameter) and got.device == p.device
+        assert got.requires_grad == want.requires_grad
+        _same(got.detach(), want.detach())
+    assert type(p)(torch.zeros(2, device=DEV), False).requires_grad is False

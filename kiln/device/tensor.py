@@ -110,8 +110,12 @@ class DeviceTensor(torch.Tensor):
     """A tensor on kiln's device; see the module docstring."""
 
     @staticmethod
-    def __new__(cls, like, cell):
+    def __new__(cls, like, cell=None, requires_grad=True):
         # no __init__: every operation makes one of these, and a Python __init__ costs
+        if not isinstance(cell, Cell):
+            # ``type(param)(data, requires_grad=...)`` (accelerate's set_module_tensor_to_device):
+            # a device Parameter's type is this class, and the CPU's answer is a Parameter
+            return torch.nn.Parameter(like, requires_grad=requires_grad if cell is None else cell)
         return made(signature(like), cell)
 
     @classmethod
