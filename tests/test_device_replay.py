@@ -207,3 +207,23 @@ def test_a_parameters_class_called_on_data_makes_a_parameter_as_on_the_cpu(mode)
         assert got.requires_grad == want.requires_grad
         _same(got.detach(), want.detach())
     assert type(p)(torch.zeros(2, device=DEV), False).requires_grad is False
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_add_with_a_float_alpha_rounds_once_as_on_the_cpu(mode):
+    modes.set_mode(mode)
+    g = torch.Generator().manual_seed(0)
+    for dtype, other_dtype in [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                               (torch.float32, torch.float64), (torch.float16, torch.float32)]:
+        for n in [(), (1,), (37,), (300,)]:
+            a = torch.randn(n, generator=g).to(dtype)
+            b = (torch.randn(n, generator=g) * 30).to(other_dtype)
+            for op in [lambda x, y: torch.add(x, y, alpha=-0.1), lambda x, y: torch.sub(x, y, alpha=0.37),
+                       lambda x, y: x.clone().add_(y, alpha=-0.1), lambda x, y: x.clone().sub_(y, alpha=1e-3)]:
+                got = op(a.to(DEV), b.to(DEV))
+                modes.mark_step()
+                _same(got, op(a, b))
+    p, grad = torch.tensor([1.3]), torch.tensor([22.638708114624023])
+    got = p.to(DEV).add_(grad.to(DEV), alpha=-0.1)
+    modes.mark_step()
+    _same(got, p.clone().add_(grad, alpha=-0.1))

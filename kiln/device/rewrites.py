@@ -12,7 +12,9 @@
   computes those in float32 and rounds the result once, so the lifted form computes in
   float32 too and casts the result back (a scale multiplied in low precision first was a
   second rounding: bf16 ``addcmul_(g, g, value=1e-3)`` and AdamW's ``exp_avg_sq`` were
-  1 ulp off).
+  1 ulp off). The CPU's scalar loop (a tensor's last elements) rounds ``alpha * other``
+  to bf16/f16 first; the device does not (docs/device.md). A float32/float64 ``alpha`` is
+  fused as the CPU fuses it: ``addcmul(self, other, alpha)``.
 * :func:`functional_form`: the functional operation an in-place one is recorded as
   (``add_`` -> ``add``; batch norm's running-statistics update ->
   ``_native_batch_norm_legit_functional``), with the tensors it updates.
@@ -127,7 +129,14 @@ def lift_scalars(dispatch, func, args, kwargs):
             scaled = dispatch(aten.mul.Tensor, (other, scalar(rounded(alpha, dtype), args[0], _ndim(args[0], other))), {})
             return _narrowed(dispatch, dispatch(packet.Tensor, (args[0], scaled), {}), dtype, inplace)
         if isinstance(alpha, float) and alpha != 1 and _floating(other):
-            other, alpha, changed = dispatch(aten.mul.Tensor, (other, scalar(alpha, args[0])), {}), 1, True
+            # the CPU's float32/float64 add: ``self + alpha * other`` fused, one rounding;
+            # addcmul's kernel computes ``self + t1 * t2`` so (a product first was a second
+            # rounding: SGD's ``p.add_(g, alpha=-lr)`` 1-2 ulp off)
+            like = other if other.dtype == torch.float64 else args[0]
+            if func._schema.name.split("::")[-1].rstrip("_") == "sub":
+                alpha = -alpha
+            fused = aten.addcmul_.default if inplace else aten.addcmul.default
+            return dispatch(fused, (args[0], other, scalar(alpha, like)), {})
         if not changed or not isinstance(other, torch.Tensor):
             return NotImplemented
         return dispatch(packet.Tensor, (args[0], other), {} if alpha == 1 else {"alpha": alpha})
