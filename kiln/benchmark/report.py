@@ -9,6 +9,7 @@ import json
 import os
 import tempfile
 
+from kiln.atomic import write_atomic
 from kiln.errors import KilnError
 
 
@@ -71,30 +72,9 @@ def check_output(path, what: str):
         raise KilnError(f"bench: cannot write {what} {path}: {e.strerror or e}") from None
 
 
-def _atomic(path, write, suffix=""):
-    """Write through a temporary file in the target's own directory, then rename it over the target."""
-    target = os.path.abspath(os.fspath(path))
-    d = os.path.dirname(target)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(target)}.", suffix=f".tmp{suffix}")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_json(path, report):
     """Write the report atomically, so a reader never sees half of it."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-    _atomic(path, write)
+    write_atomic(path, lambda f: f.write(json.dumps(report, indent=1).encode()))
 
 
 def table(report):
@@ -181,6 +161,6 @@ def plot(report, path):
     ax.legend()
     fig.tight_layout()
     try:
-        _atomic(path, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))
     finally:
         plt.close(fig)
