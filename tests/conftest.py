@@ -78,6 +78,20 @@ def assert_close(actual, expected, atol=1e-4, rtol=1e-4):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_device_compiles_left_behind():
+    """Each test file ends with its device compiles done. The device compiles in the
+    background by default, on one thread in turn, and a build of the whole graph is queued
+    when a program runs again: a file's last builds could finish minutes later, during the
+    next file on that worker, writing to its ``KILN_BUILD_LOG`` and its metrics and taking
+    its CPU (CI, 12-01: two tests of tests/test_observe.py failed on lines and samples of
+    tests/test_device.py's builds)."""
+    yield
+    programs = sys.modules.get("kiln.device.programs")
+    if programs is not None and not programs.wait_compiles(timeout=600):
+        pytest.fail("device compiles were still running 10 minutes after this file's last test")
+
+
 @pytest.fixture(scope="session")
 def kiln_cli():
     exe = os.path.join(os.path.dirname(sys.executable), "kiln")
