@@ -455,3 +455,37 @@ def test_a_bad_setting_at_load_does_not_discard_the_entry(tmp_path, monkeypatch)
     monkeypatch.delenv("KILN_ORT_PREPACKED")
     kiln.trace(model, x, cache=url)
     assert delta(s)["discarded"] == 0 and delta(s)["compiles"] == 0 and delta(s)["hits"] == 1
+
+
+def test_an_alias_edited_to_name_another_models_entry_is_not_served(tmp_path, caplog):
+    """Aliases are unsigned: pointing model A's alias at model B's (valid, signed) entry made
+    the next trace of A return B's artifact, a silently wrong answer. An entry's signed
+    manifest records the fingerprint it was compiled for; an alias naming an entry compiled
+    for another fingerprint is warned about, removed and not served."""
+    url = str(tmp_path / "cache")
+    a, x = models.mlp()
+    b, _ = models.mlp()
+    with torch.no_grad():
+        b.net[0].weight.mul_(-3.0)
+    key_a = kiln.trace(a, x, cache=url).cache_key
+    key_b = kiln.trace(b, x, cache=url).cache_key
+    assert key_a != key_b
+    (alias_a,) = [p for p in (tmp_path / "cache" / "aliases").iterdir()
+                  if json.loads(p.read_text())["key"] == key_a]
+    alias_a.write_text(json.dumps({"key": key_b}))
+    s = snap()
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        again = kiln.trace(a, x, cache=url)
+    assert again.cache_key == key_a
+    assert_close(again(x), a(x).detach(), atol=1e-5, rtol=1e-5)
+    assert delta(s) == dict(delta(s), alias_hits=0, hits=1, compiles=0, discarded=0)
+    assert "names entry" in caplog.text and "not serving it" in caplog.text
+    assert json.loads(alias_a.read_text()) == {"key": key_a}      # the capture wrote the real alias
+    assert cache_mod.Cache(url).lookup(key_b)[0] == "ok"          # B's entry is kept for B
+    assert_close(kiln.trace(b, x, cache=url)(x), b(x).detach(), atol=1e-5, rtol=1e-5)
+    # nor another model's remembered failure: A compiles, it does not raise B's error
+    other = "c" * 64
+    cache_mod.Cache(url).store_failure(other, kiln.errors.CompileError("another model's failure"),
+                                       {"fingerprint": "f" * 64})
+    alias_a.write_text(json.dumps({"key": other}))
+    assert kiln.trace(a, x, cache=url).cache_key == key_a

@@ -6,7 +6,9 @@ Storage is any fsspec URL (a local directory by default, ``s3://`` for a fleet,
     entries/<key>/artifact.kiln    the compiled artifact (absent for a cached failure)
     entries/<key>/meta.json        written last: model name, engine, size,
                                    created, last used, status ok|failed (+ error)
-    aliases/<fingerprint>.json     fast lookup: model fingerprint -> key
+    aliases/<fingerprint>.json     fast lookup: model fingerprint -> key (a hint: an alias hit is
+                                   served only if the entry's signed manifest records that
+                                   fingerprint, see kiln.compiler.caching)
     locks/<key>.lock               held while one process compiles the key (cache_lock.py)
 
 Two keys. The *key* of an entry hashes the canonical captured graph (op
@@ -371,6 +373,10 @@ class Cache(CompileLocks):
         self._write_atomic(self._path("aliases", f"{fp}.json"), json.dumps({"key": key}).encode(),
                            f"entry {key[:16]} is stored but not the alias to it, so a later trace of "
                            "the model captures it again to find the entry")
+
+    def drop_alias(self, fp):
+        """Remove ``fp``'s alias (it named an entry compiled for another model)."""
+        self._rm(self._path("aliases", f"{fp}.json"))
 
     # -- management ------------------------------------------------------------------------------------
     def entries(self, orphans=False) -> list:

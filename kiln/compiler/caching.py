@@ -9,6 +9,16 @@ module is the policy around one compile, handed to the driver as a
 3. else it is compiled under the key's lock (one process compiles, others wait and
    reuse), stored, and the fingerprint aliased to the key.
 
+An alias file is a plain ``{"key": ...}`` anyone with write access to the store can edit,
+so it is only a hint: an entry records, in its artifact's signed manifest
+(``manifest["cache"]["fingerprint"]``; in the meta of a remembered failure), the
+fingerprint of the model it was compiled for, and an alias hit is served only when that
+is the fingerprint looked up. An alias naming another model's entry is warned about,
+removed and not served (the model is captured and keyed by its graph instead). An entry
+reached through its graph key serves any fingerprint, but an alias to it is written only
+for the fingerprint it records, so a model whose fingerprint differs from the compiling
+one's (its code changed without changing its graph) is captured on each trace to find it.
+
 A failure that comes from the graph and the options is remembered and raised again
 from the cache, as its original class (``except CompileError`` still catches it).
 """
@@ -53,7 +63,7 @@ class CacheHook:
             named = bind_inputs(job.model, job.args, job.kwargs)
             fp = fingerprint.fingerprint(job.model, named, job.options, extra)
             key = store.alias(fp) if fp else None
-            hit = from_cache(key) if key is not None else None
+            hit = from_cache(key, fp) if key is not None else None
             if hit is not None:
                 store.count("alias_hits")
                 return hit
@@ -67,9 +77,15 @@ class CacheHook:
             if self.on_miss is not None:
                 return self.on_miss(job, captured, key, fp)
             return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache, progress)
-        if fp:
-            store.set_alias(fp, key)
+        _alias_if_served(store, fp, key, hit)
         return hit
+
+
+def _alias_if_served(store, fp, key, hit):
+    """Alias ``fp`` to ``key`` if the entry ``hit`` was read from was compiled for ``fp`` (an
+    alias to it would not be served otherwise, see the module doc)."""
+    if fp and (hit.manifest.get("cache") or {}).get("fingerprint") == fp:
+        store.set_alias(fp, key)
 
 
 def reader(store, retry_failed, threads):
@@ -83,20 +99,26 @@ def reader(store, retry_failed, threads):
     :func:`compile_into` does not overwrite it); a bad signature is corruption."""
     untrusted: set = set()
 
-    def from_cache(key):
+    def from_cache(key, fp=None):
+        """``fp``: the fingerprint whose alias named ``key``; the entry must record it."""
         found = store.lookup(key)
         if found is None:
             return None
         status, payload, meta = found
         if status == "failed":
+            if fp is not None and meta.get("fingerprint") != fp:
+                return _misdirected(store, fp, key, meta.get("fingerprint"))
             return _failed(store, key, payload, meta, retry_failed)
         try:
             where = f"cache entry {key[:16]}"
             art = Artifact.load(payload) if isinstance(payload, str) else Artifact.from_bytes(payload, where)
             trust.admit(art, where, trust_native_code=False)
-            stored_as = (art.manifest.get("cache") or {}).get("key")
+            stored = art.manifest.get("cache") or {}     # signed with the entry (verified above)
+            stored_as = stored.get("key")
             if stored_as not in (None, key):    # another entry's artifact, moved or copied here
                 raise ArtifactError(f"it holds the artifact compiled for key {str(stored_as)[:16]}")
+            if fp is not None and stored.get("fingerprint") != fp:
+                return _misdirected(store, fp, key, stored.get("fingerprint"))
             compiled = CompiledModel(art, RuntimeOptions(threads=threads), source=where)
             art.release_pages()
         except UntrustedArtifactError as e:
@@ -113,7 +135,8 @@ def reader(store, retry_failed, threads):
             return None
         store.touch(key, meta)
         store.count("hits")
-        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True}
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": True,
+                                      "fingerprint": stored.get("fingerprint")}
         precision = compiled.manifest.get("precision") or {}
         if precision.get("emulated"):    # as the compile warned: slower than fp32, not faster
             warnings.warn(f"kiln: {precision.get('note')}", stacklevel=5)
@@ -121,6 +144,18 @@ def reader(store, retry_failed, threads):
 
     from_cache.untrusted = untrusted
     return from_cache
+
+
+def _misdirected(store, fp, key, recorded):
+    """An alias names an entry compiled for another model (the alias file was edited, or
+    the entry was evicted and compiled again for a model with another fingerprint): serving
+    it would answer with another model's artifact. It is removed; the caller captures."""
+    log.warning("kiln cache %s: the alias of fingerprint %s names entry %s, which was compiled for "
+                "%s; not serving it (it would compute another model), removing the alias and "
+                "capturing the model to find its own entry", store.url, fp[:16], key[:16],
+                f"fingerprint {str(recorded)[:16]}" if recorded else "no recorded fingerprint")
+    store.drop_alias(fp)
+    return None
 
 
 def _failed(store, key, payload, meta, retry_failed):
@@ -143,8 +178,7 @@ def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache, 
     with store.lock(key, wait_for=lambda: from_cache(key), progress=progress) as ready:
         hit = ready or from_cache(key)
         if hit is not None:
-            if fp:
-                store.set_alias(fp, key)
+            _alias_if_served(store, fp, key, hit)
             return hit
         store.count("misses")
         store.count("compiles")
@@ -153,9 +187,10 @@ def compile_into(store, key, fp, captured, compile_, compiler_args, from_cache, 
         try:
             compiled = compile_(captured)
         except DETERMINISTIC as e:
-            store.store_failure(key, e, info)
+            store.store_failure(key, e, dict(info, fingerprint=fp))
             raise
-        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False}
+        # Signed with the artifact: the fingerprint is what an alias to this entry must name.
+        compiled.manifest["cache"] = {"key": key, "url": store.url, "hit": False, "fingerprint": fp}
         engines = sorted({p["engine"] for p in compiled.manifest["partitions"]})
         if key in getattr(from_cache, "untrusted", ()):
             log.info("kiln cache: keeping entry %s (signed by a key this host does not trust) "
