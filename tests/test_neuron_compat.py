@@ -197,3 +197,29 @@ def test_ops_to_partition_takes_bare_names_and_warns_of_names_the_graph_lacks():
     assert_close(bare(x), model(x).detach(), atol=1e-6, rtol=1e-6)
     with pytest.warns(UserWarning, match="ops_on_host names aten::rleu, which this graph has no operation of"):
         torch_neuronx.trace(model, x, partitioner_config=torch_neuronx.PartitionerConfig(ops_to_partition={"rleu"}))
+
+
+def test_each_jit_load_of_one_file_is_its_own_model_on_its_own_core(tmp_path, monkeypatch):
+    """Found by probing: two torch.jit.loads of one file shared one kiln model (found by the
+    bytes' checksum), so move_trace_to_device(a, 0) then (b, 1) put both on core 1. Each
+    load is now its own model: placed apart, each running its own calls, both right."""
+    from kiln.compat.common import as_model
+    from kiln.host import cores
+    monkeypatch.setenv("KILN_CPUS_PER_CORE", "1")
+    for name in ("KILN_VISIBLE_CORES", "KILN_NUM_CORES", "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"):
+        monkeypatch.delenv(name, raising=False)
+    if len(cores.visible()) < 2:
+        pytest.skip("needs 2 kiln cores")
+    model, x = models.mlp()
+    torch.jit.save(torch_neuronx.trace(model, x), str(tmp_path / "m.pt"))
+    a, b = torch.jit.load(str(tmp_path / "m.pt")), torch.jit.load(str(tmp_path / "m.pt"))
+    torch_neuronx.move_trace_to_device(a, 0)
+    torch_neuronx.move_trace_to_device(b, 1)
+    ma, mb = as_model(a), as_model(b)
+    assert ma is not mb and (ma.core.id, mb.core.id) == (0, 1)
+    want = model(x).detach()
+    for _ in range(2):
+        assert_close(a(x), want, atol=1e-5, rtol=1e-5)
+    assert_close(b(x), want, atol=1e-5, rtol=1e-5)
+    assert (ma.calls, mb.calls) == (2, 1)           # each module's calls ran on its own model
+    assert as_model(a) is ma and (ma.core.id, mb.core.id) == (0, 1)

@@ -6,6 +6,12 @@ every ``import torch`` where kiln is installed: its device's autoload imports ki
 registers it. It is the one registration kiln makes at import, and it only declares
 the operator: the runtime is imported, and the artifact embedded in the TorchScript
 module loaded and its trust checked, on the first call.
+
+Each loaded TorchScript module is its own kiln model, as each ``torch.jit.load`` of a
+Neuron model is its own model on its own core: the model is keyed by the module's
+``artifact`` buffer (its storage), not by the bytes in it. Two loads of one file are
+two models, which ``move_trace_to_device`` places apart; a module's calls, and
+``kiln.neuronx``'s functions given that module, all find its one model.
 """
 from __future__ import annotations
 
@@ -14,31 +20,38 @@ from typing import List
 
 import torch
 
-_cache: dict = {}
-_cache_lock = threading.Lock()
+# storage identity (its StorageImpl's address) -> (a weak reference to that storage, the model).
+# The weak reference keeps the address from being reused while the entry exists, and says when
+# the module that held the buffer is gone: its model is dropped at the next load.
+_models: dict = {}
+_lock = threading.Lock()
 
 
-def model_for(artifact: torch.Tensor, key: str | None = None):
-    """The kiln model a TorchScript module's ``artifact`` buffer holds, loaded once per
-    process (``key``: the artifact's sha256, computed when not given) and shared with
-    :func:`run`, e.g. to check a call's inputs before it is run elsewhere too."""
-    if key is None:
-        from kiln.artifact.container import sha256
-        key = sha256(artifact.numpy().tobytes())
-    model = _cache.get(key)
-    if model is None:
-        with _cache_lock:
-            model = _cache.get(key)
-            if model is None:
+def model_for(artifact: torch.Tensor):
+    """The kiln model of one TorchScript module's ``artifact`` buffer, loaded on first use and
+    the same for every later call with that buffer (the module's own calls, and kiln.neuronx's
+    functions given the module); another module's buffer, even of the same file, gets its own."""
+    storage = artifact.untyped_storage()
+    ident = storage._cdata
+    entry = _models.get(ident)
+    if entry is None:
+        with _lock:
+            entry = _models.get(ident)
+            if entry is None:
+                from torch.multiprocessing.reductions import StorageWeakRef
                 from kiln.runtime.loader import load
-                model = load(artifact.numpy().tobytes())
-                _cache[key] = model
-    return model
+                for k in [k for k, (ref, _) in _models.items() if ref.expired()]:
+                    del _models[k]      # their modules are gone
+                entry = (StorageWeakRef(storage), load(artifact.numpy().tobytes()))
+                _models[ident] = entry
+    return entry[1]
 
 
 @torch.library.custom_op("kiln::run", mutates_args=())
 def run(artifact: torch.Tensor, key: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-    model = model_for(artifact, key)
+    # ``key`` is the artifact's sha256, traced into every saved file (so the schema keeps it);
+    # models are found by the buffer itself (model_for).
+    model = model_for(artifact)
     model.check(inputs)
     return [t.clone() if _aliases(t, inputs) else t for t in model.run_flat(list(inputs))]
 
