@@ -48,3 +48,28 @@ def test_jit_save_to_buffer_and_loading_without_kiln_fails_clearly(tmp_path):
     # ...and with device-backend autoload off, nothing imports kiln: a clear error naming it
     r = run_py(load, cwd=str(tmp_path), env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert r.returncode != 0 and "kiln" in r.stderr
+
+
+def test_a_jit_loaded_model_takes_its_inputs_by_name(tmp_path):
+    """Found by probing: the saved module's forward was (argument_1, argument_2), so
+    loaded(input_ids=..., attention_mask=...), as the traced model is called, raised
+    "forward() is missing value for argument 'argument_1'". It now takes the model's names,
+    in any order, or positionally in the traced order."""
+    import kiln.neuronx as torch_neuronx
+    model = models.tiny_bert()
+    inputs = models.bert_inputs()
+    inputs["attention_mask"][1, 9:] = 0             # a padded row: the mask changes the answer
+    torch.jit.save(torch_neuronx.trace(model, inputs), str(tmp_path / "bert.pt"))
+    ref = model(**inputs)
+    torch.save({"inputs": inputs, "last": ref.last_hidden_state.detach()}, tmp_path / "io.pt")
+    code = f"""
+import torch, kiln
+m = torch.jit.load({str(tmp_path / 'bert.pt')!r})
+d = torch.load({str(tmp_path / 'io.pt')!r})
+ids, mask = d["inputs"]["input_ids"], d["inputs"]["attention_mask"]
+for out in (m(attention_mask=mask, input_ids=ids), m(ids, attention_mask=mask), m(ids, mask)):
+    torch.testing.assert_close(out[0], d["last"], atol=1e-4, rtol=1e-4)
+print("OK")
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

@@ -3,8 +3,13 @@
 Neuron users save traced models with ``torch.jit.save`` and load them with
 ``torch.jit.load`` after importing the Neuron package. kiln does the same: the
 saved TorchScript module holds the artifact bytes as a uint8 buffer and calls
-the ``kiln::run`` operator, which ``import kiln`` registers. The artifact is
-loaded once per process and cached by its checksum.
+the ``kiln::run`` operator, which ``import kiln`` registers. Each loaded module
+loads its artifact on its first call (:mod:`kiln.runtime.script_op`).
+
+The module's ``forward`` takes the model's inputs by their names when every input
+is a bare tensor (``loaded(input_ids=..., attention_mask=...)``, or positionally in
+the traced order), as a model traced with keyword inputs is called; models with
+nested inputs take the flat input tensors positionally.
 
 Trust: ``torch.jit.load`` runs the archive's TorchScript (torch's format, with
 its own rules); the kiln artifact inside is loaded by ``kiln.load`` on the first
@@ -15,9 +20,13 @@ native-code partitions need a signer this host trusts (``KILN_TRUSTED_KEYS``) or
 """
 from __future__ import annotations
 
+import inspect
+import keyword
+
 import torch
 
 from kiln.artifact import specs
+
 
 class _Wrapper(torch.nn.Module):
     def __init__(self, compiled):
@@ -29,8 +38,39 @@ class _Wrapper(torch.nn.Module):
         self.structure = compiled.output_structure
 
     def forward(self, *inputs):
-        outs = torch.ops.kiln.run(self.artifact, self.key, list(inputs))
+        return self._run(list(inputs))
+
+    def _run(self, inputs):
+        outs = torch.ops.kiln.run(self.artifact, self.key, inputs)
         return _scriptable(specs.decode(self.structure, outs))
+
+
+def input_names(compiled) -> list | None:
+    """The names the TorchScript ``forward`` takes, in the flat inputs' order: the model's own
+    argument names when every input is a bare tensor with a name Python allows, else None."""
+    structure, names = getattr(compiled, "input_structure", None), getattr(compiled, "arg_names", None)
+    if not structure or names is None or specs.positional_tensors(structure, names) is None:
+        return None
+    names = [n for n, _ in structure["dict"]]
+    if len(names) != len(compiled.input_specs) or not all(
+            n.isidentifier() and not keyword.iskeyword(n) and n != "self" and not n.startswith("__")
+            for n in names):
+        return None
+    return names
+
+
+def _wrapper_class(names):
+    """``_Wrapper`` whose ``forward`` has the signature ``(self, <names>)``: ``torch.jit.trace``
+    takes the traced function's parameter names (``inspect.signature``) into the saved
+    schema, so the loaded module's callers can give the inputs by name."""
+    if names is None:
+        return _Wrapper
+
+    def forward(self, *inputs):
+        return self._run(list(inputs))
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    forward.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ["self", *names]])
+    return type("_Wrapper", (_Wrapper,), {"forward": forward, "__module__": __name__})
 
 
 def _scriptable(value):
@@ -47,10 +87,11 @@ def _scriptable(value):
 
 
 def to_torchscript(compiled) -> torch.jit.ScriptModule:
-    """A TorchScript module taking the flat input tensors positionally."""
+    """A TorchScript module taking the model's inputs by name (:func:`input_names`), or the
+    flat input tensors positionally."""
     import warnings
     example = [torch.zeros(s.shape, dtype=s.dtype) for s in compiled.input_specs]
+    wrapper = _wrapper_class(input_names(compiled))(compiled)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.jit.trace(_Wrapper(compiled), tuple(example), check_trace=False, strict=False)
-
+        return torch.jit.trace(wrapper, tuple(example), check_trace=False, strict=False)
