@@ -599,3 +599,52 @@ def test_sigterm_drains_in_flight_requests(slow, artifacts):
     names = [e["event"] for e in slow.events()]
     assert names.index("shutdown_requested") < names.index("draining") < names.index("stopped")
     assert slow.get("/v2/health/live")[0] is None       # no longer listening
+
+
+def test_an_unwritable_kiln_profile_is_an_error_at_start(artifacts, tmp_path):
+    """Found by probing: KILN_PROFILE=/proc/nope/t.json kiln serve served, and at SIGTERM
+    printed a warning that the trace was lost and exited 0. It now refuses to start."""
+    (tmp_path / "a-file").write_text("not a directory")
+    profile = tmp_path / "a-file" / "t.json"
+    env = dict(os.environ, KILN_QUIET="1", PYTHONPATH=ROOT, KILN_PROFILE=str(profile))
+    with open(tmp_path / "err", "w") as err:
+        proc = forkserver.popen([os.path.join(os.path.dirname(sys.executable), "kiln"), "serve",
+                                 str(artifacts["dir"] / "mlp.kiln"), "--host", "127.0.0.1", "--port", "0"],
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
+        try:
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(20)
+    lines = (tmp_path / "err").read_text().strip().splitlines()
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("kiln serve: error: KILN_PROFILE=") and \
+        "cannot be written" in lines[0] and "unset it" in lines[0], lines
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_kiln_profile_is_written_when_serve_stops_and_a_lost_one_fails_the_exit_status(
+        artifacts, tmp_path, monkeypatch, lost):
+    """A trace that cannot be written at shutdown (its directory replaced by a file) made
+    kiln serve exit 0 after a warning; the exit status now says so (2, one error line)."""
+    directory = tmp_path / "profiles"
+    directory.mkdir()
+    monkeypatch.setenv("KILN_PROFILE", str(directory / "t.json"))
+    s = Server([artifacts["dir"] / "mlp.kiln"], tmp_path / "serve.log")
+    try:
+        x = np.ones((1, 16), np.float32)
+        assert s.post_json("/v2/models/mlp/infer", _mlp_request(x))[0] == 200
+        if lost:
+            directory.rmdir()
+            directory.write_text("now a file")
+    finally:
+        s.stop()
+    errors = [line for line in open(tmp_path / "serve.log") if not line.startswith("{")]
+    if lost:
+        assert s.proc.returncode == 2
+        assert len(errors) == 1 and "KILN_PROFILE=" in errors[0] and "not written" in errors[0], errors
+    else:
+        assert s.proc.returncode == 0 and errors == []
+        spans = json.loads((directory / "t.json").read_text())["traceEvents"]
+        assert any(e["name"] == "mlp" for e in spans), spans[:3]

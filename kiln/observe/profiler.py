@@ -26,6 +26,7 @@ from kiln import config
 _active = None
 _lock = threading.Lock()
 _env_read = False
+_env_recorder = None      # KILN_PROFILE's recorder, once started
 
 
 class Recorder:
@@ -80,7 +81,7 @@ def profile(path):
 def start_from_env():
     """Record the whole process to ``KILN_PROFILE`` (once), written at exit; the runtime calls
     it when a model is loaded, as there is nothing to record before."""
-    global _active, _env_read
+    global _active, _env_read, _env_recorder
     if _env_read:
         return
     with _lock:
@@ -89,8 +90,46 @@ def start_from_env():
         _env_read = True
         path = config.get("KILN_PROFILE")
         if path and _active is None:
-            _active = Recorder(path)
+            _active = _env_recorder = Recorder(path)
             atexit.register(_write_at_exit, _active)
+
+
+def env_path_problem() -> str | None:
+    """Why ``KILN_PROFILE`` could not be written, checked now as the write at exit would do
+    it (its directory made if missing, a file created there and removed); None when it is
+    unset or can be written. For a long-running process (``kiln serve``), which should refuse
+    to start rather than lose its timeline at exit."""
+    import tempfile
+    path = config.get("KILN_PROFILE")
+    if not path:
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"KILN_PROFILE={path} is a directory; name a file such as {os.path.join(path, 'trace.json')}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kiln-profile-check-"):
+            pass
+    except OSError as e:
+        return (f"KILN_PROFILE={path} cannot be written ({e.strerror or e}: {directory}); point it "
+                "at a file in a writable directory, or unset it")
+    return None
+
+
+def write_env_profile() -> str | None:
+    """Write ``KILN_PROFILE``'s recording now instead of at exit (``kiln serve`` does, so that
+    its exit status can tell that the trace was lost); None, or what went wrong, in one line.
+    After a success the write at exit still runs (it adds what is recorded later); after a
+    failure it does not (the caller reports it, once)."""
+    rec = _env_recorder
+    if rec is None:
+        return None
+    try:
+        rec.write()
+    except OSError as e:
+        atexit.unregister(_write_at_exit)
+        return f"KILN_PROFILE={rec.path}: the trace was not written: {e.strerror or e}"
+    return None
 
 
 def _write_at_exit(rec):

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 from kiln import config
 from kiln.errors import KilnError
+from kiln.observe import profiler
 from kiln.serving.app import build_app
 from kiln.serving.logs import log, logging_config
 from kiln.serving.repository import ServerState
@@ -32,6 +33,9 @@ def serve(models, host: str = "127.0.0.1", port: int = 8000, *, log_level: str =
     run at once and in-flight ones finish (for up to ``drain_timeout`` seconds)
     before the process exits. ``port=0`` picks a free port, logged as ``listening``."""
     import uvicorn     # only when serving: building an app for another ASGI server needs none
+    problem = profiler.env_path_problem()    # found now, not at exit after hours of serving
+    if problem:
+        raise KilnError(problem)
     logging.config.dictConfig(logging_config(log_level, access_log))
     app = build_app(models, **settings)
     state: ServerState = app.state.kiln
@@ -69,6 +73,9 @@ def serve(models, host: str = "127.0.0.1", port: int = 8000, *, log_level: str =
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    problem = profiler.write_env_profile()     # here, so the exit status tells a lost trace
+    if problem:
+        raise KilnError(f"{problem} (the server itself ran and stopped)")
     return 1 if state.failed else 0
 
 
