@@ -57,6 +57,10 @@ Choices, and why:
   package's cuBLAS and cuDNN calls read the running process's flags at run
   time (torch's default: convolutions in TF32, matmuls in IEEE fp32).
 
+* A kernel's failed index check (an index the graph computed, out of range) raises after
+  the kernel's OpenMP region, where torch's check inside it ended the process: the run
+  fails with a RuntimeError instead (:mod:`kiln.engines.inductor_bounds`).
+
 Most of a compile is g++ building the C++ wrapper (8-10 s of CPU per
 partition, whatever its size), so models that split into many partitions
 compile slowly. The wrapper is built without AOTInductor's per-input check
@@ -83,6 +87,7 @@ import torch
 from kiln.errors import ArtifactError
 from kiln.quiet import EXPORTER_LOGGERS, quiet
 from kiln.engines.base import Engine
+from kiln.engines.inductor_bounds import index_errors_raised
 from kiln.engines.inductor_lean import package, without_input_checks, wrapper_beside_kernels
 from kiln.engines.openmp import openmp_runtime
 from kiln.host.cores import available_cpus
@@ -210,7 +215,7 @@ def _compile(partition, example_inputs, configs, device) -> bytes:
                                                         _STRIDES_KEY: json.dumps(strides)}}
     module = partition if device.type == "cpu" else _moved(partition, device)
     with torch.no_grad(), quiet(_LOGGERS), tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp, \
-            without_input_checks(), wrapper_beside_kernels(device.type == "cpu"):
+            without_input_checks(), wrapper_beside_kernels(device.type == "cpu"), index_errors_raised():
         path = package(module, inputs, configs, os.path.join(tmp, "partition.pt2"), device)
         with open(path, "rb") as f:
             return f.read()
