@@ -1,6 +1,7 @@
 """torch.jit.save / torch.jit.load of compiled models, as Neuron scripts do."""
 import io
 
+import pytest
 import torch
 
 import kiln
@@ -73,3 +74,53 @@ print("OK")
 """
     r = run_py(code, cwd=str(tmp_path))
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def _declaring(src, dst, rows):
+    """A copy of the artifact ``src`` whose every shape of 2 rows declares ``rows`` (unsigned)."""
+    import json
+    import zipfile
+
+    def widen(o):
+        if isinstance(o, dict):
+            if isinstance(o.get("shape"), list) and o["shape"][:1] == [2]:
+                o["shape"] = [rows] + o["shape"][1:]
+            for v in o.values():
+                widen(v)
+        elif isinstance(o, list):
+            for v in o:
+                widen(v)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.namelist():
+            if item != "signature.json":
+                data = zin.read(item)
+                if item == "manifest.json":
+                    manifest = json.loads(data)
+                    widen(manifest)
+                    data = json.dumps(manifest).encode()
+                zout.writestr(item, data)
+
+
+def test_saving_a_model_that_declares_an_enormous_input_allocates_nothing(tmp_path):
+    """Found by probing: torch.jit.save traced the model on zero inputs of its declared shapes,
+    so a loadable artifact declaring 2^36 x 16 float32 (4 TiB) failed with the allocator's
+    'DefaultCPUAllocator: can't allocate memory'. The trace now describes the call without
+    running it: the file is written, and a call of another shape is the model's InputError."""
+    model, x = torch.nn.ReLU(), torch.randn(2, 16)
+    with pytest.warns(UserWarning, match="runs entirely on the host"):
+        kiln.trace(model, x, fallback=True, ops_on_host={"aten::relu"}).save(tmp_path / "relu.kiln")
+    _declaring(tmp_path / "relu.kiln", tmp_path / "huge.kiln", 2 ** 36)
+    huge = kiln.load(tmp_path / "huge.kiln")
+    assert huge.input_specs[0].shape == (2 ** 36, 16)
+    buf = io.BytesIO()
+    torch.jit.save(huge, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    with pytest.raises(RuntimeError, match=r"InputError: input 'input': expected \(68719476736, 16\) float32, "
+                                           r"got \(2, 16\)"):
+        loaded(x)
+    # a model of real sizes saved the same way still answers as eager does
+    buf = io.BytesIO()
+    torch.jit.save(kiln.load(tmp_path / "relu.kiln"), buf)
+    buf.seek(0)
+    assert_close(torch.jit.load(buf)(x), torch.relu(x), atol=0, rtol=0)

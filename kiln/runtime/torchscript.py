@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import threading
 
 import torch
 
 from kiln.artifact import specs
+
+_describing = threading.local()     # the trace in progress on this thread: (artifact key, output specs)
 
 
 class _Wrapper(torch.nn.Module):
@@ -86,12 +89,41 @@ def _scriptable(value):
     return value
 
 
+class _Describing:
+    """While a kiln model is traced into TorchScript, ``kiln::run`` of its artifact answers
+    with zero-strided placeholders of the output specs instead of running the model: the
+    trace records the call, not its values, so saving neither loads and runs the model nor
+    allocates its declared input and output sizes."""
+
+    def __init__(self, key: str, output_specs):
+        self.state = (key, list(output_specs))
+
+    def __enter__(self):
+        self.previous = getattr(_describing, "state", None)
+        _describing.state = self.state
+        return self
+
+    def __exit__(self, *exc):
+        _describing.state = self.previous
+
+
+def described_outputs(key: str) -> list | None:
+    """What ``kiln::run`` of the artifact ``key`` answers while this thread traces it
+    (:class:`_Describing`); None otherwise, and then it runs the model."""
+    state = getattr(_describing, "state", None)
+    if state is None or state[0] != key:
+        return None
+    return [torch.zeros((), dtype=s.dtype).expand(tuple(s.shape)) for s in state[1]]
+
+
 def to_torchscript(compiled) -> torch.jit.ScriptModule:
     """A TorchScript module taking the model's inputs by name (:func:`input_names`), or the
-    flat input tensors positionally."""
+    flat input tensors positionally. The trace runs on zero-strided example inputs and the
+    model is not run (:class:`_Describing`): nothing of the declared sizes is allocated,
+    however large they are."""
     import warnings
-    example = [torch.zeros(s.shape, dtype=s.dtype) for s in compiled.input_specs]
+    example = [torch.zeros((), dtype=s.dtype).expand(tuple(s.shape)) for s in compiled.input_specs]
     wrapper = _wrapper_class(input_names(compiled))(compiled)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _Describing(wrapper.key, compiled.output_specs):
         warnings.simplefilter("ignore")
         return torch.jit.trace(wrapper, tuple(example), check_trace=False, strict=False)
