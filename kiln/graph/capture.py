@@ -165,12 +165,13 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     """Capture in eval mode (inference graphs), leaving the user's module as it was.
     ``fast``: a graph that is already ATen is traced once with ``make_fx``
     (:mod:`kiln.graph.aten_graph`), with no ``ExportedProgram`` kept (``exported`` None).
-    A forward that writes to its inputs, parameters or buffers is refused
-    (:mod:`kiln.graph.state_writes`); FX graphs (PyTorch's, the device's) are not watched."""
+    A forward that writes to (or reassigns) its inputs, parameters or buffers is refused
+    (:mod:`kiln.graph.state_writes`), and buffers are put back as they were; FX graphs (PyTorch's, the device's) are not watched."""
     if isinstance(model, torch.jit.ScriptModule):
         raise CaptureError(f"{_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
                            "torch.export cannot trace: pass the original nn.Module (or function) instead")
-    with eval_mode(model), _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
+    with eval_mode(model), state_writes.kept(model), \
+            _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
         return _capture(model, example_inputs, example_kwargs, decompose, fast)
 
 
@@ -215,9 +216,10 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
     draws = randomness.Draws()
     # an FX graph (PyTorch's, the device's) is functional by construction: not watched
     watched = [] if isinstance(model, torch.fx.GraphModule) else state_writes.versions(model, named)
+    bound = state_writes.bindings(model)      # a buffer reassigned in forward is a write too
     with torch.no_grad():
         eager = call_bound(model, named)
-    state_writes.refuse_writes(_name(model), watched)
+    state_writes.refuse_writes(_name(model), watched, bound, model)
     out_leaves, out_specs = [], []
     out_structure = specs.encode(eager, "", out_leaves, out_specs)
     for i, s in enumerate(out_specs):

@@ -8,9 +8,20 @@ comparison with eager then failed with a message about tolerances ("Loosen atol/
 or pass validate=False"), whose advice gives a silently wrong model. The capture's own
 eager call is watched instead, by each tensor's version counter (which every in-place
 write bumps, in any grad mode), and a write is a :class:`~kiln.errors.CaptureError`
-naming the tensors.
+naming the tensors. A forward that *reassigns* a buffer or parameter
+(``self.n = self.n + 1``) writes no tensor in place but changes the module all the same:
+the module's bindings are compared before and after the call, and a change is refused
+the same way (it had given the tolerance message too, the graph traced after the eager
+call starting from the changed buffer).
+
+Capture leaves the user's module as it was (:func:`kept`): bindings are put back and
+buffers written in place get their values back, refused or not. Parameters written in
+place are named but not restored: that would need a copy of every weight before each
+capture.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -32,15 +43,74 @@ def versions(model, named_inputs: dict) -> list:
     return out
 
 
-def refuse_writes(model_name: str, before: list) -> None:
-    """Raise if any tensor in ``before`` (:func:`versions`) was written since."""
+def bindings(model) -> dict:
+    """``{label: tensor}`` for each parameter and buffer ``model`` holds now (by identity)."""
+    if not isinstance(model, torch.nn.Module) or isinstance(model, torch.fx.GraphModule):
+        return {}
+    out = {f"parameter '{name}'": p for name, p in model.named_parameters(remove_duplicate=False)}
+    out.update((f"buffer '{name}'", b) for name, b in model.named_buffers(remove_duplicate=False))
+    return out
+
+
+def rebound(before: dict, model) -> list:
+    """Labels of the parameters and buffers of ``model`` reassigned (or added, or removed)
+    since :func:`bindings` gave ``before``."""
+    after = bindings(model)
+    changed = [f"{label} (reassigned)" for label, t in after.items()
+               if label in before and before[label] is not t]
+    changed += [f"{label} (added)" for label in after if label not in before]
+    changed += [f"{label} (removed)" for label in before if label not in after]
+    return changed
+
+
+@contextlib.contextmanager
+def kept(model):
+    """Put ``model``'s parameters and buffers back as they were on leaving: each module's
+    bindings (a reassigned or added one undone), and the values of buffers written in
+    place (copies of the buffers are taken first; they are small next to the weights)."""
+    if not isinstance(model, torch.nn.Module) or isinstance(model, torch.fx.GraphModule):
+        yield
+        return
+    modules = list(model.modules())
+    held = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
+    saved = []
+    with torch.no_grad():
+        for _, _, buffers in held:
+            for b in buffers.values():
+                if b is None:
+                    continue
+                try:
+                    saved.append((b, b._version, b.detach().clone()))
+                except RuntimeError:        # an inference tensor: no version, not watched
+                    pass
+    try:
+        yield
+    finally:
+        for m, params, buffers in held:
+            for now, then in ((m._parameters, params), (m._buffers, buffers)):
+                if list(now) != list(then) or any(now[k] is not v for k, v in then.items()):
+                    now.clear()
+                    now.update(then)
+        with torch.no_grad():
+            for b, version, copy in saved:
+                if b._version != version:
+                    b.copy_(copy)
+
+
+def refuse_writes(model_name: str, before: list, bound: dict | None = None, model=None) -> None:
+    """Raise if any tensor in ``before`` (:func:`versions`) was written since, or (given
+    ``bound``, :func:`bindings` before the call) a parameter or buffer of ``model`` was
+    reassigned."""
     written = [label for label, tensor, version in before if tensor._version != version]
+    if bound is not None:
+        reassigned = rebound(bound, model)
+        written = [w for w in written if f"{w} (reassigned)" not in reassigned] + reassigned
     if written:
         shown = ", ".join(written[:6]) + (f" and {len(written) - 6} more" if len(written) > 6 else "")
         raise CaptureError(
-            f"{model_name} writes to {shown} in its forward (in place: the example call changed "
-            "them). A compiled model is a function of its inputs, its weights and buffers fixed "
+            f"{model_name} writes to {shown} in its forward (the example call changed "
+            "them, in place or by reassigning them). A compiled model is a function of its inputs, its weights and buffers fixed "
             "when it is compiled, so these writes would not happen at each call and its answers "
             "would drift from eager's. Compile a forward that leaves its inputs, parameters and "
-            "buffers unchanged: return an updated value instead of writing it in place, or keep "
+            "buffers unchanged: return an updated value instead of writing or reassigning it, or keep "
             "such state outside the model")
