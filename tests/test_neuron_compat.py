@@ -223,3 +223,35 @@ def test_each_jit_load_of_one_file_is_its_own_model_on_its_own_core(tmp_path, mo
     assert_close(b(x), want, atol=1e-5, rtol=1e-5)
     assert (ma.calls, mb.calls) == (2, 1)           # each module's calls ran on its own model
     assert as_model(a) is ma and (ma.core.id, mb.core.id) == (0, 1)
+
+
+def test_a_neuron_traced_models_save_writes_what_torch_jit_load_reads(tmp_path):
+    """Found by probing: traced.save("m.pt"), as Neuron's tutorials save their TorchScript
+    modules, wrote a .kiln artifact, and torch.jit.load("m.pt") failed with torch's raw
+    "file in archive is not in a subdirectory: manifest.json". Both Neuron spellings' traces
+    (and dynamic_batch's model) now save TorchScript; a .kiln path still gets kiln's artifact."""
+    import io
+    from tests.conftest import run_py
+    model, x = models.mlp()
+    torch_neuronx.trace(model, x).save(str(tmp_path / "x.pt"))
+    torch_neuron.trace(model, x).save(tmp_path / "n.pt")
+    torch_neuronx.dynamic_batch(torch_neuronx.trace(model, x)).save(str(tmp_path / "d.pt"))
+    five = torch.randn(5, 16)
+    torch.save({"x": x, "want": model(x).detach(), "five": five, "want5": model(five).detach()}, tmp_path / "io.pt")
+    code = f"""
+import torch
+d = torch.load({str(tmp_path / 'io.pt')!r})
+for name in ("x.pt", "n.pt"):
+    torch.testing.assert_close(torch.jit.load({str(tmp_path)!r} + "/" + name)(d["x"]), d["want"], atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(torch.jit.load({str(tmp_path / 'd.pt')!r})(d["five"]), d["want5"], atol=1e-5, rtol=1e-5)
+print("OK")
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    traced = torch_neuronx.trace(model, x)
+    buf = io.BytesIO()
+    traced.save(buf)
+    buf.seek(0)
+    assert_close(torch.jit.load(buf)(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    traced.save(str(tmp_path / "m.kiln"))
+    assert_close(kiln.load(str(tmp_path / "m.kiln"))(x), model(x).detach(), atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ from kiln.errors import CompilerArgsError
 from kiln.host import cores
 from kiln.host.cores import honour_neuron_env
 from kiln.runtime import replicas
+from kiln.runtime.torchscript import saving_torchscript
 
 __all__ = ["DataParallel", "analyze_model", "honour_neuron_env", "trace"]
 log = logging.getLogger("kiln")
@@ -40,7 +41,8 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
           fallback=True, dynamic_batch_size=False, optimizations=None, separate_weights=False,
           **kiln_options):
     """Neuron's ``trace``: ``kiln.trace`` with fallback on, Neuron's segment size and cache
-    settings, and the model saved in ``compiler_workdir``."""
+    settings, and the model saved in ``compiler_workdir``. As Neuron's TorchScript module, the
+    model's ``save(path)`` writes what ``torch.jit.load`` reads (a ``.kiln`` path: kiln's artifact)."""
     if dynamic_batch_size:
         kiln_options["dynamic_batch"] = True
     if subgraph_builder_function is not None:
@@ -64,7 +66,7 @@ def trace(model, example_inputs, *, compiler_args=None, compiler_timeout=None, c
     if compiler_workdir:
         os.makedirs(compiler_workdir, exist_ok=True)
         compiled.save(os.path.join(compiler_workdir, "model.kiln"))
-    return compiled
+    return saving_torchscript(compiled)
 
 
 @neuron_names

@@ -19,6 +19,7 @@ from kiln.compiler import api as compiler
 from kiln.errors import CompilerArgsError, UnsupportedOpError
 from kiln.host.cores import honour_neuron_env
 from kiln.runtime import buckets, replicas
+from kiln.runtime.torchscript import saving_torchscript
 
 __all__ = ["DataParallel", "PartitionerConfig", "analyze", "async_load", "dynamic_batch", "honour_neuron_env",
            "lazy_load", "move_trace_to_device", "neuron_cache_options", "replace_weights", "trace"]
@@ -45,7 +46,9 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
           compiler_args=None, partitioner_config=None, inline_weights_to_neff=True,
           cpu_backend=False, **kiln_options):
     """Neuron's ``trace``: ``kiln.trace`` with fallback off unless ``partitioner_config`` is
-    given, Neuron's cache settings, and the model and its report in ``compiler_workdir``."""
+    given, Neuron's cache settings, and the model and its report in ``compiler_workdir``.
+    As Neuron's TorchScript module, the model's ``save(path)`` writes what ``torch.jit.load``
+    reads (``torch.jit.save``'s file; a ``.kiln`` path gets kiln's artifact)."""
     if input_output_aliases:
         raise CompilerArgsError("input_output_aliases is not supported yet: kiln artifacts do not "
                                 "alias inputs and outputs")
@@ -70,7 +73,7 @@ def trace(func, example_inputs, *_, input_output_aliases=None, compiler_workdir=
         compiled.save(os.path.join(compiler_workdir, "model.kiln"))
         with open(os.path.join(compiler_workdir, "report.json"), "w") as f:
             json.dump(compiled.report, f, indent=1)
-    return compiled
+    return saving_torchscript(compiled)
 
 
 def _check_partitioner(compiled, pc):
@@ -106,8 +109,9 @@ def analyze(func, example_inputs, compiler_workdir=None, additional_ignored_ops=
 
 @neuron_names
 def dynamic_batch(traced):
-    """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks."""
-    return buckets.dynamic_batch(as_model(traced) or traced)
+    """Neuron's ``dynamic_batch``: split/pad dim 0 into trace-size chunks; ``save(path)``
+    writes TorchScript, as :func:`trace`'s model does."""
+    return saving_torchscript(buckets.dynamic_batch(as_model(traced) or traced))
 
 
 @neuron_names

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import os
 import threading
 
 import torch
@@ -127,3 +128,42 @@ def to_torchscript(compiled) -> torch.jit.ScriptModule:
     with warnings.catch_warnings(), _Describing(wrapper.key, compiled.output_specs):
         warnings.simplefilter("ignore")
         return torch.jit.trace(wrapper, tuple(example), check_trace=False, strict=False)
+
+
+def _save_torchscript(self, f, _extra_files=None):
+    """``save`` of a model traced through a Neuron spelling (:func:`saving_torchscript`)."""
+    from kiln.atomic import write_atomic
+    path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else None
+    if path is not None and path.endswith(".kiln") and _extra_files is None:
+        return super(type(self), self).save(path)      # the name asks for kiln's own artifact
+    data = to_torchscript(self).save_to_buffer(_extra_files=_extra_files or {})
+    if path is None:
+        f.write(data)
+        return None
+    write_atomic(path, lambda out: out.write(data))
+    return path
+
+
+_saving_classes: dict = {}      # a kiln model class -> its subclass whose save writes TorchScript
+_saving_lock = threading.Lock()
+
+
+def saving_torchscript(model):
+    """``model``, whose ``model.save(path)`` now writes TorchScript, as Neuron's traced models
+    (TorchScript modules) do: what ``torch.jit.load`` reads, the same file
+    ``torch.jit.save(model, path)`` writes. A path ending in ``.kiln`` still gets kiln's own
+    artifact (``kiln.load``). Other kiln models' ``save`` writes ``.kiln`` artifacts.
+
+    The model becomes an instance of a subclass of its class (same name, everything else
+    inherited) that overrides ``save``; ``isinstance`` checks against its class still hold."""
+    cls = type(model)
+    if cls in _saving_classes.values():
+        return model
+    with _saving_lock:
+        sub = _saving_classes.get(cls)
+        if sub is None:
+            sub = type(cls.__name__, (cls,), {"save": _save_torchscript, "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+            _saving_classes[cls] = sub
+    model.__class__ = sub
+    return model
