@@ -169,3 +169,22 @@ def test_output_paths_are_checked_before_measuring(tmp_path, monkeypatch):
     from kiln.benchmark.report import write_json
     write_json(tmp_path / "out" / "r.json", {"results": []})
     assert os.listdir(tmp_path / "out") == ["r.json"]   # the temporary file renamed, in its own directory
+
+
+def test_a_batch_too_large_for_memory_is_a_kiln_error_naming_its_size(kiln_cli, tmp_path):
+    """Found by probing: an artifact's inputs made for a batch no memory holds ended in torch's
+    "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes" (or, with no
+    memory error at all, the out-of-memory killer). The size is checked before allocating."""
+    torch.manual_seed(0)
+    path = tmp_path / "mlp.kiln"
+    kiln.trace(torch.nn.Sequential(torch.nn.Linear(16, 8)), torch.randn(2, 16), quiet=True).save(path)
+    out_json = tmp_path / "bench.json"
+    r = forkserver.run([kiln_cli, "bench", str(path), "--batch-sizes", "100000000000", "--copies", "1",
+                        "--duration", "0.2", "--warmup", "0", "--quiet", "--json", str(out_json)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    (skipped,) = json.loads(out_json.read_text())["skipped"]
+    reason = skipped["reason"]
+    assert reason.startswith("KilnError: kiln bench: input ") and "at batch 100000000000" in reason, reason
+    assert "needs 6400000000000 bytes" in reason and "--batch-sizes" in reason, reason
+    assert "Allocator" not in r.stdout + r.stderr and "enforce fail" not in r.stdout + r.stderr

@@ -293,3 +293,33 @@ def test_a_cache_shape_that_disagrees_with_the_graphs_is_refused_at_load(compile
         with pytest.raises(kiln.ArtifactError, match=rf"llm.cache_shape \[{', '.join(map(str, changed))}\] does "
                                                      r"not match the decode/\d+.kiln graph"):
             kiln.load(bad)
+
+
+
+def test_a_kv_cache_larger_than_memory_is_a_kiln_error_naming_its_size(compiled):
+    """Found by probing: a KV cache no memory holds (an LLM compiled for more rows or positions
+    than this host has memory for) ended in torch's "DefaultCPUAllocator: can't allocate
+    memory" RuntimeError, or in the out-of-memory killer. It is checked before allocating.
+    (The first generate's batch-invariance probe, kiln/runtime/invariance.py, allocates a
+    cache-sized probe of its own before: that is done here on the real shape first.)"""
+    import copy
+
+    from kiln.errors import KilnError
+    from kiln.runtime import kv
+    model, shared, _ = compiled
+    expected = shared.generate([[1, 2]], 2, stop_at_eos=False)
+    assert expected == [_hf_greedy(model, [1, 2], 2)]
+    llm = copy.copy(shared)
+    layers, rows, heads, _, dim = shared.meta["cache_shape"]
+    huge = [layers, rows, heads, 1 << 40, dim]
+    llm.meta = dict(shared.meta, cache_shape=huge)
+    llm.cache_memory = kv.CacheMemory("cpu")
+    need = 2 * layers * rows * heads * (1 << 40) * dim * 4
+    message = (rf"KV cache \(keys and values\) of shape \[{', '.join(map(str, huge))}\] .* needs {need} bytes "
+               r".* available\. .*--batch-size or --cache-length")
+    with pytest.raises(KilnError, match=message):
+        llm.generate([[1, 2]], 2)
+    assert llm.cache_memory._buffers is None
+    with pytest.raises(KilnError, match=message):
+        kv.KVCache(tuple(huge))                     # a cache with no LLM memory to take (drafters)
+    assert shared.generate([[1, 2]], 2, stop_at_eos=False) == expected

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 
 from kiln.factory import load_factory
+from kiln.runtime import alloc
+
+ADVICE = "Benchmark smaller batches (--batch-sizes)"
 
 
 def is_factory(target) -> bool:
@@ -31,7 +34,9 @@ def factory_inputs(spec, path, batch):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != example_batch or t.shape[0] == batch:
             return t
         reps = -(-batch // t.shape[0])
-        return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous()
+        shape = (reps * t.shape[0], *t.shape[1:])
+        return alloc.allocate(lambda: t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous(),
+                              f"kiln bench: the example input resized to batch {batch}", shape, t.dtype, ADVICE)
     return model.eval(), tuple(resize(a) for a in args), {k: resize(v) for k, v in kwargs.items()}
 
 
@@ -41,11 +46,16 @@ def inputs_from_specs(specs, batch, compiled_batch):
     g = torch.Generator().manual_seed(0)
     out = []
     for s in specs:
-        shape = list(s.shape)
+        shape, what = list(s.shape), f"kiln bench: input {s.name!r}"
         if shape and compiled_batch is not None and shape[0] == compiled_batch:
-            shape[0] = batch
+            shape[0], what = batch, f"{what} at batch {batch}"
         if s.dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=g).to(s.dtype))
+            def make():
+                return torch.randn(shape, generator=g).to(s.dtype)
         else:   # ids and masks: 1 is a valid token id and an "attend" mask value
-            out.append(torch.ones(shape, dtype=s.dtype))
+            def make():
+                return torch.ones(shape, dtype=s.dtype)
+        # the shape is the artifact's (its batch replaced): checked before it is allocated
+        out.append(alloc.allocate(make, what, shape, s.dtype,
+                                  f"{ADVICE}, or check the artifact's input specs (kiln inspect)"))
     return tuple(out)

@@ -37,7 +37,19 @@ import weakref
 
 import torch
 
+from kiln.runtime import alloc
+
 _MEMORY = contextvars.ContextVar("kiln_kv_memory", default=None)
+ADVICE = ("The LLM artifact's cache_shape [layers, rows, kv heads, positions, head dim] sets it: compile "
+          "the LLM with a smaller --batch-size or --cache-length (kiln llm compile), or free memory")
+
+
+def zeros(shape, dtype, device="cpu") -> tuple:
+    """The two flat zeroed buffers (keys, values) of a ``shape`` cache, or a :class:`KilnError`
+    naming the size when they cannot be had (checked before allocating, see :mod:`kiln.runtime.alloc`)."""
+    n = math.prod(shape)
+    return alloc.allocate(lambda: tuple(torch.zeros(n, dtype=dtype, device=device) for _ in range(2)),
+                          "KV cache (keys and values)", tuple(shape), dtype, ADVICE, count=2, device=device)
 
 
 @contextlib.contextmanager
@@ -72,7 +84,7 @@ class CacheMemory:
             free = self._holder is None or self._holder() is None
             kept = self._buffers
             if kept is None or not free or kept[0].numel() != n or kept[0].dtype != dtype:
-                fresh = tuple(torch.zeros(n, dtype=dtype, device=self.device) for _ in range(2))
+                fresh = zeros(shape, dtype, self.device)
                 if kept is not None and not free:
                     return fresh     # the kept buffers are in use: these are this cache's alone
                 kept = self._buffers = fresh
@@ -97,8 +109,7 @@ class KVCache:
         self.shape = tuple(shape)
         self.windows = sorted({int(w) for w in windows if int(w) < shape[3]} | {shape[3]})
         memory = _MEMORY.get()
-        self._memory = (memory(self.shape, dtype) if memory is not None else
-                        (torch.zeros(shape, dtype=dtype).view(-1), torch.zeros(shape, dtype=dtype).view(-1)))
+        self._memory = memory(self.shape, dtype) if memory is not None else zeros(self.shape, dtype)
         self.window = 0
         self._lay_out(self.windows[0])
         self.lengths = torch.zeros(shape[1], dtype=torch.int64)
