@@ -9,7 +9,7 @@ import torch
 import kiln
 import kiln.neuronx
 from kiln.host import cores as placement
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, PlacementError
 from kiln.errors import WorkerDiedError
 
 from . import models
@@ -68,6 +68,38 @@ def test_bad_inputs_are_clear_errors(dp):
     with pytest.raises(InputError, match=r"only dim 0 may differ.*got \(4, 17\)"):
         dp(torch.randn(4, 17))
     assert dp.submit(torch.randn(4, 17)).exception(timeout=10) is not None
+
+
+@pytest.mark.parametrize("settings, error, message", [
+    (dict(device_ids=[]), PlacementError, r"device_ids=\[\] names no core.*such as \[0, 1\].*or None"),
+    (dict(device_ids=1), PlacementError, r"device_ids=1 is not a list of kiln core numbers; pass e.g. \[0, 1\]"),
+    (dict(set_dynamic_batching="no"), KilnError, r"set_dynamic_batching\) = 'no' \(str\): expected True or False"),
+    (dict(split_size=0), KilnError, r"split_size=0 \(int\): expected a number of rows per chunk, 1 or more"),
+    (dict(split_size=-2), KilnError, r"split_size=-2 \(int\): expected"),
+    (dict(split_size=1.5), KilnError, r"split_size=1.5 \(float\): expected"),
+    (dict(num_workers=0), PlacementError, r"num_workers=0: expected a number of replica processes, 1 or more"),
+])
+def test_wrong_settings_are_clear_errors_at_construction(mlp, monkeypatch, settings, error, message):
+    """Found by probing: DataParallel(device_ids=[]) was built and its first call raised
+    ZeroDivisionError; split_size=-2 or 1.5 raised torch.split's own error at the call, and
+    split_size=0, num_workers=0 and set_dynamic_batching="no" were read as something else."""
+    from kiln.runtime import replicas
+    monkeypatch.setattr(replicas, "_Replica", None)       # none may start: refused before that
+    with pytest.raises(error, match=message):
+        kiln.neuronx.DataParallel(mlp[1], **settings)
+
+
+def test_split_size_is_checked_when_set(dp, mlp):
+    model, _ = mlp
+    with pytest.raises(KilnError, match=r"split_size=0 \(int\): expected"):
+        dp.split_size = 0
+    assert dp.split_size is None
+    dp.split_size = 3
+    try:
+        x = torch.randn(7, 16)
+        assert_close(dp(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+    finally:
+        dp.split_size = None
 
 
 def test_large_outputs_grow_the_shared_memory(dp, mlp):

@@ -37,7 +37,7 @@ import torch
 
 from kiln.host import cores
 from kiln.artifact import specs
-from kiln.errors import InputError, KilnError, WorkerDiedError
+from kiln.errors import InputError, KilnError, PlacementError, WorkerDiedError
 from kiln.host import child
 from kiln.runtime.replica_worker import Segment, layout, view, write
 from kiln.runtime.model import Model
@@ -142,6 +142,36 @@ class _Replica:
 
 
 # -- DataParallel ------------------------------------------------------------------------------------
+def _count(value) -> bool:
+    """Whether ``value`` is a whole number of 1 or more (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_settings(device_ids, dim, dynamic_batching, num_workers) -> list | None:
+    """DataParallel's settings, checked before any replica starts (each wrong one was a raw
+    error at the first call, device_ids=[] a ZeroDivisionError, or was silently read otherwise);
+    returns ``device_ids`` as a list (None: every visible core)."""
+    if device_ids is not None:
+        if isinstance(device_ids, (int, str, bytes)) or not hasattr(device_ids, "__iter__"):
+            raise PlacementError(f"DataParallel: device_ids={device_ids!r} is not a list of kiln core numbers; "
+                                 f"pass e.g. [0, 1], or None for every visible core")
+        device_ids = list(device_ids)
+        if not device_ids:
+            raise PlacementError(f"DataParallel: device_ids={device_ids!r} names no core, so no replica would run "
+                                 f"the calls; pass kiln core numbers such as [0, 1] (this process sees "
+                                 f"{len(cores.visible())}), or None for every visible core")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise KilnError(f"DataParallel: dim={dim!r} ({type(dim).__name__}): expected the number of the "
+                        "batch dimension to scatter, such as 0")
+    if not isinstance(dynamic_batching, bool):
+        raise KilnError(f"DataParallel: dynamic_batching (torch_neuronx: set_dynamic_batching) = "
+                        f"{dynamic_batching!r} ({type(dynamic_batching).__name__}): expected True or False")
+    if num_workers is not None and not _count(num_workers):
+        raise PlacementError(f"DataParallel: num_workers={num_workers!r}: expected a number of replica "
+                             "processes, 1 or more, or None for one per core")
+    return device_ids
+
+
 class DataParallel(Model):
     """Run ``module`` (a kiln model, or a path to one) on several kiln cores at once.
 
@@ -157,6 +187,7 @@ class DataParallel(Model):
     def __init__(self, module, device_ids=None, dim=0, dynamic_batching=True, num_workers=None,
                  split_size=None, timeout=None, start_timeout=300.0):
         super().__init__()
+        device_ids = _check_settings(device_ids, dim, dynamic_batching, num_workers)
         if isinstance(module, (str, os.PathLike, bytes)):
             from kiln.runtime.loader import load
             module = load(module)
@@ -228,6 +259,19 @@ class DataParallel(Model):
     @property
     def num_workers(self) -> int:
         return len(self.replicas)
+
+    @property
+    def split_size(self):
+        """Rows per chunk (None: the batch spread evenly over the replicas); checked when set."""
+        return self.__dict__.get("_split_size")
+
+    @split_size.setter
+    def split_size(self, value):
+        if value is not None and not _count(value):
+            raise KilnError(f"DataParallel: split_size={value!r} ({type(value).__name__}): expected a "
+                            "number of rows per chunk, 1 or more, or None to spread each batch evenly "
+                            "over the replicas")
+        self.__dict__["_split_size"] = value
 
     @property
     def worker_pids(self) -> list:
