@@ -427,6 +427,24 @@ def test_a_reassigned_buffer_is_refused_and_the_users_module_is_left_as_it_was(m
     torch.testing.assert_close(getattr(m, name), torch.zeros_like(before), rtol=0, atol=0)
 
 
+class _RebuildsTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        self.table = torch.arange(4.0) * 2          # a cache rebuilt to the same values at each call
+        return x + self.table
+
+
+def test_a_buffer_rebuilt_to_the_same_values_at_each_call_is_a_cache_not_a_write():
+    model, x = _RebuildsTable().eval(), torch.randn(2, 4)
+    before = model.table
+    compiled = kiln.trace(model, x, quiet=True, cache=False, optlevel=1)
+    assert model.table is before
+    torch.testing.assert_close(compiled(x), x + torch.arange(4.0) * 2, rtol=1e-6, atol=1e-6)
+
+
 class _Branches(nn.Module):
     def forward(self, x):
         return torch.cond(x.sum() > 0, lambda y: y.sin(), lambda y: y.cos(), (x,))

@@ -24,7 +24,7 @@ from kiln.compiler.selection import resolve_device
 from kiln.compiler.reuse import capture_for, copy_of
 from kiln.errors import ValidationError
 from kiln.graph import randomness, tracing_lock, widened
-from kiln.graph.capture import Captured, bind_inputs, call_bound, from_graph
+from kiln.graph.capture import Captured, bind_inputs, call_bound, eval_mode, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
 from kiln.host import tf32 as tf32_host
 from kiln.observe import build_log
@@ -233,7 +233,7 @@ def flat_sample(model, captured, sample):
     flat: list = []
     for name, structure in captured.input_structure["dict"]:
         specs.flatten_inputs(structure, named.get(name), name, flat)
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(model):      # as the capture ran it; its state left as it was
         ref_leaves: list = []
         specs.encode(call_bound(model, named), "", ref_leaves, [])
     return flat, [t.detach() for t in ref_leaves]

@@ -170,8 +170,7 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     if isinstance(model, torch.jit.ScriptModule):
         raise CaptureError(f"{_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
                            "torch.export cannot trace: pass the original nn.Module (or function) instead")
-    with eval_mode(model), state_writes.kept(model), \
-            _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
+    with eval_mode(model), _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
         return _capture(model, example_inputs, example_kwargs, decompose, fast)
 
 
@@ -180,12 +179,16 @@ def eval_mode(model):
     """``model`` in eval mode (dropout off, batch norm on its running statistics, which it
     then leaves alone), each module's own mode put back after: a model in training with a
     frozen batch norm in eval mode comes back so (``model.train()`` afterwards turned every
-    module to training, and the frozen statistics moved at the next step)."""
+    module to training, and the frozen statistics moved at the next step). Its parameters'
+    and buffers' bindings, and its buffers' values, are put back too
+    (:func:`kiln.graph.state_writes.kept`): kiln's eager runs (capture's, the padding and row
+    checks') leave no state behind."""
     modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
     if modes:
         model.eval()
     try:
-        yield
+        with state_writes.kept(model):
+            yield
     finally:
         for m, training in modes:
             m.training = training
@@ -219,7 +222,10 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
     bound = state_writes.bindings(model)      # a buffer reassigned in forward is a write too
     with torch.no_grad():
         eager = call_bound(model, named)
-    state_writes.refuse_writes(_name(model), watched, bound, model)
+    reassigned = state_writes.rebound(bound, model)
+    if reassigned and state_writes.settles(eager, lambda: (draws.restore(), call_bound(model, named))[1]):
+        reassigned = []                       # a cache rebuilt to the same values, not moving state
+    state_writes.refuse_writes(_name(model), watched, reassigned)
     out_leaves, out_specs = [], []
     out_structure = specs.encode(eager, "", out_leaves, out_specs)
     for i, s in enumerate(out_specs):

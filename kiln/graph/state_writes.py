@@ -12,7 +12,8 @@ naming the tensors. A forward that *reassigns* a buffer or parameter
 (``self.n = self.n + 1``) writes no tensor in place but changes the module all the same:
 the module's bindings are compared before and after the call, and a change is refused
 the same way (it had given the tolerance message too, the graph traced after the eager
-call starting from the changed buffer).
+call starting from the changed buffer), unless a second call on the changed state gives
+the same answers (:func:`settles`: a cache rebuilt, not state that moves).
 
 Capture leaves the user's module as it was (:func:`kept`): bindings are put back and
 buffers written in place get their values back, refused or not. Parameters written in
@@ -97,14 +98,24 @@ def kept(model):
                     b.copy_(copy)
 
 
-def refuse_writes(model_name: str, before: list, bound: dict | None = None, model=None) -> None:
-    """Raise if any tensor in ``before`` (:func:`versions`) was written since, or (given
-    ``bound``, :func:`bindings` before the call) a parameter or buffer of ``model`` was
-    reassigned."""
+def settles(first, again) -> bool:
+    """Whether ``again()`` (the eager call repeated on the state the first call left)
+    returns exactly ``first``: a forward that reassigns a buffer to the same answers each
+    time (rotary tables rebuilt, or grown for a longer input) is a cache, not state."""
+    with torch.no_grad():
+        second = again()
+    a, b = torch.utils._pytree.tree_flatten(first), torch.utils._pytree.tree_flatten(second)
+    return a[1] == b[1] and all(
+        (torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else
+         type(x) is type(y) and not isinstance(x, torch.Tensor) and x == y)
+        for x, y in zip(a[0], b[0]))
+
+
+def refuse_writes(model_name: str, before: list, reassigned=()) -> None:
+    """Raise if any tensor in ``before`` (:func:`versions`) was written since, or a
+    parameter or buffer was reassigned (``reassigned``: labels from :func:`rebound`)."""
     written = [label for label, tensor, version in before if tensor._version != version]
-    if bound is not None:
-        reassigned = rebound(bound, model)
-        written = [w for w in written if f"{w} (reassigned)" not in reassigned] + reassigned
+    written += list(reassigned)
     if written:
         shown = ", ".join(written[:6]) + (f" and {len(written) - 6} more" if len(written) > 6 else "")
         raise CaptureError(
