@@ -255,3 +255,12 @@ print("OK")
     assert_close(torch.jit.load(buf)(x), model(x).detach(), atol=1e-5, rtol=1e-5)
     traced.save(str(tmp_path / "m.kiln"))
     assert_close(kiln.load(str(tmp_path / "m.kiln"))(x), model(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_kiln_load_of_a_torchscript_file_says_to_use_torch_jit_load(tmp_path):
+    """A Neuron spelling's traced.save("m.pt") writes TorchScript; kiln.load of it said only
+    "zip archive without manifest.json; not a kiln artifact"."""
+    model, x = models.mlp()
+    torch_neuronx.trace(model, x).save(str(tmp_path / "m.pt"))
+    with pytest.raises(kiln.errors.ArtifactError, match="TorchScript archive.*torch.jit.load"):
+        kiln.load(str(tmp_path / "m.pt"))

@@ -292,6 +292,11 @@ class Artifact:
         with z:
             names = set(z.namelist())
             if MANIFEST not in names:
+                if any(n.endswith("/data.pkl") or n.endswith("/constants.pkl") for n in names):
+                    # torch.jit.save's archive: what a Neuron spelling's model.save(path) writes
+                    raise ArtifactError(f"{source}: a TorchScript archive (torch.jit.save's file), not a kiln "
+                                        "artifact; load it with torch.jit.load after import kiln, or save "
+                                        "the model to a path ending in .kiln for kiln.load")
                 raise ArtifactError(f"{source}: zip archive without {MANIFEST}; not a kiln artifact")
             try:
                 manifest = json.loads(read_bounded(z, z.getinfo(MANIFEST), MAX_MANIFEST))

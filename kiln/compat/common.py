@@ -70,7 +70,7 @@ def as_model(obj):
     if (isinstance(obj, torch.jit.ScriptModule) and isinstance(getattr(obj, "artifact", None), torch.Tensor)
             and "ops.kiln.run" in obj.code):
         from kiln.runtime.script_op import model_for
-        return model_for(obj.artifact)      # keyed by the bytes' sha256, as its kiln::run calls are
+        return model_for(obj.artifact)      # the module's own model, as its kiln::run calls find it
     return None
 
 
