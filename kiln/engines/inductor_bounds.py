@@ -17,7 +17,8 @@ last), so a program compiled in line ended the process on good values (12-01).
 While kiln compiles, each such check is generated the way torch 2.13 treats an integer
 division by zero in the same kernels: the failure is noted in the kernel's own atomic
 flag (``inductor_cpu_integer_div_error``, which every CPU kernel declares), the index
-is replaced by 0 so that the element's load or store stays inside the tensor, and after
+is replaced by 0 where it is computed, before any copy of it (a vector kernel reads its
+lanes from an array copy), so that the element's load or store stays inside the tensor, and after
 the parallel region the kernel raises (a value of 2 in that flag: an index; torch's 1 stays a
 division by zero). The run then fails with a ``RuntimeError`` (the AOTInductor runtime
 turns an exception into an error code outside the region), which kiln raises; the
@@ -67,12 +68,20 @@ def _bounds(original):
         import sympy
         from torch.utils._sympy.symbol import SymT, symbol_is_type
         from torch._inductor.virtualized import V
-        if not (lower or upper) or not isinstance(expr, sympy.Symbol) or not symbol_is_type(expr, SymT.TMP):
+        var = self.cse.varname_map.get(str(expr)) if isinstance(expr, sympy.Symbol) else None
+        if not (lower or upper) or var is None or not symbol_is_type(expr, SymT.TMP):
             return original(self, expr, size, lower, upper)
+        # the index itself, checked and zeroed before torch's check makes copies of it (a
+        # vector kernel reads its lanes from an array copied there: zeroing the index after
+        # the copy left the access out of range, and a scatter wrote past its tensor)
+        size_str = V.kernel.sexpr(self.rename_indexing(size)) if upper else None
+        first = noted(self.indirect_assert(var, "0" if lower else None, size_str, self._load_mask), str(expr))
+        if first is not None:
+            V.kernel.compute.writeline(first)
         buffers = list({id(V.kernel.compute): V.kernel.compute, id(self.loads): self.loads}.values())
         before = [len(b._lines) for b in buffers]
         original(self, expr, size, lower, upper)
-        for buffer, n in zip(buffers, before):
+        for buffer, n in zip(buffers, before):         # torch's own check, on a copy: noted too
             for k in range(n, len(buffer._lines)):
                 line = buffer._lines[k]
                 if isinstance(line, str):
