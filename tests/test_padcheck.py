@@ -204,3 +204,65 @@ def test_the_example_probe_is_the_users_example_never_its_padding():
     xi, si = torch.randn(1, 6, 8), torch.tensor([[1, 1, 2, 2, 2, 3]])
     with torch.no_grad():
         assert_close(m(x=xi, seg=si), model(xi, si), atol=1e-5, rtol=1e-5)
+
+
+class Pairs(torch.nn.Module):
+    """Averages pairs of positions: eager runs even lengths only, and sees zero padding."""
+
+    def forward(self, x):
+        B, L, D = x.shape
+        return x.reshape(B, L // 2, 2 * D).mean(1)
+
+
+class EvenBatch(torch.nn.Module):
+    """Subtracts the mean over all rows (taken in pairs): eager runs even batches only."""
+
+    def forward(self, x):
+        B, D = x.shape
+        return x - x.reshape(B // 2, 2, D).mean((0, 1))
+
+
+def test_padding_is_probed_at_a_size_eager_runs_when_the_shortest_one_fails():
+    # Eager cannot run lengths 1 and 5 (the shortest inputs of buckets 4 and 8), so both probes
+    # were skipped and the buckets accepted with 0 probes: length 2 was 1.109 off, 6 0.207.
+    # The check now tries the next even lengths (2, 6), and the padding shows.
+    with pytest.raises(ValidationError, match=r"padding changes the answers of Pairs: an input of size \[2\]"):
+        kiln.trace(Pairs().eval(), torch.randn(2, 8, 3), buckets={"x": {1: [4, 8]}})
+    with pytest.raises(ValidationError, match=r"padding changes the answers of EvenBatch.*'x' dim 0"):
+        kiln.trace(EvenBatch().eval(), torch.randn(8, 3), buckets={"x": {0: [4, 8]}})
+
+
+class PairSums(torch.nn.Module):
+    """Sums each pair of positions in place: even lengths only, and blind to padding past them."""
+
+    def forward(self, x):
+        B, L, D = x.shape
+        return x.reshape(B, L // 2, 2, D).sum(2, keepdim=True).expand(B, L // 2, 2, D).reshape(B, L, D)
+
+
+def test_a_model_of_even_lengths_that_padding_cannot_change_is_probed_and_accepted():
+    model = PairSums().eval()
+    m = kiln.trace(model, torch.randn(2, 8, 3), buckets={"x": {1: [4, 8]}})
+    check = m.manifest["padding_check"]
+    assert check["probes"] == 2 and check["max_abs_error"] < 1e-5
+    assert [s["sizes"] for s in check["skipped"]] == [[1], [5]]      # tried first, then 2 and 6
+    for length in (2, 6):
+        x = torch.randn(2, length, 3)
+        assert_close(m(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class Quads(torch.nn.Module):
+    """Groups of four positions: eager runs no length that bucket 4 pads (1, 2, 3)."""
+
+    def forward(self, x):
+        B, L, D = x.shape
+        return x.reshape(B, L // 4, 4 * D).mean(1)
+
+
+def test_a_bucket_whose_padded_sizes_eager_never_runs_is_refused():
+    with pytest.raises(ValidationError) as err:
+        kiln.trace(Quads().eval(), torch.randn(2, 8, 3), buckets={"x": {1: [4, 8]}})
+    msg = str(err.value)
+    assert "padding cannot be checked for Quads" in msg and "bucket [4]" in msg
+    assert "[1], [2]" in msg and "'x' dim 1" in msg and "validate=False" in msg
+    assert err.value.metrics["tried"] == [[1], [2]]

@@ -35,6 +35,7 @@ from kiln.artifact import specs
 from kiln.graph.capture import bind_inputs, call_bound, eval_mode
 from kiln.errors import ValidationError
 from kiln.graph.validation import compare, quality_gate
+from kiln.compiler import probe_sizes as sizing
 
 
 def flat_example(model, input_structure, args, kwargs) -> list:
@@ -214,23 +215,32 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
     record = {"probes": 0, "data": list(DATA), "max_abs_error": 0.0, "skipped": []}
     seen = set()
     for k in bucketed._order:
-        # the shortest input that still lands in bucket k: one past the next smaller size
-        probe_sizes = []
-        for a, ax in enumerate(bucketed.axes):
-            smaller = [s for s in ax["sizes"] if s < sizes[k][a]]
-            probe_sizes.append(max(smaller) + 1 if smaller else 1)
-        probe_sizes = tuple(probe_sizes)
-        if probe_sizes in seen or list(probe_sizes) == list(sizes[k]):
+        # the shortest input that still lands in bucket k (one past the next smaller size) first;
+        # where eager cannot run it (a model that takes only even lengths), other padded sizes
+        found = None
+        tried = []
+        for probe_sizes in sizing.probe_sizes(bucketed, sizes[k], examples):
+            if probe_sizes in seen:
+                found = "seen"
+                break
+            probe = list(source)
+            for a, ax in enumerate(bucketed.axes):
+                for i, d in ax["inputs"]:
+                    probe[i] = _resize(probe[i], d, probe_sizes[a])
+            probe = _fold_indices(bucketed, probe, probe_sizes)
+            expected, why = _reference(model, structure, probe)
+            if expected is not None:
+                found = probe_sizes
+                break
+            tried.append((probe_sizes, why))
+            record["skipped"].append({"sizes": list(probe_sizes), "reason": f"eager failed: {why}"})
+        if found == "seen":
+            continue
+        if found is None:
+            if tried:       # a bucket that pads, and no padded input eager runs: padding unproven
+                raise sizing.unproven_padding(bucketed, sizes[k], tried)
             continue
         seen.add(probe_sizes)
-        probe = list(source)
-        for a, ax in enumerate(bucketed.axes):
-            for i, d in ax["inputs"]:
-                probe[i] = _resize(probe[i], d, probe_sizes[a])
-        expected, why = _reference(model, structure, probe)
-        if expected is None:
-            record["skipped"].append({"sizes": list(probe_sizes), "reason": f"eager failed: {why}"})
-            continue
         record["probes"] += 1
         base = probe
         for kind, data in enumerate(DATA):
@@ -263,6 +273,22 @@ def check_buckets(model, bucketed, examples, tol: Tolerance) -> dict:
             record["max_abs_error"] = max(record["max_abs_error"], error)
     _forget_calls(bucketed)
     return record
+
+
+def _fold_indices(bucketed, probe, probe_sizes) -> list:
+    """``probe`` with each input that indexes a bucketed dim (``pos`` into ``x``'s length) folded
+    into the probe's length there, so the user's example (``pos=3``) indexes a shorter probe
+    (length 2) as eager allows; negative indices count from the end, exempt values stay."""
+    plan = getattr(bucketed, "_indices", None)
+    out = list(probe)
+    for i, _, a, _, _, exempt in (plan.by_axis if plan is not None else ()):
+        t, n = out[i], probe_sizes[a]
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.numel() == 0 or n < 1:
+            continue
+        keep = t == exempt if exempt is not None else torch.zeros_like(t, dtype=torch.bool)
+        folded = torch.where(t >= 0, t % n, -((-t - 1) % n) - 1)
+        out[i] = torch.where(keep, t, folded)
+    return out
 
 
 def _same_shapes(bucketed, expected, actual, probe_sizes, bucket):
