@@ -142,3 +142,25 @@ def test_data_parallel_runs_the_compiled_batch_whole_when_rows_are_not_proven_in
         torch.testing.assert_close(dp(x, table), model(x, table), atol=1e-5, rtol=1e-5)
         with pytest.raises(InputError, match="DataParallel"):
             dp(torch.randn(8, 4), table)
+
+
+class _Squeezed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.lin(x).squeeze()     # () at 1 row, (B,) at B
+
+
+def test_an_output_whose_shape_depends_on_the_batch_size_is_named_as_such():
+    """Traced at batch 1, squeeze() was refused as "Rows of a batch interact in this model"."""
+    with pytest.raises(kiln.ValidationError) as err:
+        kiln.trace(_Squeezed().eval(), torch.randn(1, 4), dynamic_batch=True)
+    msg = str(err.value)
+    assert "shape of its output 'output0' depends on the batch size" in msg
+    assert "() at 1 row" in msg and "(2,) at 2 rows" in msg and "Rows of a batch interact" not in msg
+    wrapped = kiln.dynamic_batch(kiln.trace(_Squeezed().eval(), torch.randn(1, 4)))
+    with pytest.raises(InputError, match=r"an output's shape depends on the batch size .*'output0'"):
+        wrapped(torch.randn(3, 4))

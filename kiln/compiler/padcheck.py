@@ -338,6 +338,15 @@ def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Toler
         try:
             error = tol.compare(expected, actual, [s.name for s in wrapped.output_specs])
         except ValidationError as e:
+            shaped = sizing.batch_shaped(wrapped, expected, rows)
+            if shaped:
+                raise ValidationError(
+                    f"dynamic batch cannot give {wrapped.name}'s answers: {shaped}, so no joining of "
+                    f"chunks of the compiled batch {wrapped.batch_size} is eager's answer at another batch "
+                    "size. Keep the batch dim in the output (squeeze(-1) rather than squeeze(), a per-row "
+                    "result rather than one per group of rows), or compile the model at each batch size "
+                    f"you need.\n  {_detail(e)}",
+                    dict(e.metrics, rows=rows, data=data, batch_shape=shaped)) from None
             raise ValidationError(
                 f"dynamic batch changes the answers of {wrapped.name}: a batch of {rows} rows "
                 f"({data} data), run as chunks of the compiled batch {wrapped.batch_size} (the last "
@@ -375,6 +384,8 @@ def check_rows(model, compiled, example_args, example_kwargs, tol: Tolerance) ->
         record = check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol)
     except ValidationError as e:
         rows = e.metrics.get("rows")
+        if e.metrics.get("batch_shape"):
+            return {"mixes": e.metrics["batch_shape"], "batch_shape": True, "rows": rows}
         return {"mixes": f"{rows} rows run as chunks ({e.metrics.get('data')} data) are not eager's answer: "
                          f"{_detail(e)[:300]}", "rows": rows}
     except Exception as e:  # noqa: BLE001 - no batch dim, a probe the compiled model refuses: no proof

@@ -83,3 +83,22 @@ def unproven_padding(bucketed, bucket, tried) -> ValidationError:
         "that size), or give buckets whose padded sizes it runs (every size between two buckets is "
         "padded to the larger); validate=False skips this check (and validation) at your own risk",
         {"bucket": list(bucket), "tried": [list(p) for p, _ in tried]})
+
+
+def batch_shaped(wrapped, expected, rows) -> str:
+    """Where an output's shape depends on the batch size other than by its rows (``squeeze()``:
+    ``()`` at 1 row, ``(B,)`` at B; one value per pair of rows), which output and its two shapes;
+    else ""."""
+    batch = wrapped.batch_size
+    for o, (spec, e) in enumerate(zip(wrapped.inner.output_specs, expected)):
+        compiled = tuple(int(n) for n in spec.shape)
+        if not isinstance(e, torch.Tensor) or tuple(e.shape) == compiled:
+            continue
+        row_wise = (len(compiled) == e.dim() and e.dim() > 0 and compiled[0] == batch
+                    and e.shape[0] == rows and tuple(e.shape[1:]) == compiled[1:])
+        if not row_wise:
+            one = "row" if batch == 1 else "rows"
+            return (f"the shape of its output '{spec.name}' depends on the batch size other than by "
+                    f"its rows: eager answers {compiled} at {batch} {one} (the compiled batch) and "
+                    f"{tuple(e.shape)} at {rows} rows")
+    return ""

@@ -82,6 +82,8 @@ def proven_rows(manifest: dict, inner_manifest: dict, candidates: list):
         if "max_abs_error" in rows and got is not None:
             return got, None
         if rows.get("mixes"):
+            if rows.get("batch_shape"):
+                return None, f"an output's shape depends on the batch size (checked at trace time: {rows['mixes']})"
             return None, f"the model mixes the rows of a batch (checked at trace time: {rows['mixes']})"
         return None, ("kiln could not check at trace time that its rows are independent "
                       f"({rows.get('skipped') or 'no answer'})")
