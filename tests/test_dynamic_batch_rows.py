@@ -144,6 +144,64 @@ def test_data_parallel_runs_the_compiled_batch_whole_when_rows_are_not_proven_in
             dp(torch.randn(8, 4), table)
 
 
+class _PairDiff(torch.nn.Module):
+    """Siamese pairs of rows (0, 1), (2, 3), ...: one value per pair; eager runs even batches only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x).reshape(-1, 2, 3)
+        return (h[:, 0] - h[:, 1]).norm(dim=-1)
+
+
+def test_dynamic_batch_is_checked_at_a_batch_eager_runs_when_one_row_more_fails():
+    """Eager cannot run 5 rows, the check was skipped, and a skipped check counted as the caller's
+    request: 8 rows gave 2 values where eager gives 4, and 2 rows [2.142, 0.0] for eager's [2.142].
+    The check now runs 6 rows, where the answer's shape shows that chunks cannot give eager's."""
+    with pytest.raises(kiln.ValidationError, match=r"output 'output0' depends on the batch size.*"
+                                                   r"\(2,\) at 4 rows .* \(3,\) at 6 rows"):
+        kiln.trace(_PairDiff().eval(), torch.randn(4, 3), dynamic_batch=True)
+
+
+def test_a_dynamic_batch_whose_check_eager_could_not_run_is_not_split(tmp_path):
+    """An artifact whose batch_check was skipped because eager failed (as kiln traced PairDiff until
+    12-01, and kiln serve then served its wrong answers) runs its compiled batch only."""
+    model = _PairDiff().eval()
+    inner = kiln.trace(model, torch.randn(4, 3), validate=False)
+    saved = kiln.DynamicBatch(inner)
+    saved.settle_rows([False])
+    saved.manifest["batch_check"] = {"rows": 5, "skipped": "eager failed on 5 rows: RuntimeError: shape"}
+    saved.save(tmp_path / "pair.kiln")
+    loaded = kiln.load(tmp_path / "pair.kiln")
+    four = torch.randn(4, 3)
+    torch.testing.assert_close(loaded(four), model(four).detach(), atol=1e-5, rtol=1e-5)
+    for n in (8, 2):
+        with pytest.raises(InputError, match=r"not proven .* could not check at trace time .*eager failed on 5 rows"):
+            loaded(torch.randn(n, 3))
+
+
+class _PairScale(torch.nn.Module):
+    """Row-wise, but written over pairs of rows: eager runs even batches only."""
+
+    def forward(self, x):
+        return (x.reshape(-1, 2, x.shape[1]) * 2).reshape(-1, x.shape[1])
+
+
+def test_a_model_eager_runs_at_even_batches_only_splits_even_batches_only():
+    model = _PairScale().eval()
+    m = kiln.trace(model, torch.randn(4, 3), dynamic_batch=True)
+    check = m.manifest["batch_check"]
+    assert check["rows"] == 6 and check["row_multiple"] == 2 and check["max_abs_error"] < 1e-5
+    for n in (2, 6, 10):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(m(x), model(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(InputError, match=r"a batch of 5 rows, but this model takes only multiples of 2 rows"):
+        m(torch.randn(5, 3))        # eager raises for 5 rows; a padded chunk would answer
+
+
 class _Squeezed(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -100,9 +100,15 @@ class FixedBatch(torch.nn.Module):
         return x.reshape(4, -1).sum(1)
 
 
-def test_a_probe_eager_cannot_run_is_recorded_as_skipped():
-    m = kiln.trace(FixedBatch(), torch.randn(4, 3), dynamic_batch=True)
-    assert "eager failed" in m.manifest["batch_check"]["skipped"]
+def test_a_batch_eager_cannot_run_at_any_other_size_is_refused_or_recorded_as_skipped():
+    # dynamic_batch=True asks for splitting; eager runs no other batch size, so nothing proves it
+    with pytest.raises(ValidationError, match=r"dynamic batch cannot be checked for FixedBatch: eager "
+                                              r"PyTorch fails on every other batch size tried \(5, 6, 1, 2 rows"):
+        kiln.trace(FixedBatch(), torch.randn(4, 3), dynamic_batch=True)
+    m = kiln.trace(FixedBatch(), torch.randn(4, 3))           # the row check of every trace: recorded
+    assert "eager failed on 5, 6, 1, 2 rows" in m.manifest["row_check"]["skipped"]
+    with pytest.raises(kiln.InputError, match="could not check at trace time"):
+        kiln.dynamic_batch(m)(torch.randn(8, 3))
 
 
 class SeqMax(torch.nn.Module):

@@ -28,6 +28,7 @@ module's own mode restored after (a model left in training mode is not changed).
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -308,24 +309,39 @@ def _same_shapes(bucketed, expected, actual, probe_sizes, bucket):
                 "size without buckets", {"output": name, "shape": list(a.shape), "eager_shape": list(e.shape)})
 
 
-def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Tolerance) -> dict:
-    """Run a batch one row larger than compiled (so it is split into chunks and the last
-    one padded with repeated rows) against eager on the same rows."""
+def check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol: Tolerance, required: bool = True) -> dict:
+    """Run a batch of another size than compiled (so it is split into chunks and the last
+    one padded with repeated rows) against eager on the same rows: one row more than compiled,
+    or where eager cannot run that, the next count of :func:`batch_counts` it runs. Where eager
+    runs none, splitting is unproven: a ``ValidationError`` (``required``, kiln.trace(...,
+    dynamic_batch=True), which asked for splitting), else a record ``skipped`` that splits nothing."""
     structure = wrapped.input_structure
     example = flat_example(model, structure, example_args, example_kwargs)
-    probe = []
-    for t, batched in zip(example, wrapped._batched_in):
-        if batched:
-            extra = t[-1:]
-            if extra.dim() > 1 and extra.shape[-1] > 1:   # a row unlike the others
-                extra = extra.roll(1, dims=-1)
-            t = torch.cat([t, extra])
-        probe.append(t)
-    rows = wrapped.batch_size + 1
-    expected, why = _reference(model, structure, probe)
-    if expected is None:
-        return {"rows": rows, "skipped": f"eager failed on {rows} rows: {why}"}
+    failed = []
+    for rows in sizing.batch_counts(wrapped.batch_size):
+        probe = sizing.grown(example, wrapped._batched_in, rows, wrapped.batch_size)
+        expected, why = _reference(model, structure, probe)
+        if expected is not None:
+            break
+        failed.append((rows, why))
+    else:
+        counts = ", ".join(str(r) for r, _ in failed)
+        if required:
+            raise ValidationError(
+                f"dynamic batch cannot be checked for {wrapped.name}: eager PyTorch fails on every other batch "
+                f"size tried ({counts} rows; at {failed[0][0]}: {failed[0][1]}), so nothing shows that "
+                f"splitting a batch into chunks of the compiled {wrapped.batch_size} gives the model's answers, "
+                "and a split call would answer batches the model itself refuses. A model that takes only "
+                f"{wrapped.batch_size} rows cannot take a dynamic batch: trace it without dynamic_batch (calls then "
+                f"have exactly {wrapped.batch_size} rows), or at each batch size you need; validate=False skips "
+                "this check (and validation) and splits at your own risk",
+                {"tried": [r for r, _ in failed]})
+        return {"rows": failed[0][0], "tried": [r for r, _ in failed],
+                "skipped": f"eager failed on {counts} rows: {failed[0][1]}"}
     record = {"rows": rows, "data": list(DATA), "max_abs_error": 0.0}
+    if failed:      # eager runs only some counts: a call must be a multiple of this one's step
+        record["skipped_rows"] = [f"{r} rows: eager failed: {w}" for r, w in failed]
+        record["row_multiple"] = math.gcd(rows, wrapped.batch_size)
     base = probe
     for kind, data in enumerate(DATA):
         if kind:
@@ -381,7 +397,7 @@ def check_rows(model, compiled, example_args, example_kwargs, tol: Tolerance) ->
     try:
         wrapped = DynamicBatch(compiled, track=False)
         settle_rows(wrapped)
-        record = check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol)
+        record = check_dynamic_batch(model, wrapped, example_args, example_kwargs, tol, required=False)
     except ValidationError as e:
         rows = e.metrics.get("rows")
         if e.metrics.get("batch_shape"):

@@ -85,6 +85,34 @@ def unproven_padding(bucketed, bucket, tried) -> ValidationError:
         {"bucket": list(bucket), "tried": [list(p) for p, _ in tried]})
 
 
+def batch_counts(batch_size: int) -> list:
+    """Row counts the batch check tries, in order, until eager runs one: one row more than
+    compiled (two chunks, the last padded), then, for a model eager runs only at some counts
+    (pairs of rows), the compiled batch plus each divisor of it (``4 + 2``), then each divisor
+    alone (one padded chunk). Every one is split and padded as a call of that many rows is."""
+    divisors = [g for g in range(1, batch_size) if batch_size % g == 0]
+    counts = [batch_size + 1] + [batch_size + g for g in divisors if g > 1] + divisors
+    return list(dict.fromkeys(counts))
+
+
+def grown(example, batched, rows, batch_size):
+    """``example`` (one compiled batch) with ``rows`` rows on its batched inputs: its own rows,
+    and past them its last row rolled by one position (so the new row differs), then repeated."""
+    out = []
+    for t, b in zip(example, batched):
+        if b:
+            if rows <= batch_size:
+                t = t[:rows]
+            else:
+                extra = t[-1:]
+                if extra.dim() > 1 and extra.shape[-1] > 1:   # a row unlike the others
+                    extra = extra.roll(1, dims=-1)
+                t = torch.cat([t, extra.expand(rows - batch_size, *extra.shape[1:])])
+            t = t.contiguous()
+        out.append(t)
+    return out
+
+
 def batch_shaped(wrapped, expected, rows) -> str:
     """Where an output's shape depends on the batch size other than by its rows (``squeeze()``:
     ``()`` at 1 row, ``(B,)`` at B; one value per pair of rows), which output and its two shapes;

@@ -25,7 +25,7 @@ from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.runtime import ort_pool
 from kiln.runtime.bucket_meta import FlattenView, IndexPlan, check_variants, shown_specs
 from kiln.runtime.model import DEFAULT, CompiledModel, Model
-from kiln.runtime.synthetic_rows import proven_rows
+from kiln.runtime.synthetic_rows import proven_rows, row_multiple
 
 
 class _Wrapper(Model):
@@ -314,6 +314,21 @@ class DynamicBatch(_Wrapper):
             "with kiln.trace(..., dynamic_batch=True) (torch_neuron: dynamic_batch_size=True), which checks the "
             "model against eager; a model that mixes rows must be compiled at each batch size you need")
 
+    @property
+    def _multiple(self) -> int:     # read when asked: kiln.trace records its batch check after wrapping
+        return row_multiple(self.manifest, self.inner.manifest)
+
+    def _check_multiple(self, n: int):
+        """A call of a row count the trace-time check could not run in eager (an odd count for a
+        model of row pairs) is refused: eager itself has no answer for it."""
+        if n != self.batch_size and n % self._multiple:
+            check = self.manifest.get("batch_check") or self.inner.manifest.get("row_check") or {}
+            failed = (check.get("skipped_rows") or ["other counts"])[0]
+            raise InputError(
+                f"dynamic batch: a batch of {n} rows, but this model takes only multiples of {self._multiple} rows "
+                f"split into chunks of {self.batch_size}: kiln.trace checked it against eager PyTorch at such a "
+                f"count, and eager failed on others ({failed}); call with a multiple of {self._multiple} rows")
+
     def _chunk(self, flat, start, n):
         out = []
         for t, batched in zip(flat, self._batched_in):
@@ -345,6 +360,7 @@ class DynamicBatch(_Wrapper):
                     f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
         self._check_values(flat)
         n = self._batch(flat)
+        self._check_multiple(n)
         if n == 0:
             self._check_empty(flat)
             return
@@ -411,6 +427,7 @@ class DynamicBatch(_Wrapper):
             return self.inner.run_flat(flat)
         if self._follows is None:       # check() refuses such a call; run_flat may come without it
             raise self.refusal(n, "dynamic batch")
+        self._check_multiple(n)
         if n == 0:      # every output follows the batch (check): 0 rows of each
             device = next(t.device for t, b in zip(flat, self._batched_in) if b)
             return [torch.empty((0, *shape[1:]), dtype=s.dtype, device=device)

@@ -63,19 +63,24 @@ def proven_rows(manifest: dict, inner_manifest: dict, candidates: list):
     compiled batch on dim 0), else ``(None, why)``. Never decided from a call's rows: a call
     whose rows are all alike cannot tell (rows rolled by one look the same).
 
-    The proofs: ``kiln.trace(dynamic_batch=True)``'s ``batch_check`` in ``manifest`` (a
-    check skipped by ``validate=False``, or because eager could not run the probe, is the
-    caller's own request for a dynamic batch: its recorded ``follows_rows`` are used); or the
-    ``row_check`` every ``kiln.trace`` records in the traced model's ``inner_manifest``
-    (:func:`kiln.compiler.padcheck.check_rows`). A model saved without either (an older kiln)
-    has no proof, and is not split."""
+    The proofs: ``kiln.trace(dynamic_batch=True)``'s ``batch_check`` in ``manifest`` (one
+    skipped by ``validate=False`` is the caller's own request for a dynamic batch: its recorded
+    ``follows_rows`` are used); or the ``row_check`` every ``kiln.trace`` records in the traced
+    model's ``inner_manifest`` (:func:`kiln.compiler.padcheck.check_rows`). A check skipped
+    because eager could not run the probe proves nothing (until 12-01 it was taken as the
+    caller's request: a model of row pairs, ``reshape(-1, 2, 3)``, traced at 4 rows answered 8
+    rows with 2 values where eager gives 4). A model saved without either (an older kiln) has
+    no proof, and is not split."""
     check = manifest.get("batch_check")
+    unproven = None
     if isinstance(check, dict):
         got = _sound((manifest.get("dynamic_batch") or {}).get("follows_rows"), candidates)
         if "max_abs_error" in check:    # before follows_rows were recorded, every candidate was joined
             return (got if got is not None else list(candidates)), None
-        if got is not None:
+        if got is not None and check.get("skipped") == "validate=False":
             return got, None
+        unproven = ("kiln.trace(..., dynamic_batch=True) could not check at trace time that splitting a "
+                    f"batch gives its answers ({check.get('skipped') or 'no answer'})")
     rows = inner_manifest.get("row_check")
     if isinstance(rows, dict):
         got = _sound(rows.get("follows_rows"), candidates)
@@ -85,10 +90,21 @@ def proven_rows(manifest: dict, inner_manifest: dict, candidates: list):
             if rows.get("batch_shape"):
                 return None, f"an output's shape depends on the batch size (checked at trace time: {rows['mixes']})"
             return None, f"the model mixes the rows of a batch (checked at trace time: {rows['mixes']})"
-        return None, ("kiln could not check at trace time that its rows are independent "
-                      f"({rows.get('skipped') or 'no answer'})")
-    return None, ("the model carries no trace-time proof that its rows are independent (traced by an "
-                  "older kiln, or with validate=False)")
+        return None, unproven or ("kiln could not check at trace time that its rows are independent "
+                                  f"({rows.get('skipped') or 'no answer'})")
+    return None, unproven or ("the model carries no trace-time proof that its rows are independent (traced "
+                              "by an older kiln, or with validate=False)")
+
+
+def row_multiple(manifest: dict, inner_manifest: dict) -> int:
+    """The row counts a split call may have are multiples of this (1: any): where eager ran the
+    trace-time check only at a multiple of 2 rows (a model of row pairs), a call of an odd count
+    has no eager answer to match, and is refused rather than padded into one."""
+    for check in (manifest.get("batch_check"), inner_manifest.get("row_check")):
+        if isinstance(check, dict) and "max_abs_error" in check:
+            step = check.get("row_multiple")
+            return step if isinstance(step, int) and step > 0 else 1
+    return 1
 
 
 def _sound(got, candidates):
