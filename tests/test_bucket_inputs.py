@@ -139,3 +139,30 @@ def test_a_single_bucket_size_is_refused_saying_so():
     # it was "the bucket examples all have the same shapes; give different sizes"
     with pytest.raises(kiln.CompilerArgsError, match=r"buckets\['input'\]\[1\] has one size \(8\).*at least two"):
         kiln.trace(torch.nn.Linear(H, H).eval(), torch.randn(2, 8, H), buckets={"input": {1: [8]}})
+
+
+class Scaled(torch.nn.Module):
+    """``w``: 8 features per row, not a sequence, of the same size as ``x``'s length 8."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 8)
+
+    def forward(self, x, w):
+        return self.lin(x) * w.unsqueeze(1)
+
+
+def test_an_input_that_follows_the_axis_by_its_size_alone_is_named_with_the_fix():
+    # it said only "'w' dim 1 narrowed from 8 to 4 ... give such inputs as bucket examples of
+    # their own", not why w was resized nor that naming it keeps it as given
+    model = Scaled().eval()
+    x, w = torch.randn(2, 8, 4), torch.randn(2, 8)
+    with pytest.raises(kiln.CompilerArgsError) as err:
+        kiln.trace(model, {"x": x, "w": w}, buckets={"x": {1: [4, 8]}})
+    msg = str(err.value)
+    assert "'w' dim 1 (size 8) was taken to follow 'x' dim 1's bucketed axis because its size matched" in msg
+    assert "buckets={'x': {1: [4, 8]}, 'w': {}}" in msg
+    m = kiln.trace(model, {"x": x, "w": w}, buckets={"x": {1: [4, 8]}, "w": {}})      # the fix it names
+    xi, wi = torch.randn(2, 5, 4), torch.randn(2, 8)
+    torch.testing.assert_close(m(x=xi, w=wi), _eager(model, xi, wi), atol=1e-5, rtol=1e-5)

@@ -35,6 +35,7 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
     from kiln.graph.capture import bind_inputs
     named = bind_inputs(model, example_inputs, example_kwargs)
     axes: list = []   # [(members [(name, dim)], sizes)]
+    followers: list = []   # [(input, dim, the named input, size)]: taken to follow by their size
     for name, dims in buckets.items():
         if name not in named or not isinstance(named[name], torch.Tensor):
             raise CompilerArgsError(f"buckets names input {name!r}, but the tensor inputs are "
@@ -66,6 +67,7 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
                 if other != name and other not in buckets and isinstance(v, torch.Tensor)
                 and v.dim() > dim and v.shape[dim] == t.shape[dim]]
             axes.append((members, sizes))
+            followers += [(other, d, name, int(t.shape[dim])) for other, d in members[1:]]
     pad_values = pad_values or {}
     unknown = [n for n in pad_values if re.split(r"[.\[]", str(n))[0] not in named]
     if unknown:     # before compiling a variant; assemble checks the flat names
@@ -74,6 +76,8 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
     examples = _Examples()
     examples.original = (None, named)     # the padding check's source: never a pad value
     examples.labels = []
+    examples.followers = followers
+    examples.spec = {name: {d: sorted({int(x) for x in sz}) for d, sz in dims.items()} for name, dims in buckets.items()}
     for combo in itertools.product(*(sizes for _, sizes in axes)):
         resized = dict(named)
         label = []
@@ -93,6 +97,7 @@ class _Examples(list):
 
     original = None
     labels = None       # per example: how it was resized from the user's
+    followers = ()      # inputs resized only because their size matched a named one's
 
 
 def _resize(t, dim, size, pad_value):
@@ -117,16 +122,33 @@ def trace_buckets(model, examples, pad_values, output_dims, trace_one):
         except Exception as e:      # the model's own error, on an example kiln resized?
             if not labels or _eager_runs(model, kwargs):
                 raise
+            hint = _follower_hint(examples, labels[n])
             raise CompilerArgsError(
                 f"the model fails on the example resized to bucket {n + 1}/{len(examples)} ({labels[n]}; "
                 "other inputs kept as given): "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Every input "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. {hint}"
+                f"{'Otherwise, every' if hint else 'Every'} input "
                 "that depends on the bucketed length (a position, an index into that dim) must be "
                 "valid at every bucket size: give such inputs as bucket examples of their own "
                 "(buckets=[example1, example2, ...], one per size), or leave out the sizes they "
                 "do not fit") from e
         seconds.append(round(time.perf_counter() - started, 3))
     return assemble(variants, seconds, pad_values, output_dims)
+
+
+def _follower_hint(examples, label) -> str:
+    """Where inputs were resized only because a dim's size matched the bucketed one's (``w``'s 8
+    features beside ``x``'s length 8), that they were, and how to keep them as given."""
+    resized = [f for f in getattr(examples, "followers", ()) or () if f"'{f[0]}' dim {f[1]} " in label]
+    if not resized:
+        return ""
+    taken = "; ".join(f"'{o}' dim {d} (size {n}) was taken to follow '{name}' dim {d}'s bucketed axis because "
+                      "its size matched, and resized with it" for o, d, name, n in resized)
+    keep = dict(getattr(examples, "spec", None) or {})
+    for o, *_ in resized:
+        keep.setdefault(o, {})
+    return (f"{taken[0].upper()}{taken[1:]}. If it does not follow that axis (a feature dim of the same size), "
+            f"keep it as given by naming it with no dims: buckets={keep!r}. ")
 
 
 def _eager_runs(model, named) -> bool:
