@@ -166,3 +166,34 @@ def test_an_input_that_follows_the_axis_by_its_size_alone_is_named_with_the_fix(
     m = kiln.trace(model, {"x": x, "w": w}, buckets={"x": {1: [4, 8]}, "w": {}})      # the fix it names
     xi, wi = torch.randn(2, 5, 4), torch.randn(2, 8)
     torch.testing.assert_close(m(x=xi, w=wi), _eager(model, xi, wi), atol=1e-5, rtol=1e-5)
+
+
+class Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(H, H)
+
+    def forward(self, x, mask):
+        return self.lin(x) * mask.unsqueeze(-1)
+
+
+def test_dynamic_batch_over_buckets_names_each_problem():
+    # every error began "dynamic batch: only dim 0 may differ from the compiled shapes", for a
+    # dtype, a length past the largest bucket and two lengths that disagree alike
+    model = Masked().eval()
+    m = kiln.trace(model, {"x": torch.randn(2, 8, H), "mask": torch.ones(2, 8)},
+                   buckets={"x": {1: [4, 8]}}, pad_values={"mask": 0}, dynamic_batch=True)
+    x, mask = torch.randn(3, 5, H), torch.ones(3, 5)
+    with pytest.raises(kiln.InputError) as err:
+        m(x=x, mask=mask.bool())
+    assert "input 'mask' is bool, but the model was compiled for float32" in str(err.value)
+    with pytest.raises(kiln.InputError) as err:
+        m(x=torch.randn(3, 9, H), mask=torch.ones(3, 9))
+    assert "dim 1 is 9, larger than the largest bucket (8)" in str(err.value)
+    with pytest.raises(kiln.InputError) as err:
+        m(x=x, mask=torch.ones(3, 6))
+    assert "'mask' dim 1 is 6 but 'x' has 5 on the same bucketed axis" in str(err.value)
+    for e in (err,):
+        assert "only dim 0 may differ" not in str(e.value)
+    torch.testing.assert_close(m(x=x, mask=mask), _eager(model, x, mask), atol=1e-5, rtol=1e-5)

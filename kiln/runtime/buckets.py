@@ -353,9 +353,12 @@ class DynamicBatch(_Wrapper):
                 dims = self.inner.shown_specs[i].dims if not exact else [str(n) for n in want]
                 shown = "(" + ", ".join(["N", *dims[1:]] if batched else dims)
                 shown += ",)" if len(want) == 1 else ")"
+                # the problem first: a dtype is not a shape (a bool mask for a float32 one)
+                what = (f"input '{spec.name}' is {specs.dtype_name(t.dtype)}, but the model was compiled for "
+                        f"{specs.dtype_name(spec.dtype)}" if t.dtype != spec.dtype else
+                        f"only dim 0 may differ from the compiled shapes (batch {self.batch_size})")
                 raise InputError(
-                    f"dynamic batch: only dim 0 may differ from the compiled shapes (batch "
-                    f"{self.batch_size}); input '{spec.name}': expected {shown} "
+                    f"dynamic batch: {what}; input '{spec.name}': expected {shown} "
                     f"{specs.dtype_name(spec.dtype)}{' (any batch size N)' if batched else ''}, "
                     f"got {tuple(t.shape)} {specs.dtype_name(t.dtype)}")
         self._check_values(flat)
@@ -368,9 +371,8 @@ class DynamicBatch(_Wrapper):
                  for t, b in zip(flat, self._batched_in)]
         try:
             self.inner.check(probe)
-        except InputError as e:
-            raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
-                             f"(batch {self.batch_size}); {e}") from None
+        except InputError as e:     # the bucketed model's own words: its sizes, not the batch's
+            raise type(e)(f"dynamic batch (compiled batch {self.batch_size}, any size on dim 0): {e}") from None
         if not exact:   # the probe is the first row: indices into a bucketed dim, every row's
             self.inner._indices.check(flat, *self.inner._select(probe))
         if n != self.batch_size and self._follows is None:
@@ -400,8 +402,7 @@ class DynamicBatch(_Wrapper):
         try:
             self._empty_shapes(flat)    # a bucketed model's sizes must fit a bucket, rows or not
         except InputError as e:
-            raise InputError(f"dynamic batch: only dim 0 may differ from the compiled shapes "
-                             f"(batch {self.batch_size}); {e}") from None
+            raise type(e)(f"dynamic batch (compiled batch {self.batch_size}, any size on dim 0): {e}") from None
         if self._follows is None:
             raise self.refusal(0, "dynamic batch")
         if not all(self._follows):
