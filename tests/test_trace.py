@@ -151,3 +151,22 @@ def test_trace_puts_each_modules_own_mode_back():
     model[1].eval()
     kiln.trace(model, torch.randn(3, 4), cache=False, quiet=True)
     assert [m.training for m in model] == [True, False, True] and model.training
+
+
+def test_numpy_arrays_are_example_inputs_as_tensors_are():
+    """README: inputs may be a tensor or a NumPy array. At trace time a bare array had its rows
+    taken as separate positional inputs ("too many positional arguments") and one in a tuple
+    was refused ("values of type ndarray are not supported as model inputs")."""
+    import numpy as np
+    model = torch.nn.Linear(4, 3).eval()
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    expected = model(torch.from_numpy(x)).detach()
+    for example in (x, (x,), {"input": x}):
+        compiled = kiln.trace(model, example, quiet=True, cache=False, optlevel=1)
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled(torch.from_numpy(x)), expected, rtol=1e-5, atol=1e-6)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    compiled = kiln.trace(model, frozen[::-1], quiet=True, cache=False, optlevel=1)
+    torch.testing.assert_close(compiled(x[::-1].copy()), model(torch.from_numpy(x[::-1].copy())).detach(),
+                               rtol=1e-5, atol=1e-6)

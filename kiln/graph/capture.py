@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import aten_graph, index_ranges, one_trace, randomness, state_writes, subgraph_ops, tracing_lock
+from kiln.graph import (aten_graph, index_ranges, numpy_inputs, one_trace, randomness, state_writes,
+                        subgraph_ops, tracing_lock)
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -53,8 +54,9 @@ def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
 
     ``*args`` entries are named ``args[0]``, ``args[1]``... A dict of names this
     function returned is accepted again as keywords (bucketed examples are built
-    that way), so binding is idempotent.
+    that way), so binding is idempotent. NumPy arrays are tensors (:mod:`kiln.graph.numpy_inputs`).
     """
+    example_inputs, example_kwargs = numpy_inputs.as_tensors((example_inputs, example_kwargs))
     if isinstance(example_inputs, (torch.Tensor, dict)) or example_inputs is None:
         args = () if example_inputs is None else (example_inputs,)
     else:
@@ -179,10 +181,8 @@ def eval_mode(model):
     """``model`` in eval mode (dropout off, batch norm on its running statistics, which it
     then leaves alone), each module's own mode put back after: a model in training with a
     frozen batch norm in eval mode comes back so (``model.train()`` afterwards turned every
-    module to training, and the frozen statistics moved at the next step). Its parameters'
-    and buffers' bindings, and its buffers' values, are put back too
-    (:func:`kiln.graph.state_writes.kept`): kiln's eager runs (capture's, the padding and row
-    checks') leave no state behind."""
+    module to training, and the frozen statistics moved at the next step). Its state is put
+    back too (:func:`kiln.graph.state_writes.kept`): kiln's eager runs leave none behind."""
     modes = [(m, m.training) for m in model.modules()] if isinstance(model, torch.nn.Module) else []
     if modes:
         model.eval()
