@@ -170,3 +170,29 @@ def test_numpy_arrays_are_example_inputs_as_tensors_are():
     compiled = kiln.trace(model, frozen[::-1], quiet=True, cache=False, optlevel=1)
     torch.testing.assert_close(compiled(x[::-1].copy()), model(torch.from_numpy(x[::-1].copy())).detach(),
                                rtol=1e-5, atol=1e-6)
+
+
+class _ReturnsBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(3.0))
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.b, self.lin(x) + self.b
+
+
+def test_a_returned_constant_is_a_fresh_tensor_at_each_call(tmp_path):
+    """An output that is a buffer was one host-constant tensor returned by every call: after
+    the caller's out[0].add_(100), later calls returned b + 100 as output 0 while output 1
+    still used b. Each call now returns its own copy (loaded models too)."""
+    model, x = _ReturnsBuffer().eval(), torch.randn(2, 3)
+    expected = tuple(t.detach() for t in model(x))
+    compiled = kiln.trace(model, x, quiet=True, cache=False, optlevel=1)
+    for m in (compiled, kiln.load(compiled.save(str(tmp_path / "b.kiln")) or str(tmp_path / "b.kiln"))):
+        first = m(x)
+        first[0].add_(100)
+        again = m(x)
+        torch.testing.assert_close(again[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(again[1], expected[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.b, torch.arange(3.0), rtol=0, atol=0)

@@ -25,7 +25,7 @@ from kiln import engines
 from kiln.artifact import schema, specs, trust
 from kiln.host import cores, memory
 from kiln.observe import profiler
-from kiln.runtime import program as program_mod, value_checks
+from kiln.runtime import const_outputs, program as program_mod, value_checks
 from kiln.observe import announce_model
 from kiln.observe.metrics import ModelMetrics
 from kiln.runtime.workers import Worker
@@ -222,6 +222,7 @@ class CompiledModel(Model):
         if len(self._devices) > 1 and torch.cuda.is_available():
             self._gpu = torch.device("cuda", torch.cuda.current_device())
             self._constants = {k: v.to(self._gpu) for k, v in self._constants.items()}
+        self._held = const_outputs.storages(self._constants)    # outputs sharing these are copied
         self.program = None
         if core is DEFAULT:
             core = resolve_placement()
@@ -403,6 +404,8 @@ class CompiledModel(Model):
                     outs = self.program([t.detach() if t.requires_grad else t for t in run])
                 if home is not None:
                     outs = [o.to(home) if isinstance(o, torch.Tensor) else o for o in outs]
+                if self._held:
+                    outs = const_outputs.fresh(outs, self._held)
         except BaseException:
             self.metrics.record_failure()
             raise
