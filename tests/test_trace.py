@@ -196,3 +196,38 @@ def test_a_returned_constant_is_a_fresh_tensor_at_each_call(tmp_path):
         torch.testing.assert_close(again[0], expected[0], rtol=0, atol=0)
         torch.testing.assert_close(again[1], expected[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.b, torch.arange(3.0), rtol=0, atol=0)
+
+
+class _WithDefaults(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, token_type_ids=None, flag=False, scale=1.0):
+        y = self.lin(x) * scale
+        if token_type_ids is not None:
+            y = y + token_type_ids
+        return -y if flag else y
+
+
+def test_an_explicit_value_equal_to_the_traced_default_is_accepted(tmp_path):
+    """Passing token_type_ids=None or flag=False explicitly, the defaults the example call
+    left out, was refused as "unexpected input"; it is the graph's own value, so it is
+    accepted (after a save and load too), and a different value is refused naming the default."""
+    from kiln.errors import InputError
+    model, x = _WithDefaults().eval(), torch.randn(2, 4)
+    expected = model(x).detach()
+    compiled = kiln.trace(model, x, quiet=True, cache=False, optlevel=1)
+    path = str(tmp_path / "d.kiln")
+    compiled.save(path)
+    for m in (compiled, kiln.load(path)):
+        torch.testing.assert_close(m(x, token_type_ids=None, flag=False, scale=1.0), expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InputError, match="flag.*compiled with flag left to its default False"):
+            m(x, flag=True)
+        with pytest.raises(InputError, match="token_type_ids.*default None"):
+            m(x, token_type_ids=torch.zeros(2, 3))
+        torch.testing.assert_close(m(x, scale=1), expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(InputError, match="scale"):
+            m(x, scale=2.0)
+        with pytest.raises(InputError, match="unexpected input 'other'"):
+            m(x, other=None)

@@ -159,6 +159,8 @@ def _build_checked(plan, model, threads, calibration_data, progress, started, un
         check(compiled, plan, samples, progress, unsplit)
         forget_calls(compiled)   # the validation's / gate's calls are kiln's, not the user's
     compiled.manifest["compile_seconds"] = round(time.perf_counter() - started, 3)
+    if defaults := omitted_defaults(model, captured.arg_names):
+        compiled.manifest["omitted_defaults"] = defaults
     compiled.manifest["phases"] = {k: round(v, 3) for k, v in progress.timings.items()}
     build_log.record({"model": captured.model_name, "graph": "whole compile",
                       "compile_seconds": compiled.manifest["compile_seconds"], "phases": compiled.manifest["phases"]})
@@ -224,6 +226,23 @@ def tf32_note(opts) -> str:
                for k, on in tf32_host.in_effect().items() if on) + " in TF32, as eager does")
     return (f"checked against eager at TF32 precision (rtol {TF32_RTOL:g}, atol that times each "
             f"output's largest magnitude): {why}")
+
+
+def omitted_defaults(model, arg_names) -> dict:
+    """``{name: default}`` of the parameters the example call left to their defaults, where
+    the default is None, a bool, an int, a float or a string: a call may pass one explicitly
+    at that value (``token_type_ids=None``), which the graph computed with
+    (:func:`kiln.runtime.value_checks.explicit_default`)."""
+    import inspect
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    given = {n.partition("[")[0] for n in arg_names}
+    return {p.name: p.default for p in params
+            if p.name not in given and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and (p.default is None or type(p.default) in (bool, int, float, str))}
 
 
 def flat_sample(model, captured, sample):

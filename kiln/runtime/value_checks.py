@@ -7,6 +7,7 @@ before any engine sees them, where engines would answer otherwise than eager PyT
   ``IndexError`` too, as eager's is.
 * NaN and infinities where an engine of the model was found at compile time to answer
   them otherwise (:func:`kiln.compiler.checks.nonfinite_probe`).
+* a keyword the example call left to its default, given explicitly (:func:`explicit_default`).
 * an LLM prompt's token ids that are not integers (:func:`token_ids`), prompts that are
   not a batch of them (:func:`prompt_batch`), a count that is not an integer
   (:func:`count`).
@@ -20,6 +21,25 @@ import numpy as np
 import torch
 
 from kiln.errors import IndexRangeError, InputError
+
+
+def explicit_default(name: str, value, manifest: dict) -> bool:
+    """Whether ``name=value``, not among the compiled inputs, may be dropped: it is a parameter
+    the trace left to its default (``manifest["omitted_defaults"]``) and ``value`` equals that
+    default (same type and value; an int for a float alike), so the graph computed with it. A different value is an
+    :class:`InputError` saying so; a name that is no such parameter is False (the caller's
+    "unexpected input")."""
+    defaults = manifest.get("omitted_defaults") or {}
+    if not isinstance(defaults, dict) or name not in defaults:
+        return False
+    default = defaults[name]
+    same_kind = type(value) is type(default) or all(type(v) in (int, float) for v in (value, default))
+    if value is default or (same_kind and not isinstance(value, (torch.Tensor, np.ndarray)) and value == default):
+        return True
+    shown = f"a tensor {tuple(value.shape)}" if isinstance(value, (torch.Tensor, np.ndarray)) else repr(value)
+    raise InputError(f"input '{name}' is {shown}, but the model was compiled with {name} left to its "
+                     f"default {default!r}, which the compiled graph holds fixed: pass {name}={default!r} "
+                     f"or leave it out, or trace with {name} given to compile it as an input")
 
 
 def ranges(tensor_dicts: list) -> list:
