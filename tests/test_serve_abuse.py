@@ -502,3 +502,27 @@ def test_soak_rss_stays_bounded(server, models):
     assert growth < 50, f"server RSS grew {growth:.1f} MB over {requests} requests"
     assert_healthy(server, models)
     assert not server_failures(server)
+
+
+def test_data_and_binary_together_and_values_past_the_datatype_get_400(server, models):
+    """An input with both 'data' and binary_data_size was answered from the binary part, the
+    'data' silently dropped; JSON 1e300 sent as FP32 (or 1e6 as FP16) silently became inf."""
+    from kiln.errors import BadRequestError
+    from kiln.serving.protocol import tensor_from_json
+    x = np.random.default_rng(3).standard_normal((1, 16)).astype(np.float32)
+    data = x.tobytes()
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32",
+                                     "data": x.reshape(-1).tolist(),
+                                     "parameters": {"binary_data_size": len(data)}}]}).encode()
+    expect_error(post(server, header + data, {"Inference-Header-Content-Length": str(len(header))}),
+                 match="both 'data' and a binary_data_size")
+    big = [1e300] + [0.0] * 15
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": big}]}).encode()
+    expect_error(post(server, body), match="1e+300 does not fit FP32")
+    with pytest.raises(BadRequestError, match="1e\\+06 does not fit FP16"):
+        tensor_from_json([1e6, 1.0], torch.float16, [2], "x")
+    torch.testing.assert_close(tensor_from_json([65504.0, -1.5], torch.float16, [2], "x"),
+                               torch.tensor([65504.0, -1.5], dtype=torch.float16), rtol=0, atol=0)
+    assert_healthy(server, models)
+    assert not server_failures(server)
+

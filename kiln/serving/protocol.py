@@ -93,7 +93,13 @@ def tensor_from_json(data, dtype: torch.dtype, shape: list, name: str) -> torch.
         elif dtype.is_floating_point:
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
                 raise ValueError(f"{DATATYPE_OF[dtype]} data must be numbers (true/false is BOOL data)")
-            t = torch.tensor(flat, dtype=torch.float64).to(dtype)
+            wide = torch.tensor(flat, dtype=torch.float64)
+            t = wide.to(dtype)
+            overflow = torch.isinf(t) & torch.isfinite(wide)
+            if bool(overflow.any()):
+                value = wide[overflow][0].item()
+                raise ValueError(f"{value:g} does not fit {DATATYPE_OF[dtype]} (largest finite value "
+                                 f"{torch.finfo(dtype).max:g}); it would become infinity")
         else:
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
                 raise ValueError(f"{DATATYPE_OF[dtype]} data must be integers")
@@ -264,6 +270,9 @@ def decode_input(entry: dict, spec, want: dict, binary, offset: int) -> tuple:
     if not isinstance(eparams, dict):
         raise BadRequestError(f"input '{name}': 'parameters' must be a JSON object")
     size = eparams.get("binary_data_size")
+    if size is not None and "data" in entry:
+        raise BadRequestError(f"input '{name}' has both 'data' and a binary_data_size parameter: send its "
+                              "values one way, as JSON 'data' or as binary data, not both")
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise BadRequestError(f"input '{name}': binary_data_size must be a non-negative integer")
