@@ -526,3 +526,20 @@ def test_data_and_binary_together_and_values_past_the_datatype_get_400(server, m
     assert_healthy(server, models)
     assert not server_failures(server)
 
+
+def test_an_empty_batch_is_answered_as_the_library_answers_it(server, models):
+    """[0, 16] was refused with "expected shape [-1, 16] (-1: any size), got [0, 16]", which
+    contradicts itself; the compiled model answers zero rows, and so does the server."""
+    x = np.zeros((0, 16), np.float32)
+    check_mlp_answer(models, x, post(server, mlp_json(x)))
+    body, headers = mlp_binary(x)
+    check_mlp_answer(models, x, post(server, body, headers))
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    ids = httpclient.InferInput("ids", [0, 6], "INT64")
+    ids.set_data_from_numpy(np.zeros((0, 6), np.int64))
+    mask = httpclient.InferInput("mask", [0, 6], "BOOL")
+    mask.set_data_from_numpy(np.zeros((0, 6), bool))
+    got = c.infer("emb", [ids, mask]).as_numpy("output0")
+    assert got.shape == (0, 8)
+    assert_healthy(server, models)
+    assert not server_failures(server)

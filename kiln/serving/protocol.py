@@ -264,7 +264,7 @@ def decode_input(entry: dict, spec, want: dict, binary, offset: int) -> tuple:
         raise BadRequestError(f"input '{name}': 'shape' must be a list of non-negative integers, "
                               f"got {shape!r}")
     if len(shape) != len(want["shape"]) or any(
-            (w == -1 and s < 1) or (w != -1 and s != w) for s, w in zip(shape, want["shape"])):
+            w != -1 and s != w for s, w in zip(shape, want["shape"])):
         raise BadRequestError(f"input '{name}': expected shape {want['shape']} (-1: any size), got {shape}")
     eparams = entry.get("parameters") or {}
     if not isinstance(eparams, dict):
