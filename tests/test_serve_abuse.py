@@ -543,3 +543,20 @@ def test_an_empty_batch_is_answered_as_the_library_answers_it(server, models):
     assert got.shape == (0, 8)
     assert_healthy(server, models)
     assert not server_failures(server)
+
+
+def test_model_config_is_in_tritons_format(server, models):
+    """The config claims Triton's terms but gave each input as the metadata's shape, batch dim
+    included, under 'shape', and "cores": [None] for unpinned instances. Triton's dims leave
+    out the batch dim when max_batch_size > 0; kiln's own fields keep their own names."""
+    c = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+    config = c.get_model_config("mlp")
+    assert config["max_batch_size"] == 8
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [16], "kiln_shape": [-1, 16]}]
+    assert config["output"] == [{"name": "output0", "data_type": "TYPE_FP32", "dims": [4], "kiln_shape": [-1, 4]}]
+    emb = c.get_model_config("emb")
+    assert [(i["name"], i["data_type"], i["dims"]) for i in emb["input"]] == [
+        ("ids", "TYPE_INT64", [6]), ("mask", "TYPE_BOOL", [6])]
+    for group in config["instance_group"] + emb["instance_group"]:
+        assert group["kind"] == "KIND_CPU" and group["count"] == 1
+        assert "null" not in json.dumps(group) and "cores" not in group

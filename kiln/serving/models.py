@@ -30,6 +30,10 @@ from kiln.serving.protocol import InferRequest, decode_request, encode_response,
 from kiln.serving.settings import ServeConfig
 
 
+# KServe datatypes as Triton's model config spells them (BYTES is TYPE_STRING there)
+_TRITON_TYPE = {"BYTES": "TYPE_STRING"}
+
+
 class ServedModel:
     """A model's instances, batcher and protocol views (metadata, decoding, encoding)."""
 
@@ -155,17 +159,31 @@ class ServedModel:
                 "inputs": sig.inputs, "outputs": sig.outputs}
 
     def model_config(self) -> dict:
-        """The model config answer (``GET /v2/models/{name}/config``), in Triton's terms."""
+        """The model config answer (``GET /v2/models/{name}/config``), in Triton's format: each
+        input and output as ``name``, ``data_type`` (``TYPE_FP32``...) and ``dims``, without the
+        batch dim when ``max_batch_size > 0`` (Triton's rule); kiln's own fields keep names of
+        their own (``kiln_shape``: the full shape the metadata publishes; ``kiln_cores``: the kiln
+        core of each instance, only where instances are pinned)."""
         b = self.batcher
+        batched = b.max_batch_size if b.batching else 0
+        meta = self.metadata()
+
+        def entries(tensors):
+            return [{"name": t["name"], "data_type": _TRITON_TYPE.get(t["datatype"], "TYPE_" + t["datatype"]),
+                     "dims": list(t["shape"][1:] if batched else t["shape"]), "kiln_shape": t["shape"]}
+                    for t in tensors]
+        group = {"name": self.name, "count": len(self.instances), "kind": "KIND_CPU"}
+        if any(c is not None for c in self.cores):
+            group["kiln_cores"] = list(self.cores)
         return {"name": self.name, "platform": "kiln", "backend": "kiln",
-                "max_batch_size": b.max_batch_size if b.batching else 0,
+                "max_batch_size": batched,
                 "dynamic_batching": ({"max_queue_delay_microseconds": int(b.delay * 1e6),
                                       "max_queue_size": b.max_queue} if b.batching else None),
                 "max_queue_size": b.max_queue,
-                "instance_group": [{"count": len(self.instances), "kind": "KIND_CPU", "cores": self.cores}],
+                "instance_group": [group],
                 "parameters": {"model_name": {"string_value": self.model_name},
                                "batching": {"string_value": self.batching_note()}},
-                "input": self.metadata()["inputs"], "output": self.metadata()["outputs"]}
+                "input": entries(meta["inputs"]), "output": entries(meta["outputs"])}
 
     def decode(self, payload: dict, binary) -> tuple:
         """(request, rows it adds to a batch, timeout in seconds) of an infer request, checked
