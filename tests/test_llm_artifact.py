@@ -323,3 +323,16 @@ def test_a_kv_cache_larger_than_memory_is_a_kiln_error_naming_its_size(compiled)
     with pytest.raises(KilnError, match=message):
         kv.KVCache(tuple(huge))                     # a cache with no LLM memory to take (drafters)
     assert shared.generate([[1, 2]], 2, stop_at_eos=False) == expected
+
+
+def test_the_batch_invariance_probe_checks_its_cache_sized_rows_first():
+    """Found by probing: the first generate's batch-invariance probe allocates cache-sized rows
+    of its own before the KV cache, so an LLM whose cache no memory holds ended there in the
+    allocator's raw RuntimeError; the probe checks the size first, as the KV cache does."""
+    from kiln.errors import KilnError
+    from kiln.runtime import invariance
+
+    def never(*args):
+        raise AssertionError("the probe ran a graph")
+    with pytest.raises(KilnError, match=r"KV cache \(keys and values\) .* needs .* available\. .*--cache-length"):
+        invariance.probe({1: never}, (2, 1, 2, 1 << 40, 8), 1 << 40)

@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from kiln.runtime import alloc, kv
+
 
 class RowByRow:
     """A decode step for any number of rows made of calls of ``step`` (a graph for ``width`` rows)
@@ -91,6 +93,8 @@ def probe(steps: dict, cache_shape, window: int, seed: int = 0, agree=bool):
     turns this process's finding into the one every rank acts on (tensor parallelism:
     each rank compares its own keys and values, and all must call the same graphs)."""
     layers, batch, heads, _, dim = cache_shape
+    alloc.check("KV cache (keys and values)", [layers, batch, heads, window, dim], torch.float32, kv.ADVICE,
+                count=2)      # the probe's own cache-sized rows, before any allocator error
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max(window, 2), (batch,), generator=g).clamp(max=window - 1)
     tokens = torch.randint(0, 2, (batch, 1), generator=g)    # ids every vocabulary has
