@@ -273,7 +273,7 @@ class CompiledModel(Model):
             if k in bound:
                 raise InputError(f"input '{k}' given twice")
             if k not in names:
-                if value_checks.explicit_default(k, v, self.manifest):
+                if value_checks.explicit_default(k, v, getattr(self, "manifest", None) or {}):
                     continue         # the traced default, given explicitly: the graph's own value
                 raise InputError(f"unexpected input '{k}'; the model was compiled with inputs "
                                  f"{', '.join(names)}")
