@@ -172,3 +172,21 @@ def test_a_jit_loaded_model_a_shared_input_and_another_dim(tmp_path, caplog):
         with pytest.raises(InputError, match="the trace-time proof is along dim 0, and DataParallel splits dim 2"):
             dp(torch.rand(1, 3, 16, 8))     # kiln.trace proves rows independent along dim 0 only
     assert "with dim=2 it is off" in caplog.text
+
+
+def test_data_parallel_splits_a_model_of_row_pairs_into_even_chunks():
+    """Found by review: a model eager runs at even row counts only (its trace-time check ran at a
+    multiple of 2 rows) was split into a chunk per core of any size, so 2, 6, 10 and 14 rows on
+    two cores were refused chunk by chunk ('a batch of 3 rows, but this model takes only
+    multiples of 2 rows') though the model answers them; chunks are now multiples of 2."""
+    from tests.test_dynamic_batch_rows import _PairScale
+    model = _PairScale().eval()
+    m = kiln.trace(model, torch.randn(4, 3), dynamic_batch=True)
+    assert m.manifest["batch_check"]["row_multiple"] == 2
+    with kiln.DataParallel(m, device_ids=[0, 1]) as dp:
+        for n in (2, 6, 14):
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(dp(x), model(x), atol=1e-5, rtol=1e-5)
+        dp.split_size = 3
+        with pytest.raises(kiln.errors.InputError, match="split_size=3, but this model takes only multiples of 2"):
+            dp(torch.randn(6, 3))

@@ -329,7 +329,14 @@ class DataParallel(Model):
                              "model that mixes rows must be compiled at each batch size you need")
         if self.dynamic_batching:
             self._checker.check(flat)
-            split = self.split_size or max(1, math.ceil(n / len(self.replicas)))
+            # chunks of a multiple of the rows the trace-time check ran at (a model of row pairs
+            # takes even counts only): so is the last, since the call's count is one
+            step = self._checker._multiple
+            split = self.split_size or step * max(1, math.ceil(n / (len(self.replicas) * step)))
+            if split % step:
+                raise InputError(f"DataParallel: split_size={split}, but this model takes only multiples of "
+                                 f"{step} rows (kiln.trace checked it against eager at such a count); set "
+                                 f"split_size to a multiple of {step}, or leave it None")
         else:
             split = self.split_size or self.batch_size
             if n % split or split != self.batch_size:
