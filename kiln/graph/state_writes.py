@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils._pytree as pytree
 
 from kiln.errors import CaptureError
 
@@ -74,12 +75,13 @@ def kept(model):
         return
     modules = list(model.modules())
     held = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
-    saved = []
+    saved, seen = [], set()
     with torch.no_grad():
         for _, _, buffers in held:
             for b in buffers.values():
-                if b is None:
+                if b is None or id(b) in seen:      # a buffer two modules share: one copy
                     continue
+                seen.add(id(b))
                 try:
                     saved.append((b, b._version, b.detach().clone()))
                 except RuntimeError:        # an inference tensor: no version, not watched
@@ -104,7 +106,7 @@ def settles(first, again) -> bool:
     time (rotary tables rebuilt, or grown for a longer input) is a cache, not state."""
     with torch.no_grad():
         second = again()
-    a, b = torch.utils._pytree.tree_flatten(first), torch.utils._pytree.tree_flatten(second)
+    a, b = pytree.tree_flatten(first), pytree.tree_flatten(second)
     return a[1] == b[1] and all(
         (torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else
          type(x) is type(y) and not isinstance(x, torch.Tensor) and x == y)
