@@ -24,6 +24,7 @@ TP2_CHECKS = [
     "skip_bias_add", "embedding_vocab_parallel", "embedding_shard_across_embedding", "sequence_parallel_mlp",
     "parallel_cross_entropy_plain", "parallel_cross_entropy_label_smoothing", "gqa_qkv_fused", "gqa_qkv_unfused",
     "same_seed_shards_concatenate_to_tp1", "clip_grad_norm_matches_torch", "rng_tracker", "export_keeps_all_reduce", "kiln_device_eager_and_lazy",
+    "legacy_load_failure_reaches_every_rank",
 ]
 
 

@@ -128,15 +128,36 @@ def load(chkpt_path: str, model=None, model_or_optimizer=None, model_key="model"
                               "checkpoint is cut into this rank's shard according to the model's layers")
     state = _state()
     path = _checkpoint_file(chkpt_path, sharded, master_dp_only)
-    checkpoint = None
+    checkpoint, failed = None, None
+    together = dist.is_initialized() and state.get_tensor_model_parallel_size() > 1
     for tp_rank in range(state.get_tensor_model_parallel_size()):   # one TP rank at a time, as NxD
         if tp_rank == state.get_tensor_model_parallel_rank():
-            checkpoint = load_file(path, "checkpoint")
-            if model_or_optimizer is not None:
-                checkpoint = _load_into(model_or_optimizer, checkpoint, model_key, sharded, strict)
-        if dist.is_initialized() and state.get_tensor_model_parallel_size() > 1:
-            dist.barrier()
+            try:
+                checkpoint = load_file(path, "checkpoint")
+                if model_or_optimizer is not None:
+                    checkpoint = _load_into(model_or_optimizer, checkpoint, model_key, sharded, strict)
+            except Exception as e:              # every rank must hear of it, not wait for this one
+                if not together:
+                    raise
+                failed = e
+        if together:
+            _turn_done(failed)
     return checkpoint
+
+
+def _turn_done(failed):
+    """The end of one rank's turn, in place of NxD's barrier: every rank learns whether any
+    rank's load failed, and all raise (the failing rank its own error, the others one naming
+    it). With a barrier, a rank whose load raised left the loop and the others waited in the
+    barrier until it exited, then failed with gloo's "Connection closed by peer"."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if failed is None else f"{type(failed).__name__}: {failed}")
+    if failed is not None:
+        raise failed
+    bad = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if bad:
+        rank, error = bad[0]
+        raise CheckpointError(f"rank {rank} could not load its checkpoint ({error}), so the model's shards are not all loaded")
 
 
 def _load_into(target, checkpoint, model_key, sharded, strict):

@@ -456,6 +456,41 @@ def kiln_device_eager_and_lazy():
             modes.set_mode(old)
 
 
+@check
+def legacy_load_failure_reaches_every_rank():
+    """parallel_layers.load loads one TP rank at a time; when rank 0's load_state_dict raised, it
+    left the loop and rank 1 waited in the turn's barrier until rank 0 exited, then failed with
+    gloo's "Connection closed by peer". Every rank now raises at once, rank 1 naming rank 0's error."""
+    import os
+    import tempfile
+    from kiln.distributed.ckpt_files import CheckpointError
+    from kiln.neuronx_distributed.parallel_layers import load
+
+    class Net(nn.Module):
+        def __init__(self, f):
+            super().__init__()
+            self.up = ColumnParallelLinear(8, f, gather_output=False)
+            self.down = RowParallelLinear(f, 8, input_is_parallel=True)
+
+    path = [os.path.join(tempfile.gettempdir(), f"kiln-nxd-full-{os.getpid()}.pt")]
+    dist.broadcast_object_list(path, src=0)
+    if R == 0:
+        full = {"up.weight": data(16, 8), "up.bias": data(16), "down.weight": data(8, 16), "down.bias": data(8)}
+        torch.save({"model": full}, path[0])
+    dist.barrier()
+    try:
+        load(path[0], Net(12), sharded=False)
+        expect(False, "a checkpoint of other sizes loaded")
+    except CheckpointError as e:
+        expect(R == 1 and "rank 0 could not load its checkpoint" in str(e) and "size mismatch" in str(e),
+               f"rank {R}: {e}")
+    except RuntimeError as e:
+        expect(R == 0 and "size mismatch" in str(e), f"rank {R}: {e}")
+    dist.barrier()
+    if R == 0:
+        os.remove(path[0])
+
+
 def main():
     global R
     only = sys.argv[1:]
