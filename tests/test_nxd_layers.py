@@ -393,3 +393,21 @@ def test_nxd_names_kiln_does_not_provide_say_what_to_use_instead():
     with pytest.raises(AttributeError, match="ModelBuilder v2 inference flow.*parallel_model_trace"):
         nxd.ModelBuilder
     assert not hasattr(nxd, "shard_checkpoint")
+
+
+def test_initializing_after_a_layer_set_up_the_fallback_says_so(fresh_state, tmp_path):
+    """Found by probing: a parallel layer built before initialize_model_parallel sets up NxD's
+    one-rank state (with a warning); the script's own initialize_model_parallel then said only
+    'tensor model parallel group is already initialized', which the user never did."""
+    import torch.distributed as dist
+    from kiln.neuronx_distributed.parallel_layers import ColumnParallelLinear
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="parallel state is not initialized"):
+            ColumnParallelLinear(8, 8)
+        with pytest.raises(fresh_state.ParallelStateError,
+                           match="when a parallel layer was built before initialize_model_parallel"):
+            fresh_state.initialize_model_parallel(1)
+    finally:
+        fresh_state.destroy_model_parallel()
+        dist.destroy_process_group()

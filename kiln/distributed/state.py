@@ -65,6 +65,7 @@ class _State:
     fallback: bool = False
     pipeline_ranks: list = field(default_factory=list)
     kv_size: int | None = None
+    by_layer: bool = False      # set up by a layer built first (NxD's fallback), not by the script
 
 
 _state: _State | None = None
@@ -128,6 +129,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         raise ParallelStateError(
             "initialize_model_parallel needs torch.distributed: call "
             "torch.distributed.init_process_group('gloo' | 'nccl' | 'xla') first (under torchrun)")
+    if _state is not None and _state.by_layer:
+        raise ParallelStateError("the parallel state was set up already, at tensor parallel size 1, when a "
+                                 "parallel layer was built before initialize_model_parallel (the warning "
+                                 "'parallel state is not initialized'): call initialize_model_parallel before "
+                                 "building the model, or destroy_model_parallel() first")
     if _state is not None:
         raise ParallelStateError("tensor model parallel group is already initialized: call "
                                  "destroy_model_parallel() before initializing it again")
@@ -157,9 +163,10 @@ def initialize_fallback_parallel_state() -> None:
                   UserWarning, stacklevel=3)
     if dist.is_initialized():
         initialize_model_parallel()
+        _state.by_layer = True
         return
     sizes, meshes = mesh.layout(1)
-    state = _State(rank=0, world=1, sizes=sizes, meshes=meshes, fallback=True, pipeline_ranks=[0])
+    state = _State(rank=0, world=1, sizes=sizes, meshes=meshes, fallback=True, pipeline_ranks=[0], by_layer=True)
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(minutes=30))
     for kind in (*_KINDS, "world"):
         state.groups[kind] = pg
