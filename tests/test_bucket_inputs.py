@@ -197,3 +197,28 @@ def test_dynamic_batch_over_buckets_names_each_problem():
     for e in (err,):
         assert "only dim 0 may differ" not in str(e.value)
     torch.testing.assert_close(m(x=x, mask=mask), _eager(model, x, mask), atol=1e-5, rtol=1e-5)
+
+
+class _WithDefaults(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, scale=1.0):
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask.unsqueeze(-1)
+        return y * scale
+
+
+def test_a_bucketed_model_takes_a_traced_default_given_explicitly():
+    """Found by probing: model(x, mask=None) or scale=1.0, the defaults the example left out, were
+    accepted by a plain compiled model but refused by a bucketed one as 'unexpected input'."""
+    model = _WithDefaults().eval()
+    compiled = kiln.trace(model, torch.randn(2, 8, 4), buckets={"x": {1: [4, 8]}}, cache=False)
+    x = torch.randn(2, 5, 4)
+    for given in ({"mask": None}, {"scale": 1.0}, {"scale": 1}):
+        torch.testing.assert_close(compiled(x, **given), model(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(kiln.errors.InputError, match="scale"):
+        compiled(x, scale=2.0)          # the graph holds 1.0 fixed
