@@ -79,7 +79,8 @@ class Bucketed(_Wrapper):
         self._indices = IndexPlan(self.variants, self.variant_sizes)
         self.index_ranges = self._indices.shared
         self.shown_specs = shown_specs(self.input_specs, self.axes)
-        self._flatten_view = FlattenView(self, self.shown_specs, getattr(first, "_plain", None), first.manifest)
+        self._flatten_view = FlattenView(self, self.shown_specs, getattr(first, "_plain", None),
+                                         getattr(first, "manifest", None) or {})
         from kiln.observe import announce_model
         from kiln.observe.metrics import ModelMetrics
         self.metrics = ModelMetrics(self.name, "bucketed")
