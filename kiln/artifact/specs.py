@@ -181,12 +181,17 @@ def _what(value) -> str:
     return type(value).__name__
 
 
-def _from_numpy(array, path, expected):
-    """A NumPy array as a tensor: shared, unless it is read-only or has negative strides."""
+def numpy_tensor(array) -> torch.Tensor:
+    """A NumPy array as a tensor: shared, unless it is read-only or has negative strides
+    (copied then); a TypeError for a dtype torch has no equivalent of."""
     if not array.flags.writeable or any(s < 0 for s in array.strides):
         array = np.array(array)
+    return torch.from_numpy(array)
+
+
+def _from_numpy(array, path, expected):
     try:
-        return torch.from_numpy(array)
+        return numpy_tensor(array)
     except TypeError:
         raise InputError(f"input '{path}': expected a tensor of {expected}, got a NumPy array of "
                          f"dtype {array.dtype}, which has no torch equivalent") from None

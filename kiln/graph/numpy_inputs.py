@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kiln.artifact.specs import numpy_tensor
 from kiln.errors import CaptureError
 
 
@@ -33,10 +34,8 @@ def _has_array(value) -> bool:
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    if not array.flags.writeable or any(s < 0 for s in array.strides):
-        array = np.array(array)
     try:
-        return torch.from_numpy(array)
+        return numpy_tensor(array)
     except TypeError:
         raise CaptureError(f"an example input is a NumPy array of dtype {array.dtype}, which has no "
                            "torch equivalent: give a numeric array or a tensor") from None
