@@ -1,7 +1,9 @@
 """An index out of range reaches no engine: eager PyTorch raises IndexError for it, OpenVINO
 answered zeros (a token id beyond the vocabulary embedded as a row of zeros), and an
-AOTInductor kernel's bounds check ended the process. The compile records the range each
-indexing input has (kiln.graph.index_ranges); every call checks it first."""
+AOTInductor kernel's bounds check ended the process (it is an error now:
+kiln.engines.inductor_bounds). The compile records the range each indexing input has
+(kiln.graph.index_ranges); every call checks it first. Indices the graph computes:
+tests/test_computed_indices.py."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +127,31 @@ def test_the_device_refuses_a_bad_index_before_its_program_runs():
     finally:
         modes.wait_compiles()
         modes.set_mode("eager", background="auto", engine=None)
+
+
+def test_an_input_read_through_a_slice_or_a_gather_is_checked_whole():
+    """``emb(ids[:, 1:])`` and an ``index_copy`` at input positions: on the old code the
+    slice left ``ids`` unchecked (OpenVINO answered a row of zeros for id 10) and
+    ``index_copy``'s positions were not an indexing input at all."""
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(10, 4)
+
+        def forward(self, ids, pos, rows):
+            return self.table(ids[:, 1:]).sum(-1), torch.zeros(5, 2).index_copy(0, pos, rows)
+    model = Sliced().eval()
+    example = (torch.tensor([[0, 1, 2]]), torch.tensor([0, 3]), torch.ones(2, 2))
+    assert input_ranges(capture(model, example).graph_module) == {0: (0, 10, "embedding", None),
+                                                                  1: (0, 5, "index_copy", None)}
+    compiled = kiln.trace(model, example, engine="openvino", cache=False, quiet=True)
+    good = (torch.tensor([[0, 9, 4]]), torch.tensor([4, 1]), torch.randn(2, 2))
+    for got, expected in zip(compiled(*good), model(*good)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(IndexRangeError, match="'ids' holds 10"):
+        compiled(torch.tensor([[0, 10, 4]]), *good[1:])
+    with pytest.raises(IndexRangeError, match="'pos' holds 5"):
+        compiled(good[0], torch.tensor([5, 0]), good[2])
 
 
 def test_a_malformed_range_in_a_manifest_is_a_clear_artifact_error():

@@ -49,6 +49,10 @@ class Engine:
       own random kernels on its default generator, in the graph's order, so a seed gives
       eager's numbers. Operations that draw go to the host on engines without it
       (:mod:`kiln.graph.randomness`).
+    * ``checks_indices``: an index out of range is an error on it, as in eager (eager's
+      kernels; Inductor's, with :mod:`kiln.engines.inductor_bounds`). On engines without
+      it, an index the graph computes and kiln cannot prove in range runs on the host
+      (:mod:`kiln.graph.computed_indices`).
     """
 
     name: str = ""
@@ -65,6 +69,7 @@ class Engine:
     native_code: bool = False
     blob_suffix: str = ".bin"
     draws_from_torch: bool = False
+    checks_indices: bool = False
 
     # -- description that depends on the host ---------------------------------------
 

@@ -48,6 +48,7 @@ _CONSTANT = re.compile(r"^c\d+$")
 class EagerEngine(Engine):
     name = "eager"
     draws_from_torch = True  # it is PyTorch
+    checks_indices = True
     title = "PyTorch eager"
     devices = ("cpu",)
     priority: dict = {}          # not a default candidate: chosen only when named

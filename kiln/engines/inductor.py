@@ -112,6 +112,7 @@ class InductorEngine(Engine):
     blob_suffix = ".pt2"
     native_code = True      # the blob is a shared library that loading maps and runs
     draws_from_torch = True  # fallback_random: dropout calls PyTorch's kernel (below)
+    checks_indices = True    # kiln.engines.inductor_bounds: a bad index is an error
 
     def missing(self) -> str | None:
         # Only compiling needs a C++ compiler (compile() says so when it is

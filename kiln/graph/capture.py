@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from kiln.artifact import specs
 from kiln.errors import CaptureError
-from kiln.graph import (aten_graph, index_ranges, numpy_inputs, one_trace, randomness, state_writes,
+from kiln.graph import (aten_graph, computed_indices, index_ranges, numpy_inputs, one_trace, randomness, state_writes,
                         subgraph_ops, tracing_lock)
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
 
@@ -297,10 +297,11 @@ KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 
 def decompositions():
-    """torch.export's core-ATen decomposition table without the ops in KEEP_WHOLE, and
-    with :func:`_flash_attention_for_cpu` in place of torch's."""
+    """torch.export's core-ATen decomposition table without the ops in KEEP_WHOLE and the
+    index writes kept for their check (:mod:`kiln.graph.computed_indices`), and with
+    :func:`_flash_attention_for_cpu` in place of torch's."""
     table = torch.export.default_decompositions()
-    for op in KEEP_WHOLE:
+    for op in KEEP_WHOLE + tuple(computed_indices.FROM_END_WHEN_COMPILED):
         table.pop(op, None)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     if flash in table:

@@ -1,19 +1,27 @@
 """Integer inputs a model indexes with, and the range eager PyTorch accepts for each.
 
 An index out of range is an error in eager PyTorch (``IndexError: index out of range in
-self``), and engines differ on it: ONNX Runtime raises an error of its own, OpenVINO's
-``Gather`` answers zeros (a token id beyond the vocabulary embedded as a row of zeros: a
-silently wrong answer), and an AOTInductor kernel's bounds check throws inside an OpenMP
-region, which ends the process ("terminate called after throwing an instance of
-'c10::Error'": one bad request took a server down). So the compile finds each input that
-reaches an indexing operation unchanged (through views, copies and integer casts only) and
+self``), and engines differ on it: ONNX Runtime raises an error of its own, or reads a
+negative index from the end where eager rejects it; OpenVINO's ``Gather`` answers zeros (a
+token id beyond the vocabulary embedded as a row of zeros: a silently wrong answer); an
+AOTInductor kernel's bounds check is turned into an error by
+:mod:`kiln.engines.inductor_bounds`. So the compile finds each input that reaches an
+indexing operation unchanged (through views, copies, slices and integer casts only) and
 records the range that operation accepts; the runtime checks it at every call
 (:mod:`kiln.runtime.value_checks`), before any engine sees the values: a min and a max of
-the index tensors.
+the index tensors. An index the graph computes is
+:mod:`kiln.graph.computed_indices`' concern.
 
-The ranges are eager's: ``embedding``, ``index_select``, ``gather`` and the scatters take
-``0 <= i < size``; advanced indexing (``x[i]``, ``index_put``) also takes a negative index
-from the end, ``-size <= i < size``. An input read by several takes all their limits.
+The ranges are eager's: ``embedding``, ``index_select``, ``gather``, the scatters,
+``index_copy``, ``index_add`` and ``index_reduce`` take ``0 <= i < size``; advanced indexing
+(``x[i]``, ``index_put``) and ``index_fill`` also take a negative index from the end,
+``-size <= i < size``. An input read by several takes all their limits. One read through a
+slice, or gathered from (``PART_OF``), is checked whole, a little stricter than eager,
+which reads only that part: the position and token-type tables a model slices and gathers
+from (BERT's ``position_ids[:, :n]`` and ``token_type_ids.gather(1, position_ids)``, kept
+as buffers, a device graph's inputs) hold only good values, and a device graph whose slice of
+one went unchecked ran on Inductor alone, 38 s to compile against OpenVINO's 0.9 s
+(:mod:`kiln.graph.computed_indices`).
 Anything else between the input and the operation (a clamp, a mask, arithmetic) leaves the
 input unchecked: its values are not what the operation reads. One mask is read through:
 ``where(x != k, x, fill)``, which a loss's ``ignore_index`` becomes (``cross_entropy``'s
@@ -31,16 +39,25 @@ _INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 # operator -> (argument holding the indexed tensor, argument holding the dim or None for
 # dim 0, argument holding the index): indices from 0
-_FROM_ZERO = {aten.embedding.default: (0, None, 1), aten.index_select.default: (0, 1, 2),
-              aten.gather.default: (0, 1, 2), aten.scatter.src: (0, 1, 2), aten.scatter.value: (0, 1, 2),
-              aten.scatter_add.default: (0, 1, 2), aten.scatter_reduce.two: (0, 1, 2)}
+FROM_ZERO = {aten.embedding.default: (0, None, 1), aten.index_select.default: (0, 1, 2),
+             aten.gather.default: (0, 1, 2), aten.scatter.src: (0, 1, 2), aten.scatter.value: (0, 1, 2),
+             aten.scatter.reduce: (0, 1, 2), aten.scatter.value_reduce: (0, 1, 2),
+             aten.scatter_add.default: (0, 1, 2), aten.scatter_reduce.two: (0, 1, 2),
+             aten.index_copy.default: (0, 1, 2), aten.index_add.default: (0, 1, 2),
+             aten.index_reduce.default: (0, 1, 2)}
+# the same, where eager also takes a negative index from the end
+FROM_END = {aten.index_fill.int_Scalar: (0, 1, 2), aten.index_fill.int_Tensor: (0, 1, 2)}
 # advanced indexing: a list of optional indices, one per leading dim; negatives from the end
-_ADVANCED = (aten.index.Tensor, aten.index_put.default)
+ADVANCED = (aten.index.Tensor, aten.index_put.default)
 # operators whose output holds exactly its input's values
-_SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+SAME_VALUES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
                 aten.permute.default, aten.clone.default, aten.alias.default, aten.t.default,
                 aten.transpose.int, aten._to_copy.default}
+# operators whose output holds part of their first argument's values (gathered from it):
+# that argument is checked whole
+PART_OF = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.slice_copy.Tensor, aten.select_copy.int,
+           aten.gather.default, aten.index_select.default, aten.index.Tensor, aten.embedding.default}
 
 
 def input_ranges(gm: torch.fx.GraphModule) -> dict:
@@ -62,17 +79,25 @@ def input_ranges(gm: torch.fx.GraphModule) -> dict:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in _FROM_ZERO:
-            data, dim, index = _FROM_ZERO[node.target]
+        if node.target in FROM_ZERO or node.target in FROM_END:
+            data, dim, index = FROM_ZERO.get(node.target) or FROM_END[node.target]
             if len(node.args) > max(index, dim or 0):
-                limit(node.args[index], 0, _size(node.args[data], node.args[dim] if dim is not None else 0),
-                      str(node.target.overloadpacket.__name__))
-        elif node.target in _ADVANCED and len(node.args) > 1:
+                size = size_of(node.args[data], node.args[dim] if dim is not None else 0)
+                if isinstance(size, int):
+                    limit(node.args[index], 0 if node.target in FROM_ZERO else -size, size,
+                          str(node.target.overloadpacket.__name__))
+        elif node.target in ADVANCED and len(node.args) > 1:
             for d, index in enumerate(node.args[1] or ()):
-                size = _size(node.args[0], d)
+                size = size_of(node.args[0], d)
                 if index is not None and isinstance(size, int):
                     limit(index, -size, size, "indexing")
     return ranges
+
+
+def source_of(node):
+    """The integer input whose values ``node`` holds unchanged (but where masked, see
+    :func:`_source`): one the runtime checks at every call; None if none."""
+    return _source(node)[0]
 
 
 def _source(node):
@@ -80,7 +105,7 @@ def _source(node):
     it equals ``exempt`` (a masked ``ignore_index``, else None); ``(None, None)`` if none."""
     exempt = None
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target in _SAME_VALUES:
+        if node.target in SAME_VALUES or node.target in PART_OF:
             if node.target is aten._to_copy.default and not (_integer(node) and _integer(node.args[0])):
                 return None, None
             node = node.args[0]
@@ -112,7 +137,8 @@ def _integer(node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype in _INTEGER
 
 
-def _size(node, dim):
+def size_of(node, dim):
+    """``node``'s size along ``dim`` where it is a number, else None."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or not -val.dim() <= dim < max(val.dim(), 1):
         return None

@@ -15,7 +15,7 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from kiln.graph import randomness, zero_divisors
+from kiln.graph import computed_indices, randomness, zero_divisors
 from kiln.graph.explain import user_frame
 
 
@@ -40,10 +40,13 @@ class Placement:
     grouped: bool = False                             # partitions made (partition.group)
 
 
-def takes(engine, node) -> str | None:
+def takes(engine, node, unproven: set | None = None) -> str | None:
     """None if ``engine`` may run ``node``, else why not: what it supports, an operation
-    that draws random numbers only where they come from PyTorch's generator, and an integer
-    division by a tensor only on eager's kernel (:mod:`kiln.graph.zero_divisors`)."""
+    that draws random numbers only where they come from PyTorch's generator, an integer
+    division by a tensor only on eager's kernel (:mod:`kiln.graph.zero_divisors`), and an
+    index the graph computes only on an engine that checks it unless it is proven in range
+    (:mod:`kiln.graph.computed_indices`; ``unproven``: its verdict on the whole graph, where
+    the caller has it)."""
     if not getattr(engine, "draws_from_torch", False):
         if randomness.draws(node):
             return randomness.WHY_HOST
@@ -51,6 +54,12 @@ def takes(engine, node) -> str | None:
             return randomness.WHY_RELAYOUT
     if getattr(engine, "name", None) != "eager" and zero_divisors.by_a_tensor(node):
         return zero_divisors.WHY_HOST
+    if computed_indices.indexes(node) and (not getattr(engine, "checks_indices", False)
+                                           or node.target in computed_indices.FROM_END_WHEN_COMPILED):
+        if unproven is None:
+            unproven = computed_indices.unproven(node.graph.owning_module)
+        if node in unproven:
+            return computed_indices.WHY_HOST
     return engine.supports(node)
 
 
@@ -72,6 +81,7 @@ def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) ->
     placement = Placement()
     host_ops = {_normalise(o) for o in options.ops_on_host}
     named = set()
+    unproven = computed_indices.unproven(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -85,7 +95,7 @@ def place(gm: torch.fx.GraphModule, engine, options, *, grouped: bool = True) ->
             placement.reasons[node] = "placed on the host by ops_on_host"
             placement.on_device[node] = False
             continue
-        reason = takes(engine, node)
+        reason = takes(engine, node, unproven)
         placement.on_device[node] = reason is None
         if reason is not None:
             placement.reasons[node] = reason

@@ -69,7 +69,7 @@ def check_ranges(flat, checked: list) -> None:
                 f"input '{name}' holds {bad}, out of range for the dimension of {size} it indexes "
                 f"({what}: {low} <= i < {high}{f', or {exempt}' if exempt is not None else ''}), where "
                 "PyTorch raises IndexError; engines answer such "
-                "an index otherwise (OpenVINO with zeros, AOTInductor by ending the process), so "
+                "an index otherwise (OpenVINO with zeros, ONNX Runtime from the end), so "
                 "kiln refuses it. A token id beyond the vocabulary, or a position beyond the "
                 "table, is the usual cause")
 
