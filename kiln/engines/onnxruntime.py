@@ -96,7 +96,9 @@ class OnnxRuntimeEngine(Engine):
             return self.not_an_op(node)
         if _accumulates(node) and not ort_decomps.sums_by_product(node):
             return WHY_RACES
-        if not _registry().is_registered(target) and not ort_export.translates_by_decomposition(node, _registry()):
+        kiln_decomposes = target in ort_decomps.TABLE and ort_decomps.decompose_first(node)
+        if not _registry().is_registered(target) and not kiln_decomposes \
+                and not ort_export.translates_by_decomposition(node, _registry()):
             return "no ONNX translation in torch's exporter registry"
         # inputs too: a bf16 -> float32 cast has a float32 result, but a partition that takes
         # it in takes a bf16 input, which ONNX Runtime cannot run (it then fell to Inductor

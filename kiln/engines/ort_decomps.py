@@ -25,8 +25,8 @@ build, so every CNN training step with batch norm left ONNX Runtime for Inductor
 build. Training-mode batch norm is decomposed instead (torch's own decomposition: a mean,
 a variance, the normalization), see :func:`decompose_first`.
 
-And the accumulating index writes (an accumulating ``index_put``, which ``index_add`` and the
-embedding gradient become): the exporter writes them as ``ScatterND(reduction="add")``,
+And the accumulating index writes (an accumulating ``index_put``, which the embedding
+gradient becomes, and ``index_add``): the exporter writes them as ``ScatterND(reduction="add")``,
 which ONNX Runtime sums with a race between threads where indices repeat
 (:data:`kiln.engines.onnxruntime.WHY_RACES`). Where the product is small
 (:func:`sums_by_product`: a tiny model's embedding gradient), kiln writes the sum as a
@@ -108,6 +108,16 @@ def index_put(self, indices, values, accumulate=False):
     return aten.add.Tensor(self, aten.reshape.default(summed, list(self.shape)))
 
 
+def index_add(self, dim, index, source, *, alpha=1):
+    """``index_add`` on the first dimension as the same product (kiln's capture keeps it whole
+    for its index check, :mod:`kiln.graph.computed_indices`: its index reaches here checked or
+    proven in range); anything else declines."""
+    if not isinstance(dim, int) or dim % max(self.dim(), 1) != 0:
+        return NotImplemented
+    values = source if alpha == 1 else aten.mul.Tensor(source, alpha)
+    return index_put(self, [index], values, True)
+
+
 def _one_index(self, indices, values) -> bool:
     if len(indices) != 1 or indices[0] is None or indices[0].dtype not in (torch.int64, torch.int32):
         return False
@@ -132,6 +142,12 @@ def sums_by_product(node) -> bool:
                 or not all(isinstance(i, torch.Tensor) for i in indices):
             return False
         return _one_index(self, indices, values) and values.numel() * self.shape[0] <= PRODUCT_LIMIT
+    if node.target is aten.index_add.default and len(vals) >= 4:
+        self, dim, index, source = vals[:4]
+        if not all(isinstance(t, torch.Tensor) for t in (self, index, source)) or not isinstance(dim, int) \
+                or dim % max(self.dim(), 1) != 0:
+            return False
+        return _one_index(self, [index], source) and source.numel() * self.shape[0] <= PRODUCT_LIMIT
     return False
 
 
@@ -183,12 +199,13 @@ def decompose_first(node) -> bool:
     target = getattr(node, "target", None)
     if target in _DIVISIONS:
         return divides_integers(node)
-    if target is aten.index_put.default:
+    if target in (aten.index_put.default, aten.index_add.default):
         return sums_by_product(node)
     i = _TRAINING_ARG.get(target)
     return i is not None and len(node.args) > i and node.args[i] is not False
 
 
 TABLE = {aten.convolution_backward.default: convolution_backward, aten.index_put.default: index_put,
+         aten.index_add.default: index_add,
          **{op: integer_division for op in _DIVISIONS},
          **{op: torch._decomp.decomposition_table[op] for op in _TRAINING_ARG}}
