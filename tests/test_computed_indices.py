@@ -96,8 +96,11 @@ class Proven(torch.nn.Module):
         wrapped = self.pos((ids * 7) % 16)                                       # a remainder
         clamped = self.pos((ids + 3).clamp(0, 15))                               # a clamp
         counted = self.pos(torch.cumsum(torch.ones_like(ids), -1) - 1)          # cumsum of ones
+        mask = (ids >= 4) & (ids < 20)                                          # a vocabulary shard's
+        sharded = self.pos((ids - 4) * mask.long()) * mask.unsqueeze(-1)        # rows, as NxD's layers
+        kept = self.pos(torch.where((ids > -1) & (ids <= 15), ids, 0))           # and a where
         return (positions.sum() + self.bias(buckets).sum() + order.sum() + wrapped.sum() + clamped.sum()
-                + counted.sum() + self.codes((small + 1).int()).sum())      # uint8 wraps: 0..255
+                + counted.sum() + self.codes((small + 1).int()).sum() + sharded.sum() + kept.sum())      # uint8 wraps: 0..255
 
 
 def _proven_inputs():
@@ -116,6 +119,8 @@ def test_indices_a_model_makes_for_itself_are_proven_and_stay_on_the_engine():
     (lambda ids: (ids.to(torch.uint8) + 250).long(), torch.arange(6, 18)),     # wraps to 0..11; 0..255 known
     (lambda ids: (ids % 16) - 8, torch.arange(8, 16)),                         # -8..7 for all it knows
     (lambda ids: ids.max() - ids, torch.arange(12)),                          # 0..11 here: unknown
+    (lambda ids: (ids - 4) * ((ids >= 4) & (ids < 21)).long(), torch.arange(12)),  # a shard one too wide
+    (lambda ids: (ids - 4) * ((ids >= 4) | (ids < 20)).long(), torch.arange(4, 16)),  # | bounds nothing
 ])
 def test_what_the_analysis_cannot_prove_is_left_unproven(build, ids):
     """Each index is in range for these example values, and the analysis cannot know it."""
