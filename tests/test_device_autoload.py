@@ -96,6 +96,33 @@ def test_a_cpu_script_with_a_pinning_data_loader_runs_beside_the_device():
     assert out == {"accelerator": "kiln", "same": True, "labels": list(range(10)), "pinned": [1.0, 1.0]}
 
 
+def test_a_cpu_accelerate_script_stays_on_the_cpu_beside_the_device():
+    """A plain accelerate script (no kiln import): accelerate 1.16 asks ``torch.accelerator``
+    for the machine's accelerator, which is kiln's device once autoload registers it, and
+    moved the model onto it; a ``transformers.Trainer`` script then failed at its first step
+    (its own device stayed the CPU). Now a library that picks the accelerator by itself sees
+    none, as for ``DataParallel``; also where the device is registered after accelerate was
+    imported (autoload off), whose modules hold copies of the function."""
+    code = textwrap.dedent("""
+        import json, torch
+        late = LATE
+        from accelerate import Accelerator
+        from accelerate.state import PartialState
+        if late:
+            from kiln.device import modes
+            modes.device()
+        acc = Accelerator()
+        model, opt = acc.prepare(torch.nn.Linear(3, 2), None)
+        print(json.dumps({"accelerator": torch.accelerator.current_accelerator().type, "state": str(acc.device),
+                          "model": str(next(model.parameters()).device),
+                          "default": str(PartialState().default_device)}))
+    """)
+    want = {"accelerator": "kiln", "state": "cpu", "model": "cpu", "default": "cpu"}
+    assert _last_json(run_py(code.replace("LATE", "False"), env=ON)) == want
+    off = dict(ON, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert _last_json(run_py(code.replace("LATE", "True"), env=off)) == want
+
+
 def test_neuron_name_through_the_variable():
     code = textwrap.dedent("""
         import torch

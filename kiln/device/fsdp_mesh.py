@@ -10,23 +10,17 @@ default group has a backend for it (``xla``, ``kiln``, or ``cpu:gloo,kiln:kiln``
 without an accelerator.
 
 FSDP2's module is patched when it is imported (importing it up front costs most of a
-second), through a finder on ``sys.meta_path`` that wraps its loader once.
+second; :mod:`kiln.device.import_patch`).
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
+from kiln.device import import_patch
 
 TARGET = "torch.distributed.fsdp._fully_shard._fsdp_init"
 
 
 def install() -> None:
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _patch(module)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    import_patch.when_imported(TARGET, _patch)
 
 
 def _patch(module) -> None:
@@ -57,26 +51,3 @@ def _serves_the_device(dist) -> bool:
     for part in str(dist.get_backend()).lower().split(","):
         names.add(part.split(":")[-1].strip())
     return bool(names & {"xla", "kiln"})
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)          # once: the module's own finder does the rest
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Patching(spec.loader)
-        return spec
-
-
-class _Patching(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        _patch(module)

@@ -260,8 +260,8 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         _registered.extend([library, _per_op(), autocast.register(name), index_checks.register()])
         _foreach_capable()
         _pinnable(name)
-        from kiln.device import (data_parallel, default_backend, dynamo_skip, fsdp_mesh, generators,
-                                 nn_fastpath, serialization, tied_parameters)
+        from kiln.device import (accelerate_compat, data_parallel, default_backend, dynamo_skip, fsdp_mesh,
+                                 generators, nn_fastpath, serialization, tied_parameters)
         serialization.install(name)
         generators.install(name)
         _memory.install()
@@ -269,6 +269,7 @@ def register(name: str = "kiln", *, probe: bool = True) -> str:
         data_parallel.install()
         default_backend.install()
         fsdp_mesh.install()
+        accelerate_compat.install()
         dynamo_skip.install()
         tied_parameters.install()
         if probe:
