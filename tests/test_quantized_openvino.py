@@ -165,7 +165,11 @@ def test_an_llms_prefill_is_timed_on_each_engine_and_its_batch_graphs_share_one(
     # a batch's rows run through the decode graphs: one engine for all, whatever each would win
     engines_of = {b: {p["engine"] for p in g.manifest["partitions"]} for b, g in llm.decode.items()}
     assert engines_of == {1: {"onnxruntime"}, 2: {"onnxruntime"}}
-    assert llm.batch_invariance["decode_rows"] == [1, 2]
+    # both kept where ONNX Runtime's kernels compute a row alike at 1 and 2 rows (AVX-512 machines
+    # here); on an AVX2 EPYC its 4-bit product differs, and the 1-row graph is dropped, not used
+    report = llm.batch_invariance
+    assert not report["row_by_row"] and report["decode_rows"] in ([1, 2], [2]), report
+    assert report["dropped"] == [1] if report["decode_rows"] == [2] else report["invariant"], report
     jobs = [("prefill 16", {}, ()), ("decode 2x32", {}, ()), ("verify 3", {}, ())]
     assert [o.get("engine") for o in graph_options(jobs, {"quantize": "int8"})] == [None, "onnxruntime",
                                                                                     "onnxruntime"]
@@ -280,6 +284,8 @@ def _timed(fold):
     return lambda precision, shapes: (("fold", fold), ("fold_ms", 2.0 if not fold else 1.0), ("pair_ms", 1.5))
 
 
+@pytest.mark.skipif(not host_target.native("bf16"),
+                    reason="OpenVINO computes bf16 natively only on CPUs with bf16 instructions (else f32: no fold)")
 def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds, monkeypatch):
     """In bf16 the Wide model's two products reach OpenVINO's CPU plugin as two compressed
     FullyConnected operations, not three: its widest stays int8 in symmetric groups (as an
