@@ -86,23 +86,58 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     built: dict = {}
     for (kind, key), graph in zip(keys, graphs):
         built.setdefault(kind, {})[key] = graph
-    window_graphs = {w: {"decode": built[("window", w, "decode")],
-                         "chunk": built.get(("window", w, "chunk"), {}).get(0)} for w in windows[:-1]}
+    meta = _meta(model, family, batch_size, rows, buckets, speculation_length, prefill_chunk, windows, shape)
+    llm = _assemble(built, meta, windows, tokenizer)
+    if decode_batches is None and _lone_row_dropped(llm, batch_size):
+        with gguf_keep.keeping(model, kept):
+            _add_pair_graphs(model, built, shape, speculation_length, sequence_buckets,
+                             (trace_options, workers, on_graph, prefill_auto_cast))
+        meta["decode_batches"] = sorted(set(rows) | {2})
+        llm = _assemble(built, meta, windows, tokenizer)
+    if kept is not None:
+        meta["gguf"] = kept.manifest()
+    if quantize:
+        meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
+    return llm
+
+
+def _meta(model, family, batch_size, rows, buckets, speculation_length, prefill_chunk, windows, shape) -> dict:
     eos = model.generation_config.eos_token_id
-    meta = {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
+    return {"format": FORMAT, "family": family, "batch_size": batch_size, "decode_batches": rows,
             "context_buckets": buckets, "speculation_length": speculation_length,
             "prefill_chunk": prefill_chunk or None, "sequence_buckets": windows,
             "cache_shape": list(shape), "vocab_size": model.config.vocab_size,
             "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             # generate's defaults, as transformers' generate takes them from model.generation_config
             "generation_config": hf_settings.recorded(model.generation_config)}
-    llm = LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
-              verify=built.get("verify"), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
-    if kept is not None:
-        meta["gguf"] = kept.manifest()
-    if quantize:
-        meta["accuracy_gate"] = _gate(model, llm, tokenizer, quantize, max_ppl_ratio, min_agreement)
-    return llm
+
+
+def _assemble(built: dict, meta: dict, windows: list, tokenizer) -> LLM:
+    window_graphs = {w: {"decode": built[("window", w, "decode")],
+                         "chunk": built.get(("window", w, "chunk"), {}).get(0)} for w in windows[:-1]}
+    return LLM(built["prefill"], built["decode"], meta, _tokenizer_files(tokenizer),
+               verify=built.get("verify"), chunk=built.get("chunk", {}).get(0), windows=window_graphs)
+
+
+def _lone_row_dropped(llm: LLM, batch_size: int) -> bool:
+    """Whether the batch-invariance check (:mod:`kiln.runtime.invariance`, run here on the
+    compiling machine) dropped the 1-row decode graph while a 2-row graph would still be
+    smaller than the others. Then a 2-row graph is compiled too, and a lone stream runs it:
+    SmolLM2 int4 on a 2-core AVX2 EPYC (12-02), 18.1 tok/s through the 8-row graph, 33.6
+    through a 2-row one, which computes a row as the 8-row graph does (43.6 through the
+    1-row graph, which does not). An artifact loaded elsewhere is checked again there."""
+    report = llm.batch_invariance
+    return batch_size > 2 and 1 in report["dropped"] and not report["row_by_row"]
+
+
+def _add_pair_graphs(model, built: dict, shape, speculation_length, sequence_buckets, how) -> None:
+    """The 2-row decode graphs (full cache, each window, verify) into ``built``: this
+    machine's kernels compute one row differently from several (:func:`_lone_row_dropped`)."""
+    jobs, keys, _ = _jobs(shape, [], [2], speculation_length, None, sequence_buckets)
+    more = [(job, key) for job, key in zip(jobs, keys) if key[1] not in built.get(key[0], {})]
+    graphs = _compile_graphs(model, [job for job, _ in more], *how)
+    for (_, (kind, key)), graph in zip(more, graphs):
+        built.setdefault(kind, {})[key] = graph
 
 
 def _shapes(model, batch_size, context_buckets, cache_length, decode_batches) -> tuple:
