@@ -41,6 +41,11 @@ def compile_tp(model, tp_degree: int, compile_one, *, tokenizer_files: dict, on_
                                 "builds are judged by an accuracy gate on the whole model, which tensor-parallel "
                                 "builds do not run yet; compile float32 with tp_degree, or quantize at tp_degree=1")
     options.setdefault("atol", RANK_ATOL)
+    # named, so that no rank adds graphs of its own: compile_llm adds a 2-row decode graph
+    # where its batch-invariance check drops the 1-row one, and ranks checked one by one
+    # could disagree (the ranks together are checked at load, kiln.runtime.tp_llm)
+    if options.get("decode_batches") is None:
+        options["decode_batches"] = sorted({1, options.get("batch_size", 1)})
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
