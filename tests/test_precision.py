@@ -229,3 +229,29 @@ def test_a_cache_hit_of_an_emulated_compile_warns_as_the_compile_did(monkeypatch
     with pytest.warns(UserWarning, match="fp16 is emulated"):
         hit = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type fp16", cache=str(tmp_path))
     assert hit.manifest["cache"]["hit"]
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino"])
+def test_an_emulated_quantized_build_still_quantizes_its_products(monkeypatch, engine):
+    """int4 with emulated bf16: the weights (and their transposes) were rounded on the host,
+    where kiln keeps emulated rounding, and reached the engine as inputs rather than
+    constants, so nothing was quantized: the build came back in float32, in four partitions,
+    with nothing said. Weights are now left for the quantizer; activations are still rounded."""
+    _emulating(monkeypatch)
+    from tests.test_quantized_openvino import WEIGHT_ONLY, Wide, X
+    model = Wide().eval()
+    with pytest.warns(UserWarning, match="bf16 is emulated"):
+        c = kiln.trace(model, X, quantize="int4", engine=engine, optlevel=1,
+                       compiler_args=["--auto-cast", "all", "--auto-cast-type", "bf16"], **WEIGHT_ONLY)
+    # no weight enters a partition from the host: each product's weight is a constant in it,
+    # and every partition input is an activation (8 rows)
+    assert not [s for s in c.manifest["program"]["steps"] if "const" in s]
+    partitions = c.manifest["partitions"]
+    assert len(partitions) == 3 and all(i["shape"][0] == 8 for p in partitions for i in p["inputs"]), partitions
+    if engine == "onnxruntime":
+        from kiln.engines.onnxruntime import graph_of
+        ops = [n.op_type for p in partitions for n in graph_of(c._artifact.blobs[p["blob"]]).graph.node]
+        assert ops.count("MatMulNBits") == 2, ops
+    want = model(X).detach()
+    assert torch.nn.functional.cosine_similarity(c(X).flatten(), want.flatten(), dim=0) > 0.99
+    assert c.manifest["precision"]["emulated"]

@@ -312,7 +312,7 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
             "note": f"{cast} computed natively by {engines.get(native).title}, which chooses the ops that compute "
                     f"in it: matmuls and convolutions; element-wise ops may keep fp32 accuracy, so --auto-cast "
                     f"{kind} can answer as matmult does"}
-    n = precision.emulate(captured.graph_module, kind, cast)
+    n = precision.emulate(captured.graph_module, kind, cast, keep_constants=bool(opts.quantize))
     note = (f"{cast} is emulated: inputs of {n} op(s) are rounded to {cast} and computed in "
             "fp32, to show its accuracy, not to gain speed")
     notes.append(note)

@@ -85,15 +85,32 @@ def lower(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
     return _finish(gm, count)
 
 
-def emulate(gm: torch.fx.GraphModule, mode: str, cast_type: str) -> int:
-    """Round the float32 inputs of the affected ops through ``cast_type``; return how many."""
+def emulate(gm: torch.fx.GraphModule, mode: str, cast_type: str, keep_constants: bool = False) -> int:
+    """Round the float32 inputs of the affected ops through ``cast_type``; return how many.
+    ``keep_constants`` (a quantized build): inputs computed from the model's constants alone
+    (weights, and their transposes) are left as they are, for the quantizer to replace.
+    Rounded, they were computed on the host (where kiln keeps emulated rounding) and reached
+    the engine as inputs, not constants, so no product was quantized: an int4 build of a
+    two-layer model came back in float32, in four partitions, with nothing said."""
     dtype = TYPES[cast_type]
     count = 0
+    constant = _constant_nodes(gm) if keep_constants else set()
     for node in _affected(gm, mode):
-        floats = _fp32_inputs(node)
+        floats = [a for a in _fp32_inputs(node) if a not in constant]
         for arg in floats:
             val = arg.meta["val"]
             with gm.graph.inserting_before(node):
                 node.replace_input_with(arg, _cast(gm, _cast(gm, arg, dtype, val), torch.float32, val))
         count += bool(floats)
     return _finish(gm, count)
+
+
+def _constant_nodes(gm: torch.fx.GraphModule) -> set:
+    """The nodes whose value the model's constants alone decide (``get_attr`` and ops on
+    nothing else)."""
+    constant = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and node.all_input_nodes
+                                     and all(a in constant for a in node.all_input_nodes)):
+            constant.add(node)
+    return constant
