@@ -316,3 +316,24 @@ def test_every_503_carries_retry_after_and_a_429_too():
     assert OpenAIError(503, "loading", "service_unavailable").response().headers["retry-after"] == "1"
     assert OpenAIError(429, "full", "rate_limit_exceeded").response().headers["retry-after"] == "1"
     assert "retry-after" not in OpenAIError(400, "bad").response().headers
+
+
+def test_the_draining_log_counts_an_llms_generations(tiny_llm, caplog):
+    """At SIGTERM the server logs what is still to finish; it counted the inference
+    endpoints' requests only, so a server with four chats streaming logged
+    ``in_flight: 0``. The generations an LLM's scheduler runs or holds are counted too."""
+    import logging
+    from kiln.serving.repository import ServerState
+    from kiln.serving.settings import ServeConfig
+    _, llm, _ = tiny_llm
+    state = ServerState({"tiny": llm}, ServeConfig())
+    (sm,) = state.models.values()
+    sm.load()
+    for prompt in ([5, 6], [7], [8, 9, 10]):
+        sm.scheduler.add(Request(prompt, 4, SamplingParams(), (EOS,)))
+    sm.scheduler.step()                     # admitted: running, not finished
+    assert state.generations() == 3
+    with caplog.at_level(logging.INFO, logger="kiln.serve"):
+        state.begin_drain()
+    (record,) = [r for r in caplog.records if r.getMessage() == "draining"]
+    assert record.fields == {"in_flight": 0, "generations": 3}

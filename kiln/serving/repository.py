@@ -160,10 +160,22 @@ class ServerState:
         if self.draining:
             return
         self.draining = True
-        log("info", "draining", in_flight=self.in_flight)
+        # in_flight counts the inference endpoints' requests; an LLM's generations (whose
+        # OpenAI requests stream) are its scheduler's, running or waiting
+        log("info", "draining", in_flight=self.in_flight, generations=self.generations())
         for sm in self.models.values():
             if sm.batcher is not None:
                 sm.batcher.flush()      # an LLM's scheduler never waits to fill a batch
+
+    def generations(self) -> int:
+        """Generations the served LLMs are running or holding in their queues."""
+        total = 0
+        for sm in self.models.values():
+            scheduler = getattr(sm, "scheduler", None) if isinstance(sm, ServedLLM) else None
+            if scheduler is not None and hasattr(scheduler, "usage"):
+                usage = scheduler.usage()
+                total += usage["slots_used"] + usage["waiting"]
+        return total
 
     async def shutdown(self):
         """Finish every queued and running request, then mark every model unavailable."""
