@@ -303,6 +303,44 @@ def test_cache_entries_are_signed_and_untrusted_ones_are_misses(native, tmp_path
     assert store.lookup(key) is None                           # corrupt: discarded
 
 
+def test_an_entry_without_native_code_signed_by_another_host_is_checked_against_eager(tmp_path, monkeypatch, caplog):
+    """Anyone who can write to a shared store could plant an ONNX Runtime entry that answers
+    wrongly under a model's key, and it was served (no native code, so no trust needed).
+    Such a hit is now run on the trace's inputs against eager: one that disagrees is
+    discarded and compiled here; one that agrees is served (and counted)."""
+    from kiln.compiler.caching import compile_into as compile_into_cache, reader as cache_reader
+    url = str(tmp_path / "cache")
+    store = cache_mod.Cache(url)
+    model, x = models.mlp()
+    monkeypatch.setenv("KILN_CONFIG_DIR", str(tmp_path / "writer"))       # another host writes the store
+    honest = kiln.trace(model, x, cache=url, engine="onnxruntime")
+    key = honest.manifest["cache"]["key"]
+    monkeypatch.undo()
+    before = dict(cache_mod.stats)
+    served = kiln.trace(model, x, cache=url, engine="onnxruntime")        # signed elsewhere, answers right
+    assert served.manifest["cache"]["hit"] and cache_mod.stats["checked_hits"] == before["checked_hits"] + 1
+    assert_close(served(x), model(x))
+
+    wrong_model, _ = models.mlp()
+    with torch.no_grad():
+        for p in wrong_model.parameters():
+            p.add_(0.5)
+    wrong = kiln.trace(wrong_model, x, engine="onnxruntime", cache=False)
+    monkeypatch.setenv("KILN_CONFIG_DIR", str(tmp_path / "writer"))
+    store.forget(key)
+    compile_into_cache(store, key, None, types.SimpleNamespace(model_name="MLP"), lambda c: wrong, None,
+                       cache_reader(store, False, None))                 # planted under the model's key
+    monkeypatch.undo()
+    assert store.lookup(key) is not None
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        got = kiln.trace(model, x, cache=url, engine="onnxruntime")
+    assert not got.manifest["cache"]["hit"] and "does not answer as eager" in caplog.text
+    assert cache_mod.stats["mismatched"] == before["mismatched"] + 1
+    assert_close(got(x), model(x))
+    assert trust.parse_key(_signature(tmp_path / "cache" / "entries" / key / "artifact.kiln")["public_key"]) == \
+        trust.host_public_key()                                         # stored again, by this host
+
+
 # -- the command line --------------------------------------------------------------------------------------
 @needs_compiler
 def test_inspect_shows_signer_and_trust_and_run_needs_the_flag(native, tmp_path, monkeypatch, capsys):

@@ -35,7 +35,7 @@ from kiln.compiler import fingerprint, keys
 from kiln.errors import (ArtifactError, CompileError, UnsupportedOpError, UntrustedArtifactError,
                          ValidationError, cached_failure)
 from kiln.compiler.reuse import capture_for
-from kiln.graph.capture import bind_inputs
+from kiln.graph.capture import bind_inputs, positional_count
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
 
@@ -64,6 +64,7 @@ class CacheHook:
             fp = fingerprint.fingerprint(job.model, named, job.options, extra)
             key = store.alias(fp) if fp else None
             hit = from_cache(key, fp) if key is not None else None
+            hit = hit if hit is None else vouched(store, key, hit, job)
             if hit is not None:
                 store.count("alias_hits")
                 return hit
@@ -73,12 +74,68 @@ class CacheHook:
         captured.capture_seconds = time.perf_counter() - started     # this compile's phases include it
         key = keys.graph_key(captured, job.options, extra)
         hit = from_cache(key)
+        hit = hit if hit is None else vouched(store, key, hit, job)
         if hit is None:
             if self.on_miss is not None:
                 return self.on_miss(job, captured, key, fp)
             return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache, progress)
         _alias_if_served(store, fp, key, hit)
         return hit
+
+
+def vouched(store, key, hit, job):
+    """``hit``, or None when it must be compiled again. An entry signed by a key this host
+    does not trust can only be one without native code (:func:`reader` refuses the others),
+    which runs none of its writer's code but computes whatever graph it holds: anyone able
+    to write to a shared store could plant one that answers wrongly under a model's key. Such
+    a hit is run on this trace's example inputs and held to eager PyTorch as the compile
+    was (its tolerances; a lossy build's cosine gate); one that disagrees is discarded and
+    compiled here. Entries this host or ``KILN_TRUSTED_KEYS`` signed are served as they are."""
+    from kiln.artifact import trust
+    if trust.trusted_by(hit._artifact, f"cache entry {key[:16]}") is not None:
+        return hit
+    problem = _against_eager(hit, job)
+    if problem is None:
+        store.count("checked_hits")
+        return hit
+    log.warning("kiln cache: entry %s, signed by a key this host does not trust, does not answer as eager "
+                "PyTorch does on this trace's inputs (%s); discarding it and compiling here", key[:16], problem)
+    store.count("mismatched")
+    store.discard(key, ArtifactError(f"it disagrees with eager: {problem}"))
+    return None
+
+
+def _against_eager(hit, job) -> str | None:
+    """What is wrong with ``hit``'s outputs against ``job.model``'s on the job's inputs, or None."""
+    import torch
+    from torch.utils import _pytree
+    opts = job.options
+    named = bind_inputs(job.model, job.args, job.kwargs)      # the model's own call, for both
+    names = list(named)
+    n = positional_count(job.model, names)
+    args, kwargs = [named[k] for k in names[:n]], {k: named[k] for k in names[n:]}
+    with torch.no_grad():
+        expected = _pytree.tree_leaves(job.model(*args, **kwargs))
+        actual = _pytree.tree_leaves(hit(*args, **kwargs))
+    if len(expected) != len(actual):
+        return f"{len(actual)} outputs, eager gives {len(expected)}"
+    lossy = bool(getattr(opts, "quantize", None)) or getattr(opts, "auto_cast", "none") != "none"
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
+            return f"output {i} is {getattr(a, 'shape', a)!r}, eager gives {tuple(e.shape)} {e.dtype}"
+        if not e.is_floating_point():
+            if not torch.equal(a, e):
+                return f"integer output {i} differs"
+        elif lossy:
+            e64, a64 = e.double().flatten(), a.double().flatten()
+            cos = torch.nn.functional.cosine_similarity(e64, a64, dim=0).item() if e64.norm() > 1e-12 else 1.0
+            if not cos >= getattr(opts, "min_cosine", 0.99):
+                return f"output {i}'s cosine similarity is {cos:.4g}"
+        elif not torch.allclose(a, e, atol=opts.atol, rtol=opts.rtol, equal_nan=True):
+            return f"output {i} is {(a.double() - e.double()).abs().max().item():.3g} off (atol {opts.atol:g})"
+    return None
 
 
 def _alias_if_served(store, fp, key, hit):

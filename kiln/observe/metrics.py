@@ -51,7 +51,7 @@ class Counters:
 
 # What the compile cache did in this process (kiln.compiler.cache counts into it).
 compile_cache = Counters(("hits", "misses", "alias_hits", "compiles", "failed_hits", "discarded",
-                          "lock_waits", "untrusted", "errors"))
+                          "lock_waits", "untrusted", "checked_hits", "mismatched", "errors"))
 
 
 def track(model_metrics: "ModelMetrics"):
