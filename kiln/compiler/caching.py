@@ -114,9 +114,13 @@ def _against_eager(hit, job) -> str | None:
     names = list(named)
     n = positional_count(job.model, names)
     args, kwargs = [named[k] for k in names[:n]], {k: named[k] for k in names[n:]}
+    def fresh():        # a call that writes an input in place (a decoder's cache) leaves it to itself
+        return _pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
     with torch.no_grad():
-        expected = _pytree.tree_leaves(job.model(*args, **kwargs))
-        actual = _pytree.tree_leaves(hit(*args, **kwargs))
+        a, k = fresh()
+        expected = _pytree.tree_leaves(job.model(*a, **k))
+        a, k = fresh()
+        actual = _pytree.tree_leaves(hit(*a, **k))
     if len(expected) != len(actual):
         return f"{len(actual)} outputs, eager gives {len(expected)}"
     lossy = bool(getattr(opts, "quantize", None)) or getattr(opts, "auto_cast", "none") != "none"
