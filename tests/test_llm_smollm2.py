@@ -29,8 +29,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "List three prime numbers.", "Who wrote Hamlet?", "Give me a tip for learning Python.",
              "What is 12 times 7?", "Describe a cat in one sentence."]
 # a small build: one context bucket, the graphs at -O1 (the first engine, untimed), compiled in
-# this process (the suite already runs two workers on two cores; about 18 s a graph)
-BUILD = dict(batch_size=8, context_buckets=(64,), cache_length=128, optlevel=1, cache=False, workers=1)
+# this process (the suite already runs two workers on two cores; about 18 s a graph), and the
+# decode batches named: where a machine's kernels compute one row differently from several,
+# compile_llm would add a 2-row graph for lone streams (tests/test_llm_invariance.py checks
+# that), one more build per variant here; a lone stream then runs the 8-row graph
+BUILD = dict(batch_size=8, context_buckets=(64,), cache_length=128, optlevel=1, cache=False, workers=1,
+             decode_batches=(1, 8))
 
 
 @pytest.fixture(scope="module")
