@@ -1,10 +1,12 @@
 """int8 quantization through ONNX Runtime's tools, behind an accuracy gate."""
+import os
+
 import pytest
 import torch
 
 import kiln
 from kiln.engines.onnxruntime import graph_of
-from tests import models
+from tests import forkserver, models
 
 
 def _ops(compiled):
@@ -17,6 +19,11 @@ def test_dynamic_int8_tiny_bert():
     compiled = kiln.trace(model, inputs, quantize="int8")
     assert compiled.manifest["compile_options"]["quantize_mode"] == "dynamic"
     assert "DynamicQuantizeMatMul" in _ops(compiled) or "MatMulIntegerToFloat" in _ops(compiled)
+    # the manifest says what was quantized: every linear layer, none left in float
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert compiled.manifest["quantized"] == {"quantized": linears, "float": 0, "ops": {"MatMulInteger": linears},
+                                              "float_ops": {}}
+    assert compiled.manifest["partitions"][0]["quantized"]["quantized"] == linears
     v = compiled.manifest["validation"]
     assert v["passed"] and 0.99 < v["min_cosine"] < 1.0
     out = compiled(**inputs).last_hidden_state
@@ -31,6 +38,8 @@ def test_static_int8_cnn_with_calibration_and_top1():
     compiled = kiln.trace(model, x, quantize="int8", calibration_data=cal, min_top1=0.5)
     assert compiled.manifest["compile_options"]["quantize_mode"] == "static"
     assert "QLinearConv" in _ops(compiled) or "DequantizeLinear" in _ops(compiled)
+    # QDQ: both convolutions and the head read their weights through DequantizeLinear
+    assert compiled.manifest["quantized"]["quantized"] == 3 and compiled.manifest["quantized"]["float"] == 0
     v = compiled.manifest["validation"]
     assert v["samples"] == 9 and "top1_agreement" in v and v["passed"]
 
@@ -103,3 +112,29 @@ def test_minilm_int8_dynamic_passes_gate_static_is_caught(tmp_path):
         ref = embed(model(**example), example["attention_mask"])
     got = embed(again(**example), example["attention_mask"])
     assert (torch.nn.functional.cosine_similarity(got, ref, dim=-1) > 0.98).all()
+
+
+def test_what_weight_only_quantization_leaves_in_float_is_recorded_and_said(tmp_path, capfd, kiln_cli):
+    """int4 (weight-only) has kernels for matrix products only. A CNN compiled with it came
+    back with its convolutions in float, and a model of convolutions alone wholly in float,
+    passing the accuracy gate (float is accurate) with nothing but ONNX Runtime's log lines
+    on stderr. Now the manifest counts what was quantized and the compile warns."""
+    model, x = models.cnn()
+    with pytest.warns(UserWarning, match=r"2 convolution\(s\) left in float.*quantize='int8'"):
+        compiled = kiln.trace(model, x, quantize="int4")
+    q = compiled.manifest["quantized"]
+    assert (q["quantized"], q["float"], q["float_ops"]) == (1, 2, {"Conv": 2})      # the head, not the convs
+    assert "Unsupported operator" not in capfd.readouterr().err     # ORT's error lines are not the message
+    torch.manual_seed(0)
+    convs = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).eval()
+    with pytest.warns(UserWarning, match="quantized none of the 2 weighted products"):
+        floats = kiln.trace(convs, (torch.randn(1, 3, 12, 12),), quantize="int4")
+    assert floats.manifest["quantized"]["quantized"] == 0
+    assert any("quantized none" in n for n in floats.manifest["report"]["notes"])
+    # and kiln inspect shows the count
+    path = tmp_path / "cnn-int4.kiln"
+    compiled.save(path)
+    r = forkserver.run([kiln_cli, "inspect", str(path)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr
+    assert "int4: 1 of 3 weighted products (MatMulNBits 1); in float: Conv 2" in r.stdout

@@ -11,6 +11,7 @@ import sys
 from rich.table import Table
 
 from kiln.cli.common import validation_line
+from kiln.compiler import quantized
 
 # Container kinds whose manifest holds a table of nested artifacts: (record key, rows key).
 _NESTED = {"bucketed": ("buckets", "variants"), "pipeline": ("pipeline", "stages")}
@@ -103,6 +104,8 @@ def _inspect_model(art, title, console):
     t.add_row("options", ", ".join(f"{k}={v}" for k, v in opts.items()))
     rep = m.get("report", {})
     t.add_row("support", f"{rep.get('support_percentage')}% of {rep.get('total_ops')} ops on device")
+    if m.get("quantized"):
+        t.add_row("quantized", f"{m['compile_options'].get('quantize')}: {quantized.describe(m['quantized'])}")
     val = m.get("validation")
     if val:
         t.add_row("validation", validation_line(val))

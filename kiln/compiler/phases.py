@@ -36,7 +36,7 @@ from kiln.observe import build_log
 from kiln.runtime.model import HOST_CONSTANTS
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import build as build_program
-from kiln.compiler import measure
+from kiln.compiler import measure, quantized
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.selection import compile_partition, primary
 
@@ -278,6 +278,13 @@ def package(b: Build) -> Artifact:
         manifest["precision"] = p.precision
     if p.whole_graph_later:
         manifest["whole_graph_later"] = p.whole_graph_later
+    if p.options.quantize:
+        total = quantized.summary(b.partitions)
+        if total is not None:
+            manifest["quantized"] = total
+        for note in quantized.notes(total, p.options.quantize, p.options.quantize_mode):
+            manifest["report"]["notes"].append(note)
+            warnings.warn(f"kiln: {p.captured.model_name}: {note}", stacklevel=4)
     speed = measure.summarize(b.partitions)
     if speed:
         manifest["speed_vs_eager"] = speed

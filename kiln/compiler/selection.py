@@ -416,4 +416,8 @@ def compile_partition(index, sub, inputs, opts, runtime_opts, progress, label, c
                       speed_vs_eager=float(f"{eager_ms / chosen['latency_ms']:.4g}"))
     if search.note:
         record["note"] = search.note
+    if opts.quantize:
+        products = engine.quantized_products(blob)
+        if products is not None:
+            record["quantized"] = products
     return engine, blob, record, runner

@@ -157,6 +157,13 @@ class Engine:
         """
         raise NotImplementedError
 
+    def quantized_products(self, blob) -> dict | None:
+        """What a quantized build holds: ``{"quantized": n, "float": n, "ops": {...}}``, its
+        weighted products quantized and left in float (:mod:`kiln.engines.onnx_products`), or
+        None where the engine does not say. Recorded in the manifest, so that a build asked
+        for int8/int4 that quantized nothing is seen, not only slow."""
+        return None
+
     def load(self, blob, runtime_options, origin=None, shared=None):
         """A callable from a list of input tensors to a list of output tensors, safe to
         call from several threads at once. ``blob`` may be a read-only view into a mapped

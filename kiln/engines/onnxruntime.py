@@ -153,6 +153,9 @@ class OnnxRuntimeEngine(Engine):
                       "onnxruntime": ort.__version__, **settings}
             return _pack(header, graph, data)
 
+    def quantized_products(self, blob) -> dict | None:
+        return header_of(blob).get("products")
+
     def load(self, blob, runtime_options, origin=None, shared=None):
         import onnxruntime as ort
         so = _session_options(runtime_options)

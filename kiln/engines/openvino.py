@@ -247,6 +247,9 @@ class OpenVinoEngine(Engine):
                 ov_export.check_round_trip(core, compiled, exported, config, round_trip_inputs, OvRunner)
         return _pack(header) + exported
 
+    def quantized_products(self, blob) -> dict | None:
+        return _unpack(blob)[0].get("onnx", {}).get("products")
+
     def load(self, blob, runtime_options, origin=None, shared=None):
         import openvino as ov
         header, payload = _unpack(blob)

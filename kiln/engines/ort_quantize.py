@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 
+from kiln.engines import onnx_products
 from kiln.quiet import EXPORTER_LOGGERS, import_quietly, quiet
 
 
-def quantize(model, tmp: str, options, calibration, merge: bool = True) -> str:
+def quantize(model, tmp: str, options, calibration, merge: bool = True) -> tuple:
     """int8 / int4 through ONNX Runtime's own quantization tools; ``model`` an
-    ``onnx.ModelProto``, the quantized model's path returned. ``merge``: weight-only
+    ``onnx.ModelProto``; ``(path, products)`` returned: the quantized model's path and what
+    :func:`kiln.engines.onnx_products.count` says of it. ``merge``: weight-only
     products sharing an input joined into one (:mod:`kiln.engines.ort_merge`).
 
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
@@ -34,9 +36,12 @@ def quantize(model, tmp: str, options, calibration, merge: bool = True) -> str:
     out = os.path.join(tmp, "quantized.onnx")
     with quiet(EXPORTER_LOGGERS + ("root",)):
         if options.quantize_mode == "weight_only":
-            nodes = _gemm_to_matmul(model, _weight_nodes(model))
-            save(_weight_only(model, nodes, 4 if options.quantize == "int4" else 8, merge), out)
-            return out
+            # MatMulNBits has no convolution: ORT's weight-only quantizer logged an error per
+            # Conv and left it in float; they stay float without the noise (the count says so)
+            nodes = _gemm_to_matmul(model, _weight_nodes(model, convolutions=False))
+            quantized = _weight_only(model, nodes, 4 if options.quantize == "int4" else 8, merge)
+            save(quantized, out)
+            return out, onnx_products.count(quantized)
         prepared = os.path.join(tmp, "prepared.onnx")
         # ORT's pre-processing copies the model file alone: weights inline (save())
         quant_pre_process(save(model, os.path.join(tmp, "model.onnx")), prepared, skip_symbolic_shape=True)
@@ -52,7 +57,7 @@ def quantize(model, tmp: str, options, calibration, merge: bool = True) -> str:
                             quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             nodes_to_quantize=nodes)
-    return out
+    return out, onnx_products.count(onnx.load(out, load_external_data=False))
 
 
 def save(model, path: str) -> str:
@@ -205,8 +210,9 @@ def _widest(model, nodes: list):
     return best[1]
 
 
-def _weight_nodes(model) -> list:
-    """MatMul/Gemm/Conv nodes whose weight is a constant: the ones int8 pays off for.
+def _weight_nodes(model, convolutions: bool = True) -> list:
+    """MatMul/Gemm/Conv nodes whose weight is a constant: the ones int8 pays off for
+    (``convolutions=False``: MatMul/Gemm only).
 
     Products of two activations (attention scores) stay in fp32: quantizing them
     costs accuracy for little speed.
@@ -219,7 +225,8 @@ def _weight_nodes(model) -> list:
         # per-channel int8 needs a plain [K, N] matrix (or a conv kernel)
         return r is not None and (r == 2 or n.op_type == "Conv")
 
-    return [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm", "Conv") and weight(n)]
+    kinds = ("MatMul", "Gemm", "Conv") if convolutions else ("MatMul", "Gemm")
+    return [n.name for n in graph.node if n.op_type in kinds and weight(n)]
 
 
 def _gemm_to_matmul(model, nodes: list) -> list:
