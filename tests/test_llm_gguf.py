@@ -1,6 +1,6 @@
 """Loading a decoder from a GGUF file (kiln.llm.source): the same weights transformers
-loads, with the file's header parsed once instead of three times, and the gguf module
-left as it was. A tiny Llama GGUF is written with gguf's own writer (tests/gguf_files.py)."""
+loads, with the file's header read once instead of three times and each of its values
+parsed once, and the gguf and transformers modules left as they were. A tiny Llama GGUF is written with gguf's own writer (tests/gguf_files.py)."""
 import pytest
 import torch
 
@@ -21,9 +21,21 @@ def test_gguf_loads_transformers_weights_parsing_the_file_once(tmp_path, monkeyp
         parses.append(args[0])
         return real_reader(*args, **kwargs)
     monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    # and each field's value parsed once, not on each of transformers' reads (SmolLM2's
+    # 49,152-token vocabulary was parsed three times)
+    from gguf import gguf_reader
+    from transformers import modeling_gguf_pytorch_utils as utils
+    real_parse, values = utils._gguf_parse_value, []
+
+    def counting_parse(value, types):
+        values.append(id(value))
+        return real_parse(value, types)
+    monkeypatch.setattr(utils, "_gguf_parse_value", counting_parse)
     model, tokenizer = load_pretrained(str(path))
     assert len(parses) == 1                   # transformers alone reads it for the config and the weights
+    assert values and len(values) == len(set(values))
     assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is real_map      # put back
+    assert utils._gguf_parse_value is counting_parse and gguf_reader.np is __import__("numpy")
     monkeypatch.setattr(gguf, "GGUFReader", real_reader)
     want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
                                                              dtype=torch.float32)
