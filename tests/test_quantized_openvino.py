@@ -146,8 +146,32 @@ def test_onnx_runtimes_own_int8_modes_never_go_to_openvino():
         order = selection.candidate_order(opts, sub)
         assert sorted(n for n in order if engines.describe(n).quantizes) == expected, mode
     # and an OpenVINO build asked for such a mode by name is a clear error, not an fp32 model
-    with pytest.raises(kiln.CompilerArgsError, match="cannot quantize to int8 with quantize_mode='dynamic' .engine='openvino' was named.; engines that can: onnxruntime"):
+    with pytest.raises(kiln.CompilerArgsError, match=r"^openvino \(engine='openvino' was named\) cannot quantize to "
+                                                     r"int8 with quantize_mode='dynamic'; engines that can: onnxruntime"):
         kiln.trace(Wide().eval(), X, quantize="int8", quantize_mode="dynamic", engine="openvino", cache=False)
+
+
+def test_auto_cast_to_a_type_only_openvino_computes_natively_with_dynamic_int8_is_said_so():
+    """Where OpenVINO computes bf16/fp16 natively, --auto-cast sends the graph to it; with
+    quantize='int8' (dynamic, ONNX Runtime's mode) the error said "engine='openvino' was
+    named" to a user who named none. Where neither type is native, kiln emulates it on ONNX
+    Runtime, which quantizes dynamically: that build is compared with eager instead."""
+    from kiln.host import target
+    native = [t for t in ("fp16", "bf16") if target.native(t) and engines.native_engine(t, "cpu") == "openvino"]
+    flags = f"--auto-cast matmult --auto-cast-type {(native or ['bf16'])[0]}"
+    if not native:
+        compiled = kiln.trace(Wide().eval(), X, quantize="int8", compiler_args=flags, cache=False)
+        assert compiled.manifest["quantized"]["float"] == 0 and compiled.manifest["validation"]["passed"]
+        return
+    with pytest.raises(kiln.CompilerArgsError, match=r"OpenVINO computes \w+ natively on this CPU but quantizes only "
+                                                     r"weight_only; use quantize_mode='weight_only'") as e:
+        kiln.trace(Wide().eval(), X, quantize="int8", compiler_args=flags, cache=False)
+    assert "was named" not in str(e.value)
+    # the way the message gives (this random model's 8 rows agree 7 of 8 on top-1 in fp16)
+    compiled = kiln.trace(Wide().eval(), X, quantize="int8", quantize_mode="weight_only", compiler_args=flags,
+                          min_top1=0.5, cache=False)
+    assert [p["engine"] for p in compiled.manifest["partitions"]] == ["openvino"]
+    assert compiled.manifest["quantized"]["quantized"] > 0 and compiled.manifest["quantized"]["float"] == 0
 
 
 def test_an_llms_prefill_is_timed_on_each_engine_and_its_batch_graphs_share_one():

@@ -38,7 +38,7 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.program import build as build_program
 from kiln.compiler import measure, quantized
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.selection import compile_partition, primary
+from kiln.compiler.selection import compile_partition, primary, quantizes
 
 
 @dataclass(frozen=True)
@@ -313,6 +313,15 @@ def apply_auto_cast(captured: Captured, opts: CompileOptions, notes: list):
         return opts, {"auto_cast": kind, "type": cast, "emulated": False, "ops_lowered": n,
                       "note": f"{n} op(s) computed in {cast} on the GPU"}
     native = engines.native_engine(cast, "cpu", among=opts.engine) if target_mod.native(cast) else None
+    if native is not None and opts.quantize and not quantizes(engines.describe(native), opts):
+        # the engine computing the type natively cannot quantize as asked: said, not blamed on an
+        # engine the user never named (it read "engine='openvino' was named")
+        able = getattr(engines.describe(native), "quantize_modes", ())
+        raise CompilerArgsError(
+            f"--auto-cast-type {cast} with quantize={opts.quantize!r} (quantize_mode={opts.quantize_mode!r}): "
+            f"{engines.get(native).title} computes {cast} natively on this CPU but quantizes only "
+            f"{' or '.join(able) or 'nothing'}; use quantize_mode='weight_only' (or quantize='int4') with "
+            f"--auto-cast, or drop --auto-cast to quantize {opts.quantize_mode} on an engine that can")
     if native is not None:
         return dataclasses.replace(opts, engine=native, engine_by=opts.engine_by if opts.engine else "auto_cast"), {
             "auto_cast": kind, "type": cast, "emulated": False,

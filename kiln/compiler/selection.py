@@ -155,10 +155,13 @@ def candidate_order(opts, sub) -> list:
         able = [n for n in order if quantizes(engines.describe(n), opts)]
         if not able:
             others = [e.name for e in engines.ranked(opts.device) if quantizes(e, opts)]
+            # the engine named (not the fallback engines behind it, which named themselves too)
+            who = (f"{opts.engine} (engine={opts.engine!r} was named)" if opts.engine_by == "user" else
+                   f"{opts.engine} (chosen for {opts.engine_by.replace('_', '-')})") if opts.engine else \
+                " and ".join(order) or "no engine"
             raise CompilerArgsError(
-                f"{' and '.join(order) or 'no engine'} cannot quantize to {opts.quantize} with quantize_mode="
-                f"{opts.quantize_mode!r}" + (f" (engine={opts.engine!r} was named)" if opts.engine else "")
-                + f"; engines that can: {', '.join(others) or 'none'}")
+                f"{who} cannot quantize to {opts.quantize} with quantize_mode={opts.quantize_mode!r}; engines "
+                f"that can: {', '.join(others) or 'none'}")
         order = able
     return order
 
