@@ -1,5 +1,6 @@
 """The kiln command line, end to end as subprocesses."""
 import json
+import re
 
 import numpy as np
 
@@ -20,6 +21,11 @@ def test_analyze_compile_inspect_run(kiln_cli, tmp_path):
 
     r = kiln_run(kiln_cli, "analyze", "tests.models:custom_op")
     assert r.returncode == 0 and "kilntest::odd_scale" in r.stdout and "host" in r.stdout
+    # compile prints its notes as analyze does (at -O2 the speed measured against eager; they
+    # were in the manifest only); the op left on the host is the same model's
+    r = kiln_run(kiln_cli, "compile", "tests.models:custom_op", "-o", tmp_path / "custom.kiln", "--no-cache")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^note: speed vs eager: [0-9.]+x", r.stdout, re.M), r.stdout
 
     art = tmp_path / "mlp.kiln"
     r = kiln_run(kiln_cli, "compile", "tests.models:mlp", "-o", art, "-O1")

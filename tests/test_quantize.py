@@ -138,3 +138,4 @@ def test_what_weight_only_quantization_leaves_in_float_is_recorded_and_said(tmp_
                        env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0, r.stderr
     assert "int4: 1 of 3 weighted products (MatMulNBits 1); in float: Conv 2" in r.stdout
+    assert "note: 2 convolution(s) left in float" in r.stdout          # the compile's notes, printed

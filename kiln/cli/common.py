@@ -64,3 +64,10 @@ def _seconds(text) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
     return value
+
+
+def print_notes(manifest, console):
+    """The compile's notes (what stayed on the host or in float, what was emulated, ...), as
+    ``kiln analyze`` prints its own: they were in the manifest only, seen with --json."""
+    for note in manifest.get("report", {}).get("notes", []):
+        console.print(f"[yellow]note:[/] {note}", highlight=False)

@@ -12,7 +12,7 @@ import time
 from rich.table import Table
 
 from kiln.atomic import write_atomic
-from kiln.cli.common import TRUST_HELP, positive_int, validation_line
+from kiln.cli.common import TRUST_HELP, positive_int, print_notes, validation_line
 from kiln.factory import load_factory
 
 # Commands whose unrecognised arguments are compiler flags: ``kiln compile m:f -O3 --target generic``.
@@ -115,6 +115,7 @@ def cmd_compile(a, console):
         console.print(f"cache: {how} {c['key'][:16]} in {c['url']}")
     if v:
         console.print(f"validation: {validation_line(v)}")
+    print_notes(compiled.manifest, console)
     return 0
 
 

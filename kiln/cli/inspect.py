@@ -10,7 +10,7 @@ import sys
 
 from rich.table import Table
 
-from kiln.cli.common import validation_line
+from kiln.cli.common import print_notes, validation_line
 from kiln.compiler import quantized
 
 # Container kinds whose manifest holds a table of nested artifacts: (record key, rows key).
@@ -161,3 +161,4 @@ def _print_model_tables(m, console):
         for s in host:
             ht.add_row(s["op"])
         console.print(ht)
+    print_notes(m, console)
