@@ -184,10 +184,13 @@ def _inline_constants(parent: torch.fx.GraphModule, call: torch.fx.Node):
     sub = parent.get_submodule(call.target)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     keep_args = []
+    held = len(list(sub.named_buffers()))     # counted once: counting per weight was quadratic
     for ph, arg in zip(placeholders, call.args):
         if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
             value = _fetch(parent, arg.target)
-            attr = f"w_{len(list(sub.named_buffers()))}"
+            while hasattr(sub, f"w_{held}"):   # a name taken (two names of one tensor count once)
+                held += 1
+            attr = f"w_{held}"
             sub.register_buffer(attr, value.detach())
             with sub.graph.inserting_before(ph):
                 getter = sub.graph.get_attr(attr)
