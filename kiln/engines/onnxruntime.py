@@ -145,13 +145,10 @@ class OnnxRuntimeEngine(Engine):
             if fused:
                 settings["decoder_fusions"] = fused
             data_path = os.path.join(tmp, _DATA)
-            data = b""
-            if os.path.exists(data_path):
-                with open(data_path, "rb") as f:
-                    data = f.read()
-            header = {"graph": len(graph), "data": len(data), "prepacked": prepacked, "isa": _isa(),
+            size = os.path.getsize(data_path) if os.path.exists(data_path) else 0
+            header = {"graph": len(graph), "data": size, "prepacked": prepacked, "isa": _isa(),
                       "onnxruntime": ort.__version__, **settings}
-            return _pack(header, graph, data)
+            return _pack(header, graph, data_file=data_path) if size else _pack(header, graph)
 
     def quantized_products(self, blob) -> dict | None:
         return header_of(blob).get("products")

@@ -28,14 +28,33 @@ def is_packed(blob) -> bool:
     return bytes(blob[:len(MAGIC)]) == MAGIC
 
 
-def pack(header: dict, graph: bytes, data: bytes) -> bytes:
-    """The blob; ``data_offset`` has a fixed width so the header's size does not depend on it."""
+def pack(header: dict, graph: bytes, data: bytes = b"", *, data_file: str | None = None):
+    """The blob; ``data_offset`` has a fixed width so the header's size does not depend on it.
+
+    ``data_file``: the data is that file's (``header["data"]`` bytes), read straight into its
+    place in the blob. Read into a buffer of its own and then joined, a 540 MB graph's weights
+    were allocated and copied twice (2.3 s of SmolLM2's float32 build a graph, where a fresh
+    page costs ~15 µs to fault in); the blob is then a ``bytearray``, which every reader of
+    blobs takes as it takes the read-only views of a loaded artifact."""
     head = len(MAGIC) + 4
     size = len(json.dumps(dict(header, data_offset="0" * 12), sort_keys=True).encode())
     offset = -(-(head + size + len(graph)) // ALIGN) * ALIGN
     raw = json.dumps(dict(header, data_offset=f"{offset:012d}"), sort_keys=True).encode()
     padding = offset - (head + len(raw) + len(graph))
-    return b"".join([MAGIC, struct.pack("<I", len(raw)), raw, graph, bytes(padding), data])
+    if data_file is None:
+        return b"".join([MAGIC, struct.pack("<I", len(raw)), raw, graph, bytes(padding), data])
+    length = int(header["data"])
+    blob = bytearray(offset + length)
+    blob[:offset] = b"".join([MAGIC, struct.pack("<I", len(raw)), raw, graph, bytes(padding)])
+    with open(data_file, "rb") as f:
+        view = memoryview(blob)[offset:]
+        done = 0
+        while done < length:
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{data_file} ended after {done} of its {length} bytes while the blob was packed")
+            done += n
+    return blob
 
 
 def unpack(blob):
