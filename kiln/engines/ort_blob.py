@@ -33,8 +33,8 @@ def pack(header: dict, graph: bytes, data: bytes = b"", *, data_file: str | None
 
     ``data_file``: the data is that file's (``header["data"]`` bytes), read straight into its
     place in the blob. Read into a buffer of its own and then joined, a 540 MB graph's weights
-    were allocated and copied twice (2.3 s of SmolLM2's float32 build a graph, where a fresh
-    page costs ~15 µs to fault in); the blob is then a ``bytearray``, which every reader of
+    were allocated and copied twice (2.3 s a graph of SmolLM2's float32 build, at an hour when
+    a fresh page cost these VMs ~15 µs to fault in); the blob is then a ``bytearray``, which every reader of
     blobs takes as it takes the read-only views of a loaded artifact."""
     head = len(MAGIC) + 4
     size = len(json.dumps(dict(header, data_offset="0" * 12), sort_keys=True).encode())
