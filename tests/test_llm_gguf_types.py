@@ -120,6 +120,15 @@ def test_mixed_file_keeps_each_type_and_decodes_hugging_face_greedy(mixed, monke
         entry = note["tensors"][name]
         assert entry["type"] == kind and entry["kept"] == (kind in gguf_blocks.LAYOUT), (name, entry)
         assert entry.get("exact", True) or entry["max_error"] < 1e-6
+    # each graph's record (kiln inspect's "quantized" line) counts its products by the file's types,
+    # and names the build gguf, not the int8 its quantizer is set to for what a file does not hold
+    from kiln.compiler import quantized
+    products = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 2, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 3, "Q8_0": 2}
+    for graph in [*llm.prefill.values(), *llm.decode.values()]:
+        record = graph.manifest["quantized"]
+        assert record["blocks"] == products and record["quantized"] == 12, record
+        assert quantized.label(record, graph.manifest["compile_options"]["quantize"]) == "gguf"
+        assert "GGUF block types: Q4_0 1, Q4_1 1, Q4_K 2" in quantized.describe(record)
     gate = llm.meta["accuracy_gate"]
     assert gate["passed"] and gate["ppl_ratio"] < 1.02 and gate["agreement"] >= 0.9, gate
     prompt = [1, 5, 9, 33, 70, 2, 8, 100]

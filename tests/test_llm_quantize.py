@@ -162,6 +162,11 @@ def test_int4_keeps_a_q8_0_head_exactly_and_reads_the_tied_embedding_from_it(mon
     shared = build()
     kinds, floats = ops(shared)
     assert "GatherBlockQuantized" in kinds and "Gather" not in kinds and not floats
+    # the record counts the head's Q8_0 blocks as such, and the build still reads as int4
+    from kiln.compiler import quantized
+    record = shared.decode[1].manifest["quantized"]
+    assert record["blocks"] == {"Q8_0 (kiln's, the file's grid)": 1}, record
+    assert quantized.label(record, "int4") == "int4"
     monkeypatch.setattr(ort_tied, "share_embedding", lambda m: 0)
     apart = build()
     kinds, floats = ops(apart)

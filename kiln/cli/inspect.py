@@ -105,7 +105,8 @@ def _inspect_model(art, title, console):
     rep = m.get("report", {})
     t.add_row("support", f"{rep.get('support_percentage')}% of {rep.get('total_ops')} ops on device")
     if m.get("quantized"):
-        t.add_row("quantized", f"{m['compile_options'].get('quantize')}: {quantized.describe(m['quantized'])}")
+        t.add_row("quantized", f"{quantized.label(m['quantized'], m['compile_options'].get('quantize'))}: "
+                               f"{quantized.describe(m['quantized'])}")
     val = m.get("validation")
     if val:
         t.add_row("validation", validation_line(val))

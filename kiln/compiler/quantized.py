@@ -17,12 +17,13 @@ def summary(partitions: list) -> dict | None:
     if not said:
         return None
     total = {"quantized": sum(q["quantized"] for q in said), "float": sum(q["float"] for q in said)}
-    for key in ("ops", "float_ops"):
+    for key in ("ops", "float_ops", "blocks"):
         merged: dict = {}
         for q in said:
             for k, v in q.get(key, {}).items():
                 merged[k] = merged.get(k, 0) + v
-        total[key] = dict(sorted(merged.items()))
+        if merged or key != "blocks":
+            total[key] = dict(sorted(merged.items()))
     return total
 
 
@@ -33,8 +34,17 @@ def describe(products: dict | None) -> str | None:
     total = products["quantized"] + products["float"]
     kinds = ", ".join(f"{k} {v}" for k, v in products.get("ops", {}).items())
     left = ", ".join(f"{k} {v}" for k, v in products.get("float_ops", {}).items())
+    blocks = ", ".join(f"{k} {v}" for k, v in products.get("blocks", {}).items())
     return (f"{products['quantized']} of {total} weighted products" + (f" ({kinds})" if kinds else "")
-            + (f"; in float: {left}" if left else ""))
+            + (f"; GGUF block types: {blocks}" if blocks else "") + (f"; in float: {left}" if left else ""))
+
+
+def label(products: dict | None, quantize) -> str:
+    """What a build's products were quantized as, for a report: ``quantize`` (its compile
+    option), or ``"gguf"`` where every quantized product is on a GGUF file's own blocks (such a
+    build's option reads int8: its quantizer's, for the weights the file does not hold)."""
+    blocks = sum((products or {}).get("blocks", {}).values())
+    return "gguf" if blocks and blocks == products["quantized"] else str(quantize)
 
 
 def notes(total: dict | None, quantize: str, mode: str) -> list:

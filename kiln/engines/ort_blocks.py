@@ -39,6 +39,12 @@ from kiln.engines import ort_int4, ort_rewrites
 _TABLES: list = []
 
 
+# A product on kept blocks says so in its node's doc string, with the blocks' type: what a
+# build records (:mod:`kiln.engines.onnx_products`), since a GGUF build runs through the int8
+# quantizer for the weights its file does not hold and would otherwise be reported as int8.
+BLOCKS_DOC = "kiln kept blocks: "
+
+
 @dataclass
 class Kept:
     """One weight ``[K, N]`` as blocks: ``u`` ``[N, K/block, block]`` uint8 in
@@ -155,6 +161,7 @@ def _nodes(graph, n, kept: Kept, sums: dict, rank, accuracy_level) -> list:
                                [n.output[0] if kept.offsets is None else name + "/main"], name=name,
                                domain="com.microsoft", K=k, N=cols, bits=kept.bits, block_size=kept.block,
                                accuracy_level=accuracy_level)
+    product.doc_string = BLOCKS_DOC + kept.label     # counted by type (kiln.engines.onnx_products)
     if kept.offsets is None:
         return [product]
     graph.initializer.append(numpy_helper.from_array(kept.offsets.astype(np.float32), name + "/offsets"))
