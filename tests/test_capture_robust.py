@@ -383,18 +383,60 @@ class _MovingAverage(nn.Module):
         return (x - self.mean) * self.scale
 
 
+class _WritesAWeightsRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.proj.weight[1:3].zero_()         # through a view of the parameter
+            torch.add(x, 1, out=x)                # an out= argument
+        return self.proj(x)
+
+
 @pytest.mark.parametrize("model, written", [(_WritesInput, "input 'x'"), (_CountsCalls, "buffer 'calls'"),
-                                            (_MovingAverage, "buffer 'mean', parameter 'scale'")])
+                                            (_MovingAverage, "buffer 'mean', parameter 'scale'"),
+                                            (_WritesAWeightsRow, "input 'x', parameter 'proj.weight'")])
 def test_a_forward_that_writes_its_state_is_refused_with_what_to_do(model, written):
     """A forward that writes in place to its input, a parameter or a buffer computes something
     else at every call; no compiled graph follows it. It failed the comparison with eager,
     whose message said to loosen the tolerances or pass validate=False (a silently wrong
-    model); it is refused at capture, naming the tensors written."""
+    model); it is refused at capture, naming the tensors written. The refused trace leaves the
+    model's weights and the example input as they were (until 12-03 the parameters and inputs
+    kept what the example call wrote)."""
     from kiln.errors import CaptureError
+    m, x = model().eval(), torch.randn(2, 4)
+    state, x_before = {k: v.detach().clone() for k, v in m.state_dict().items()}, x.clone()
     with pytest.raises(CaptureError, match="writes to .*in its forward") as e:
-        kiln.trace(model().eval(), (torch.randn(2, 4),), quiet=True, cache=False, optlevel=1)
+        kiln.trace(m, (x,), quiet=True, cache=False, optlevel=1)
     assert all(label in str(e.value) for label in written.split(", "))
     assert "atol" not in str(e.value)
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0)
+
+
+class _FailsUnderTheWatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        from kiln.graph import state_writes
+        modes = torch.overrides._get_current_function_mode_stack()
+        if any(isinstance(m, state_writes._SaveBeforeWrite) for m in modes):
+            raise RuntimeError("this forward fails under the capture's write watch")
+        return self.proj(x) * 2
+
+
+def test_a_forward_that_fails_under_the_write_watch_is_called_plainly():
+    """The capture's eager call watches for writes through a torch function mode; a forward
+    that fails under it (``torch.cond``'s eager path did, under the dispatch mode tried first)
+    is called again without it, and compiles as before."""
+    model, x = _FailsUnderTheWatch().eval(), torch.randn(2, 4)
+    compiled = kiln.trace(model, (x,), quiet=True, cache=False, optlevel=1)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
 
 
 class _ReassignsBuffer(nn.Module):

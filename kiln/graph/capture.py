@@ -220,12 +220,11 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
     # an FX graph (PyTorch's, the device's) is functional by construction: not watched
     watched = [] if isinstance(model, torch.fx.GraphModule) else state_writes.versions(model, named)
     bound = state_writes.bindings(model)      # a buffer reassigned in forward is a write too
-    with torch.no_grad():
-        eager = call_bound(model, named)
+    eager, saved, watched = state_writes.watched_call(lambda: call_bound(model, named), watched, draws.restore)
     reassigned = state_writes.rebound(bound, model)
     if reassigned and state_writes.settles(eager, lambda: (draws.restore(), call_bound(model, named))[1]):
         reassigned = []                       # a cache rebuilt to the same values, not moving state
-    state_writes.refuse_writes(_name(model), watched, reassigned)
+    state_writes.refuse_writes(_name(model), watched, reassigned, saved)
     out_leaves, out_specs = [], []
     out_structure = specs.encode(eager, "", out_leaves, out_specs)
     for i, s in enumerate(out_specs):

@@ -16,9 +16,12 @@ call starting from the changed buffer), unless a second call on the changed stat
 the same answers (:func:`settles`: a cache rebuilt, not state that moves).
 
 Capture leaves the user's module as it was (:func:`kept`): bindings are put back and
-buffers written in place get their values back, refused or not. Parameters written in
-place are named but not restored: that would need a copy of every weight before each
-capture.
+buffers written in place get their values back, refused or not. Parameters and inputs
+written in place get theirs back too when the capture is refused (:func:`watched_call`): the
+watched eager call copies each one just before its first write, so only what is written
+is copied (a copy of every weight before each capture would double a large model's
+memory). Until 12-03 a refused trace left the user's weights as its example call had
+written them.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import contextlib
 
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from kiln.errors import CaptureError
 
@@ -113,12 +117,94 @@ def settles(first, again) -> bool:
         for x, y in zip(a[0], b[0]))
 
 
-def refuse_writes(model_name: str, before: list, reassigned=()) -> None:
+class _SaveBeforeWrite(TorchFunctionMode):
+    """Copies a watched tensor's values just before the first call that writes to its memory
+    (itself, or a view of it), so that :meth:`restore` can put them back. A call writes where
+    it says so in Python: a method named in place (``mul_``, ``copy_``, ``_foreach_add_``),
+    item assignment and augmented assignment (``w[0] = 1``, ``x += 1``), an ``out=`` argument,
+    or ``inplace=True``. Writes made out of sight (inside a C++ or compiled function) are
+    still named by the version check, but not undone. A function mode, not a dispatch mode:
+    under a Python dispatch mode, ``torch.cond``'s eager path (which compiles its branches
+    with dynamo) fails, and leaves dynamo unable to compile it again in the process."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self._watched = {}          # storage address -> the watched tensor owning it
+        for t in tensors:
+            try:
+                self._watched.setdefault(t.untyped_storage().data_ptr(), t)
+            except (RuntimeError, NotImplementedError):     # no storage of its own (a subclass)
+                pass
+        self._saved = {}            # id(tensor) -> (tensor, its values before the first write)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._watched:
+            name = getattr(func, "__name__", "")
+            if (name.endswith("_") and not name.endswith("__")) or name in _WRITING_DUNDERS \
+                    or kwargs.get("inplace") is True:
+                self._save(args[0] if args else None)
+            if kwargs.get("out") is not None:
+                self._save(kwargs["out"])
+        return func(*args, **kwargs)
+
+    def _save(self, t):
+        if isinstance(t, (list, tuple)):            # a _foreach_ call's tensors, out=(a, b)
+            for one in t:
+                self._save(one)
+            return
+        if not isinstance(t, torch.Tensor):
+            return
+        try:
+            owner = self._watched.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return
+        if owner is not None and id(owner) not in self._saved:
+            self._saved[id(owner)] = (owner, owner.detach().clone())
+
+    def restore(self):
+        with torch.no_grad():
+            for tensor, values in self._saved.values():
+                tensor.copy_(values)
+        self._saved.clear()
+
+
+_WRITING_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
+def watched_call(call, before: list, rewind) -> tuple:
+    """``(call(), saved, before)``: the capture's eager call, watched for writes to the
+    tensors of ``before`` (:func:`versions`); ``saved`` goes to :func:`refuse_writes`, which
+    puts them back if it refuses (None where nothing is watched: an FX graph). A call that
+    fails under the watch is made again without it, after the written tensors are put back
+    and ``rewind()`` (the random generators) has run: an operator that takes graphs of its
+    own may not run under it (``torch.cond``'s eager path compiles its branches with dynamo).
+    Then writes are still named, not undone, and ``before`` is read again."""
+    if not before:
+        with torch.no_grad():
+            return call(), None, before
+    mode = _SaveBeforeWrite([tensor for _, tensor, _ in before])
+    try:
+        with torch.no_grad(), mode:
+            return call(), mode, before
+    except Exception:  # noqa: BLE001 - the plain call below raises the model's own error, if any
+        mode.restore()
+        rewind()
+    again = [(label, tensor, tensor._version) for label, tensor, _ in before]
+    with torch.no_grad():
+        return call(), None, again
+
+
+def refuse_writes(model_name: str, before: list, reassigned=(), saved=None) -> None:
     """Raise if any tensor in ``before`` (:func:`versions`) was written since, or a
-    parameter or buffer was reassigned (``reassigned``: labels from :func:`rebound`)."""
+    parameter or buffer was reassigned (``reassigned``: labels from :func:`rebound`);
+    ``saved`` (:func:`watched_call`'s) puts the written tensors' values back first."""
     written = [label for label, tensor, version in before if tensor._version != version]
     written += list(reassigned)
     if written:
+        if saved is not None:
+            saved.restore()
         shown = ", ".join(written[:6]) + (f" and {len(written) - 6} more" if len(written) > 6 else "")
         raise CaptureError(
             f"{model_name} writes to {shown} in its forward (the example call changed "
