@@ -417,6 +417,23 @@ def test_a_forward_that_writes_its_state_is_refused_with_what_to_do(model, writt
     torch.testing.assert_close(x, x_before, rtol=0, atol=0)
 
 
+class _WritesItsSecondInput(nn.Module):
+    def forward(self, a, b):
+        b.add_(1)
+        return a + b
+
+
+def test_inputs_that_are_views_of_one_tensor_are_left_as_they_were():
+    """Two example inputs that are rows of one tensor share its memory: the write to the second
+    is undone when the trace is refused, whichever of them the watch met first."""
+    from kiln.errors import CaptureError
+    rows = torch.randn(2, 4)
+    before = rows.clone()
+    with pytest.raises(CaptureError, match="writes to .*input 'b'"):
+        kiln.trace(_WritesItsSecondInput(), (rows[0], rows[1]), quiet=True, cache=False, optlevel=1)
+    torch.testing.assert_close(rows, before, rtol=0, atol=0)
+
+
 class _FailsUnderTheWatch(nn.Module):
     def __init__(self):
         super().__init__()

@@ -129,10 +129,10 @@ class _SaveBeforeWrite(TorchFunctionMode):
 
     def __init__(self, tensors):
         super().__init__()
-        self._watched = {}          # storage address -> the watched tensor owning it
+        self._watched = {}          # storage address -> the watched tensors in it (views of one another)
         for t in tensors:
             try:
-                self._watched.setdefault(t.untyped_storage().data_ptr(), t)
+                self._watched.setdefault(t.untyped_storage().data_ptr(), []).append(t)
             except (RuntimeError, NotImplementedError):     # no storage of its own (a subclass)
                 pass
         self._saved = {}            # id(tensor) -> (tensor, its values before the first write)
@@ -156,11 +156,12 @@ class _SaveBeforeWrite(TorchFunctionMode):
         if not isinstance(t, torch.Tensor):
             return
         try:
-            owner = self._watched.get(t.untyped_storage().data_ptr())
+            owners = self._watched.get(t.untyped_storage().data_ptr(), ())
         except (RuntimeError, NotImplementedError):
             return
-        if owner is not None and id(owner) not in self._saved:
-            self._saved[id(owner)] = (owner, owner.detach().clone())
+        for owner in owners:
+            if id(owner) not in self._saved:
+                self._saved[id(owner)] = (owner, owner.detach().clone())
 
     def restore(self):
         with torch.no_grad():
