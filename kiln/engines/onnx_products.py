@@ -23,6 +23,9 @@ from __future__ import annotations
 QUANTIZED_OPS = frozenset({"MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul",
                            "MatMulIntegerToFloat", "QGemm", "ConvInteger", "QLinearConv"})
 FLOAT_OPS = ("MatMul", "Gemm", "Conv")
+# A product on kept blocks (kiln.engines.ort_blocks) says so in its node's doc string, followed
+# by the blocks' type
+BLOCKS_DOC = "kiln kept blocks: "
 # ort_int4's block-minimum products, named <product>/offset (kiln.engines.ort_int4)
 _AUXILIARY_SUFFIX = "/offset"
 
@@ -32,7 +35,6 @@ def count(model) -> dict:
     ``model`` (an ``onnx.ModelProto``; its weights need not be loaded): the quantized products
     and those left in float, each by operator; and ``"blocks": {type: n}`` where some are on
     kept blocks."""
-    from kiln.engines.ort_blocks import BLOCKS_DOC
     graph = model.graph
     rank = {i.name: len(i.dims) for i in graph.initializer}
     dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}

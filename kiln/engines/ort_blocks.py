@@ -35,14 +35,9 @@ import numpy as np
 import xxhash
 
 from kiln.engines import ort_int4, ort_rewrites
+from kiln.engines.onnx_products import BLOCKS_DOC
 
 _TABLES: list = []
-
-
-# A product on kept blocks says so in its node's doc string, with the blocks' type: what a
-# build records (:mod:`kiln.engines.onnx_products`), since a GGUF build runs through the int8
-# quantizer for the weights its file does not hold and would otherwise be reported as int8.
-BLOCKS_DOC = "kiln kept blocks: "
 
 
 @dataclass

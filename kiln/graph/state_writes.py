@@ -117,6 +117,11 @@ def settles(first, again) -> bool:
         for x, y in zip(a[0], b[0]))
 
 
+# item assignment and augmented assignment: writes with no trailing underscore in their names
+_WRITING_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
+
+
 class _SaveBeforeWrite(TorchFunctionMode):
     """Copies a watched tensor's values just before the first call that writes to its memory
     (itself, or a view of it), so that :meth:`restore` can put them back. A call writes where
@@ -168,10 +173,6 @@ class _SaveBeforeWrite(TorchFunctionMode):
             for tensor, values in self._saved.values():
                 tensor.copy_(values)
         self._saved.clear()
-
-
-_WRITING_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-                    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 
 
 def watched_call(call, before: list, rewind) -> tuple:
