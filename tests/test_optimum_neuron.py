@@ -199,6 +199,14 @@ def test_shapes_dynamic_batch_and_bad_input_are_clear(exported, tmp_path):
     with torch.no_grad():
         want = _eager(cls, path)(**five).logits
     torch.testing.assert_close(dynamic(**five).logits, want, atol=1e-4, rtol=1e-4)
+    # a pipeline's batch_size beside the compiled one: taken where the model runs such batches
+    # (until 12-03 a TypeError, "got multiple values for keyword argument 'batch_size'")
+    texts = TEXTS * 2 + ["the sky"]
+    want_pipe = transformers.pipeline("text-classification", model=_eager(cls, path), tokenizer=tok)(texts)
+    _same(neuron.pipeline("text-classification", model=dynamic, batch_size=4)(texts), want_pipe)
+    _same(neuron.pipeline("text-classification", model=model, batch_size=1)(texts), want_pipe)
+    with pytest.raises(ValueError, match="batch_size=4: the model was exported for batches of at most 2"):
+        neuron.pipeline("text-classification", model=model, batch_size=4)
     long = {"input_ids": torch.ones(1, 17, dtype=torch.int64)}
     with pytest.raises(ValueError, match="Unable to pad a sequence of 17 tokens"):
         model(**long)
@@ -287,6 +295,30 @@ def test_optimum_export_keywords_are_applied_noted_or_refused(exported, caplog):
     assert model.model.manifest["compile_options"]["auto_cast"] == "matmult"     # torch-neuronx's spelling
 
 
+def test_subfolder_names_the_checkpoint_to_export_and_the_model_to_load(exported, tmp_path):
+    """``from_pretrained(model_id, subfolder=...)`` reads ``model_id/subfolder``, as transformers
+    does; until 12-03 the keyword was dropped and a checkpoint in ``model_id`` itself was exported
+    in its place, without a word."""
+    cls = neuron.NeuronModelForSequenceClassification
+    path, model = exported[cls]
+    root = tmp_path / "repo"
+    shutil.copytree(path, root / "bert")
+    cfg = transformers.AutoConfig.from_pretrained(path, num_hidden_layers=1)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(root)      # another model at the top
+    got = cls.from_pretrained(root, subfolder="bert", export=True, **SHAPES, **FAST)
+    inputs = _inputs(cls, path)
+    with torch.no_grad():
+        want = _eager(cls, path)(**inputs).logits
+        other = transformers.BertForSequenceClassification.from_pretrained(root).eval()(**inputs).logits
+    assert (want - other).abs().max() > 1e-3          # the two checkpoints answer differently
+    torch.testing.assert_close(got(**inputs).logits, want, atol=1e-4, rtol=1e-4)
+    model.save_pretrained(tmp_path / "saved" / "inner")
+    again = cls.from_pretrained(tmp_path / "saved", subfolder="inner")
+    assert torch.equal(again(**inputs).logits, model(**inputs).logits)
+    with pytest.raises(FileNotFoundError, match="has no subfolder 'nowhere'"):
+        cls.from_pretrained(root, subfolder="nowhere", export=True, **SHAPES, **FAST)
+
+
 @pytest.mark.slow
 def test_sentence_transformers_on_real_minilm_equal_sentence_transformers(tmp_path):
     """The real all-MiniLM-L6-v2 (mean pooling, normalized) through NeuronSentenceTransformers:
@@ -351,6 +383,12 @@ def test_kiln_export_takes_optimums_flags_validates_and_hits_the_cache(tmp_path)
     wrong = _kiln("export", "-m", path, "--task", "summarization", "--batch_size", "1", "--sequence_length", "8",
                   str(tmp_path / "d"), env=env)
     assert wrong.returncode == 2 and "--task summarization: kiln exports" in wrong.stderr
+    # Optimum's other flags get kiln's answer, not argparse's "unrecognized arguments" (until 12-03)
+    hidden = _kiln("export", "-m", path, "--batch_size", "2", "--sequence_length", "16", "--output_hidden_states",
+                   str(tmp_path / "e"), env=env)
+    assert hidden.returncode == 2 and "output_hidden_states=True is not supported" in hidden.stderr, hidden.stderr
+    unet = _kiln("export", "-m", path, "--batch_size", "1", "--unet", "unet", str(tmp_path / "f"), env=env)
+    assert unet.returncode == 2 and "--unet: these configure a diffusion pipeline" in unet.stderr, unet.stderr
 
 
 def test_kiln_export_of_a_checkpoint_without_the_tasks_head_is_a_warning_and_validates(exported, tmp_path,

@@ -12,6 +12,9 @@ SHAPES = ("batch_size", "text_batch_size", "image_batch_size", "sequence_length"
           "num_channels", "width", "height", "image_size", "patch_size", "num_images_per_prompt",
           "audio_sequence_length", "decoder_sequence_length")
 NEURON_ONLY = ("instance_type", "compiler_workdir", "subfolder", "cache_dir")
+# Optimum's diffusion flags: taken, so that they get kiln's answer, not argparse's "unrecognized"
+DIFFUSION = ("unet", "lora_model_ids", "lora_weight_names", "lora_adapter_names", "lora_scales", "controlnet_ids",
+             "ip_adapter_id", "ip_adapter_subfolder", "ip_adapter_weight_name", "ip_adapter_scale")
 
 
 def _both(name: str) -> list:
@@ -34,6 +37,10 @@ def add_parser(sub):
     p.add_argument(*_both("disable_neuron_cache"), action="store_true")
     p.add_argument(*_both("inline_weights_neff"), action="store_true", help="accepted: the weights are always inline")
     p.add_argument(*_both("trust_remote_code"), action="store_true", help="accepted: kiln runs no hub code")
+    for name in ("output_hidden_states", "output_attentions"):
+        p.add_argument(*_both(name), action="store_true", help="refused with the reason: not supported yet")
+    for name in DIFFUSION:
+        p.add_argument(*_both(name), default=None, help="refused: kiln exports no diffusion pipelines")
     for name in NEURON_ONLY:
         p.add_argument(*_both(name), default=None)
     for name in SHAPES:
@@ -44,13 +51,19 @@ def add_parser(sub):
 
 
 def run(args, console) -> int:
+    from kiln.errors import CompilerArgsError
     from kiln.optimum.neuron import exporter
+    diffusion = [f"--{k}" for k in DIFFUSION if getattr(args, k) is not None]
+    if diffusion:
+        raise CompilerArgsError(f"{', '.join(diffusion)}: these configure a diffusion pipeline (Stable Diffusion, "
+                                "Flux, ...), which kiln export does not export; export its parts' checkpoints "
+                                "one by one, or trace them with kiln.trace")
     kwargs = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
     kwargs["optlevel"] = args.optlevel
     for k in ("auto_cast", "auto_cast_type", "torch_dtype", "tensor_parallel_size", *NEURON_ONLY[:2]):
         if getattr(args, k) is not None:
             kwargs[k] = getattr(args, k)
-    for k in ("dynamic_batch_size", "disable_neuron_cache"):
+    for k in ("dynamic_batch_size", "disable_neuron_cache", "output_hidden_states", "output_attentions"):
         if getattr(args, k):
             kwargs[k] = True
     if kwargs.get("auto_cast") == "none":

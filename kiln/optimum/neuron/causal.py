@@ -24,6 +24,7 @@ import torch
 
 from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError
+from kiln.optimum.neuron.exported import local_directory
 from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of, require_transformers
 from kiln.runtime.loader import load
 
@@ -92,12 +93,12 @@ class NeuronModelForCausalLM(CpuModel):
     @classmethod
     def from_pretrained(cls, model_id, export: bool = False, batch_size=None, sequence_length=None, num_cores=None,
                         auto_cast_type=None, **kwargs):
-        path = os.fspath(model_id)
+        path = local_directory(model_id, kwargs)
         if export:      # Optimum Neuron <= 0.3
             if auto_cast_type not in (None, "fp32", "float32"):
                 raise CompilerArgsError(f"auto_cast_type={auto_cast_type!r}: kiln's LLM path runs float32 weights "
                                         "or quantizes them (kiln llm compile --quantize int8/int4)")
-            for name in ("token", "revision", "task", "instance_type"):
+            for name in ("task", "instance_type"):
                 kwargs.pop(name, None)
             if kwargs:
                 raise CompilerArgsError(f"unknown export argument(s) {', '.join(sorted(kwargs))}")

@@ -1,5 +1,6 @@
 """Which kiln.optimum class a saved directory belongs to, for the messages that name it when
-another class loads it, and the export-time check of the positions a model can embed.
+another class loads it, the directory a ``from_pretrained`` call names, and the export-time
+check of the positions a model can embed.
 """
 from __future__ import annotations
 
@@ -9,6 +10,29 @@ import os
 import torch
 
 from kiln.errors import CompilerArgsError
+
+# from_pretrained's Hub keywords: nothing is downloaded, so they mean nothing here, except
+# ``subfolder``, which names the directory inside ``model_id`` (as transformers reads it)
+HUB_KEYWORDS = ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code")
+
+
+def local_directory(model_id, kwargs: dict) -> str:
+    """The directory ``from_pretrained(model_id, ..., **kwargs)`` reads: ``model_id``, or
+    ``model_id/subfolder``; the Hub keywords are taken out of ``kwargs``. Until 12-03 a
+    ``subfolder`` was dropped, so a checkpoint in ``model_id`` itself was exported in its place."""
+    path = os.fspath(model_id)
+    subfolder = kwargs.get("subfolder") or ""
+    for name in HUB_KEYWORDS:
+        kwargs.pop(name, None)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a directory; kiln.optimum loads local checkpoint directories "
+                                "only (nothing is downloaded)")
+    if subfolder:
+        inner = os.path.join(path, os.fspath(subfolder))
+        if not os.path.isdir(inner):
+            raise FileNotFoundError(f"{path} has no subfolder {os.fspath(subfolder)!r} ({inner} is not a directory)")
+        path = inner
+    return path
 
 
 def exported_task(path) -> str | None:

@@ -23,7 +23,8 @@ from kiln.atomic import write_atomic
 from kiln.compiler.api import trace
 from kiln.errors import ArtifactError, CompilerArgsError, InputError
 from kiln.optimum.neuron import options as neuron_options
-from kiln.optimum.neuron.exported import check_positions, exported_class, exported_task, wrong_class
+from kiln.optimum.neuron.exported import (check_positions, exported_class, exported_task,
+                                          local_directory, wrong_class)
 from kiln.runtime.loader import load
 
 log = logging.getLogger("kiln.optimum")
@@ -99,14 +100,9 @@ class NeuronTracedModel(CpuModel):
                         local_files_only: bool = True, **kwargs):
         """``model_id``: a local directory (a Hugging Face checkpoint with ``export=True``,
         else one this class saved). Nothing is downloaded."""
-        path = os.fspath(model_id)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a directory; kiln.optimum loads local checkpoint directories "
-                                    "only (nothing is downloaded)")
+        path = local_directory(model_id, kwargs)
         if export:
             return cls._export(path, config, **kwargs)
-        for loading in ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code"):
-            kwargs.pop(loading, None)
         if kwargs:
             raise CompilerArgsError(f"{', '.join(sorted(kwargs))} only apply with export=True; this loads an "
                                     "already exported model")
@@ -115,8 +111,6 @@ class NeuronTracedModel(CpuModel):
     @classmethod
     def _export(cls, path, config=None, **kwargs):
         tf = require_transformers()
-        for loading in ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code"):
-            kwargs.pop(loading, None)
         opts = neuron_options.parse(cls.task, cls.shapes, kwargs)
         config = config or tf.AutoConfig.from_pretrained(path, local_files_only=True)
         if "neuron" in config.to_dict():

@@ -86,9 +86,29 @@ def pipeline(task, model=None, tokenizer=None, feature_extractor=None, image_pro
         tok.model_max_length = length
     if task == "feature-extraction" and "pipeline_class" not in kwargs:
         kwargs["pipeline_class"] = _feature_extraction()
+    batch_size = _batch_size(model, kwargs.pop("batch_size", None))
     with quiet_model_check():
-        return transformers.pipeline(task, model=model, batch_size=model.static["batch_size"],
+        return transformers.pipeline(task, model=model, batch_size=batch_size,
                                      **{k: v for k, v in parts.items() if v is not None}, **kwargs)
+
+
+def _batch_size(model, asked) -> int:
+    """The pipeline's batch: the compiled one (as Optimum passes it), or the caller's
+    ``batch_size`` where the model takes batches of that size (any up to the compiled one; a
+    larger one with ``dynamic_batch_size=True``, run in chunks, and always for an LLM, whose
+    ``generate`` does that itself). Until 12-03 a caller's ``batch_size`` was passed on beside
+    the compiled one: a TypeError from transformers."""
+    static = model.static["batch_size"]
+    if asked is None:
+        return static
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise ValueError(f"batch_size={asked!r}: give a positive integer (the model was compiled for batches "
+                         f"of {static})")
+    if asked > static and not isinstance(model, causal.NeuronModelForCausalLM) \
+            and not getattr(model, "neuron", {}).get("dynamic_batch_size"):
+        raise ValueError(f"batch_size={asked}: the model was exported for batches of at most {static}; pass "
+                         f"batch_size <= {static}, or export with a larger batch_size or dynamic_batch_size=True")
+    return asked
 
 
 def _feature_extraction():

@@ -45,7 +45,7 @@ from kiln.atomic import write_atomic
 from kiln.errors import ArtifactError, CompilerArgsError
 from kiln.optimum.neuron import options as neuron_options
 from kiln.optimum.neuron import seq2seq_graphs as graphs_mod
-from kiln.optimum.neuron.exported import exported_class, wrong_class
+from kiln.optimum.neuron.exported import exported_class, local_directory, wrong_class
 from kiln.optimum.neuron.modeling import MODEL_FILE, CpuModel, preprocessors_of, require_transformers
 from kiln.optimum.neuron.seq2seq_cache import StaticSeq2SeqCache, fill_rows, first, hf_driver, pad_right
 from kiln.runtime.loader import load
@@ -57,7 +57,6 @@ DECODER_LENGTH = "decoder_sequence_length"
 KV_CACHE = "decoder_kv_cache"
 FORMAT_KEY, FORMAT = "kiln_seq2seq_format", 2      # 1 (the key absent): no KV cache, encoder/ and decoder/
 GENERATION_CONFIG = "generation_config.json"
-LOADING = ("token", "revision", "force_download", "cache_dir", "subfolder", "trust_remote_code")
 CROSS_DIR = "cross_attention"
 
 
@@ -91,12 +90,7 @@ class NeuronModelForSeq2SeqLM(CpuModel):
     def from_pretrained(cls, model_id, export: bool = False, config=None, local_files_only: bool = True, **kwargs):
         """``model_id``: a local directory (a Hugging Face checkpoint with ``export=True``,
         else one this class saved). Nothing is downloaded."""
-        path = os.fspath(model_id)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: not a directory; kiln.optimum loads local checkpoint directories "
-                                    "only (nothing is downloaded)")
-        for loading in LOADING:
-            kwargs.pop(loading, None)
+        path = local_directory(model_id, kwargs)
         if export:
             return cls._export(path, config, **kwargs)
         if kwargs:
