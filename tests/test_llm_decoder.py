@@ -1,10 +1,14 @@
 """The LLM step function (kiln.llm.decoder) against Hugging Face generate, token for token.
 
 Tiny random-weight Llama (grouped-query attention), Qwen2 (attention biases) and Mistral
-(a sliding window shorter than the generation, so the window is exercised), batched
+(a sliding window shorter than the generation, so the window is exercised), a Qwen2 that
+slides only its second layer and a Llama whose config carries a window its code never applies
+(both slid every layer until 12-03), batched
 prompts of different lengths with right padding: each row must equal its solo greedy
 generate from transformers.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -26,6 +30,13 @@ def _model(family):
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(**COMMON)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "qwen2-window":      # layer 0 full attention, layer 1 a window of 4
+        cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        assert cfg.layer_types == ["full_attention", "sliding_attention"]
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "llama-window-key":  # a converted config.json's leftover: Llama's code ignores it
+        cfg = transformers.LlamaConfig(**COMMON, sliding_window=4)
+        model = transformers.LlamaForCausalLM(cfg)
     elif family == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_inner=64, n_layer=2, n_head=4, n_positions=128)
         model = transformers.GPT2LMHeadModel(cfg)
@@ -40,20 +51,28 @@ def _model(family):
 
 def _hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt])
+    # a Llama's leftover sliding_window makes transformers' generate keep only the window in its
+    # cache, which the model's forward (every position attended) does not do: the forward is the
+    # reference, so that config generates without the cache
+    leftover = model.config.model_type == "llama" and getattr(model.config, "sliding_window", None)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
+                             pad_token_id=0, use_cache=not leftover)
     return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [[5, 17, 3, 88, 42, 7, 9], [11, 2], [60, 61, 62, 63, 64]]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "qwen2-window", "llama-window-key"])
 def test_batched_greedy_equals_hugging_face_for_each_prompt(family):
     model = _model(family)
-    prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
-    step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prefill = decoder.DecoderStep(model, with_cache=False, last_only=True).eval()
+        step = decoder.DecoderStep(model, with_cache=True, last_only=False).eval()
+    said = [str(w.message) for w in caught if "sliding_window" in str(w.message)]
+    assert bool(said) == (family == "llama-window-key"), said
     n = 12
     shape = decoder.cache_shape(model.config, len(PROMPTS), 32)
     got = scheduler.greedy(prefill, step, PROMPTS, n, shape)
@@ -75,7 +94,7 @@ def test_cache_refuses_to_overflow():
         cache.write_slot(0, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2-window"])
 def test_steps_compiled_by_kiln_equal_hugging_face(family, tmp_path, monkeypatch):
     """Prefill compiled for an 8-token context bucket (batch 1, prompts padded into it) and
     decode for 3 rows of a 32-slot cache, through kiln.trace and its engines: HF's tokens."""

@@ -21,8 +21,10 @@ The mask is built here, from positions, as a boolean ``[B, 1, T, S + T]``:
   sequence's first ``length`` slots; slot ``s`` holds position ``s``);
 * a new token ``j`` is visible to new token ``i`` where ``j <= i`` (causal), so right
   padding in a prompt is never seen by the real tokens before it;
-* with a sliding window (Mistral), a key is visible only where ``key_pos > query_pos -
-  window``, as ``transformers.masking_utils.sliding_window_overlay`` has it.
+* with a sliding window, a key is visible only where ``key_pos > query_pos - window``, as
+  ``transformers.masking_utils.sliding_window_overlay`` has it, in the layers the model's own
+  code slides (:func:`layer_windows`): every layer of Mistral, Qwen2's ``sliding_attention``
+  layers, none of Llama's or GPT-2's.
 
 Every query sees at least itself, so no row is fully masked.
 
@@ -33,6 +35,8 @@ valid slots, which also writes the step's keys into the cache it is given
 (:mod:`kiln.engines.ort_gqa`).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -70,6 +74,34 @@ def max_positions(config) -> int | None:
     """Positions a model with learned position embeddings (GPT-2) has embeddings for; None
     for rotary ones, which extend past their training length."""
     return getattr(config, "n_positions", None) if config.model_type == "gpt2" else None
+
+
+def layer_windows(config, family: str) -> list:
+    """Each layer's sliding window (None: full attention), as the family's transformers code
+    applies it. Mistral slides every layer when its config has a window; Qwen2 only the layers
+    its ``layer_types`` call ``sliding_attention`` (those from ``max_window_layers`` on, with
+    ``use_sliding_window``); Llama and GPT-2 never, whatever their config.json carries. Until
+    12-03 any config's ``sliding_window`` slid every layer: a Qwen2 with ``use_sliding_window``
+    and a Llama whose converted config kept the key generated other tokens than Hugging Face."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is not None and family not in ("mistral", "qwen2"):
+        warnings.warn(f"{type(config).__name__} has sliding_window={window}, which its model's attention does "
+                      "not apply: kiln computes the model's forward (every position attended). transformers' "
+                      "generate with its cache differs from that forward for such a config (its cache keeps only "
+                      "the window's last positions); drop sliding_window from config.json if that is the intent",
+                      stacklevel=3)
+    if window is None or family not in ("mistral", "qwen2"):
+        return [None] * layers
+    if family == "qwen2":
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * layers
+        types = list(getattr(config, "layer_types", None) or [])
+        if len(types) < layers:
+            raise UnsupportedModelError(f"{type(config).__name__} slides attention but its layer_types name "
+                                        f"{len(types)} of its {layers} layers")
+        return [window if types[i] == "sliding_attention" else None for i in range(layers)]
+    return [window] * layers
 
 
 class _Split:
@@ -166,10 +198,7 @@ class DecoderStep(nn.Module):
         self.lm_head = causal_lm.lm_head
         self.config = causal_lm.config
         self.with_cache, self.last_only = with_cache, last_only
-        window = getattr(self.config, "sliding_window", None)
-        if self.family == "qwen2" and not getattr(self.config, "use_sliding_window", False):
-            window = None
-        self.window = window
+        self.windows = layer_windows(self.config, self.family)
 
     def forward(self, input_ids, positions, *rest):
         rest = list(rest)
@@ -179,7 +208,8 @@ class DecoderStep(nn.Module):
             k_cache, v_cache, valid = rest[:layers], rest[layers:2 * layers], rest[2 * layers]
             rest = rest[2 * layers + 1:]
         last = rest[0] if self.last_only else None
-        mask = self._mask(positions, valid)
+        masks = {w: self._mask(positions, valid, w) for w in set(self.windows)}
+        mask = [masks[w] for w in self.windows]         # one per layer
         cache = _StepCache(k_cache, v_cache)
         previous = self.config._attn_implementation
         if self.with_cache:
@@ -195,34 +225,36 @@ class DecoderStep(nn.Module):
         logits = self.lm_head(norm(hidden))
         return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
 
-    def _layers(self, input_ids, positions, mask, cache):
-        """The embeddings and every decoder layer, each family's way."""
+    def _layers(self, input_ids, positions, masks, cache):
+        """The embeddings and every decoder layer, each family's way; ``masks``: one per layer."""
         if self.family == "gpt2":
             hidden = self.model.wte(input_ids) + self.model.wpe(positions)
-            for layer in self.model.h[: self.config.num_hidden_layers]:
+            for layer, mask in zip(self.model.h[: self.config.num_hidden_layers], masks):
                 hidden = layer(hidden, past_key_values=cache, attention_mask=mask, use_cache=True)
             return hidden
         hidden = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary_emb(hidden, position_ids=positions)
-        for layer in self.model.layers[: self.config.num_hidden_layers]:
+        for layer, mask in zip(self.model.layers[: self.config.num_hidden_layers], masks):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
                            past_key_values=cache, use_cache=True)
         return hidden
 
-    def _mask(self, positions, valid):
-        """Boolean ``[B, 1, T, S + T]``: what each new token may attend to (module doc)."""
+    @staticmethod
+    def _mask(positions, valid, window):
+        """Boolean ``[B, 1, T, S + T]``: what each new token may attend to in a layer with
+        this sliding ``window`` (None: full attention; module doc)."""
         t = positions.shape[1]
         new_keys = positions.unsqueeze(1)                       # [B, 1, T] key positions
         queries = positions.unsqueeze(2)                        # [B, T, 1]
         order = torch.arange(t, device=positions.device)
         mask = (order.unsqueeze(0) <= order.unsqueeze(1)).unsqueeze(0)   # [1, T, T] causal by index
-        if self.window is not None:
-            mask = mask & (new_keys > queries - self.window)
+        if window is not None:
+            mask = mask & (new_keys > queries - window)
         if valid is not None:
             slots = torch.arange(valid.shape[1], device=positions.device).view(1, 1, -1)
             cached = valid.unsqueeze(1)                          # [B, 1, S]
-            if self.window is not None:
-                cached = cached & (slots > queries - self.window)
+            if window is not None:
+                cached = cached & (slots > queries - window)
             mask = torch.cat([cached.expand(-1, t, -1), mask.expand(positions.shape[0], -1, -1)], dim=2)
         return mask.unsqueeze(1).expand(positions.shape[0], 1, t, -1)
 
