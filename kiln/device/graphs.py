@@ -411,11 +411,19 @@ def _runner(gm, compiled, started, hit):
     present = [o is not None for o in outputs]
     ranges = compiled.index_ranges    # an index out of range is refused before any engine sees it
     aliased = output_aliases.plan(gm)   # outputs that are views of one another in eager
+    # NaN or infinities the program was found at compile time to answer otherwise than eager
+    # (compiler.checks.nonfinite_probe: a ReLU or max that turns NaN into a number): such a call
+    # runs op by op, as eager would (kiln.trace's models refuse them; a training loop must go
+    # on, its NaN loss as eager has it). Until 12-03 the program ran them: NaN lost, silently.
+    nonfinite = getattr(compiled, "nonfinite", frozenset())
 
     def run(*args):
         t0 = time.perf_counter()
         if ranges:
             value_checks.check_ranges(args, ranges)
+        if nonfinite and value_checks.any_nonfinite(args, nonfinite):
+            metrics.count("NonfiniteEagerCalls")
+            return _listed(gm(*args))
         flat = iter(compiled.run_flat(list(args)))
         out = [next(flat) if p else None for p in present]
         if aliased:

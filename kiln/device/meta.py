@@ -69,8 +69,10 @@ def call(func, args, kwargs, trace):
         if key is not None:
             _CACHE[key] = e
         raise
-    if func in _EVAL_BATCH_NORMS and not _training(func, args, kwargs):
-        out = _cpu_statistics(out)
+    if func in _EVAL_BATCH_NORMS:
+        out = _cpu_layout(out, stand_in(args[0], trace))
+        if not _training(func, args, kwargs):
+            out = _cpu_statistics(out)
     elif isinstance(out, torch.Tensor) and _dtype_differs(func):
         out = _cpu_dtype(func, out, walk.tmap(of, args), {k: walk.tmap(of, v) for k, v in kwargs.items()})
     if key is not None:
@@ -98,6 +100,25 @@ def _training(func, args, kwargs) -> bool:
     if func is aten._native_batch_norm_legit_no_training.default:
         return False
     return (args[5] if len(args) > 5 else kwargs.get("training", False)) is True
+
+
+def _cpu_layout(out, x):
+    """A batch norm's output laid out as the CPU's kernel lays it out: contiguous, or
+    channels-last where the input ``x`` is (``empty_like(x, x.suggest_memory_format())``),
+    where the meta kernel keeps the input's strides. Until 12-03 a transposed input's meta
+    strides were recorded, and the common ``transpose -> BatchNorm1d -> transpose -> Linear``
+    failed on the real data with "view size is not compatible with input tensor's size and
+    stride"."""
+    y = out[0]
+    layout = torch.contiguous_format
+    if not x.is_contiguous():
+        for dims, channels_last in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+            if x.dim() == dims and x.is_contiguous(memory_format=channels_last):
+                layout = channels_last
+    want = torch.empty(0, device="meta").new_empty(y.shape, dtype=y.dtype).contiguous(memory_format=layout)
+    if want.stride() == y.stride():
+        return out
+    return (want, *out[1:])
 
 
 def _cpu_statistics(out):

@@ -1,0 +1,97 @@
+"""Values and layouts where a device program would part from eager PyTorch.
+
+* NaN and infinities reaching a compiled program whose engine was found at compile time to
+  answer them otherwise (a ReLU or max that turns NaN into a number, ``%`` by an infinity):
+  that call runs op by op, so the answer is eager's. Until 12-03 the program ran it: CPU
+  ``relu([nan, ...])`` is ``[nan, ...]``, the device's was ``[0.0, ...]``, and a NaN loss
+  could come out a number.
+* A batch norm's output laid out as the CPU's kernel lays it out (contiguous), not as its
+  meta kernel does (the input's strides): until 12-03 ``transpose -> BatchNorm1d ->
+  transpose -> Linear`` failed on the device with "view size is not compatible".
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _f(x, y):
+    return torch.relu(x) * 2, x.amax(), torch.remainder(y, x.abs() + 1), F.gelu(x)
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_nan_and_infinities_into_a_compiled_program_give_eagers_answers(engine, mode):
+    from kiln.device import metrics, modes
+    dev = modes.device()
+    metrics.clear()
+    modes.forget_compiled()
+    modes.set_mode(mode, background=False, engine=engine)
+
+    def step(x, y):
+        out = _f(torch.tensor(x).to(dev), torch.tensor(y).to(dev))
+        if mode == "lazy":
+            modes.mark_step()
+        return [t.cpu() for t in out]
+
+    good = ([1.0, -2.0, 3.0, 4.0], [3.0, 5.0, -7.0, 1.5])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)          # the program compiles
+            for _ in range(3):                                      # seen, compiled, run
+                for got, want in zip(step(*good), _f(*map(torch.tensor, good))):
+                    torch.testing.assert_close(got, want)
+            assert metrics.counter_value("UncachedCompile") == 1
+            assert metrics.counter_value("NonfiniteEagerCalls") == 0
+            for x, y in (([NAN, -2.0, 3.0, 4.0], good[1]), (good[0], [3.0, INF, -INF, NAN]),
+                         ([INF, -INF, 3.0, 4.0], [3.0, 5.0, -7.0, 1.5])):
+                want = _f(torch.tensor(x), torch.tensor(y))
+                for got, w in zip(step(x, y), want):
+                    torch.testing.assert_close(got, w, equal_nan=True)
+            for got, want in zip(step(*good), _f(*map(torch.tensor, good))):      # finite: compiled again
+                torch.testing.assert_close(got, want)
+        assert metrics.counter_value("UncachedCompile") == 1
+    finally:
+        modes.wait_compiles()
+        modes.set_mode("eager", background="auto", engine=None)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_batch_norm_over_a_transposed_input_then_a_linear_trains_like_the_cpu(mode):
+    from kiln.device import modes
+    dev = modes.device()
+    modes.set_mode(mode)
+
+    def run(device):
+        torch.manual_seed(0)
+        bn, lin = torch.nn.BatchNorm1d(4).to(device), torch.nn.Linear(4, 3).to(device)
+        opt = torch.optim.SGD([*bn.parameters(), *lin.parameters()], lr=0.1)
+        losses = []
+        for i in range(3):
+            h = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(i)).to(device)
+            out = lin(bn(h.transpose(1, 2)).transpose(1, 2))       # (B, L, C) layers' usual pattern
+            loss = out.square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if mode == "lazy":
+                modes.mark_step()
+            losses.append(float(loss))
+        bn.eval()
+        with torch.no_grad():
+            h = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(9)).to(device)
+            evaluated = lin(bn(h.transpose(1, 2)).transpose(1, 2)).cpu()
+        return losses, evaluated, [p.detach().cpu() for p in (*bn.parameters(), *lin.parameters())]
+
+    try:
+        want, got = run("cpu"), run(dev)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    finally:
+        modes.wait_compiles()
+        modes.set_mode("eager")
