@@ -478,3 +478,50 @@ def test_chunked_digest_catches_a_flip_in_any_chunk():
         flipped[where] ^= 1
         assert xxh3_chunked(flipped) != digest
     assert xxh3_chunked(data[:-1]) != digest
+
+
+Pair = __import__("collections").namedtuple("Pair", "probs hidden")
+
+
+class _PairModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Pair(h.softmax(-1), h)
+
+
+def test_a_namedtuple_output_comes_back_a_namedtuple(tmp_path):
+    """Until 12-03 it came back a mapping (``kiln.Output``): ``probs, hidden = model(x)`` gave
+    the field names, not the tensors."""
+    from kiln.artifact import specs
+    torch.manual_seed(0)
+    model, x = _PairModel().eval(), torch.randn(2, 4)
+    compiled = kiln.trace(model, x)
+    want = model(x)
+    got = compiled(x)
+    assert type(got) is Pair                  # the class, where it is loaded
+    probs, hidden = got
+    assert_close(probs, want.probs.detach())
+    assert_close(hidden, want.hidden.detach())
+    compiled.save(tmp_path / "pair.kiln")
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(want.hidden.detach(), tmp_path / "h.pt")
+    code = f"""
+import sys, torch, kiln
+out = kiln.load({str(tmp_path / 'pair.kiln')!r})(torch.load({str(tmp_path / 'x.pt')!r}))
+probs, hidden = out
+torch.testing.assert_close(hidden, torch.load({str(tmp_path / 'h.pt')!r}), atol=1e-4, rtol=1e-4)
+assert out.hidden is hidden and out[0] is probs and isinstance(out, tuple)
+assert not any(k.startswith('tests') for k in sys.modules), 'model code was imported'
+print('OK', type(out).__name__, out._fields)
+"""
+    r = run_py(code, cwd=str(tmp_path))
+    assert r.returncode == 0 and "OK Pair ('probs', 'hidden')" in r.stdout, r.stderr
+    # an artifact of an older kiln names the class bare
+    old = specs.decode({"namedtuple": [["a", {"t": 0}], ["b", {"none": True}]], "class": "Pair"}, [torch.ones(1)])
+    assert isinstance(old, tuple) and old._fields == ("a", "b") and old.b is None
+    with pytest.raises(kiln.errors.ArtifactError, match="namedtuple with fields"):
+        specs.decode({"namedtuple": [["not a name", {"t": 0}]], "class": "Pair"}, [torch.ones(1)])

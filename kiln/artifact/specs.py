@@ -5,10 +5,14 @@ Hugging Face ``ModelOutput``) without pickling Python objects, so a structure
 is encoded as a small JSON tree whose leaves index a flat list of tensors.
 Decoding never imports anything: a ``ModelOutput`` class is reused only when
 its module is already loaded, otherwise the result is a :class:`Output`, which
-behaves the same for attribute, key and index access.
+behaves the same for attribute, key and index access. A namedtuple comes back as a
+namedtuple: its own class where that is loaded, else one made with its name and fields
+(a tuple, so unpacking gives the tensors, as eager's does).
 """
 from __future__ import annotations
 
+import collections
+import keyword
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -93,7 +97,7 @@ def encode(value, name: str, leaves: list, specs: list):
         return out
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return {"namedtuple": [[f, encode(v, f"{name}.{f}", leaves, specs)] for f, v in zip(value._fields, value)],
-                "class": type(value).__name__}
+                "class": f"{type(value).__module__}:{type(value).__qualname__}"}
     if isinstance(value, (tuple, list)):
         kind = "tuple" if isinstance(value, tuple) else "list"
         return {kind: [encode(v, f"{name}[{i}]", leaves, specs) for i, v in enumerate(value)]}
@@ -119,7 +123,8 @@ def decode(structure, leaves):
     if "dict" in structure:
         return {k: decode(s, leaves) for k, s in structure["dict"]}
     if "namedtuple" in structure:
-        return Output((k, decode(s, leaves)) for k, s in structure["namedtuple"])
+        fields = tuple(k for k, _ in structure["namedtuple"])
+        return _namedtuple(structure.get("class", ""), fields)(*(decode(s, leaves) for _, s in structure["namedtuple"]))
     if "model_output" in structure:
         values = [(k, decode(s, leaves)) for k, s in structure["model_output"]]
         cls = _loaded_class(structure.get("class", ""))
@@ -130,6 +135,30 @@ def decode(structure, leaves):
                 pass
         return Output(values)
     raise KilnError(f"unknown structure node {sorted(structure)} in artifact")
+
+
+_NAMEDTUPLES: dict = {}
+
+
+def _namedtuple(path: str, fields: tuple) -> type:
+    """The namedtuple class an output was made with (``module:qualname``; an artifact
+    before 12-03 kept the bare name) where it is loaded and has these fields, else one made
+    with its name and fields. Until 12-03 a namedtuple came back as a :class:`Output`, a
+    mapping: ``logits, hidden = model(x)`` unpacked its field names, not its tensors."""
+    cls = _loaded_class(path) if ":" in path else None
+    if isinstance(cls, type) and issubclass(cls, tuple) and tuple(getattr(cls, "_fields", ())) == fields:
+        return cls
+    name = path.rpartition(":")[2].rpartition(".")[2]
+    if not name.isidentifier() or keyword.iskeyword(name):
+        name = "Output"
+    key = (name, fields)
+    if key not in _NAMEDTUPLES:
+        try:
+            _NAMEDTUPLES[key] = collections.namedtuple(name, fields)
+        except (TypeError, ValueError) as e:    # the schema checks fields are strings, not identifiers
+            raise ArtifactError(f"the artifact's output names a namedtuple with fields {list(fields)} that "
+                                f"Python cannot make ({e}); the file is damaged or was not written by kiln") from None
+    return _NAMEDTUPLES[key]
 
 
 def _is_model_output_class(cls) -> bool:
