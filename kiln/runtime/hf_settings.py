@@ -20,7 +20,13 @@ Scripts ported from transformers, Optimum Neuron or NxD Inference call ``generat
 * ``use_cache`` is accepted (it changes no token), ``streamer`` is
   :meth:`~kiln.runtime.llm.LLM.hf_generate`'s own; anything else passed as an override is
   an unknown setting (also an error). Settings of a config that change no token
-  (``use_cache``, ``bos_token_id``) are not read.
+  (``use_cache``, ``bos_token_id``, the cache's and compile's settings: :data:`HARMLESS`)
+  are not read;
+* **any other setting** a config (or the checkpoint's generation config) holds, one this
+  module does not name (``exponential_decay_length_penalty``, ``dola_layers``,
+  ``watermarking_config``, one a later transformers adds), is refused by name when set: until
+  12-03 such settings were not read at all, so ``exponential_decay_length_penalty`` gave other
+  tokens than transformers, without a word.
 """
 from __future__ import annotations
 
@@ -52,6 +58,30 @@ NO_OP = {"min_new_tokens": 0, "min_p": 0.0, "guidance_scale": 1.0}
 # Settings that change no token: accepted as overrides, not read.
 ACCEPTED = {"use_cache"}
 
+# GenerationConfig's settings that change no token of kiln's decoding: the cache's and
+# compile's, token ids a decoder-only generate does not read, beam search's (num_beams is
+# refused), the assisted and prompt-lookup decoding's (the same greedy tokens), what
+# dict outputs hold (return_dict_in_generate is refused), renormalising after the processors
+# kiln has (the same distribution), and bookkeeping. A setting neither here nor in HONOURED
+# or REFUSED is refused when set (module doc).
+HARMLESS = {"transformers_version", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_config",
+            "cache_implementation", "compile_config", "disable_compile", "continuous_batching_config",
+            "prefill_chunk_size", "max_cache_len", "low_memory", "is_assistant", "output_attentions",
+            "output_hidden_states", "early_stopping", "length_penalty", "assistant_confidence_threshold",
+            "assistant_early_exit", "assistant_ensemble_weight", "assistant_lookbehind", "target_lookbehind",
+            "num_assistant_tokens", "num_assistant_tokens_schedule", "speculation_type", "use_mtp",
+            "max_matching_ngram_size", "prompt_lookup_num_tokens", "renormalize_logits", "remove_invalid_values",
+            "trust_remote_code", "generation_kwargs", "return_legacy_cache"}
+
+
+def _settings_of(generation_config) -> dict:
+    """Every setting ``generation_config`` holds (not None), except the harmless ones."""
+    if generation_config is None:
+        return {}
+    values = generation_config.to_dict() if hasattr(generation_config, "to_dict") else vars(generation_config)
+    return {k: v for k, v in values.items()
+            if not k.startswith("_") and k not in HARMLESS and v is not None}
+
 
 def _is_default(name, value) -> bool:
     """``value`` of the refused setting ``name`` does what its default does."""
@@ -59,7 +89,7 @@ def _is_default(name, value) -> bool:
         return True
     if isinstance(value, (list, tuple, dict, set, frozenset)) and not value:
         return True
-    for harmless in (REFUSED[name], NO_OP.get(name)):
+    for harmless in (REFUSED.get(name), NO_OP.get(name)):
         try:
             if harmless is not None and bool(value == harmless):
                 return True
@@ -75,10 +105,7 @@ def recorded(generation_config) -> dict:
     setting unset, as transformers' generate fills them from ``model.generation_config``."""
     import json
     out = {}
-    for k in (*HONOURED, *REFUSED):
-        value = getattr(generation_config, k, None)
-        if value is None:
-            continue
+    for k, value in _settings_of(generation_config).items():
         try:
             out[k] = json.loads(json.dumps(value))
         except (TypeError, ValueError):         # not JSON (a dict with tuple keys): kept as text, refused by name
@@ -92,15 +119,14 @@ def resolve(generation_config, overrides: dict, width: int, model_defaults: dict
     no stop token, ``settings["eos_given"]`` says it was given) over the config's settings
     that are not None, over ``model_defaults`` (the checkpoint's, :func:`recorded`), over
     GenerationConfig's defaults."""
-    overrides = {k: v for k, v in overrides.items() if k not in ACCEPTED}
-    unknown = set(overrides) - set(HONOURED) - set(REFUSED)
+    overrides = {k: v for k, v in overrides.items() if k not in ACCEPTED and k not in HARMLESS}
+    unknown = set(overrides) - set(HONOURED) - set(REFUSED) - _config_names()
     if unknown:
         raise InputError(f"generate() got settings kiln does not know: {sorted(unknown)}")
-    given = {k: v for k, v in (model_defaults or {}).items() if k in HONOURED or k in REFUSED}
-    given.update({k: getattr(generation_config, k) for k in (*HONOURED, *REFUSED)
-                  if generation_config is not None and getattr(generation_config, k, None) is not None})
+    given = {k: v for k, v in (model_defaults or {}).items() if k not in HARMLESS}
+    given.update(_settings_of(generation_config))
     given.update(overrides)          # an override of None too, as transformers' generate(**kwargs)
-    refused = {k: v for k, v in given.items() if k in REFUSED and not _is_default(k, v)}
+    refused = {k: v for k, v in given.items() if k not in HONOURED and not _is_default(k, v)}
     if refused:
         named = ", ".join(f"{k}={v!r}" for k, v in sorted(refused.items()))
         raise InputError(f"kiln's generate does not do {named}: it decodes greedily or samples one sequence per "
@@ -121,6 +147,16 @@ def resolve(generation_config, overrides: dict, width: int, model_defaults: dict
     if new < 1:
         raise InputError(f"max_new_tokens must be at least 1; got {new}")
     return cfg, new
+
+
+def _config_names() -> set:
+    """The settings transformers' ``GenerationConfig`` has (an override naming one that kiln
+    does not do is refused as such, not called unknown)."""
+    try:
+        from transformers import GenerationConfig
+    except ImportError:
+        return set()
+    return {k for k in vars(GenerationConfig()) if not k.startswith("_")}
 
 
 def sampling_params(cfg: dict):
