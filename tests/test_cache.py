@@ -45,6 +45,33 @@ def test_second_trace_hits_the_cache(tmp_path):
     assert delta(s)["hits"] == 1 and delta(s)["compiles"] == 0
 
 
+class _Alpha(torch.nn.Module):
+    def forward(self, x):
+        return x * 3 + 1
+
+
+class _Beta(_Alpha):
+    """The same graph as _Alpha's under another class name."""
+
+
+def test_a_hit_is_named_for_the_model_that_asked(tmp_path):
+    """Until 12-03 a hit kept the name of the model that filled the entry: _Beta's model was
+    called _Alpha, in its saved manifest too."""
+    from kiln.artifact.container import manifest_of
+    url, x = str(tmp_path / "cache"), torch.randn(4)
+    assert kiln.trace(_Alpha(), x, cache=url).name == "_Alpha"
+    s = snap()
+    beta = kiln.trace(_Beta(), x, cache=url)
+    assert delta(s)["hits"] == 1 and delta(s)["compiles"] == 0
+    assert beta.name == "_Beta"
+    beta.save(tmp_path / "beta.kiln")
+    assert manifest_of(str(tmp_path / "beta.kiln"))["model_name"] == "_Beta"
+    assert kiln.load(tmp_path / "beta.kiln").name == "_Beta"      # signed again: it loads
+    assert_close(kiln.load(tmp_path / "beta.kiln")(x), x * 3 + 1)
+    assert kiln.trace(_Alpha(), x, cache=url).name == "_Alpha"
+    assert kiln.trace(_Beta(), x, cache=url, name="mine").name == "mine"
+
+
 def test_changed_weights_shapes_or_options_miss(tmp_path):
     url = str(tmp_path / "cache")
     model, x = models.mlp()

@@ -68,7 +68,7 @@ class CacheHook:
             hit = hit if hit is None else vouched(store, key, hit, job)
             if hit is not None:
                 store.count("alias_hits")
-                return hit
+                return _named(hit, job)
         started = time.perf_counter()
         with progress.phase("capture"):
             captured = capture_for(job.model, job.args, job.kwargs)
@@ -81,7 +81,20 @@ class CacheHook:
                 return self.on_miss(job, captured, key, fp)
             return compile_into(store, key, fp, captured, compile_, job.compiler_args, from_cache, progress)
         _alias_if_served(store, fp, key, hit)
-        return hit
+        return _named(hit, job)
+
+
+def _named(hit, job):
+    """``hit`` named as this compile would name it (``name=``, else the model's class): the
+    key holds a name given with ``name=``, not the class, so two classes with one graph share
+    an entry, and until 12-03 the second got the first one's name (in ``kiln inspect``, the
+    server's model metadata, the metrics and messages). The manifest is signed again when
+    saved (``kiln.artifact.trust.signature_for``)."""
+    from kiln.graph.capture import model_name
+    want = job.name or model_name(job.model)
+    if hit.manifest.get("model_name") != want:
+        hit.manifest["model_name"] = want
+    return hit
 
 
 def vouched(store, key, hit, job):

@@ -71,7 +71,7 @@ def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
             args = _positional_from_names(sig, kwargs)
         bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError) as e:
-        raise CaptureError(f"example inputs do not fit the signature of {_name(model)}: {e}") from None
+        raise CaptureError(f"example inputs do not fit the signature of {model_name(model)}: {e}") from None
     out = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
@@ -140,7 +140,8 @@ def call_bound(model, named: dict):
     return model(*(named[k] for k in names[:n]), **{k: named[k] for k in names[n:]})
 
 
-def _name(model) -> str:
+def model_name(model) -> str:
+    """What a compile of ``model`` is called unless ``name=`` says: its class, or a function's name."""
     return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "function")
 
 
@@ -170,7 +171,7 @@ def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=
     A forward that writes to (or reassigns) its inputs, parameters or buffers is refused
     (:mod:`kiln.graph.state_writes`), and buffers are put back as they were; FX graphs (PyTorch's, the device's) are not watched."""
     if isinstance(model, torch.jit.ScriptModule):
-        raise CaptureError(f"{_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
+        raise CaptureError(f"{model_name(model)} is TorchScript (torch.jit.script or torch.jit.trace), which "
                            "torch.export cannot trace: pass the original nn.Module (or function) instead")
     with eval_mode(model), _stack_traces(getattr(model, "kiln_record_stack_traces", True)):
         return _capture(model, example_inputs, example_kwargs, decompose, fast)
@@ -224,7 +225,7 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
     reassigned = state_writes.rebound(bound, model)
     if reassigned and state_writes.settles(eager, lambda: (draws.restore(), call_bound(model, named))[1]):
         reassigned = []                       # a cache rebuilt to the same values, not moving state
-    state_writes.refuse_writes(_name(model), watched, reassigned, saved)
+    state_writes.refuse_writes(model_name(model), watched, reassigned, saved)
     out_leaves, out_specs = [], []
     out_structure = specs.encode(eager, "", out_leaves, out_specs)
     for i, s in enumerate(out_specs):
@@ -247,23 +248,23 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
                     warnings.simplefilter("ignore", FutureWarning)  # torch-internal pytree deprecations
                     ep = torch.export.export(wrapper, tuple(named.values()), strict=False)
             except Exception as e:  # torch raises many unrelated types here
-                raise CaptureError(explain_export_failure(e, _name(model))) from e
+                raise CaptureError(explain_export_failure(e, model_name(model))) from e
             if decompose:
-                ep = decompose_program(ep, _name(model))
+                ep = decompose_program(ep, model_name(model))
         return _captured(graph_module(ep, tensor_mask), ep, model, names, structure, in_specs, out_structure,
                          out_specs, leaves, out_leaves, tensor_mask, draws)
 
 
 def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_specs, leaves, out_leaves,
               tensor_mask, draws) -> Captured:
-    subgraph_ops.refuse(gm, _name(model))
+    subgraph_ops.refuse(gm, model_name(model))
     randomness.lay_out_as_eager(gm)      # random ops draw into eager's layout, wherever they run
     graph_outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if len(graph_outputs) != len(out_leaves):
-        raise CaptureError(f"{_name(model)} returns non-tensor values the compiled graph cannot "
+        raise CaptureError(f"{model_name(model)} returns non-tensor values the compiled graph cannot "
                            "produce; return only tensors (in tuples, lists or dicts)")
     captured = Captured(gm, names, structure, in_specs, out_structure, out_specs,
-                        list(leaves), [t.detach() for t in out_leaves], _name(model))
+                        list(leaves), [t.detach() for t in out_leaves], model_name(model))
     captured.exported, captured.tensor_mask, captured.draws = ep, tensor_mask, draws
     captured.index_ranges = index_ranges.of_inputs(gm, captured.input_specs)   # before partitioning
     return captured
