@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import kiln
+from kiln.graph.positional import Positional
 from tests.conftest import run_py
 
 ATOL = RTOL = 1e-4
@@ -260,7 +261,7 @@ def test_one_trace_gives_the_graph_of_export_then_decomposition():
                 (bert, (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.long))),
                 (cnn, (torch.randn(2, 3, 8, 8),))]
     for model, args in subjects:
-        wrapper = capture_mod._Positional(model, [f"a{i}" for i in range(len(args))], len(args))
+        wrapper = Positional(model, [f"a{i}" for i in range(len(args))], len(args))
         once = one_trace.export_decomposed(wrapper, args, capture_mod.decompositions)
         assert once is not None, type(model).__name__
         with torch.no_grad():
@@ -276,7 +277,7 @@ def test_one_trace_gives_the_graph_of_export_then_decomposition():
             return self.lin(x) * n
 
     x = torch.randn(2, 4)
-    wrapper = capture_mod._Positional(Scaled().eval(), ["x", "n"], 2)
+    wrapper = Positional(Scaled().eval(), ["x", "n"], 2)
     assert one_trace.export_decomposed(wrapper, (x, 3), capture_mod.decompositions) is None
     graph = capture_mod.capture(Scaled().eval(), (x, 3)).graph_module.graph
     assert [n.name for n in graph.nodes if n.op == "placeholder"] == ["values_0"]
@@ -294,14 +295,14 @@ def test_one_trace_sees_an_operator_registered_after_earlier_captures():
             return torch.ops.kiln_capture_test.twice(x) + 1
 
     x = torch.randn(2, 3)
-    plain = capture_mod._Positional(nn.Linear(3, 3).eval(), ["x"], 1)
+    plain = Positional(nn.Linear(3, 3).eval(), ["x"], 1)
     assert one_trace.export_decomposed(plain, (x,), capture_mod.decompositions) is not None
     py_impl = torch._ops.OperatorBase.py_impl
     lib = torch.library.Library("kiln_capture_test", "DEF")
     lib.define("twice(Tensor x) -> Tensor")
     lib.impl("twice", lambda t: t * 2, "CompositeImplicitAutograd")
     assert torch.ops.kiln_capture_test.twice.default in one_trace._split(capture_mod.decompositions)[0]
-    wrapper = capture_mod._Positional(Twice().eval(), ["x"], 1)
+    wrapper = Positional(Twice().eval(), ["x"], 1)
     once = one_trace.export_decomposed(wrapper, (x,), capture_mod.decompositions)
     assert once is not None
     with torch.no_grad():
@@ -551,3 +552,29 @@ def test_torchscript_is_refused_with_what_to_pass_and_training_mode_is_captured_
     model.eval()
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled(x), compiled(x), rtol=0, atol=0)
+
+
+def test_a_bool_example_argument_reaches_the_model_as_a_bool():
+    """torch.export hands a bool input to forward as the int 1: transformers read
+    ``output_hidden_states=1`` as "hidden state 1 alone", and until 12-03 such a trace was
+    refused for returning non-tensor values. The example's scalars now reach the model as given."""
+    transformers = pytest.importorskip("transformers")
+
+    class Flagged(nn.Module):
+        def forward(self, x, flag):
+            return x + 1 if flag is True else x - 1         # True, not 1
+
+    x = torch.randn(3)
+    torch.testing.assert_close(kiln.trace(Flagged(), (x, True), cache=False)(x, True), x + 1)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    example = {"input_ids": torch.randint(1, 50, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long),
+               "output_hidden_states": True}
+    with torch.no_grad():
+        want = model(**example)
+    got = kiln.trace(model, example, cache=False)(**example)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    for g, w in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

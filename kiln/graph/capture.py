@@ -21,6 +21,7 @@ from kiln.errors import CaptureError
 from kiln.graph import (aten_graph, computed_indices, index_ranges, numpy_inputs, one_trace, randomness, state_writes,
                         subgraph_ops, tracing_lock)
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
+from kiln.graph.positional import Positional
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
 # every input's shape and dtype before a call, so these are redundant.
@@ -145,25 +146,6 @@ def model_name(model) -> str:
     return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "function")
 
 
-class _Positional(torch.nn.Module):
-    """Calls the model with named arguments passed positionally to export.
-
-    Exporting through this wrapper gives the graph one input per flat tensor
-    in exactly :func:`bind_inputs`' order, whatever mix of positional and
-    keyword arguments the user's example used.
-    """
-
-    def __init__(self, model, names, n_positional):
-        super().__init__()
-        self.model = model
-        self.names = names
-        self.n_positional = n_positional      # the first names go positionally (*args)
-
-    def forward(self, *values):
-        n = self.n_positional
-        return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
-
-
 def capture(model, example_inputs, example_kwargs=None, *, decompose=True, fast=True) -> Captured:
     """Capture in eval mode (inference graphs), leaving the user's module as it was.
     ``fast``: a graph that is already ATen is traced once with ``make_fx``
@@ -240,7 +222,7 @@ def _capture(model, example_inputs, example_kwargs, decompose, fast=True) -> Cap
             return _captured(gm, None, model, names, structure, in_specs, out_structure, out_specs, leaves,
                              out_leaves, tensor_mask, draws)
         module = model if isinstance(model, torch.nn.Module) else FunctionModule(model)
-        wrapper = _Positional(module, names, n_positional)
+        wrapper = Positional(module, names, n_positional, tuple(named.values()))
         ep = one_trace.export_decomposed(wrapper, tuple(named.values()), decompositions) if decompose else None
         if ep is None:
             try:
