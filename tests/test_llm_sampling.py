@@ -74,7 +74,7 @@ def test_a_tiny_temperature_draws_the_most_likely_token(extra):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 97, generator=gen) * 3
     logits[3] -= 50                                           # all negative: every score overflows to -inf
-    for temperature in (1e-45, 1e-38, 1e-30):
+    for temperature in (1e-45, 1e-38, 1e-30, 1e-46, 1e-300):     # the last two are 0 in float32 (12-03: NaN)
         params = sampling.SamplingParams(do_sample=True, temperature=temperature, seed=1, **extra)
         for _ in range(3):
             assert torch.equal(sampling.choose(logits, params, generator=params.generator()), logits.argmax(-1))

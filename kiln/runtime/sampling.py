@@ -140,10 +140,14 @@ def _tempered(scores, temperature):
     ``temperature=1e-45``) the scores are shifted by their maximum first, which leaves the
     softmax as it is and cannot overflow: the limit, all the probability on the most
     likely tokens. Unshifted, the largest scores became inf, the softmax NaN, and the
-    draw picked the last token of the vocabulary."""
+    draw picked the last token of the vocabulary. Below float32's smallest number
+    (``1e-46``) the temperature is 0 in the scores' type and the shifted maximum 0 / 0: the
+    most likely tokens are kept at 0 and the rest at -inf, the same limit (until 12-03 a
+    KilnError, "the sampling distribution holds NaN", and the server's 500)."""
     scaled = scores / temperature
-    if temperature < 1 and scores.numel() and math.isinf(float(scaled.max())):
-        scaled = (scores - scores.max()) / temperature
+    if temperature < 1 and scores.numel() and not math.isfinite(float(scaled.max())):
+        shifted = scores - scores.max()
+        scaled = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / temperature)
     return scaled
 
 
