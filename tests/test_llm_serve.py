@@ -126,6 +126,9 @@ def test_bad_requests_get_openai_errors(served, client):
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "colour" in body["error"]["message"]
     status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": "x"})
     assert status == 400 and "'stream_options' must be an object" in body["error"]["message"]
+    status, body = s.post_json("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream": True,
+                                                   "stream_options": {"include_usage": "no"}})     # was read as true
+    assert status == 400 and "'include_usage' must be true or false" in body["error"]["message"], body
     status, body = s.post_json("/v1/chat/completions", {"model": "tiny", "messages": "Hi"})
     assert status == 400 and "'messages' must be a non-empty list" in body["error"]["message"]
     status, body = s.post_json("/v2/models/tiny/infer", {"inputs": []})

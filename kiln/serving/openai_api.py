@@ -179,6 +179,7 @@ def start(payload: dict, route: str, sm) -> tuple:
     params, stop = sampling_of(payload), stops_of(payload)
     streaming = field(payload, "stream", bool, False)
     options = field(payload, "stream_options", dict, {}, message="an object")
+    include_usage = field(options, "include_usage", bool, False, message="true or false")   # "no" was true
     n, logprobs, max_tokens = n_of(payload), logprobs_of(payload, route), max_tokens_of(payload, route)
     tokenizer, vocab = sm.require_tokenizer(), sm.llm.meta["vocab_size"]
     if route == "chat":
@@ -187,7 +188,7 @@ def start(payload: dict, route: str, sm) -> tuple:
         prompt = prompt_of(payload, tokenizer, vocab)
     gens = submit_all(sm, n, prompt, max_tokens, params, stop, stop_ids_of(payload, sm.stop_token_ids, vocab),
                       logprobs)
-    return Reply(route, sm, gens, bool(options.get("include_usage")) and streaming), streaming
+    return Reply(route, sm, gens, include_usage and streaming), streaming
 
 
 async def handle(request: Request, route: str):
