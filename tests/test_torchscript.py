@@ -124,3 +124,31 @@ def test_saving_a_model_that_declares_an_enormous_input_allocates_nothing(tmp_pa
     torch.jit.save(kiln.load(tmp_path / "relu.kiln"), buf)
     buf.seek(0)
     assert_close(torch.jit.load(buf)(x), torch.relu(x), atol=0, rtol=0)
+
+
+def test_outputs_torchscript_cannot_return_are_a_clear_error_and_a_namedtuple_is_a_tuple(tmp_path):
+    """A None or a constant among the outputs: until 12-03 torch.jit.trace's own "Only tensors,
+    lists, tuples of tensors, or dictionary of tensors can be output"; a namedtuple output comes
+    back from ``torch.jit.load`` as a tuple, as a ModelOutput does."""
+    import collections
+
+    from kiln.errors import KilnError
+
+    class WithNone(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, None
+
+    x = torch.randn(3)
+    traced = kiln.trace(WithNone(), x, cache=False)
+    with pytest.raises(KilnError, match=r"WithNone cannot be saved as TorchScript .*output\[1\] is None.*\.kiln"):
+        torch.jit.save(traced, str(tmp_path / "none.pt"))
+    pair = collections.namedtuple("Pair", "a b")
+
+    class Named(torch.nn.Module):
+        def forward(self, x):
+            return pair(x * 2, x - 1)
+
+    torch.jit.save(kiln.trace(Named(), x, cache=False), str(tmp_path / "pair.pt"))
+    a, b = torch.jit.load(str(tmp_path / "pair.pt"))(x)
+    assert_close(a, x * 2)
+    assert_close(b, x - 1)

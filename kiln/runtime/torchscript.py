@@ -85,9 +85,24 @@ def _scriptable(value):
         if type(value) is dict and all(isinstance(v, torch.Tensor) for v in value.values()):
             return dict(value)
         return tuple(_scriptable(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return type(value)(_scriptable(v) for v in value)
+    if isinstance(value, (tuple, list)):      # a namedtuple too: a plain tuple, as a ModelOutput
+        return (tuple if isinstance(value, tuple) else list)(_scriptable(v) for v in value)
     return value
+
+
+def _not_tensors(structure, path="output") -> list:
+    """Where the output ``structure`` holds a None or a constant, which TorchScript cannot
+    return from a traced module."""
+    if "none" in structure or "const" in structure:
+        return [f"{path} is {'None' if 'none' in structure else repr(structure['const'])}"]
+    found = []
+    for kind in ("tuple", "list"):
+        for i, sub in enumerate(structure.get(kind, ())):
+            found += _not_tensors(sub, f"{path}[{i}]")
+    for kind in ("dict", "namedtuple", "model_output"):
+        for key, sub in structure.get(kind, ()):
+            found += _not_tensors(sub, f"{path}.{key}")
+    return found
 
 
 class _Describing:
@@ -123,6 +138,13 @@ def to_torchscript(compiled) -> torch.jit.ScriptModule:
     model is not run (:class:`_Describing`): nothing of the declared sizes is allocated,
     however large they are."""
     import warnings
+    from kiln.errors import KilnError
+    loose = _not_tensors(compiled.output_structure)
+    if loose:
+        raise KilnError(f"{compiled.name} cannot be saved as TorchScript (torch.jit.save): "
+                        f"{', '.join(loose[:3])}, and a TorchScript module returns tensors only. Save it as "
+                        "kiln's own artifact (model.save to a path ending in .kiln), which keeps every output, "
+                        "or return only tensors from the model")
     example = [torch.zeros((), dtype=s.dtype).expand(tuple(s.shape)) for s in compiled.input_specs]
     wrapper = _wrapper_class(input_names(compiled))(compiled)
     with warnings.catch_warnings(), _Describing(wrapper.key, compiled.output_specs):
