@@ -5,6 +5,7 @@ pid so a later write can remove those of dead writers (see :func:`write_atomic`)
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -18,6 +19,9 @@ def write_atomic(path: str, writer):
     A process killed mid-write leaves its temp file behind; temp names carry the host and
     pid, so the next write into the directory removes the files of this host's dead
     writers (never a live one's, nor another host's on a shared filesystem)."""
+    if os.path.isdir(path):     # else os.replace's error, naming the temp file instead (until 12-03)
+        raise IsADirectoryError(errno.EISDIR, f"{path} is a directory; give the path of a file to write "
+                                f"(e.g. {os.path.join(path, 'model.kiln')})", path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     sweep_temps(directory)

@@ -317,6 +317,10 @@ def test_foreign_files(tmp_path):
         kiln.load(other)
     with pytest.raises(kiln.ArtifactError, match="no such file"):
         kiln.load(tmp_path / "missing.kiln")
+    # a torch.save file is named as one (until 12-03 it was called a TorchScript archive)
+    torch.save({"w": torch.ones(2)}, tmp_path / "sd.pt")
+    with pytest.raises(kiln.ArtifactError, match="a torch.save file .*torch.load"):
+        kiln.load(tmp_path / "sd.pt")
 
 
 def test_newer_format_version(mlp_artifact, tmp_path):
@@ -367,6 +371,10 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_atomic(str(target), dies_halfway)
     assert target.read_bytes() == b"previous good artifact"
+    assert os.listdir(tmp_path) == ["out.kiln"]
+    # a directory for a path: said so, not os.replace's error naming the temp file (until 12-03)
+    with pytest.raises(IsADirectoryError, match="is a directory; give the path of a file"):
+        write_atomic(str(tmp_path), lambda f: f.write(b"x"))
     assert os.listdir(tmp_path) == ["out.kiln"]
 
 

@@ -293,11 +293,15 @@ class Artifact:
         with z:
             names = set(z.namelist())
             if MANIFEST not in names:
-                if any(n.endswith("/data.pkl") or n.endswith("/constants.pkl") for n in names):
+                if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
                     # torch.jit.save's archive: what a Neuron spelling's model.save(path) writes
                     raise ArtifactError(f"{source}: a TorchScript archive (torch.jit.save's file), not a kiln "
                                         "artifact; load it with torch.jit.load after import kiln, or save "
                                         "the model to a path ending in .kiln for kiln.load")
+                if any(n.endswith("/data.pkl") for n in names):     # until 12-03 called TorchScript too
+                    raise ArtifactError(f"{source}: a torch.save file (a state_dict or pickled objects), not a "
+                                        "kiln artifact; load it with torch.load, and compile the model with "
+                                        "kiln.trace to get an artifact for kiln.load")
                 raise ArtifactError(f"{source}: zip archive without {MANIFEST}; not a kiln artifact")
             try:
                 manifest = json.loads(read_bounded(z, z.getinfo(MANIFEST), MAX_MANIFEST))
