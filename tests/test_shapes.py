@@ -107,6 +107,19 @@ def test_bad_bucket_specs_are_clear_errors(bert):
         kiln.trace(bert, models.bert_inputs(), buckets={"ids": {1: [8]}})
     with pytest.raises(CompilerArgsError, match="has no dim 2"):
         kiln.trace(bert, models.bert_inputs(), buckets={"input_ids": {2: [8]}})
+    # sizes that are not a list of integers (a raw TypeError, or 4.5 read as 4, until 12-03)
+    for sizes in (True, 8, [4, 8.5]):
+        with pytest.raises(CompilerArgsError, match=r"buckets\['input_ids'\]\[1\] must be a list of sizes"):
+            kiln.trace(bert, models.bert_inputs(), buckets={"input_ids": {1: sizes}})
+
+
+def test_a_dict_with_keys_that_are_not_strings_is_a_clear_error():
+    class IntKeys(torch.nn.Module):
+        def forward(self, x):
+            return {3: x + 1}
+
+    with pytest.raises(kiln.errors.KilnError, match="dict keys must be strings: .*the key 3 \\(int\\).*str keys"):
+        kiln.trace(IntKeys(), torch.randn(2), cache=False)
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,9 @@ def encode(value, name: str, leaves: list, specs: list):
         items = []
         for k, v in value.items():
             if not isinstance(k, str):
-                raise KilnError(f"{name}: dict keys must be strings, got {type(k).__name__}")
+                raise KilnError(f"dict keys must be strings: {name or 'a dict'} has the key {k!r} "
+                                f"({type(k).__name__}), and a compiled model's dict keys name its inputs and "
+                                "outputs; use str keys (e.g. str(key))")
             items.append([k, encode(v, f"{name}.{k}" if name else k, leaves, specs)])
         out = {kind: items}
         if cls:

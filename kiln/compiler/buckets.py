@@ -9,6 +9,7 @@ padding changes answers is proved afterwards by :mod:`kiln.compiler.padcheck`.
 from __future__ import annotations
 
 import itertools
+import numbers
 import re
 import time
 
@@ -47,6 +48,10 @@ def bucket_examples(model, example_inputs, example_kwargs, buckets, pad_values):
             if not isinstance(dim, int) or not -t.dim() <= dim < t.dim():
                 raise CompilerArgsError(f"buckets[{name!r}]: {t.dim()}-d input has no dim {dim!r}")
             dim %= t.dim()
+            if not isinstance(sizes, (list, tuple, set, range)) or not all(
+                    isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes):
+                raise CompilerArgsError(f"buckets[{name!r}][{dim}] must be a list of sizes (integers), got "
+                                        f"{sizes!r}")
             sizes = sorted({int(s) for s in sizes})
             if not sizes or sizes[0] < 1:
                 raise CompilerArgsError(f"buckets[{name!r}][{dim}]: sizes must be positive, got {sizes}")
