@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 TP2_CHECKS = [
     "column_gather_output", "column_no_gather", "column_stride2", "row_input_not_parallel", "row_input_is_parallel",
-    "skip_bias_add", "embedding_vocab_parallel", "embedding_shard_across_embedding", "sequence_parallel_mlp",
+    "skip_bias_add", "embedding_vocab_parallel", "embedding_shard_across_embedding", "embedding_options_vocab_parallel",
+    "embedding_options_shard_across_embedding", "sequence_parallel_mlp",
     "parallel_cross_entropy_plain", "parallel_cross_entropy_label_smoothing", "gqa_qkv_fused", "gqa_qkv_unfused",
     "same_seed_shards_concatenate_to_tp1", "clip_grad_norm_matches_torch", "rng_tracker", "export_keeps_all_reduce", "kiln_device_eager_and_lazy",
     "legacy_load_failure_reaches_every_rank",
@@ -278,6 +279,46 @@ def test_module_paths():
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     with pytest.raises(AttributeError, match="no attribute"):
         nxd.not_a_thing  # noqa: B018
+
+
+def test_the_helpers_nxds_training_scripts_import(monkeypatch, caplog):
+    """Missing until 12-03: NxD's Llama training scripts import these."""
+    import logging
+
+    from kiln.neuronx_distributed.parallel_layers.grads import bucket_allreduce_gradients
+    from kiln.neuronx_distributed.parallel_layers.utils import is_pjrt_device, requires_init_pg_override
+    from kiln.neuronx_distributed.utils.adamw_fp32_optim_params import AdamW_FP32OptimParams
+    from kiln.neuronx_distributed.utils.logger import get_logger
+    assert callable(bucket_allreduce_gradients)
+    monkeypatch.setenv("PJRT_DEVICE", "NEURON")
+    assert is_pjrt_device() and not requires_init_pg_override()     # torch 2.13: the plain init branch
+    with caplog.at_level(logging.INFO, logger="neuronx_distributed"):
+        get_logger().info("step 3")                     # no process group: this process is rank 0
+    assert "step 3" in caplog.text
+    # AdamW_FP32OptimParams: transformers' AdamW in float32 (torch's AdamW when the eps terms
+    # agree: weight decay 0, eps negligible), its moments float32 for a bf16 model too
+    torch.manual_seed(0)
+    w = torch.randn(6, 4)
+    ours, ref = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt, torch_opt = AdamW_FP32OptimParams([ours], lr=0.1, eps=1e-12), torch.optim.AdamW([ref], lr=0.1, eps=1e-12,
+                                                                                           weight_decay=0.0)
+    for step in range(3):
+        g = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        torch_opt.step()
+    torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    half = torch.nn.Parameter(w.to(torch.bfloat16))
+    half.grad = torch.full_like(half, 1e-3)
+    bf16_opt = AdamW_FP32OptimParams([half], lr=1e-2, weight_decay=0.01)
+    bf16_opt.step()
+    state = bf16_opt.state[half]
+    assert half.dtype == torch.bfloat16 and state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    want = w.to(torch.bfloat16).float()
+    step_size = 1e-2 * (1 - 0.999) ** 0.5 / (1 - 0.9)
+    want = want - step_size * (0.1 * 1e-3) / ((0.001 * 1e-6) ** 0.5 + 1e-6)
+    want = want - 1e-2 * 0.01 * want
+    torch.testing.assert_close(half.detach(), want.to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_cpu_mode_reads_nxd_cpu_mode(monkeypatch):

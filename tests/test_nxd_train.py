@@ -140,3 +140,7 @@ def test_optimizer_state_of_the_other_zero1_kind_is_a_clear_error(cpu_dp2_tp2):
     assert "saved with ZeRO-1" in into_plain and "is not ZeRO-1" in into_plain, errors
     assert into_zero1 is not None and into_zero1.startswith("CheckpointError"), errors
     assert "saved without ZeRO-1" in into_zero1 and "DP=" not in into_zero1, errors
+    # rank 0's files are good, TP rank 1's model file is damaged: rank 0 raises too, naming it
+    damaged = errors["damaged"]
+    assert damaged is not None and damaged.startswith("CheckpointError: rank 1 could not load its checkpoint"), errors
+    assert "is damaged or not a torch.save file" in damaged and "add_safe_globals" not in damaged, errors

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.atomic import write_atomic
-from kiln.distributed.ckpt_files import CheckpointError, load_file, save_file, to_cpu
+from kiln.distributed.ckpt_files import CheckpointError, agree, load_file, save_file, to_cpu
 
 _RANK_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 
@@ -64,11 +64,17 @@ def _staggered(num_workers: int, write) -> None:
     if not isinstance(num_workers, int) or num_workers < 1:
         raise CheckpointError(f"num_workers={num_workers!r}: pass how many ranks write at once (1-32)")
     rank, world = dist.get_rank(), dist.get_world_size()
+    failed = None
     for round_ in range((world + num_workers - 1) // num_workers):
         if rank // num_workers == round_:
-            write()
+            try:
+                write()
+            except Exception as e:      # noqa: BLE001 - raised after the rounds: the others still meet it
+                failed = e
         if world > num_workers:
             dist.barrier()
+    if failed is not None:
+        raise failed
 
 
 # -- tags -------------------------------------------------------------------------------------
@@ -187,8 +193,12 @@ def save_checkpoint(checkpoint_dir_str=None, tag=None, model=None, optimizer=Non
     def write():
         for obj, name in writes:
             save_file(to_cpu(obj), os.path.join(root, name))
-    _staggered(num_workers, write)
-    dist.barrier()
+    failed = None
+    try:            # a rank whose write fails (a full disk) must not leave the others waiting
+        _staggered(num_workers, write)
+    except Exception as e:      # noqa: BLE001 - every rank raises it or one naming it (agree)
+        failed = e
+    agree(failed, "save")       # and no 'done' is written
     if rank == 0:
         _write_text(os.path.join(root, "done"), "1")
     dist.barrier()
@@ -237,9 +247,11 @@ def check_degrees(root: str, zero1: bool) -> None:
             said = ", ".join(f"{k.upper()}={saved[k]}" for k in keys)
             cur = ", ".join(f"{k.upper()}={now[k]}" for k in keys)
             raise CheckpointError(
-                f"checkpoint {root} was saved at {said} ({sub}/ holds one file per rank) and this run has {cur}; "
-                "kiln does not reshard training checkpoints: resume with the degrees it was saved at "
-                "(or load the model weights unsharded with parallel_layers.load(..., sharded=False))")
+                f"checkpoint {root} holds files for {said} ({sub}/ holds one file per rank) and this run has "
+                f"{cur}: it was saved at those degrees, or files are missing from it (a partial copy; until "
+                "12-03 this said only the first). kiln does not reshard training checkpoints: resume with the "
+                "degrees it was saved at, or copy the checkpoint again (or load the model weights unsharded "
+                "with parallel_layers.load(..., sharded=False))")
 
 
 def _is_zero1_state(sd) -> bool:
@@ -296,6 +308,17 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     if not dist.is_initialized():
         raise CheckpointError("load_checkpoint needs torch.distributed initialized: call "
                               "torch.distributed.init_process_group first")
+    failed = user_content = None
+    try:            # each rank reads its own files: one that fails must not leave the others waiting
+        user_content = _load_tag(checkpoint_dir, tag, model, optimizer, scheduler, strict)
+    except Exception as e:      # noqa: BLE001 - every rank raises it or one naming it (agree)
+        failed = e
+    agree(failed)
+    return user_content
+
+
+def _load_tag(checkpoint_dir, tag, model, optimizer, scheduler, strict):
+    """This rank's part of :func:`load_checkpoint`: ``user_content``."""
     if tag is None:
         tags = completed_tags(checkpoint_dir)
         if not tags:
@@ -325,5 +348,4 @@ def load_checkpoint(path, tag=None, model=None, optimizer=None, scheduler=None, 
     user_content = None
     if os.path.exists(os.path.join(root, "user_content.pt")):
         user_content = load_file(os.path.join(root, "user_content.pt"), "user_content")
-    dist.barrier()
     return user_content

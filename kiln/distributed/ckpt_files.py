@@ -49,11 +49,35 @@ def load_file(path: str, what: str = "checkpoint file"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:          # pickle.UnpicklingError names the global it refused
-        if "weights_only" not in str(e) and "Unsupported global" not in str(e):
-            raise
+        if "Unsupported global" not in str(e):
+            # torch's "Weights only load failed" says the same for bytes that are no pickle at
+            # all; until 12-03 a damaged file was told to allow classes with add_safe_globals
+            detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line
+                           or "Unsupported operand" in line), str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise CheckpointError(f"{what} {path} is damaged or not a torch.save file ({detail}): copy it again "
+                                  "from where it was saved, or resume from another checkpoint") from None
         raise CheckpointError(
             f"{what} {path} holds Python objects other than tensors, containers, numbers and strings; "
             "kiln loads checkpoints with torch.load(weights_only=True) so that a file cannot run code. "
             "Save plain values (e.g. user_content={'step': 3}), or allow the class with "
             f"torch.serialization.add_safe_globals([...]) if you trust the file. ({str(e).splitlines()[0]})"
         ) from None
+
+
+def agree(failed, doing: str = "load") -> None:
+    """Where the ranks of a checkpoint call meet, in place of a barrier: every rank learns
+    whether any rank failed, and all raise (the failing rank its own error, the others one
+    naming it). With a barrier a rank whose load raised left, and the others waited in the
+    barrier for it (the legacy loader until 11-30; ``load_checkpoint`` and ``save_checkpoint``
+    until 12-03, where a script that caught the error went on and its next collective was
+    paired with the others' barrier, or hung)."""
+    import torch.distributed as dist
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if failed is None else f"{type(failed).__name__}: {failed}")
+    if failed is not None:
+        raise failed
+    bad = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if bad:
+        rank, error = bad[0]
+        raise CheckpointError(f"rank {rank} could not {doing} its checkpoint ({error}), so the model's shards "
+                              f"are not all {'loaded' if doing == 'load' else 'saved'}")

@@ -236,6 +236,20 @@ class RowParallelLinear(TensorParallelModule):
         model_state_dict[prefix] = F.pad(model_state_dict[prefix], (0, self.pad_size))
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """The identity forward; the gradient times ``scale`` (broadcast)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale, None
+
+
 class ParallelEmbedding(TensorParallelModule):
     """An embedding whose vocabulary rows are split over the TP ranks (contiguous ranges,
     ``[V/tp, H]``): ids outside this rank's range look up row 0 and are zeroed, and the
@@ -291,17 +305,54 @@ class ParallelEmbedding(TensorParallelModule):
         return F.embedding(ids.long(), self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 
+    def _sharded_lookup(self, ids, mask):
+        """The vocabulary shard's rows for the ids in its range (the rest are row 0, masked
+        out after). ``max_norm`` renormalises only the rows looked up in range, and
+        ``scale_grad_by_freq`` counts only the ids in range: F.embedding on the remapped ids
+        counted every other shard's id as a use of row 0, so row 0's gradient was divided by
+        their number and row 0 was renormalised unused (NxD's own code does both; kiln until
+        12-03 too)."""
+        local = (ids.long() - self.start_index) * mask.long()
+        if self.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(self.weight, local[mask].contiguous(), self.max_norm, self.norm_type)
+        out = F.embedding(local, self.weight, self.padding_idx, None, self.norm_type, False, self.sparse)
+        if self.scale_grad_by_freq:
+            counts = torch.bincount(local[mask], minlength=self.weight.shape[0]).clamp(min=1)
+            out = _ScaledGradient.apply(out, (1.0 / counts[local]).to(out.dtype).unsqueeze(-1))
+        return out
+
+    def _renorm_across_ranks(self, ids):
+        """``max_norm`` with the embedding dimension sharded: a row's norm is over every
+        rank's slice (each rank's slice alone was renormalised by its own part of the norm)."""
+        if not math.isfinite(self.norm_type) or self.norm_type <= 0:
+            raise ValueError(f"ParallelEmbedding(max_norm=..., norm_type={self.norm_type}) with "
+                             "shard_across_embedding=True: kiln computes the rows' norms across ranks "
+                             "for a finite positive norm_type only")
+        with torch.no_grad():
+            rows = ids.long().reshape(-1).unique()
+            part = self.weight[rows].float().abs().pow(self.norm_type).sum(-1)
+            norm = mappings.reduce_from_tensor_model_parallel_region(part, self._group_arg).pow(1 / self.norm_type)
+            scale = torch.where(norm > self.max_norm, self.max_norm / (norm + 1e-7), torch.ones_like(norm))
+            self.weight[rows] = (self.weight[rows] * scale.unsqueeze(-1)).to(self.weight.dtype)
+
     def forward(self, input_):
         self._check_pad_mode()
         group = self._group_arg
         if self.shard_across_embedding:
-            out = mappings.gather_from_tensor_model_parallel_region(self._lookup(input_), group)
+            if self.max_norm is not None and self.tp_size > 1:
+                self._renorm_across_ranks(input_)
+                out = F.embedding(input_.long(), self.weight, self.padding_idx, None, self.norm_type,
+                                  self.scale_grad_by_freq, self.sparse)
+            else:
+                out = self._lookup(input_)
+            out = mappings.gather_from_tensor_model_parallel_region(out, group)
             if self.pad_size:
                 out = torch.narrow(out, -1, 0, self.embedding_dim - self.pad_size)
             return out
         if self.tp_size > 1:
             mask = (input_ >= self.start_index) & (input_ < self.end_index)
-            out = self._lookup((input_ - self.start_index) * mask.long())
+            out = self._sharded_lookup(input_, mask)
             out = (out * mask.unsqueeze(-1).to(out.dtype)).to(self.dtype)
         else:
             out = self._lookup(input_)

@@ -23,7 +23,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from kiln.distributed.ckpt_files import CheckpointError, load_file, save_file, to_cpu
+from kiln.distributed.ckpt_files import CheckpointError, agree, load_file, save_file, to_cpu
 
 _RANK_DIR = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)(?:_dp_rank_\d+)?$")
 
@@ -141,23 +141,8 @@ def load(chkpt_path: str, model=None, model_or_optimizer=None, model_key="model"
                     raise
                 failed = e
         if together:
-            _turn_done(failed)
+            agree(failed)
     return checkpoint
-
-
-def _turn_done(failed):
-    """The end of one rank's turn, in place of NxD's barrier: every rank learns whether any
-    rank's load failed, and all raise (the failing rank its own error, the others one naming
-    it). With a barrier, a rank whose load raised left the loop and the others waited in the
-    barrier until it exited, then failed with gloo's "Connection closed by peer"."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if failed is None else f"{type(failed).__name__}: {failed}")
-    if failed is not None:
-        raise failed
-    bad = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if bad:
-        rank, error = bad[0]
-        raise CheckpointError(f"rank {rank} could not load its checkpoint ({error}), so the model's shards are not all loaded")
 
 
 def _load_into(target, checkpoint, model_key, sharded, strict):

@@ -186,6 +186,40 @@ def embedding_shard_across_embedding():
     _embedding_case(True)
 
 
+def _embedding_option_case(across, **options):
+    """``max_norm`` and ``scale_grad_by_freq`` as one process's nn.Embedding has them: rows
+    renormalised where looked up (on every rank's slice by the whole row's norm), gradients
+    divided by each id's count. Until 12-03 the vocabulary shards counted the other shards'
+    ids as uses of their row 0, and a slice was renormalised by its own part of the norm."""
+    torch.manual_seed(3)
+    layer = ParallelEmbedding(20, 8, shard_across_embedding=across, **options)
+    torch.manual_seed(3)
+    ref = nn.Embedding(20, 8, **options)
+    with torch.no_grad():
+        layer.weight.mul_(3)
+        ref.weight.mul_(3)
+    part = slice(R * 4, (R + 1) * 4) if across else slice(R * 10, (R + 1) * 10)
+    ids = torch.tensor([[0, 5, 9, 10], [19, 3, 3, 10]])       # 3 and 10 twice; 1 and 11 never
+    g = data(2, 4, 8, seed=10)
+    out = layer(ids)
+    want = ref(ids)
+    close(out, want, "output")
+    close(layer.weight, ref.weight[:, part] if across else ref.weight[part], "weights after the lookup")
+    (out * g).sum().backward()
+    (want * g).sum().backward()
+    close(layer.weight.grad, ref.weight.grad[:, part] if across else ref.weight.grad[part], "weight-grad shard")
+
+
+@check
+def embedding_options_vocab_parallel():
+    _embedding_option_case(False, max_norm=4.0, scale_grad_by_freq=True)
+
+
+@check
+def embedding_options_shard_across_embedding():
+    _embedding_option_case(True, max_norm=4.0, scale_grad_by_freq=True)
+
+
 @check
 def sequence_parallel_mlp():
     """[S, B, H] activations sharded on S: Column all-gathers (grad reduce-scatter), Row

@@ -183,8 +183,16 @@ def kind_checks(model, opt, directory):
     plain = torch.optim.AdamW(model.parameters(), lr=args.lr)
     save_checkpoint(directory, "zero1", model=model, optimizer=opt)
     save_checkpoint(directory, "plain", model=model, optimizer=plain)
-    return {"zero1_into_plain": _load_error(directory, "zero1", model, plain),
-            "plain_into_zero1": _load_error(directory, "plain", model, opt)}
+    errors = {"zero1_into_plain": _load_error(directory, "zero1", model, plain),
+              "plain_into_zero1": _load_error(directory, "plain", model, opt)}
+    # one TP rank's model file damaged (a partial copy): every rank raises, none waits for the
+    # others in a barrier (until 12-03 the ranks whose files were good waited there)
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "zero1", "model", "dp_rank_00_tp_rank_01_pp_rank_00.pt"), "wb") as f:
+            f.write(b"garbage")
+    dist.barrier()
+    errors["damaged"] = _load_error(directory, "zero1", model, opt)
+    return errors
 
 
 def memory_per_rank(model, opt):
