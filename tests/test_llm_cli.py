@@ -57,6 +57,10 @@ def test_chat_keeps_the_conversation(tiny_llm):
     r = kiln("llm", "chat", path, "--temperature", "-1", stdin="A\n")
     assert r.returncode == 2 and "--temperature must be >= 0 (0, the default, decodes greedily)" in r.stderr
     assert "do_sample" not in r.stderr
+    for flag, value, said in (("--top-p", "2", "--top-p must be in (0, 1]"), ("--top-k", "-1", "--top-k must be >= 0"),
+                              ("--repetition-penalty", "0", "--repetition-penalty must be > 0")):
+        r = kiln("llm", "chat", path, "--temperature", "1", flag, value, stdin="A\n")      # top_p (12-03)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
     # a conversation that outgrows the context bucket is a message, not a crash
     r = kiln("llm", "chat", path, "--max-tokens", "1", stdin="A\nB\n")
     assert r.returncode == 0 and "/reset starts a new conversation" in r.stderr

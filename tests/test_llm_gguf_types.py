@@ -147,6 +147,7 @@ def test_which_quantize_a_gguf_file_gets_by_default(mixed, tmp_path):
     assert _quantize_for(str(path), None) == "gguf"          # as downloaded
     assert _quantize_for(str(floats), None) is None          # nothing to keep: float32
     assert _quantize_for(str(path), "none") is None and _quantize_for(str(path), "int4") == "int4"
+    assert _quantize_for(str(path), None, tp_degree=2) is None       # blocks run unsharded only: float32
 
 
 def _header_end_of_type(path, tensor):
@@ -192,7 +193,12 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
     w.write_tensors_to_file()
     w.close()
 
+    # a big-endian file's version read backwards (until 12-03 "GGUF version 50331648")
+    big_endian = tmp_path / "big.gguf"
+    big_endian.write_bytes(data[:4] + struct.pack(">I", struct.unpack_from("<I", data, 4)[0]) + data[8:])
+
     cases = [(bad_magic, GGUFFileError, ["not a GGUF file", "b'GGML'"]),
+             (big_endian, GGUFFileError, ["a big-endian GGUF file (version 3)", "little-endian"]),
              (truncated, GGUFFileError, ["truncated", "download it again"]),
              (header_cut, GGUFFileError, ["truncated or corrupt"]),
              (unknown, GGUFTypeError, ["'blk.1.ffn_up.weight'", "type id 99", "Q4_K_M"]),
@@ -204,6 +210,8 @@ def test_files_kiln_cannot_read_fail_clearly(tmp_path, mixed):
         assert isinstance(e.value, KilnError)
         assert all(word in str(e.value) for word in words), (path.name, str(e.value))
 
+    with pytest.raises(CompilerArgsError, match="cache_length=2 with quantize='int8'.*at least 3"):
+        compile_llm(mixed[1], quantize="int8", context_buckets=(1,), cache_length=2)    # torch's error (12-03)
     not_from_gguf = transformers.LlamaForCausalLM(mixed[1].config)
     with pytest.raises(CompilerArgsError, match="keeps a GGUF file's own blocks"):
         compile_llm(not_from_gguf, quantize="gguf", context_buckets=(8,), cache_length=16)

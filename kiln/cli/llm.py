@@ -108,7 +108,8 @@ def cmd_compile(args, console) -> int:
 
     windows = _integers(args.sequence_buckets, "--sequence-buckets") if args.sequence_buckets else None
     # on the GPU a .gguf file's weights are dequantized (its blocks are CPU kernels' layouts)
-    quantize = _quantize_for(args.source, args.quantize) if args.device != "cuda" or args.quantize else None
+    quantize = (_quantize_for(args.source, args.quantize, args.tp_degree or 1)
+                if args.device != "cuda" or args.quantize else None)
     options = {k: v for k, v in (("optlevel", args.optlevel), ("engine", args.engine),
                                  ("sequence_buckets", windows), ("device", args.device),
                                  ("quantize", quantize), ("workers", args.workers),
@@ -130,16 +131,23 @@ def cmd_compile(args, console) -> int:
     return 0
 
 
-def _quantize_for(source, asked):
+def _quantize_for(source, asked, tp_degree=1):
     """``--quantize`` as ``compile_llm`` takes it. No flag: ``gguf`` for a .gguf file that
     holds quantized matrices (the model as downloaded: its size, speed and answers, not
-    its dequantized weights in float32 or rounded again onto kiln's grid), else float32."""
+    its dequantized weights in float32 or rounded again onto kiln's grid), else float32;
+    float32 with a note at ``--tp-degree`` above 1, where kept blocks do not run (until 12-03
+    an error about ``quantize='gguf'``, which the user never gave)."""
     import os
     if asked is not None:
         return None if asked == "none" else asked
     if str(source).lower().endswith(".gguf") and os.path.isfile(source):     # any case, as load_pretrained reads it
         from kiln.llm import gguf_file
         if any(t.type in gguf_file.KEPT_TYPES for t in gguf_file.check(source)):
+            if tp_degree > 1:
+                print(f"kiln llm: --tp-degree {tp_degree}: a GGUF file's quantized blocks run unsharded only, so "
+                      "its weights are dequantized to float32 (--quantize none); drop --tp-degree to keep them",
+                      file=sys.stderr, flush=True)
+                return None
             return "gguf"
     return None
 
@@ -171,16 +179,22 @@ def _setup(args):
     from kiln.runtime.sampling import SamplingParams
     from kiln.runtime.text import Tokenizer
     from kiln.runtime.tp_llm import TensorParallelLLM
+    if not args.temperature >= 0:       # NaN too; SamplingParams' message names do_sample=, not a flag
+        raise InputError(f"--temperature must be >= 0 (0, the default, decodes greedily); got {args.temperature}")
+    greedy = args.temperature == 0
+    try:            # checked before the artifact loads, and said in the flags' spelling (12-03)
+        params = SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed)
+    except InputError as e:
+        message = str(e)
+        for name in ("repetition_penalty", "top_p", "top_k", "seed"):
+            message = message.replace(f"{name} must", f"--{name.replace('_', '-')} must")
+        raise InputError(message) from None
     llm = load(args.artifact, threads=args.threads)
     if not isinstance(llm, (LLM, TensorParallelLLM)):
         raise InputError(f"{args.artifact} is not an LLM artifact (compile one with `kiln llm compile`)")
     tokenizer = Tokenizer(llm.tokenizer_files)
-    if not args.temperature >= 0:       # NaN too; SamplingParams' message names do_sample=, not a flag
-        raise InputError(f"--temperature must be >= 0 (0, the default, decodes greedily); got {args.temperature}")
-    greedy = args.temperature == 0
-    params = SamplingParams(do_sample=not greedy, temperature=1.0 if greedy else args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed)
     stops = set(llm.meta["eos_token_ids"])
     if tokenizer.token_id("eos_token") is not None:
         stops.add(tokenizer.token_id("eos_token"))

@@ -67,6 +67,11 @@ def compile_llm(model, *, batch_size: int = 1, context_buckets=(64,), cache_leng
     speculation_length, prefill_chunk = _optional_sizes(speculation_length, prefill_chunk)
     workers = None if workers is None else _positive_int("workers", workers)
     _check_gate_limits(max_ppl_ratio, min_agreement, trace_options.get("quantize"))
+    if trace_options.get("quantize") not in (None, "none") and cache_length < 3:
+        # until 12-03 every graph was compiled first, and the gate then failed with torch's own error
+        raise CompilerArgsError(f"cache_length={cache_length} with quantize={trace_options['quantize']!r}: the "
+                                "accuracy gate a quantized build must pass measures at least 2 tokens against "
+                                "float32, so cache_length must be at least 3")
     if tp_degree != 1:
         return _compile_tp(model, tp_degree, locals())
     buckets, rows = _shapes(model, batch_size, context_buckets, cache_length, decode_batches)

@@ -78,6 +78,10 @@ def _walk(path, data, size):
                             "give a .gguf model file or a Hugging Face checkpoint directory")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
     if version not in (2, 3):
+        if version & 0xFFFF == 0 and (version >> 24) in (2, 3):   # the version's bytes read backwards
+            raise GGUFFileError(f"{path}: a big-endian GGUF file (version {version >> 24}); kiln reads "
+                                "little-endian GGUF files, as llama.cpp on this CPU does: convert it with "
+                                "the gguf package, or export the checkpoint again without --bigendian")
         raise GGUFFileError(f"{path}: GGUF version {version}; kiln reads versions 2 and 3")
     reader = _Reader(path, data, size, 24)
     alignment = 32
