@@ -31,6 +31,15 @@ def load_factory(spec: str, path: str | None):
         raise KilnError(f"{module_name} has no attribute {attr!r}")
     if not callable(factory):
         raise KilnError(f"{spec} is a {type(factory).__name__}, not a function returning (model, example_inputs)")
+    check_no_arguments(factory, spec)
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise KilnError(f"{spec} must return (model, example_inputs)")
+    return made
+
+
+def check_no_arguments(factory, spec: str) -> None:
+    """A :class:`KilnError` when ``factory`` cannot be called with no arguments, as a factory is."""
     try:
         inspect.signature(factory).bind()
     except TypeError:
@@ -38,8 +47,3 @@ def load_factory(spec: str, path: str | None):
                         "and returns (model, example_inputs)") from None
     except ValueError:          # no signature to read (a builtin): let the call say
         pass
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise KilnError(f"{spec} must return (model, example_inputs)")
-    return made
-

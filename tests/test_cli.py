@@ -86,6 +86,17 @@ def test_cli_errors_are_clear(kiln_cli, tmp_path):
     assert r.returncode == 2 and "is a directory" in r.stderr
     r = kiln_run(kiln_cli, "run", good, "--input", tmp_path / "x.npy", "--threads", "0")
     assert r.returncode == 2 and "--threads: must be at least 1, got 0" in r.stderr
+    # kiln serve's counts, times and port, checked as the other commands' are (until 12-03 a
+    # server with --instances 0 or --timeout 0 started and answered nothing; --port 70000 was
+    # a traceback), and other commands' bad arguments: exit status 2, one line
+    for args, said in ((["serve", good, "--port", "70000"], "--port: must be 0 (any free port) to 65535"),
+                       (["serve", good, "--instances", "0"], "--instances: must be at least 1, got 0"),
+                       (["serve", good, "--timeout", "0"], "--timeout: must be above 0 seconds"),
+                       (["serve", good, "--max-queue-delay-ms", "nan"], "--max-queue-delay-ms: must be a finite"),
+                       (["bench", good, "--batch-sizes", "a"], "--batch-sizes must be comma-separated integers"),
+                       (["parallel-compile", "--", str(tmp_path / "no-such-command")], "cannot run")):
+        r = kiln_run(kiln_cli, *args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_a_directory_or_a_factory_that_is_not_one_is_a_clear_error(tmp_path):

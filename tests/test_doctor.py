@@ -43,6 +43,12 @@ def test_mismatches_are_errors_with_the_command_that_fixes_them(monkeypatch, tmp
     assert {c["check"]: c for c in doctor.collect()}["openvino-genai"]["status"] == "ok"
     monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "cache"))
     assert doctor._cache()["status"] in ("ok", "warning")
+    (tmp_path / "a-file").write_text("x")             # a file where the cache's directory would be ("ok", 12-03)
+    for inside in ("", "sub"):
+        monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "a-file" / inside))
+        cache = doctor._cache()
+        assert cache["status"] == "error" and "is a file, not a directory" in cache["found"], cache
+    monkeypatch.setenv("KILN_CACHE_URL", str(tmp_path / "cache"))
     # root can write anywhere, so an unwritable directory is simulated, not made
     monkeypatch.setattr(doctor.os, "access", lambda path, mode: False)
     cache = doctor._cache()

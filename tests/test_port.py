@@ -150,6 +150,22 @@ def test_clear_errors(tmp_path, kiln_cli):
     r = forkserver.run([kiln_cli, "port", str(tmp_path / "missing.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "missing.py: no such file" in r.stderr
+    # until 12-03: a TypeError, silence and status 0, advice naming a flag kiln port lacks, tracebacks
+    needs = tmp_path / "needs.py"
+    needs.write_text("def make_model(x):\n    pass\n")
+    with pytest.raises(KilnError, match=r"needs.py:make_model\(x\) needs arguments"):
+        port(str(needs), quiet=True)
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(KilnError, match=r"exited while being imported \(SystemExit\(0\)\).*__main__"):
+        port(str(exits), quiet=True)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for text, said in (('{"model_type": "bert"}', "kiln port takes the task from config.json's architectures"),
+                       ("{bad", "is not valid JSON"), ("[]", "holds a JSON list, not an object")):
+        (hf / "config.json").write_text(text)
+        with pytest.raises(KilnError, match=said):
+            port(str(hf), quiet=True)
 
 
 def test_json_on_stdout_is_the_report_alone(kiln_cli, tmp_path):

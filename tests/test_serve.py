@@ -337,12 +337,16 @@ def test_bad_requests_get_400_with_a_protocol_error(server):
         ({"inputs": []}, "non-empty 'inputs'"),
         ({"outputs": [{"name": "output0"}], "inputs": "x"}, "non-empty 'inputs'"),
         (_mlp_request(x, outputs=[{"name": "nope"}]), "unknown output 'nope'"),
+        (_mlp_request(x, outputs=[{"name": "output0"}, {"name": "output0"}]), "'output0' is requested twice"),
         (_mlp_request(x, parameters={"timeout": -1}), "timeout"),
     ]
     for payload, message in cases:
         status, body = server.post_json(path, payload)
         assert status == 400, (payload, body)
         assert re.search(message, body["error"]), body
+    # "outputs": [] asks for every output, as no "outputs" does (it answered none until 12-03)
+    status, body = server.post_json(path, _mlp_request(x, outputs=[]))
+    assert status == 200 and [o["name"] for o in body["outputs"]] == ["output0"], body
     # malformed bodies
     status, _, body = server.request("POST", path, b'{"inputs": [', {"Content-Type": "application/json"})
     assert status == 400 and "malformed JSON" in json.loads(body)["error"]

@@ -45,7 +45,8 @@ def _ints(text, what):
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"kiln bench: {what} must be comma-separated integers, got {text!r}") from None
+        from kiln.errors import CompilerArgsError       # exit status 2, as other bad arguments (1 until 12-03)
+        raise CompilerArgsError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
 def cmd_bench(a, console):

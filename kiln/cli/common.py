@@ -1,6 +1,5 @@
 """Help text and argument types more than one ``kiln`` command shares, so the flags read the same everywhere."""
-import argparse
-import math
+from kiln.argtypes import non_negative_seconds, positive_int, positive_seconds  # noqa: F401 - the commands' types
 
 TRUST_HELP = ("load native code (TorchInductor partitions) from an artifact that no key trusted here "
               "signed (as KILN_TRUST_NATIVE_CODE=1); only for artifacts from a source you trust")
@@ -22,48 +21,6 @@ def validation_line(v: dict) -> str:
     line = (f"max abs error {v['max_abs_error']:.3g}, max rel {v['max_rel_error']:.3g}, "
             f"cosine {v['min_cosine_similarity']:.6f} (atol {v['atol']}, rtol {v['rtol']})")
     return line + (f", at {v['precision']} precision" if v.get("precision") else "")
-
-
-def positive_int(text) -> int:
-    """An argparse type for counts (threads, rows, tokens, workers): a bad one fails at parse
-    time with the usage line, before a model is loaded, instead of deep in a compile or
-    silently as one."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_seconds(text) -> float:
-    """An argparse type for periods and durations: a finite number above 0 (``--period 0``
-    exited with status 1 from inside the command, or was taken, and busy-looped, by ``kiln top``;
-    ``kiln bench --duration nan`` measured forever and ``kiln monitor --period inf`` was an
-    OverflowError traceback)."""
-    value = _seconds(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
-    return value
-
-
-def non_negative_seconds(text) -> float:
-    """An argparse type for waits that may be 0 (a warm-up): a finite number, not below 0."""
-    value = _seconds(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be below 0 seconds, got {text}")
-    return value
-
-
-def _seconds(text) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
-    return value
 
 
 def print_notes(manifest, console):

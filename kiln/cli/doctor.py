@@ -188,6 +188,9 @@ def _cache() -> dict:
     probe = path
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
+    if probe and not os.path.isdir(probe):      # a file on the way ("ok" until 12-03)
+        return _check("compile cache", ERROR, f"{path}: {probe} is a file, not a directory",
+                      "export KILN_CACHE_URL=<a writable directory>")
     if not probe or not os.access(probe, os.W_OK):
         return _check("compile cache", ERROR, f"{path}: not writable",
                       "export KILN_CACHE_URL=<a writable directory>")

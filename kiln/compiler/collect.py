@@ -26,6 +26,7 @@ import time
 import torch
 
 from kiln.atomic import write_atomic
+from kiln.errors import CompilerArgsError
 from kiln.compiler.caching import CacheHook, compile_into, reader
 from kiln.compiler.driver import compile_graph
 from kiln.compiler.options import CompileOptions
@@ -152,7 +153,11 @@ def parallel_compile(command, *, workers=None, cache_url=None, stream=None, quie
     with tempfile.TemporaryDirectory(prefix="kiln-collect-") as directory:
         env = dict(os.environ, KILN_COLLECT_DIR=directory, KILN_CACHE_URL=url)
         print(f"kiln parallel-compile: collecting graphs from: {' '.join(command)}", file=stream)
-        collect = subprocess.run(command, env=env)
+        try:
+            collect = subprocess.run(command, env=env)
+        except OSError as e:      # not found, not executable: a FileNotFoundError traceback until 12-03
+            raise CompilerArgsError(f"cannot run {command[0]!r} ({e.strerror}): give the "
+                                    "training command, e.g. kiln parallel-compile -- python train.py") from None
         summary["collect_returncode"] = collect.returncode
         if collect.returncode:
             print(f"kiln parallel-compile: the script exited with {collect.returncode} while "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.errors import KilnError
-from kiln.factory import load_factory
+from kiln.factory import check_no_arguments, load_factory
 
 FACTORIES = ("make_model", "get_model", "model_and_inputs", "factory")
 
@@ -75,14 +75,19 @@ def _from_file(path: str, attr: str):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a script run at import: kiln port said nothing and exited (until 12-03)
+        raise KilnError(f"{path} exited while being imported (SystemExit({e.code!r})): kiln port imports the "
+                        "file to find its model; put the script's own run under if __name__ == '__main__':") from None
     except Exception as e:   # the user's file: any error in it is theirs to see, with its type
         raise KilnError(f"{path} failed to import: {type(e).__name__}: {e}") from e
     if attr:
         if not callable(getattr(module, attr, None)):
             raise KilnError(f"{path} has no function {attr!r}")
+        check_no_arguments(getattr(module, attr), f"{path}:{attr}")
         return getattr(module, attr)()
     for candidate in FACTORIES:
         if callable(getattr(module, candidate, None)):
+            check_no_arguments(getattr(module, candidate), f"{path}:{candidate}")    # a TypeError until 12-03
             return getattr(module, candidate)()
     if hasattr(module, "model") and hasattr(module, "example_inputs"):
         return module.model, module.example_inputs
@@ -96,7 +101,14 @@ def _huggingface(path: str, batch_size, sequence_length) -> Subject:
     except ImportError:
         raise KilnError("porting a Hugging Face directory needs transformers: pip install transformers") from None
     from kiln.optimum.neuron import exporter
-    task = exporter.infer_task(path)
+    try:
+        task = exporter.infer_task(path)
+    except KilnError as e:      # kiln export's advice ("pass --task") names a flag kiln port lacks
+        said = str(e).split("; pass --task")[0]
+        if said == str(e):
+            raise
+        raise KilnError(f"{said}; kiln port takes the task from config.json's architectures (e.g. "
+                        "BertForMaskedLM): name one there, or port a factory (kiln port file.py:function)") from None
     with open(os.path.join(path, "config.json")) as f:
         arch = (json.load(f).get("architectures") or ["?"])[0]
     shapes = {"batch_size": batch_size or 1, "sequence_length": sequence_length or 128}

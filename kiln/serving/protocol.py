@@ -286,8 +286,10 @@ def decode_input(entry: dict, spec, want: dict, binary, offset: int) -> tuple:
 
 
 def decode_outputs(sig: Signature, requested, binary_default: bool) -> list:
-    """[(output index, as binary data)] the request asks for (every output when it names none)."""
-    if requested is None:
+    """[(output index, as binary data)] the request asks for (every output when it names none:
+    no ``outputs``, or an empty list, which until 12-03 returned no output at all). An output
+    named twice is a 400, as an input given twice is."""
+    if requested is None or (isinstance(requested, list) and not requested):
         return [(o, binary_default) for o in range(len(sig.output_specs))]
     if not isinstance(requested, list):
         raise BadRequestError("'outputs' must be a list")
@@ -299,6 +301,8 @@ def decode_outputs(sig: Signature, requested, binary_default: bool) -> list:
         if o is None:
             raise BadRequestError(f"unknown output '{out['name']}'; model '{sig.name}' has "
                                   f"{', '.join(repr(s.name) for s in sig.output_specs)}")
+        if any(o == seen for seen, _ in wanted):
+            raise BadRequestError(f"output '{out['name']}' is requested twice")
         oparams = out.get("parameters") or {}
         if not isinstance(oparams, dict):
             raise BadRequestError(f"output '{out['name']}': 'parameters' must be a JSON object")

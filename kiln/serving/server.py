@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import asdict
 
-from kiln import config
+from kiln import argtypes, config
 from kiln.errors import KilnError
 from kiln.observe import profiler
 from kiln.serving.app import build_app
@@ -100,31 +100,34 @@ def bind(host: str, port: int) -> socket.socket:
 
 # -- command line ------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser):
-    """The ``kiln serve`` arguments (for a subparser of the ``kiln`` command line)."""
+    """The ``kiln serve`` arguments (for a subparser of the ``kiln`` command line). Counts and
+    times are checked as they are parsed (until 12-03 ``--instances 0`` or ``--timeout 0`` started
+    a server that answered nothing, and ``--port 70000`` was a traceback)."""
     d = ServeConfig()
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="a .kiln artifact, or name=path.kiln to choose its URL name "
                         "(default: the file's name without .kiln)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+    p.add_argument("--port", type=argtypes.port, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch-size", type=argtypes.positive_int, default=d.max_batch_size,
                    help=f"rows per merged batch (default {d.max_batch_size}; 1 turns batching off)")
-    p.add_argument("--max-queue-delay-ms", type=float, default=d.max_queue_delay_ms,
+    p.add_argument("--max-queue-delay-ms", type=argtypes.non_negative_seconds, default=d.max_queue_delay_ms,
                    help=f"how long a request waits for others to batch with (default {d.max_queue_delay_ms})")
     p.add_argument("--no-batching", action="store_true", help="run every request alone")
-    p.add_argument("--instances", type=int, default=d.instances,
+    p.add_argument("--instances", type=argtypes.positive_int, default=d.instances,
                    help="copies of each model, placed on kiln cores round-robin (default 1: unpinned)")
-    p.add_argument("--max-queue", type=int, default=d.max_queue,
+    p.add_argument("--max-queue", type=argtypes.positive_int, default=d.max_queue,
                    help=f"queued requests per model beyond which requests get 503 (default {d.max_queue})")
-    p.add_argument("--timeout", type=float, default=d.timeout_s,
+    p.add_argument("--timeout", type=argtypes.positive_seconds, default=d.timeout_s,
                    help=f"per-request timeout in seconds, queue + inference (default {d.timeout_s:g})")
-    p.add_argument("--threads", type=int, default=None, help="engine threads per instance (default: its CPUs)")
+    p.add_argument("--threads", type=argtypes.positive_int, default=None,
+                   help="engine threads per instance (default: its CPUs)")
     p.add_argument("--max-body-bytes", type=parse_size, default=d.max_request_bytes, metavar="N",
                    help=f"largest request body (bytes, or with K/M/G: 64M); larger ones get 413 "
                         f"(default {d.max_request_bytes >> 20}M; also the limit on an inflated gzip body)")
-    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+    p.add_argument("--body-timeout", type=argtypes.positive_seconds, default=d.body_timeout_s, metavar="S",
                    help=f"seconds a request body may take to arrive before 408 (default {d.body_timeout_s:g})")
-    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s, metavar="S",
+    p.add_argument("--stall-timeout", type=argtypes.non_negative_seconds, default=d.stall_timeout_s, metavar="S",
                    help="an LLM whose step (a prefill, a decode step) has run this many seconds is stalled "
                         "(a tensor-parallel rank that stopped answering, a hung engine): /health and "
                         f"/v2/health/ready answer 503 naming it until the step ends (default {d.stall_timeout_s:g}; "
@@ -140,11 +143,11 @@ def add_arguments(p: argparse.ArgumentParser):
                         "vocabulary, or 'ngram' (prompt lookup, no second model); MODEL= picks the served "
                         "LLM (default: every one). The LLM needs its verify graph (compiled with "
                         "--speculation-length). Repeatable")
-    p.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+    p.add_argument("--prompt-lookup-max", type=argtypes.positive_int, default=d.prompt_lookup_max,
                    help=f"n-gram drafting: the longest suffix looked up (default {d.prompt_lookup_max})")
-    p.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+    p.add_argument("--prompt-lookup-min", type=argtypes.positive_int, default=d.prompt_lookup_min,
                    help=f"n-gram drafting: the shortest suffix looked up (default {d.prompt_lookup_min})")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=argtypes.non_negative_seconds, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")

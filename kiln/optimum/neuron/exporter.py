@@ -49,8 +49,15 @@ def infer_task(path: str) -> str:
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise CompilerArgsError(f"{path}: no config.json; give a Hugging Face checkpoint directory")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:      # a JSONDecodeError traceback until 12-03
+        raise CompilerArgsError(f"{config_path} is not valid JSON ({e}): the checkpoint is damaged; save it "
+                                "again, or copy it again") from None
+    if not isinstance(config, dict):
+        raise CompilerArgsError(f"{config_path} holds a JSON {type(config).__name__}, not an object: not a "
+                                "Hugging Face config")
     archs = config.get("architectures") or []
     for arch in archs:
         for suffix, task in SUFFIXES:
