@@ -161,6 +161,7 @@ def test_hugging_face_lengths_and_settings_kiln_does_not_do(compiled):
             llm.hf_generate(ids, attention_mask=mask, max_new_tokens=n)
     with pytest.raises(InputError, match="max_length must be an integer"):
         llm.hf_generate(ids, attention_mask=mask, max_length=9.0)
+    from kiln.runtime import hf_settings
     # a setting no list here names is refused when set, in a config or as an override: until
     # 12-03 a config's exponential_decay_length_penalty was not read (transformers stopped
     # after 5 tokens, kiln generated 10)
@@ -176,7 +177,9 @@ def test_hugging_face_lengths_and_settings_kiln_does_not_do(compiled):
         llm.hf_generate(ids, attention_mask=mask, no_such_setting=1)
     # settings that change no token still pass, in a config too
     config = transformers.GenerationConfig(max_new_tokens=4, pad_token_id=0, bos_token_id=1, length_penalty=2.0,
-                                           cache_implementation="static", renormalize_logits=True)
+                                           cache_implementation="static", renormalize_logits=True,
+                                           token_healing=False)          # a switch left off
+    assert hf_settings._is_default("num_beams", 1) and hf_settings._is_default("dola_layers", None)
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, do_sample=False)
     assert torch.equal(llm.hf_generate(ids, attention_mask=mask, generation_config=config), want)

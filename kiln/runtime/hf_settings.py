@@ -30,6 +30,8 @@ Scripts ported from transformers, Optimum Neuron or NxD Inference call ``generat
 """
 from __future__ import annotations
 
+import functools
+
 from kiln.errors import InputError
 from kiln.runtime import value_checks
 
@@ -85,11 +87,11 @@ def _settings_of(generation_config) -> dict:
 
 def _is_default(name, value) -> bool:
     """``value`` of the refused setting ``name`` does what its default does."""
-    if value is None:
+    if value is None or value is False:         # a switch left off (token_healing=False) does nothing
         return True
     if isinstance(value, (list, tuple, dict, set, frozenset)) and not value:
         return True
-    for harmless in (REFUSED.get(name), NO_OP.get(name)):
+    for harmless in (REFUSED.get(name), NO_OP.get(name), _config_defaults().get(name)):
         try:
             if harmless is not None and bool(value == harmless):
                 return True
@@ -152,11 +154,18 @@ def resolve(generation_config, overrides: dict, width: int, model_defaults: dict
 def _config_names() -> set:
     """The settings transformers' ``GenerationConfig`` has (an override naming one that kiln
     does not do is refused as such, not called unknown)."""
+    return set(_config_defaults())
+
+
+@functools.lru_cache(maxsize=1)
+def _config_defaults() -> dict:
+    """A fresh ``GenerationConfig``'s settings: a setting at its own default is harmless in
+    any transformers version (4.x's defaults are values, ``token_healing=False``; 5.x's None)."""
     try:
         from transformers import GenerationConfig
     except ImportError:
-        return set()
-    return {k for k in vars(GenerationConfig()) if not k.startswith("_")}
+        return {}
+    return {k: v for k, v in vars(GenerationConfig()).items() if not k.startswith("_")}
 
 
 def sampling_params(cfg: dict):
