@@ -605,6 +605,52 @@ def test_sigterm_drains_in_flight_requests(slow, artifacts):
     assert slow.get("/v2/health/live")[0] is None       # no longer listening
 
 
+class _Slow(torch.nn.Module):
+    """Seconds per call by construction: thirty products with one shared 1024 x 1024 weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(1024, 1024) / 32)
+
+    def forward(self, x):
+        for _ in range(30):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_a_request_cut_off_by_the_drain_timeout_gets_the_protocols_503(tmp_path):
+    """Found by probing (12-03): a request still running when --drain-timeout passed was
+    cancelled by uvicorn, its client got a plain-text 500 and the log a CancelledError traceback."""
+    import kiln
+    torch.manual_seed(0)
+    kiln.trace(_Slow().eval(), torch.randn(8, 1024), dynamic_batch=True, optlevel=1, cache=False,
+               threads=1).save(tmp_path / "s.kiln")         # compiled small: 1024 rows run in chunks of 8
+    s = Server([tmp_path / "s.kiln", "--drain-timeout", "0.2", "--no-batching", "--threads", "1"],
+               tmp_path / "s.log")
+    x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32).tobytes()
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1024, 1024], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(x)}}]}).encode()
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(r=s.request(
+        "POST", "/v2/models/s/infer", header + x, {"Inference-Header-Content-Length": str(len(header))},
+        timeout=60)))
+    try:
+        sender.start()
+        deadline = time.monotonic() + 30          # the request in flight: its binary body reads in ms,
+        while time.monotonic() < deadline and 'kiln_serve_in_flight_requests{model="s"} 1.0' not in \
+                (s.get("/metrics")[1] or b"").decode():
+            time.sleep(0.02)
+        time.sleep(0.1)                           # and its call (64 GFLOP, one thread: 0.6 s at the least) under way
+        s.proc.send_signal(signal.SIGTERM)
+        sender.join(60)
+    finally:
+        s.stop()
+    status, headers, body = result["r"]
+    assert status == 503 and headers.get("content-type") == "application/json", (status, headers, body)
+    assert "shut down before this request was answered" in json.loads(body)["error"], body
+    assert "Traceback" not in open(tmp_path / "s.log").read()
+
+
 def test_an_unwritable_kiln_profile_is_an_error_at_start(artifacts, tmp_path):
     """Found by probing: KILN_PROFILE=/proc/nope/t.json kiln serve served, and at SIGTERM
     printed a warning that the trace was lost and exited 0. It now refuses to start."""

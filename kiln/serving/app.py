@@ -218,6 +218,15 @@ async def infer(request):
             return fail("bad_request", 400, f"cannot read the request body: {e}")
         try:
             outs = await sm.batcher.submit(req.inputs, rows, timeout)
+        except asyncio.CancelledError:
+            if not state.draining:
+                raise
+            # the drain timeout passed during a shutdown and uvicorn cancelled the request: the
+            # protocol's JSON error, not uvicorn's plain-text 500 and a traceback (until 12-03)
+            asyncio.current_task().uncancel()
+            return fail("unavailable", 503, f"model '{name}': the server shut down before this request was "
+                        f"answered (its drain timeout, {getattr(state, 'drain_timeout', 0):g} s, passed); retry "
+                        "on another server", {"Connection": "close"})
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             for cls, reason, status, headers in SUBMIT_ERRORS:
                 if isinstance(e, cls):
