@@ -139,3 +139,54 @@ def test_what_weight_only_quantization_leaves_in_float_is_recorded_and_said(tmp_
     assert r.returncode == 0, r.stderr
     assert "int4: 1 of 3 weighted products (MatMulNBits 1); in float: Conv 2" in r.stdout
     assert "note: 2 convolution(s) left in float" in r.stdout          # the compile's notes, printed
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_precision_and_quantization_are_what_the_manifest_says():
+    """Found by probing (12-03): an int4 MLP's widest layer (most of its weights) was stored in
+    8 bits and listed as a "GGUF block type" (the LLM head rule, for any graph); an Inductor
+    build that said "bf16 is emulated" computed in float32 (Inductor fused the round trips
+    away); a quantized build of a float16 or bfloat16 model failed in an engine's type error or
+    ran unquantized; one that quantized nothing said "0 of 0" and no more; calibration samples
+    unlike the example failed in torch's, ONNX Runtime's or the quantizer's own error."""
+    torch.manual_seed(0)
+    model, x = _MLP().eval(), torch.randn(4, 64)
+    int4 = kiln.trace(model, x, quantize="int4", cache=False)
+    assert int4.manifest["quantized"]["ops"] == {"MatMulNBits": 2} and "blocks" not in int4.manifest["quantized"]
+    from kiln.engines.onnxruntime import graph_of
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in
+            graph_of(int4._artifact.blobs[int4.manifest["partitions"][0]["blob"]]).graph.node
+            if n.op_type == "MatMulNBits"}
+    assert sorted(bits.values()) == [4, 4], bits
+    emulated = kiln.trace(model, x, compiler_args="--auto-cast matmult --auto-cast-type bf16", engine="inductor",
+                          cache=False)
+    assert emulated.manifest["precision"]["emulated"]
+
+    def rounded(t):
+        return t.to(torch.bfloat16).float()
+    with torch.no_grad():
+        h = torch.relu(torch.nn.functional.linear(rounded(x), rounded(model.a.weight), model.a.bias))
+        want = torch.nn.functional.linear(rounded(h), rounded(model.b.weight), model.b.bias)
+        plain = model(x)
+    got = emulated(x)
+    assert (got - plain).abs().max() > 1e-4                   # not float32's answer
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)   # bf16's roundings (the order of sums aside)
+    for dtype, asked in ((torch.float16, "int4"), (torch.bfloat16, "int8")):
+        with pytest.raises(kiln.CompilerArgsError, match=f"quantizes float32 weights.*{str(dtype)[6:]}.*float()"):
+            kiln.trace(_MLP().eval().to(dtype), x.to(dtype), quantize=asked, cache=False)
+    with pytest.warns(UserWarning, match="found no weighted product it quantizes"):
+        kiln.trace(torch.nn.Sequential(torch.nn.ConvTranspose2d(8, 4, 3, stride=2)).eval(), torch.randn(1, 8, 8, 8),
+                   quantize="int8", cache=False)
+    for cal, said in ((torch.randn(4, 64), "must be a list of samples"),
+                      ([torch.randn(8, 64)], r"float32\[8, 64\], the example's torch.float32\[4, 64\]"),
+                      ([torch.full((4, 64), float("nan"))], "holds NaN or infinities")):
+        with pytest.raises((kiln.CompilerArgsError, kiln.InputError), match=said):
+            kiln.trace(model, x, quantize="int8", calibration_data=cal, cache=False)

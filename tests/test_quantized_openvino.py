@@ -312,11 +312,11 @@ def _timed(fold):
                     reason="OpenVINO computes bf16 natively only on CPUs with bf16 instructions (else f32: no fold)")
 def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds, monkeypatch):
     """In bf16 the Wide model's two products reach OpenVINO's CPU plugin as two compressed
-    FullyConnected operations, not three: its widest stays int8 in symmetric groups (as an
-    LLM's output projection does), the other is int4 with a minimum per block, folded into
-    float zero points (no block sums, no offset product), and the answer stays the f32
-    build's within bf16's rounding, where this CPU runs the folded product faster (here
-    said so by a stand-in). The f32 build keeps the offset product."""
+    FullyConnected operations, not four: both are int4 with a minimum per block (the widest
+    stays int8 only in an LLM's step graphs, its output projection: 12-03), folded into float
+    zero points (no block sums, no offset products), and the answer stays the f32 build's
+    within bf16's rounding, where this CPU runs the folded product faster (here said so by a
+    stand-in). The f32 build keeps the offset products."""
     from kiln.engines import openvino as ov_engine
     monkeypatch.setattr(ov_engine, "_fold_timing", _timed(True))
     model, want, out = builds
@@ -325,10 +325,10 @@ def test_openvinos_bf16_int4_build_has_one_product_per_linear(builds, monkeypatc
     count, ops = _fully_connected(compiled)
     assert count == 2 and not any(op.startswith("Reduce") for op in ops), ops
     blob = compiled._artifact.blobs[_partition(compiled)["blob"]]
-    assert ov_engine._unpack(blob)[0]["onnx"]["zero_points_folded"] == 1
+    assert ov_engine._unpack(blob)[0]["onnx"]["zero_points_folded"] == 2
     cos = torch.nn.functional.cosine_similarity(compiled(X).flatten(), want.flatten(), dim=0).item()
     assert cos > 0.99
-    assert _fully_connected(out["openvino", "int4"])[0] == 3
+    assert _fully_connected(out["openvino", "int4"])[0] == 4       # each product and its offset product
 
 
 @pytest.mark.skipif(not host_target.native("bf16"),
@@ -347,7 +347,7 @@ def test_where_the_pair_runs_faster_the_offset_products_stay(builds, monkeypatch
         monkeypatch.setattr(ov_engine, "_fold_timing", _timed(fold))
         built[fold] = kiln.trace(model, X, **args)
     count, ops = _fully_connected(built[False])
-    assert count == 3 and any(op.startswith("Reduce") for op in ops), ops
+    assert count == 4 and any(op.startswith("Reduce") for op in ops), ops
     header = ov_engine._unpack(built[False]._artifact.blobs[_partition(built[False])["blob"]])[0]
     assert header["onnx"]["zero_points_folded"] == 0
     assert header["onnx"]["zero_point_timing"] == {"fold": False, "fold_ms": 2.0, "pair_ms": 1.5}

@@ -8,6 +8,8 @@ around the driver's one-graph compile, and proved not to change answers
 """
 from __future__ import annotations
 
+import torch
+
 from kiln.compiler import cache as cache_mod
 from kiln.compiler import collect, padcheck
 from kiln.compiler.caching import CacheHook
@@ -65,7 +67,12 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     unknown = sorted(set(options) - set(OPTION_FIELDS))
     if unknown:
         raise TypeError(f"trace() got unexpected keyword argument(s): {', '.join(unknown)}")
-    calibration = tuple(settings.get("calibration_data") or ())
+    calibration = settings.get("calibration_data")
+    if isinstance(calibration, (torch.Tensor, dict)) or (calibration is not None
+                                                          and not hasattr(calibration, "__iter__")):
+        raise CompilerArgsError("calibration_data must be a list of samples, each one call's example inputs (a "
+                                "tensor, a tuple or a dict): e.g. calibration_data=[x1, x2]")
+    calibration = tuple(calibration or ())
     if options.get("quantize") and options.get("quantize_mode") is None:
         options["quantize_mode"] = ("weight_only" if options["quantize"] == "int4" else
                                     "static" if calibration else "dynamic")

@@ -17,12 +17,12 @@ from typing import Callable, Protocol
 import torch
 
 from kiln.artifact import specs
-from kiln.compiler import phases
+from kiln.compiler import phases, quantized
 from kiln.compiler.options import (CompileOptions, asks_tf32, check_device_precision,
                                    check_supported, parse_compiler_args, tf32_ops)
 from kiln.compiler.selection import resolve_device
 from kiln.compiler.reuse import capture_for, copy_of
-from kiln.errors import ValidationError
+from kiln.errors import CaptureError, InputError, KilnError, ValidationError
 from kiln.graph import randomness, tracing_lock, widened
 from kiln.graph.capture import Captured, bind_inputs, call_bound, eval_mode, from_graph
 from kiln.graph.validation import TF32_RTOL, comparison_precision, compare, quality_gate
@@ -126,6 +126,7 @@ def _compile_captured(captured, opts, model, threads, calibration_data, progress
 
 
 def _compile_planned(captured, opts, model, threads, calibration_data, progress, started):
+    quantized.check_float32_weights(captured, opts)
     plan = phases.plan(captured, opts, progress)
     if not plan.narrow_whole:
         return _build_checked(plan, model, threads, calibration_data, progress, started)
@@ -248,10 +249,21 @@ def omitted_defaults(model, arg_names) -> dict:
 def flat_sample(model, captured, sample):
     """Flatten one calibration input like the example inputs, with its eager outputs."""
     args, kwargs = (None, sample) if isinstance(sample, dict) else (sample, None)
-    named = bind_inputs(model, args, kwargs)
-    flat: list = []
-    for name, structure in captured.input_structure["dict"]:
-        specs.flatten_inputs(structure, named.get(name), name, flat)
+    try:
+        named = bind_inputs(model, args, kwargs)
+        flat: list = []
+        for name, structure in captured.input_structure["dict"]:
+            specs.flatten_inputs(structure, named.get(name), name, flat)
+    except (CaptureError, InputError, KilnError) as e:
+        raise InputError(f"a calibration_data sample does not fit the model's example inputs: {e}") from None
+    for spec, value in zip(captured.input_specs, flat):     # torch's or an engine's error, until 12-03
+        if isinstance(value, torch.Tensor) and (tuple(value.shape) != tuple(spec.shape) or value.dtype != spec.dtype):
+            raise InputError(f"calibration_data: input '{spec.name}' of a sample is {value.dtype}"
+                             f"{list(value.shape)}, the example's {spec.dtype}{list(spec.shape)}: calibration samples "
+                             "are calls like the example (the same shapes and dtypes)")
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise InputError(f"calibration_data: input '{spec.name}' of a sample holds NaN or infinities, which "
+                             "leave no range to calibrate to")
     with torch.no_grad(), eval_mode(model):      # as the capture ran it; its state left as it was
         ref_leaves: list = []
         specs.encode(call_bound(model, named), "", ref_leaves, [])

@@ -50,7 +50,16 @@ def label(products: dict | None, quantize) -> str:
 def notes(total: dict | None, quantize: str, mode: str) -> list:
     """Notes on what a build asked for ``quantize`` (``mode``) left in float: convolutions
     under a weight-only mode, and a build that quantized nothing at all."""
-    if total is None or not total["float"]:
+    if total is not None and not total["float"] and not total["quantized"]:
+        # until 12-03 such a build said nothing: "0 of 0" in kiln inspect (found by probing)
+        return [f"quantize={quantize!r} found no weighted product it quantizes (matrix products and "
+                "convolutions with a constant float32 weight; ConvTranspose and other layers are not among them, "
+                "nor layers in float16 or bfloat16): this build computes in float, no faster than an "
+                "unquantized one"]
+    if total is None:
+        return [f"quantize={quantize!r} quantized nothing: no part of the model was compiled by an engine that "
+                "quantizes (it runs on the host, or on engines without quantization)"]
+    if not total["float"]:
         return []
     out = []
     convolutions = total.get("float_ops", {}).get("Conv", 0)
@@ -63,3 +72,20 @@ def notes(total: dict | None, quantize: str, mode: str) -> list:
                    "products and convolutions with a constant weight): this build computes in float, no faster "
                    "than an unquantized one (kiln inspect shows each partition's count)")
     return out
+
+
+def check_float32_weights(captured, opts) -> None:
+    """A quantized build takes float32 weights: a model in float16 or bfloat16 was refused by an
+    engine's type error ("Type parameter (T1) of Optype (MatMulNBits) bound to different types"),
+    blamed on an engine the user never chose, or compiled unquantized on the host without a word
+    (until 12-03, found by probing)."""
+    if not opts.quantize:
+        return
+    import torch
+    narrow = sorted({str(t.dtype).replace("torch.", "") for t in captured.graph_module.state_dict().values()
+                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32})
+    if narrow:
+        from kiln.errors import CompilerArgsError
+        raise CompilerArgsError(f"quantize={opts.quantize!r} quantizes float32 weights, and {captured.model_name}'s "
+                                f"are {', '.join(narrow)}: trace model.float() to quantize it, or compile it in its "
+                                "own precision without quantize=")

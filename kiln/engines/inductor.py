@@ -193,6 +193,11 @@ def _inductor_configs(options, device: str = "cpu") -> dict:
         # gives eager's masks (kiln.graph.randomness); graphs without them are unchanged
         "fallback_random": True,
     }
+    if getattr(options, "auto_cast", "none") != "none":
+        # an emulated auto-cast's roundings (a value cast to bf16 and back) are what the build is
+        # for; Inductor fuses such a round trip away unless told to keep it: until 12-03 an
+        # Inductor build said "bf16 is emulated" and computed in float32 (found by probing)
+        configs["emulate_precision_casts"] = True
     if options.target == "generic":
         configs.update(_generic_isa())
     return configs

@@ -189,7 +189,8 @@ def quantized(partition, example_inputs, options, calibration, tmp: str, merge: 
             f.write(kept[0])
         return path, dict(kept[1])
     proto, settings = exported(partition, example_inputs)
-    path, products = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)], merge=merge)
+    path, products = ort_quantize.quantize(proto, tmp, options, calibration or [list(example_inputs)], merge=merge,
+                                           llm_head=getattr(_DECODER, "on", False))
     settings = dict(settings, products=products)
     if shared and not os.path.exists(path + ".data"):     # under protobuf's 2 GB: one file
         with open(path, "rb") as f:

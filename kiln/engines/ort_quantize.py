@@ -13,11 +13,14 @@ from kiln.engines import onnx_products
 from kiln.quiet import EXPORTER_LOGGERS, import_quietly, quiet
 
 
-def quantize(model, tmp: str, options, calibration, merge: bool = True) -> tuple:
+def quantize(model, tmp: str, options, calibration, merge: bool = True, llm_head: bool = False) -> tuple:
     """int8 / int4 through ONNX Runtime's own quantization tools; ``model`` an
     ``onnx.ModelProto``; ``(path, products)`` returned: the quantized model's path and what
     :func:`kiln.engines.onnx_products.count` says of it. ``merge``: weight-only
-    products sharing an input joined into one (:mod:`kiln.engines.ort_merge`).
+    products sharing an input joined into one (:mod:`kiln.engines.ort_merge`). ``llm_head``: the
+    graph is an LLM's step, whose widest product (the output projection) stays int8 in weight-only
+    builds (:func:`_weight_only`); another model's widest layer is quantized as asked (until 12-03 an
+    int4 MLP's widest layer, most of its weights, was stored in 8 bits and counted as int4).
 
     dynamic: weights to int8 ahead of time, activations quantized per call (no data).
     static: weights and activations int8 (QDQ) with ranges calibrated on ``calibration``,
@@ -39,7 +42,7 @@ def quantize(model, tmp: str, options, calibration, merge: bool = True) -> tuple
             # MatMulNBits has no convolution: ORT's weight-only quantizer logged an error per
             # Conv and left it in float; they stay float without the noise (the count says so)
             nodes = _gemm_to_matmul(model, _weight_nodes(model, convolutions=False))
-            quantized = _weight_only(model, nodes, 4 if options.quantize == "int4" else 8, merge)
+            quantized = _weight_only(model, nodes, 4 if options.quantize == "int4" else 8, merge, llm_head)
             save(quantized, out)
             return out, onnx_products.count(quantized)
         prepared = os.path.join(tmp, "prepared.onnx")
@@ -104,7 +107,7 @@ HEAD_GROUP = 32
 ACCURACY_LEVEL = 4
 
 
-def _weight_only(model, nodes: list, bits: int, merge: bool = True):
+def _weight_only(model, nodes: list, bits: int, merge: bool = True, llm_head: bool = True):
     """MatMul nodes in ``nodes`` of ``model`` to MatMulNBits (see :func:`quantize`); the new model.
 
     int4 is :mod:`kiln.engines.ort_int4`'s blocks with a float minimum (GGUF's Q4_1,
@@ -117,7 +120,7 @@ def _weight_only(model, nodes: list, bits: int, merge: bool = True):
     quantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer")
     # weights a file's own blocks are kept for (kiln.engines.ort_blocks) first; the rest as asked
     nodes = ort_blocks.apply(model, nodes, ACCURACY_LEVEL)
-    head = _widest(model, nodes)
+    head = _widest(model, nodes) if llm_head else None
     if bits == 8 and head and _shares_input(model, head, nodes):
         head = None         # int8 alike either way: left to join the products it shares an input with
     # products sharing an activation (query/key/value, gate/up) become one (kiln.engines.ort_merge)
