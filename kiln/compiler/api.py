@@ -67,12 +67,7 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
     unknown = sorted(set(options) - set(OPTION_FIELDS))
     if unknown:
         raise TypeError(f"trace() got unexpected keyword argument(s): {', '.join(unknown)}")
-    calibration = settings.get("calibration_data")
-    if isinstance(calibration, (torch.Tensor, dict)) or (calibration is not None
-                                                          and not hasattr(calibration, "__iter__")):
-        raise CompilerArgsError("calibration_data must be a list of samples, each one call's example inputs (a "
-                                "tensor, a tuple or a dict): e.g. calibration_data=[x1, x2]")
-    calibration = tuple(calibration or ())
+    calibration = _samples(settings.get("calibration_data"))
     if options.get("quantize") and options.get("quantize_mode") is None:
         options["quantize_mode"] = ("weight_only" if options["quantize"] == "int4" else
                                     "static" if calibration else "dynamic")
@@ -117,6 +112,16 @@ def trace(model, example_inputs=None, example_kwargs=None, *, buckets=None, pad_
                 compiled.manifest["row_check"] = padcheck.check_rows(model, compiled, example_inputs,
                                                                      example_kwargs, tol)
     return compiled
+
+
+def _samples(calibration) -> tuple:
+    """``calibration_data`` as a tuple of samples (a tensor given alone was torch's "Boolean
+    value of Tensor ... is ambiguous" until 12-03)."""
+    if isinstance(calibration, (torch.Tensor, dict)) or (calibration is not None
+                                                          and not hasattr(calibration, "__iter__")):
+        raise CompilerArgsError("calibration_data must be a list of samples, each one call's example inputs (a "
+                                "tensor, a tuple or a dict): e.g. calibration_data=[x1, x2]")
+    return tuple(calibration or ())
 
 
 def _shaped(model, example_inputs, example_kwargs, buckets, pad_values, output_dims, pipeline_cores,
