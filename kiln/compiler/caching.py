@@ -36,7 +36,7 @@ from kiln.compiler.options import lossy
 from kiln.errors import (ArtifactError, CompileError, UnsupportedOpError, UntrustedArtifactError,
                          ValidationError, cached_failure)
 from kiln.compiler.reuse import capture_for
-from kiln.graph.capture import bind_inputs, positional_count
+from kiln.graph.capture import bind_inputs, model_name, positional_count
 from kiln.runtime.model import CompiledModel
 from kiln.runtime.options import RuntimeOptions
 
@@ -90,7 +90,6 @@ def _named(hit, job):
     an entry, and until 12-03 the second got the first one's name (in ``kiln inspect``, the
     server's model metadata, the metrics and messages). The manifest is signed again when
     saved (``kiln.artifact.trust.signature_for``)."""
-    from kiln.graph.capture import model_name
     want = job.name or model_name(job.model)
     if hit.manifest.get("model_name") != want:
         hit.manifest["model_name"] = want
