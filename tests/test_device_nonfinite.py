@@ -51,6 +51,7 @@ def test_nan_and_infinities_into_a_compiled_program_give_eagers_answers(engine, 
                 want = _f(torch.tensor(x), torch.tensor(y))
                 for got, w in zip(step(x, y), want):
                     torch.testing.assert_close(got, w, equal_nan=True)
+            assert metrics.counter_value("NonfiniteEagerCalls") >= 2      # the two holding NaN ran op by op
             for got, want in zip(step(*good), _f(*map(torch.tensor, good))):      # finite: compiled again
                 torch.testing.assert_close(got, want)
         assert metrics.counter_value("UncachedCompile") == 1

@@ -13,6 +13,7 @@ import os
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
 from kiln.atomic import write_atomic
 from kiln.errors import KilnError
@@ -71,7 +72,6 @@ def agree(failed, doing: str = "load") -> None:
     barrier for it (the legacy loader until 11-30; ``load_checkpoint`` and ``save_checkpoint``
     until 12-03, where a script that caught the error went on and its next collective was
     paired with the others' barrier, or hung)."""
-    import torch.distributed as dist
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, None if failed is None else f"{type(failed).__name__}: {failed}")
     if failed is not None:

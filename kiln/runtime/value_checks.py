@@ -91,8 +91,8 @@ def nonfinite_in(t, nonfinite) -> list:
 
 def any_nonfinite(tensors, nonfinite) -> bool:
     """Whether any of ``tensors`` holds a value in ``nonfinite``: one stacked check of every
-    float tensor's sum first (a device program's ~300 inputs, parameters and optimizer states
-    among them: 7.5 ms against 12 ms one tensor at a time, 2 threads), each tensor looked at
+    float tensor's sum first (300 tensors of 70,000 floats, about a 4-layer BERT step's inputs:
+    7.5 ms against 12 ms one tensor at a time, 2 threads), each tensor looked at
     only when that finds something."""
     floats = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
               and t.device.type != "meta" and t.numel()]
