@@ -192,6 +192,32 @@ def _check_threads_per_call(loaded, model, x, recorder):
     assert recorder.calls[1] == (me[0], before)            # and restored after
 
 
+class _MeanOfSquares(torch.nn.Module):
+    """A sum divided in place by a count, in the kernel of a parallel loop that reads the sum:
+    the shape of a training step's mean loss beside its gradients."""
+
+    def forward(self, a, b, n):
+        s = (b * b).sum()
+        return a * s, s / n
+
+
+def test_a_build_made_with_one_thread_answers_when_run_with_two():
+    # Inductor 2.13 guards a parallel region's scalar stores (`omp single`) only when it
+    # plans for several threads: planned for the compiling process's one thread and run
+    # with two, `s / n` was divided twice (a BERT step's loss, found by probing 12-03)
+    model = _MeanOfSquares()
+    example = (torch.randn(64, 256), torch.randn(100), torch.tensor(4))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:        # unvalidated: this test is about the kernel, not the check that might catch it
+        compiled = kiln.trace(model, example, engine="inductor", validate=False, cache=False)
+    finally:
+        torch.set_num_threads(previous)
+    loaded = kiln.load(compiled.to_bytes(), threads=2)
+    for _ in range(3):
+        assert_close(loaded(*example), model(*example), **TOL)
+
+
 def test_other_torch_version_is_refused(mlp, monkeypatch):
     _, _, compiled = mlp
     data = compiled.to_bytes()

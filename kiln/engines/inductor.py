@@ -186,6 +186,11 @@ def _require_compiler():
 def _inductor_configs(options, device: str = "cpu") -> dict:
     configs = {
         "cpp.dynamic_threads": True,                    # thread count chosen at run time
+        # what Inductor plans the kernels for: never one thread, since the run may have more
+        # (Inductor 2.13 guards a parallel region's scalar stores with `omp single` only when
+        # it plans for several threads: a build made with one thread and run with two stored
+        # a training step's loss divided by its weight twice, found by probing 12-03)
+        "cpp.threads": max(2, torch.get_num_threads()),
         "aot_inductor.package_constants_in_so": True,   # weights inside the blob
         "aot_inductor.metadata": {_TORCH_VERSION_KEY: torch.__version__, _DEVICE_KEY: device},
         # random ops (a training graph's dropout) call PyTorch's own kernels on its default
