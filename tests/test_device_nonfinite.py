@@ -96,3 +96,37 @@ def test_batch_norm_over_a_transposed_input_then_a_linear_trains_like_the_cpu(mo
     finally:
         modes.wait_compiles()
         modes.set_mode("eager")
+
+
+def _scores(q, k):
+    cache = torch.tensor([], device=q.device)      # a Hugging Face cache layer's first keys
+    keys = torch.cat([cache, k.transpose(1, 2)], dim=-2)
+    return keys, q @ (keys.transpose(-2, -1) * 0.25)
+
+
+def test_a_key_cached_onto_an_empty_tensor_compiles_on_inductor_in_lazy_mode():
+    """``cat([empty, k])`` is recorded as the contiguous copy ``cat`` returns: Inductor's
+    decomposition of the ``cat`` kept the key's transposed layout, and the view of its
+    scaled transpose for the batched matmul was refused ("Cannot view a tensor with shape
+    [2, 4, 8, 16] and strides (512, 8, 1, 32)"), so until 12-03 every GPT-2 and T5 training
+    step on the device ran op by op."""
+    from kiln.device import metrics, modes
+    dev = modes.device()
+    metrics.clear()
+    modes.forget_compiled()
+    modes.set_mode("lazy", background=False, engine="inductor", optlevel=1)
+    q, k = torch.randn(2, 2, 7, 16), torch.randn(2, 7, 2, 16)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)          # the program compiles
+            for _ in range(2):
+                got = _scores(q.to(dev), k.to(dev))
+                modes.mark_step()
+                for g, w in zip(got, _scores(q, k)):
+                    assert g.is_contiguous() == w.is_contiguous()
+                    torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+        assert metrics.counter_value("UncachedCompile") == 1
+        assert metrics.counter_value("EagerGraphs") == 0
+    finally:
+        modes.wait_compiles()
+        modes.set_mode("eager", background="auto", engine=None)

@@ -218,6 +218,22 @@ def test_a_build_made_with_one_thread_answers_when_run_with_two():
         assert_close(loaded(*example), model(*example), **TOL)
 
 
+class _Labels(torch.nn.Module):
+    def forward(self, a, labels):
+        return a * 2, labels.clone()
+
+
+def test_an_input_sliced_in_the_example_is_read_as_given():
+    # capture traced the (2, 7) slice in its own layout (strides (8, 1)) and kiln compiles it
+    # contiguous; Inductor planned its reads from capture's record, so until 12-03 the second
+    # row came back shifted by one (a T5 step's shifted labels, found by probing)
+    labels = torch.arange(16).view(2, 8)[:, :-1]
+    example = (torch.randn(4, 4), labels)
+    compiled = kiln.trace(_Labels(), example, engine="inductor", validate=False, cache=False)
+    for given in (labels, labels.contiguous()):
+        torch.testing.assert_close(compiled(example[0], given)[1], labels, rtol=0, atol=0)
+
+
 def test_other_torch_version_is_refused(mlp, monkeypatch):
     _, _, compiled = mlp
     data = compiled.to_bytes()

@@ -124,6 +124,10 @@ def _dispatch(func, args, kwargs):
     lifted = rewrites.lift_scalars(_dispatch_any, func, args, kwargs)
     if lifted is not NotImplemented:
         return lifted
+    if func is aten.cat.default:
+        lone = rewrites.lone_in_cat(args, kwargs)
+        if lone is not None:
+            return _dispatch_any(aten.clone.default, (lone,), {"memory_format": torch.contiguous_format})
     if info.mutation:
         out = _record_mutation(func, info.name, info.schema, args, kwargs)
     elif info.view:

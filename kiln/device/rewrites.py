@@ -15,6 +15,8 @@
   1 ulp off). The CPU's scalar loop (a tensor's last elements) rounds ``alpha * other``
   to bf16/f16 first; the device does not (docs/device.md). A float32/float64 ``alpha`` is
   fused as the CPU fuses it: ``addcmul(self, other, alpha)``.
+* :func:`lone_in_cat`: a ``cat`` of one tensor and empty ones is recorded as the copy it
+  returns (a Hugging Face attention's key concatenated onto an empty cache).
 * :func:`functional_form`: the functional operation an in-place one is recorded as
   (``add_`` -> ``add``; batch norm's running-statistics update ->
   ``_native_batch_norm_legit_functional``), with the tensors it updates.
@@ -194,6 +196,37 @@ def _lift_kind(func):
     if root == "lerp" and overload == "Scalar":
         return "lerp"
     return None
+
+
+def lone_in_cat(args, kwargs):
+    """The one non-empty tensor of a ``cat`` whose other tensors are empty, where ``cat``
+    returns a contiguous copy of it (same shape and dtype); else None. The device records
+    the copy instead (``clone``): Inductor's decomposition of such a ``cat`` clones the
+    tensor in its own layout, and a view traced against ``cat``'s contiguous output is then
+    refused. A GPT-2 or T5 training step (the key cached as ``cat([empty, k], -2)``,
+    transposed and viewed for a batched matmul) ran op by op until 12-03, with Inductor's
+    "Cannot view a tensor with shape [2, 4, 8, 16] and strides (512, 8, 1, 32)"; the graphs
+    ``torch.compile`` hands kiln get the same rewrite from their metadata
+    (:func:`kiln.device.graphs._without_empty_cats`). ``cat``'s own rules decide (on meta
+    tensors of the same layouts): an empty tensor of another dtype promotes the result,
+    mismatched shapes are ``cat``'s error, a channels-last result stays a ``cat``."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 \
+            or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    kept = [t for t in tensors if t.numel() != 0]
+    if len(kept) != 1:
+        return None
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    try:
+        out = torch.cat([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                         for t in tensors], dim)
+    except (RuntimeError, IndexError, TypeError):
+        return None             # cat's own error, raised where it is run
+    (t,) = kept
+    if out.dtype != t.dtype or out.shape != t.shape or not out.is_contiguous():
+        return None
+    return t
 
 
 def functional_form(func, name, schema, args, kwargs):

@@ -73,6 +73,7 @@ def flat_graph(module, inputs):
     if any(not isinstance(t, torch.Tensor) for t in inputs):
         return None
     graph = copy.deepcopy(module.graph)                # the output is rewritten below
+    _layouts_as_given(graph, inputs)
     output = graph.find_nodes(op="output")[0]
     results, spec = pytree.tree_flatten(output.args[0])
     if not all(isinstance(r, torch.fx.Node) for r in results):
@@ -82,6 +83,33 @@ def flat_graph(module, inputs):
     flat._in_spec = pytree.tree_flatten((tuple(inputs), {}))[1]
     flat._out_spec = spec                              # what the partition itself returns
     return flat
+
+
+def _layouts_as_given(graph, inputs):
+    """Forget what capture recorded of an input's layout where the input given differs.
+    Inductor plans a placeholder's reads from its recorded value (``meta["val"]``), not from
+    the input it is handed: capture traced a sliced example in its own layout (a ``(2, 7)``
+    slice of a ``(2, 8)`` tensor, strides ``(8, 1)``), kiln compiles it contiguous
+    (:func:`kiln.engines.inductor._layout`), and until 12-03 the kernels read the second row
+    one element early (a T5 step's shifted labels; found by probing). The record becomes
+    the input as given (a fake tensor of its layout, in the record's own fake mode)."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    for node, given in zip(graph.find_nodes(op="placeholder"), inputs):
+        val = node.meta.get("val")
+        mode = getattr(val, "fake_mode", None)
+        if mode is None or _same_layout(val, given):
+            continue
+        node.meta["val"] = fake = mode.from_tensor(given, static_shapes=True)
+        if "tensor_meta" in node.meta:
+            node.meta["tensor_meta"] = _extract_tensor_metadata(fake)
+
+
+def _same_layout(val, given) -> bool:
+    try:
+        return (tuple(int(s) for s in val.stride()) == tuple(given.stride())
+                and int(val.storage_offset()) == given.storage_offset())
+    except (TypeError, RuntimeError):     # symbolic: left as recorded
+        return True
 
 
 _CHECKS_OFF = """
