@@ -8,15 +8,16 @@ comparison with eager then failed with a message about tolerances ("Loosen atol/
 or pass validate=False"), whose advice gives a silently wrong model. The capture's own
 eager call is watched instead, by each tensor's version counter (which every in-place
 write bumps, in any grad mode), and a write is a :class:`~kiln.errors.CaptureError`
-naming the tensors. A forward that *reassigns* a buffer or parameter
-(``self.n = self.n + 1``) writes no tensor in place but changes the module all the same:
+naming the tensors. A forward that *reassigns* a buffer, a parameter or a plain Python
+attribute (``self.n = self.n + 1``, ``self.calls += 1``) writes no tensor in place but
+changes the module all the same:
 the module's bindings are compared before and after the call, and a change is refused
 the same way (it had given the tolerance message too, the graph traced after the eager
 call starting from the changed buffer), unless a second call on the changed state gives
 the same answers (:func:`settles`: a cache rebuilt, not state that moves).
 
-Capture leaves the user's module as it was (:func:`kept`): bindings are put back and
-buffers written in place get their values back, refused or not. Parameters and inputs
+Capture leaves the user's module as it was (:func:`kept`): bindings and plain attributes
+are put back and buffers written in place get their values back, refused or not. Parameters and inputs
 written in place get theirs back too when the capture is refused (:func:`watched_call`): the
 watched eager call copies each one just before its first write, so only what is written
 is copied (a copy of every weight before each capture would double a large model's
@@ -50,20 +51,47 @@ def versions(model, named_inputs: dict) -> list:
 
 
 def bindings(model) -> dict:
-    """``{label: tensor}`` for each parameter and buffer ``model`` holds now (by identity)."""
+    """``{label: value}`` for each parameter and buffer ``model`` holds now (by identity),
+    and each plain Python attribute of its modules (a number, a string, a bool or None:
+    :func:`attributes`)."""
     if not isinstance(model, torch.nn.Module) or isinstance(model, torch.fx.GraphModule):
         return {}
     out = {f"parameter '{name}'": p for name, p in model.named_parameters(remove_duplicate=False)}
     out.update((f"buffer '{name}'", b) for name, b in model.named_buffers(remove_duplicate=False))
+    out.update((f"attribute '{prefix}{'.' if prefix else ''}{key}'", value)
+               for (prefix, _, key), value in attributes(model).items())
     return out
 
 
+_PLAIN = (bool, int, float, complex, str, type(None))
+
+
+def attributes(model) -> dict:
+    """``{(module name, module, attribute): value}`` for the public plain attributes of each
+    module of ``model`` (``self.calls = 0``; ``training`` is the mode, not state). A forward
+    that changes one (``self.calls += 1``, a step count its output reads) computes something
+    else at every call, as a buffer written in place does; until 12-03 it met the check
+    against eager, whose advice was to loosen the tolerances."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for key, value in vars(module).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, _PLAIN):
+                out[(prefix, module, key)] = value
+    return out
+
+
+def _moved(then, now) -> bool:
+    if isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+        return then is not now
+    return then is not now and not (type(then) is type(now) and then == now)
+
+
 def rebound(before: dict, model) -> list:
-    """Labels of the parameters and buffers of ``model`` reassigned (or added, or removed)
-    since :func:`bindings` gave ``before``."""
+    """Labels of the parameters, buffers and plain attributes of ``model`` reassigned (or
+    added, or removed) since :func:`bindings` gave ``before``."""
     after = bindings(model)
     changed = [f"{label} (reassigned)" for label, t in after.items()
-               if label in before and before[label] is not t]
+               if label in before and _moved(before[label], t)]
     changed += [f"{label} (added)" for label in after if label not in before]
     changed += [f"{label} (removed)" for label in before if label not in after]
     return changed
@@ -79,6 +107,7 @@ def kept(model):
         return
     modules = list(model.modules())
     held = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
+    plain = attributes(model)
     saved, seen = [], set()
     with torch.no_grad():
         for _, _, buffers in held:
@@ -98,6 +127,9 @@ def kept(model):
                 if list(now) != list(then) or any(now[k] is not v for k, v in then.items()):
                     now.clear()
                     now.update(then)
+        for (_, m, key), value in plain.items():
+            if _moved(value, vars(m).get(key, value)):
+                setattr(m, key, value)
         with torch.no_grad():
             for b, version, copy in saved:
                 if b._version != version:
