@@ -271,6 +271,10 @@ def test_module_paths():
                  "move_model_to_device", "PARALLEL_MODULES", "PARALLEL_FUNCTIONS"):
         assert hasattr(pl, name), name
     assert callable(impl.get_data_parallel_world_size) and callable(impl.get_tensor_parallel_size)
+    from kiln.neuronx_distributed.parallel_layers import layers
+    assert issubclass(layers.ColumnParallelLinear, layers.BaseParallelLinear)     # scripts test isinstance
+    assert issubclass(layers.RowParallelLinear, layers.BaseParallelLinear)
+    assert not issubclass(layers.ParallelEmbedding, layers.BaseParallelLinear)
     from kiln.neuronx_distributed.parallel_layers.layer_norm import LayerNorm
     from kiln.neuronx_distributed.modules.rms_norm import RMSNorm
     assert LayerNorm(4, sequence_parallel_enabled=True).weight.sequence_parallel_enabled

@@ -90,7 +90,13 @@ def _sequence_dimension(enabled: bool, dim):
     return dim
 
 
-class ColumnParallelLinear(TensorParallelModule):
+class BaseParallelLinear(TensorParallelModule):
+    """NxD's common base of the two sharded linears: scripts find them with
+    ``isinstance(module, BaseParallelLinear)`` (to exclude them from weight decay, to wrap
+    them for LoRA)."""
+
+
+class ColumnParallelLinear(BaseParallelLinear):
     """``Y = X Wᵀ + b`` with W's output rows split over the TP ranks (weight ``[out/tp,
     in]``, partition_dim 0). The input gradient is all-reduced (in ``reduce_dtype``); with
     ``gather_output`` the outputs are all-gathered on the last dim and the bias is full and
@@ -169,7 +175,7 @@ class ColumnParallelLinear(TensorParallelModule):
             model_state_dict[bias] = F.pad(model_state_dict[bias], (0, self.pad_size))
 
 
-class RowParallelLinear(TensorParallelModule):
+class RowParallelLinear(BaseParallelLinear):
     """``Y = X Wᵀ + b`` with W's input columns split over the TP ranks (weight ``[out,
     in/tp]``, partition_dim 1). The input is split on its last dim unless
     ``input_is_parallel``; the partial outputs are all-reduced in ``reduce_dtype`` (or
