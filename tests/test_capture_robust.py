@@ -164,6 +164,31 @@ def test_positional_rest_and_keyword_only():
         compiled(x, r0, r1, s)
 
 
+class _Gap(nn.Module):
+    def forward(self, a, b, c=None, d=None):
+        out = a - b
+        if c is not None:
+            out = out + 10 * c
+        return out if d is None else out + 100 * d
+
+
+def test_a_parameter_left_at_its_default_ends_the_positional_inputs():
+    """Traced with ``a, b, d`` (``c`` left at its default), ``compiled(a, b, x)`` took ``x``
+    as ``d``, where eager takes it as ``c``: until 12-03 a silent wrong answer (a BERT traced
+    with ``input_ids`` and ``token_type_ids`` and called positionally read the token types as
+    the attention mask; found by probing). It is a clear error; keywords still work, and a
+    positional prefix that is the forward's own still binds positionally."""
+    model = _Gap().eval()
+    a, b, d = torch.ones(2), torch.ones(2) * 2, torch.ones(2) * 3
+    compiled = kiln.trace(model, {"a": a, "b": b, "d": d}, quiet=True, cache=False, optlevel=1)
+    with pytest.raises(kiln.InputError, match=r"takes 2 positional input\(s\) \(a, b\), got 3.*Pass d by keyword"):
+        compiled(a, b, torch.full((2,), 0.5))
+    _close(compiled(a, b, d=d), model(a, b, d=d))
+    _close(compiled(a, b=b, d=d), model(a, b=b, d=d))
+    whole = kiln.trace(model, (a, b, torch.ones(2)), quiet=True, cache=False, optlevel=1)
+    _close(whole(a, b, d), model(a, b, d))          # nothing skipped: positional as before
+
+
 def test_star_args_round_trip_in_fresh_process(tmp_path):
     model = XRestScale().eval()
     x, r0, r1, s = _inputs(4)

@@ -107,7 +107,7 @@ def record(directory, job, captured, key, fp, url):
 
 
 CAPTURED_FIELDS = ("arg_names", "input_structure", "input_specs", "output_structure", "output_specs",
-                   "example_inputs", "eager_outputs", "model_name", "notes", "draws")
+                   "example_inputs", "eager_outputs", "model_name", "notes", "draws", "positional")
 
 
 def compile_job(path) -> dict:

@@ -267,6 +267,7 @@ def package(b: Build) -> Artifact:
         "compile_options": p.options.to_dict(),
         # an input that indexes carries the range eager accepts, checked at each call
         "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
+                   "positional": captured.positional,
                    "tensors": index_ranges.recorded(captured)},
         "outputs": {"structure": captured.output_structure,
                     "tensors": [s.to_dict() for s in captured.output_specs]},

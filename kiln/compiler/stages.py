@@ -381,6 +381,7 @@ def _manifest(captured, stages, meta) -> dict:
     first = stages[0].manifest
     outer = {"model_name": captured.model_name, "target": first.get("target", {}),
              "inputs": {"args": captured.arg_names, "structure": captured.input_structure,
+                        "positional": captured.positional,
                         "tensors": [s.to_dict() for s in captured.input_specs]},
              "outputs": {"structure": captured.output_structure,
                          "tensors": [s.to_dict() for s in captured.output_specs]},

@@ -21,6 +21,7 @@ from kiln.errors import CaptureError
 from kiln.graph import (aten_graph, computed_indices, index_ranges, numpy_inputs, one_trace, randomness, state_writes,
                         subgraph_ops, tracing_lock)
 from kiln.graph.explain import VIEW_FAILURES, explain_export_failure
+from kiln.graph import positional
 from kiln.graph.positional import Positional
 
 # Runtime checks export inserts for shapes/dtypes it specialised on. kiln checks
@@ -48,6 +49,7 @@ class Captured:
     draws: object = None                 # randomness.Draws before eager_outputs were computed
     capture_seconds: float | None = None  # set by a caller that captured it for a compile (the cache's hook)
     index_ranges: dict | None = None     # inputs that index, and eager's range (kiln.graph.index_ranges)
+    positional: int | None = None        # how many leading arg_names a call may give positionally
 
 
 def bind_inputs(model, example_inputs, example_kwargs=None) -> dict:
@@ -249,6 +251,7 @@ def _captured(gm, ep, model, names, structure, in_specs, out_structure, out_spec
                         list(leaves), [t.detach() for t in out_leaves], model_name(model))
     captured.exported, captured.tensor_mask, captured.draws = ep, tensor_mask, draws
     captured.index_ranges = index_ranges.of_inputs(gm, captured.input_specs)   # before partitioning
+    captured.positional = positional.prefix(model, names)
     return captured
 
 

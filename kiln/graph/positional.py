@@ -1,5 +1,8 @@
-"""The wrapper a model is exported through: its named example arguments passed positionally."""
+"""The wrapper a model is exported through (its named example arguments passed
+positionally), and how many of them a call of the compiled model may give positionally."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -29,3 +32,27 @@ class Positional(torch.nn.Module):
         values = [self.scalars.get(i, v) for i, v in enumerate(values)]
         n = self.n_positional
         return self.model(*values[:n], **dict(zip(self.names[n:], values[n:])))
+
+
+def prefix(model, names) -> int | None:
+    """How many of ``names`` (the traced inputs, in signature order) a call of the compiled
+    model may give positionally: the leading ones that are the forward's own leading
+    positional parameters. Past a parameter the trace left at its default
+    (``forward(a, b, c=None, d=None)`` traced with ``a, b, d``; a BERT traced with
+    ``input_ids`` and ``token_type_ids``), eager's next positional is that parameter, not the
+    next traced input: until 12-03 ``compiled(a, b, x)`` took ``x`` as ``d`` (found by
+    probing). None where the signature cannot be read or takes ``*args``."""
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    count = 0
+    for name, p in zip(names, params):
+        if p.name != name or p.kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                            inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            break
+        count += 1
+    return count

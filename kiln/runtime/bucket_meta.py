@@ -144,10 +144,13 @@ class FlattenView:
     """What :meth:`CompiledModel.flatten` reads of its model, with :class:`ShownSpec` inputs
     so that its messages describe a bucketed model's inputs."""
 
-    __slots__ = ("name", "arg_names", "input_structure", "input_specs", "_plain", "manifest")
+    __slots__ = ("name", "arg_names", "input_structure", "input_specs", "_plain", "_positional", "manifest")
 
     def __init__(self, model, shown: list, plain, variant_manifest: dict):
         self.name, self.arg_names, self.input_structure = model.name, model.arg_names, model.input_structure
         self.input_specs, self._plain = shown, plain
+        self._positional = (variant_manifest.get("inputs") or {}).get("positional")
+        if self._positional is not None and self._positional < len(self.arg_names):
+            self._plain = None
         # the defaults the trace left out, which a call may give explicitly (every variant's are the same)
         self.manifest = {"omitted_defaults": variant_manifest.get("omitted_defaults") or {}}

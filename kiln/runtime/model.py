@@ -197,6 +197,11 @@ class CompiledModel(Model):
         # what a call that passed the checks hands over, for the metrics (shapes are static)
         self._in_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self._checks)
         self._plain = specs.positional_tensors(self.input_structure, self.arg_names)
+        # the traced inputs a call may give positionally (kiln.graph.positional.prefix);
+        # absent (artifacts before 12-03, *args): every one, in order
+        self._positional = m["inputs"].get("positional")
+        if self._positional is not None and self._positional < len(self.arg_names):
+            self._plain = None
         self.nonfinite = frozenset(k for p in m["partitions"] for k in p.get("nonfinite", ()))
         self.index_ranges = value_checks.ranges(m["inputs"]["tensors"])
         # CUDA artifacts take inputs on the CPU or the GPU and answer on the same device.
@@ -268,6 +273,7 @@ class CompiledModel(Model):
             what = "input(s)" if limit == len(names) else "positional input(s)"
             raise InputError(f"{self.name} takes {limit} {what} ({', '.join(names[:limit])}), "
                              f"got {len(args)} positional")
+        value_checks.positional(self.name, names, self._positional, len(args))
         bound = dict(zip(names, args))
         for k, v in kwargs.items():
             if k in bound:

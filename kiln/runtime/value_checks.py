@@ -178,3 +178,16 @@ def count(value, name: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     raise InputError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
+
+
+def positional(model: str, names: list, count: int | None, given: int) -> None:
+    """Refuse more positional arguments than the ``count`` leading inputs the forward itself
+    takes positionally (:func:`kiln.graph.positional.prefix`): past a parameter the trace
+    left at its default, a positional argument means that parameter to the model."""
+    if count is None or given <= count:
+        return
+    taken = f" ({', '.join(names[:count])})" if count else ""
+    raise InputError(f"{model} takes {count} positional input(s){taken}, got {given}: its forward has a "
+                     "parameter there that was left at its default when it was compiled, so a positional "
+                     "argument would not mean what it means to the model. Pass "
+                     f"{', '.join(names[count:])} by keyword")
