@@ -9,6 +9,7 @@
   meta kernel does (the input's strides): until 12-03 ``transpose -> BatchNorm1d ->
   transpose -> Linear`` failed on the device with "view size is not compatible".
 """
+import copy
 import warnings
 
 import pytest
@@ -130,3 +131,37 @@ def test_a_key_cached_onto_an_empty_tensor_compiles_on_inductor_in_lazy_mode():
     finally:
         modes.wait_compiles()
         modes.set_mode("eager", background="auto", engine=None)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_a_channels_last_cnn_trains_and_drops_out_like_the_cpu(mode):
+    """A convolution's output is channels-last on the CPU where its input or weight is; the
+    device's meta kernel said contiguous. Until 12-03 a channels-last CNN failed at its first
+    ``flatten`` on the device ("view size is not compatible"), and dropout after such a
+    convolution drew its mask in another order than the CPU's (found by probing)."""
+    import torch.nn as nn
+    from kiln.device import modes
+    dev = modes.device()
+    modes.set_mode(mode)
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 10))
+    cpu = cpu.to(memory_format=torch.channels_last)
+    on_dev = copy.deepcopy(cpu).to(dev)
+    x = torch.randn(8, 3, 8, 8).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (8,))
+    losses = {}
+    for where, model in (("cpu", cpu), ("kiln", on_dev)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.manual_seed(123)
+            features = F.dropout(model[0](x.to(where)), 0.5)      # the mask drawn in memory order
+            loss = F.cross_entropy(model[1:](features), y.to(where))
+            loss.backward()
+            opt.step()
+            if where == "kiln":
+                modes.mark_step()
+            losses.setdefault(where, []).append(loss.item())
+    torch.testing.assert_close(losses["kiln"], losses["cpu"], rtol=1e-5, atol=1e-6)
+    for p, q in zip(on_dev.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)

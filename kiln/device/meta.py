@@ -69,7 +69,9 @@ def call(func, args, kwargs, trace):
         if key is not None:
             _CACHE[key] = e
         raise
-    if func in _EVAL_BATCH_NORMS:
+    if func in _CONVOLUTIONS:
+        out = _cpu_conv_layout(func, out, walk.tmap(of, args), kwargs)
+    elif func in _EVAL_BATCH_NORMS:
         out = _cpu_layout(out, stand_in(args[0], trace))
         if not _training(func, args, kwargs):
             out = _cpu_statistics(out)
@@ -119,6 +121,46 @@ def _cpu_layout(out, x):
     if want.stride() == y.stride():
         return out
     return (want, *out[1:])
+
+
+# A convolution's outputs on the CPU are channels-last where its input or its weight is
+# (oneDNN's choice; the gradients follow their tensors), and the meta kernel says contiguous:
+# until 12-03 a channels-last CNN failed on the device at its first `flatten` ("view size is
+# not compatible", the CPU copying where the device recorded a view), and dropout after such a
+# convolution drew its mask in another order than the CPU's (found by probing).
+_CONVOLUTIONS = {aten.convolution.default, aten.convolution_backward.default}
+
+
+def _cpu_conv_layout(func, out, metas, kwargs):
+    """``out`` laid out as the CPU's kernel lays it out, found by running the call on the CPU
+    on zeros of the same strides, one sample of the batch (once per signature: cached). The
+    batch is the outermost dimension in every layout the CPU picks, so the sample's strides
+    are the whole batch's."""
+    batched = (0,) if func is aten.convolution.default else (0, 1)
+
+    def zeros(i, a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        shape = list(a.shape)
+        if i in batched and shape:
+            shape[0] = min(shape[0], 1)
+        return torch.empty_strided(shape, a.stride(), dtype=a.dtype).zero_()
+    try:
+        cpu = func(*[zeros(i, a) for i, a in enumerate(metas)], **kwargs)
+    except Exception:  # noqa: BLE001 - the CPU's own error comes from the real call, not from here
+        return out
+    pairs = zip(out, cpu) if isinstance(out, (tuple, list)) else [(out, cpu)]
+    fixed = [_strided_as(o, c) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) else o
+             for o, c in pairs]
+    return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
+
+
+def _strided_as(meta, cpu):
+    """``meta`` with the strides of the CPU's one-sample result ``cpu``, where they differ."""
+    if meta.stride() == cpu.stride() or meta.dim() != cpu.dim() or meta.shape[1:] != cpu.shape[1:] \
+            or (meta.dim() and max(cpu.stride(), default=0) != cpu.stride()[0] and cpu.shape[0] > 1):
+        return meta
+    return torch.empty_strided(meta.shape, cpu.stride(), dtype=meta.dtype, device="meta")
 
 
 def _cpu_statistics(out):
