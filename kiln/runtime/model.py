@@ -49,6 +49,7 @@ class Model(torch.nn.Module):
     _async_worker = None
     core = None
     _plain = None       # CompiledModel.flatten's fast path: the input count, when it applies
+    _positional = None  # how many inputs a call may give positionally; None: every one
     # Non-finite values ("nan", "+inf", "-inf") an engine of this model was found at compile
     # time to answer differently from PyTorch (select.nonfinite_probe): refused in inputs.
     nonfinite: frozenset = frozenset()

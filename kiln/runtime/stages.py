@@ -63,6 +63,7 @@ class Pipeline(Model):
         self.arg_names = manifest["inputs"]["args"]
         self.input_structure = manifest["inputs"]["structure"]
         self.input_specs = [specs.TensorSpec.from_dict(d) for d in manifest["inputs"]["tensors"]]
+        self._positional = manifest["inputs"].get("positional")
         self.output_structure = manifest["outputs"]["structure"]
         self.output_specs = [specs.TensorSpec.from_dict(d) for d in manifest["outputs"]["tensors"]]
         self._checks = [(s.name, tuple(s.shape), s.dtype) for s in self.input_specs]
