@@ -102,3 +102,25 @@ def test_op_signatures_made_once_give_the_same_onnx(monkeypatch):
     fresh = ort_export.export(sub, inputs, opset=EXPORT_OPSET, optimize=True, registry=_registry())
     assert len(made) - once > 3 * once, (once, len(made) - once)     # each emitted op asked again
     assert cached.model_proto.SerializeToString() == fresh.model_proto.SerializeToString()
+
+
+class _Epsilons(torch.nn.Module):
+    def forward(self, x, f):
+        return x / (x.abs().sum(-1, keepdim=True) + 1e-12), x * 1.000001, f + 1e-10, f * 0.1
+
+
+def test_constants_keep_their_values_through_the_export():
+    """Two silent wrong answers of the export, found by probing (12-03), both within the
+    check's default tolerance on the example: the exporter's optimizer dropped ``+ 1e-12``
+    and ``* 1.000001`` as no-ops (a row of zeros divided by its epsilon-guarded sum came out
+    NaN, eager's 0), and a float64 graph's Python numbers were rounded to float32
+    (``f * 0.1`` was ``f * 0.10000000149011612``, ``f + 1e-10`` was ``f``)."""
+    import kiln
+    x, f = torch.randn(2, 4), torch.ones(2, dtype=torch.float64)
+    compiled = kiln.trace(_Epsilons(), (x, f), engine="onnxruntime", cache=False, quiet=True)
+    for given in ((x, f), (torch.zeros(2, 4), f * 3)):
+        got, want = compiled(*given), _Epsilons()(*given)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)     # zeros, not NaN
+        assert torch.equal(got[1] == given[0], want[1] == given[0])          # the product moved
+        torch.testing.assert_close(got[2], want[2], rtol=1e-15, atol=0)
+        torch.testing.assert_close(got[3], want[3], rtol=1e-15, atol=0)

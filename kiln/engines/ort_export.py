@@ -44,17 +44,18 @@ import threading
 
 import torch
 
-from kiln.engines import ort_promotion
+from kiln.engines import ort_exact, ort_promotion
 
 _LOCK = threading.Lock()
 
 
 def export(partition, example_inputs, *, opset: int, optimize: bool, registry):
     """``torch.onnx.export(partition, ...)`` (dynamo), an ``ONNXProgram``."""
+    partition = ort_exact.exact_scalars(partition) or partition
     partition = decomposed_locally(partition, registry) or partition
     program = program_of(partition)
     with _LOCK, _no_redecomposition(partition, registry), _registry_once(), _signatures_once(), \
-            ort_promotion.only_where_needed():
+            ort_promotion.only_where_needed(), ort_exact.exact_no_ops():
         return torch.onnx.export(partition if program is None else program, tuple(example_inputs), dynamo=True,
                                  opset_version=opset, optimize=optimize, verbose=False, report=False)
 
