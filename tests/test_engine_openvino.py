@@ -130,6 +130,29 @@ def test_ops_openvino_would_change_stay_on_host():
     assert report.supported_ops["aten::mul.Tensor"] == 1            # x * 2 in float32
 
 
+class _NarrowInts(torch.nn.Module):
+    def forward(self, a, u8):
+        return a // 3, a.amax(-1), a.flip(-1), u8 + 200
+
+
+def test_narrow_integer_arithmetic_stays_off_openvino_and_answers_as_eager():
+    """OpenVINO computes int32 arithmetic in float32 and saturates uint8 sums: ``a // 3`` past
+    2^24 came out rounded, a row maximum of 2^31 - 1 came out -2^31, ``u8 + 200`` came out
+    255 where eager wraps to 44; small example values passed the check (found by probing,
+    12-03). Such ops now run elsewhere; moving values (``flip``) stays on OpenVINO."""
+    example = (torch.tensor([[1, 5, 7, 9]], dtype=torch.int32), torch.tensor([5, 6, 7, 8], dtype=torch.uint8))
+    report = kiln.analyze(_NarrowInts(), example, engine="openvino")
+    reasons = {u["op"]: u["reason"] for u in report.unsupported_ops}
+    assert "int32 arithmetic" in reasons["aten::div.Tensor_mode"]                # a // 3 as captured
+    assert "int32 arithmetic" in reasons["aten::amax"] and "uint8 arithmetic" in reasons["aten::add.Tensor"]
+    assert report.supported_ops["aten::flip"] == 1
+    compiled = kiln.trace(_NarrowInts(), example, engine="openvino", cache=False, quiet=True)
+    big = (torch.tensor([[2**30, -2**30, 2**31 - 1, 16777217]], dtype=torch.int32),
+           torch.tensor([100, 200, 3, 4], dtype=torch.uint8))
+    for got, want in zip(compiled(*big), _NarrowInts()(*big)):
+        assert torch.equal(got, want), (got, want)
+
+
 def test_compile_refuses_partitions_drawn_by_another_engine():
     """-O3 hands every engine the partitions the primary engine drew: OpenVINO must refuse
     ops it would change (so kiln moves on to the next engine) instead of compiling them."""

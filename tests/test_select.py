@@ -249,3 +249,16 @@ def test_the_compiled_model_keeps_the_session_its_check_opened(monkeypatch):
     again = kiln.load(compiled.to_bytes(), trust_native_code=True)
     assert len(loads) == 2
     assert_close(again(x), compiled(x))
+
+
+def test_o3_keeps_an_engine_the_user_named():
+    """``engine="onnxruntime"`` with -O3: its builds are timed against each other, the
+    engines behind it are not built. Until 12-03 -O3 timed them too and could hand back an
+    Inductor build (native code, which a later ``kiln.load`` must trust): found by probing."""
+    model, x = models.mlp()
+    compiled = kiln.trace(model, x, engine="onnxruntime", compiler_args="-O3", cache=False, quiet=True)
+    for part in compiled.manifest["partitions"]:
+        assert part["engine"] == "onnxruntime"
+        built = {c["engine"] for c in part["candidates"] if c["status"] != "timed"}   # eager: timed, not built
+        assert built == {"onnxruntime"}, part["candidates"]
+    assert_close(compiled(x), model(x).detach())

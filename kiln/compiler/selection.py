@@ -251,6 +251,18 @@ class _Search:
                             key=lambda c: (bool(c[0].native_code), c[1] is not None, found.index(c[0])))
         if self.eager is not None:
             self.probes[_EAGER_KEY] = measure.probe(self.eager, self.inputs)
+        named = self.opts.engine
+        if named and any(e.name == named for e in found):
+            # an engine the user (or a phase) named is kept: its variants are timed against
+            # each other, and the engines behind it are tried only if none of them builds
+            # (until 12-03, -O3 timed those too and could pick one: found by probing)
+            self._try([c for c in candidates if c[0].name == named])
+            if self.compiled:
+                return
+            candidates = [c for c in candidates if c[0].name != named]
+        self._try(candidates)
+
+    def _try(self, candidates):
         for engine, variant in candidates:
             key = engine.name if variant is None else f"{engine.name}:{variant}"
             why = self.budget.refusal(engine, key) if self.compiled and not self.every else None

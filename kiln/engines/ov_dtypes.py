@@ -58,6 +58,11 @@ def reason(node) -> str | None:
         if dtype in NARROW and not host_target.native(NARROW[dtype]):
             return (f"{str(dtype).split('.')[-1]} ({NARROW[dtype]}) on a CPU that emulates it: kiln keeps its "
                     "rounding on the host (OpenVINO's plugin would compute it in float32)")
+    narrow = dtypes & _NARROW_INTS
+    if narrow and name not in _NARROW_INT_MOVES:
+        kind = str(min(narrow, key=str)).split(".")[-1]
+        return (f"{kind} arithmetic: OpenVINO's CPU plugin computes it in float32 (exact only below 2^24) "
+                "and saturates 8-bit sums where PyTorch wraps")
     if torch.int64 not in dtypes:
         return None
     if name in _INDEX_WRITES and _dtype_of(node) not in (None, torch.int64):
@@ -71,6 +76,19 @@ def reason(node) -> str | None:
         if isinstance(a, (int, float)) and not isinstance(a, bool) and not _fits_int32((a, a)):
             return f"int64 constant {a} is outside int32, which OpenVINO's CPU plugin computes int64 in"
     return None
+
+
+# int32, int16, int8 and uint8 ops other than moves: OpenVINO's CPU plugin computes them in
+# float32 (int32 ``//``, ``%``, ``max``, ``==`` and ``pow`` past 2^24 came out rounded: a row's
+# maximum 2^31 - 1 read back as -2^31) and saturates 8-bit arithmetic (uint8 ``100 + 200``: 255,
+# PyTorch's 44). Found by probing (12-03); the check on small example values passed.
+_NARROW_INTS = {torch.int32, torch.int16, torch.int8, torch.uint8}
+_NARROW_INT_MOVES = {
+    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "squeeze", "unsqueeze", "permute",
+    "transpose", "t", "clone", "alias", "cat", "stack", "index", "_unsafe_index", "index_select", "gather",
+    "repeat", "flip", "roll", "split", "split_with_sizes", "narrow", "unbind", "constant_pad_nd",
+    "lift_fresh_copy", "embedding", "_to_copy",
+}
 
 
 def _dtype_of(node):
