@@ -86,8 +86,8 @@ def flat_graph(module, inputs):
 
 
 def _layouts_as_given(graph, inputs):
-    """Forget what capture recorded of an input's layout where the input given differs.
-    Inductor plans a placeholder's reads from its recorded value (``meta["val"]``), not from
+    """Capture's record of each input's layout made the layout of the input given, where they
+    differ. Inductor plans a placeholder's reads from its recorded value (``meta["val"]``), not from
     the input it is handed: capture traced a sliced example in its own layout (a ``(2, 7)``
     slice of a ``(2, 8)`` tensor, strides ``(8, 1)``), kiln compiles it contiguous
     (:func:`kiln.engines.inductor._layout`), and until 12-03 the kernels read the second row

@@ -69,7 +69,7 @@ def _float_tensor_args(node) -> list:
 def exact_no_ops():
     """onnxscript's default rewrite rules without its tolerant arithmetic no-op rules (``x + 0``,
     ``x - 0``, ``x * 1``, ``x / 1`` matched within a tolerance), for the length of an export
-    (held under the export's lock); as they are where onnxscript lacks them."""
+    (held under the export's lock). An onnxscript without these names is left as it is."""
     try:
         from onnxscript import rewriter
         from onnxscript.rewriter.rules.common import _no_op
