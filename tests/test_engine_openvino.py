@@ -153,25 +153,6 @@ def test_narrow_integer_arithmetic_stays_off_openvino_and_answers_as_eager():
         assert torch.equal(got, want), (got, want)
 
 
-class _TwoIndices(torch.nn.Module):
-    def forward(self, x, i, j):
-        return torch.softmax(x, -1)[i, j], x[torch.arange(3), torch.arange(3)]
-
-
-def test_indexing_with_two_index_tensors_that_may_be_negative_stays_off_openvino():
-    """OpenVINO read ``p[i, j]`` with a negative ``j`` from the previous row (found by probing,
-    12-03; the example's indices were nonnegative). Indices proven nonnegative stay on it."""
-    x = torch.randn(10, 4)
-    example = (x, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
-    report = kiln.analyze(_TwoIndices(), example, engine="openvino")
-    reasons = [u["reason"] for u in report.unsupported_ops if u["op"] == "aten::index.Tensor"]
-    assert len(reasons) == 1 and "may be negative" in reasons[0]
-    compiled = kiln.trace(_TwoIndices(), example, engine="openvino", cache=False, quiet=True)
-    given = (x, torch.tensor([1, 2, 3]), torch.tensor([-1, -2, -4]))
-    for got, want in zip(compiled(*given), _TwoIndices()(*given)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
 def test_compile_refuses_partitions_drawn_by_another_engine():
     """-O3 hands every engine the partitions the primary engine drew: OpenVINO must refuse
     ops it would change (so kiln moves on to the next engine) instead of compiling them."""

@@ -58,9 +58,6 @@ def reason(node) -> str | None:
         if dtype in NARROW and not host_target.native(NARROW[dtype]):
             return (f"{str(dtype).split('.')[-1]} ({NARROW[dtype]}) on a CPU that emulates it: kiln keeps its "
                     "rounding on the host (OpenVINO's plugin would compute it in float32)")
-    if name in _MULTI_INDEXED and _may_count_from_the_end(node):
-        return ("indexing with several index tensors, one of which may be negative: OpenVINO's CPU plugin "
-                "reads a negative index from the previous row")
     narrow = dtypes & _NARROW_INTS
     if narrow and name not in _NARROW_INT_MOVES:
         kind = str(min(narrow, key=str)).split(".")[-1]
@@ -92,20 +89,6 @@ _NARROW_INT_MOVES = {
     "repeat", "flip", "roll", "split", "split_with_sizes", "narrow", "unbind", "constant_pad_nd",
     "lift_fresh_copy", "embedding", "_to_copy",
 }
-
-
-# ``p[i, j]`` with two index tensors and a negative ``j``: OpenVINO read ``p[i - 1, n + j]``
-# where PyTorch reads ``p[i, n + j]`` (``tab[1, -1]`` gave ``tab[0, 3]``; one index tensor with
-# negatives is right). Found by probing (12-03).
-_MULTI_INDEXED = {"index", "_unsafe_index", "index_put", "_unsafe_index_put"}
-
-
-def _may_count_from_the_end(node) -> bool:
-    indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
-    tensors = [i for i in indices if i is not None]
-    if len(tensors) < 2:
-        return False
-    return any(r is None or r[0] < 0 for r in map(_range, tensors))
 
 
 def _dtype_of(node):
