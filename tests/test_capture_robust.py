@@ -635,3 +635,18 @@ def test_a_bool_example_argument_reaches_the_model_as_a_bool():
     assert len(got.hidden_states) == len(want.hidden_states) == 3
     for g, w in zip(got.hidden_states, want.hidden_states):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decoder_returning_its_kv_cache_is_told_how_to_trace_it():
+    """A Hugging Face decoder traced as it is returns its ``DynamicCache``: the error names
+    ``use_cache=False`` and kiln's LLM path, and that example traces."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.errors import KilnError
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (1, 8))
+    with pytest.raises(KilnError, match="DynamicCache.*use_cache=False.*compile_llm"):
+        kiln.trace(model, {"input_ids": ids}, quiet=True, cache=False, optlevel=1)
+    compiled = kiln.trace(model, {"input_ids": ids, "use_cache": False}, quiet=True, cache=False, optlevel=1)
+    _close(compiled(input_ids=ids, use_cache=False)["logits"], model(input_ids=ids, use_cache=False).logits)

@@ -105,9 +105,13 @@ def encode(value, name: str, leaves: list, specs: list):
         return {kind: [encode(v, f"{name}[{i}]", leaves, specs) for i, v in enumerate(value)]}
     if isinstance(value, (bool, int, float, str)):
         return {"const": value}
+    # a Hugging Face decoder returns its KV cache (DynamicCache...) unless told not to
+    cache = (" A Hugging Face model returns its KV cache unless the example passes use_cache=False; "
+             "to generate, compile the decoder with kiln.llm (compile_llm, `kiln llm compile`), which "
+             "keeps the cache itself." if type(value).__name__.endswith("Cache") else "")
     raise KilnError(
         f"{name or 'value'}: values of type {type(value).__name__} are not supported as model "
-        "inputs or outputs; use tensors, tuples, lists, dicts or ModelOutput")
+        f"inputs or outputs; use tensors, tuples, lists, dicts or ModelOutput.{cache}")
 
 
 def decode(structure, leaves):
