@@ -153,6 +153,26 @@ def test_narrow_integer_arithmetic_stays_off_openvino_and_answers_as_eager():
         assert torch.equal(got, want), (got, want)
 
 
+class _TwoIndices(torch.nn.Module):
+    def forward(self, x, i, j):
+        return torch.softmax(x, -1)[i, j] * 2
+
+
+def test_indexing_with_two_index_tensors_counts_negative_ones_from_the_end_on_openvino():
+    """OpenVINO read ``p[i, j]`` with a negative ``j`` from the previous row (found by probing,
+    12-03; the example's indices were nonnegative, so the check passed). The graph OpenVINO
+    gets writes such indices as ``i + n``; the indexing stays on OpenVINO."""
+    x = torch.randn(10, 4)
+    example = (x, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
+    compiled = kiln.trace(_TwoIndices(), example, engine="openvino", cache=False, quiet=True)
+    assert [p["engine"] for p in compiled.manifest["partitions"]] == ["openvino"]
+    report = kiln.analyze(_TwoIndices(), example, engine="openvino")
+    assert not report.unsupported_ops and report.supported_ops["aten::index.Tensor"] == 1
+    for j in ([-1, -2, -4], [3, -1, 0]):
+        given = (x, torch.tensor([1, 2, 3]), torch.tensor(j))
+        torch.testing.assert_close(compiled(*given), _TwoIndices()(*given), rtol=1e-5, atol=1e-6)
+
+
 def test_compile_refuses_partitions_drawn_by_another_engine():
     """-O3 hands every engine the partitions the primary engine drew: OpenVINO must refuse
     ops it would change (so kiln moves on to the next engine) instead of compiling them."""

@@ -91,6 +91,12 @@ _NARROW_INT_MOVES = {
 }
 
 
+def may_be_negative(node) -> bool:
+    """Whether an integer fx value may hold a negative number, as far as :func:`_range` tells."""
+    r = _range(node)
+    return r is None or r[0] < 0
+
+
 def _dtype_of(node):
     val = node.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None

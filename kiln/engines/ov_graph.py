@@ -51,7 +51,7 @@ def prepared(partition):
     statistics = any(_norm_statistics_read(n) for n in nodes)
     if not repeated and not statistics and not any(
             n.target is aten.reshape.default or n.target in _SPELLED_OUT or (is_sdpa(n) and _sdpa_mask(n) is not None)
-            for n in nodes):
+            or _negative_indices(n) for n in nodes):
         return partition
     graph = copy.deepcopy(partition.graph)
     for node in list(graph.nodes):
@@ -61,6 +61,8 @@ def prepared(partition):
             node.args = _with_defaults(node)
         elif is_sdpa(node) and _sdpa_mask(node) is not None and not repeated:
             _zero_fully_masked_rows(graph, node)
+        elif _negative_indices(node):
+            _counted_from_the_start(graph, node)
     if repeated or statistics:       # torch's decompositions, node by node (decompose)
         return decompose(partition, graph, lambda n: (repeated and is_sdpa(n)) or _norm_statistics_read(n))
     return torch.fx.GraphModule(partition, graph)
@@ -124,6 +126,36 @@ def _zero_fully_masked_rows(graph, sdpa):
     with graph.inserting_after(zero):
         out = graph.call_function(aten.where.self, (valid, sdpa, zero))
     sdpa.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+
+
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor}
+
+
+def _negative_indices(node) -> list:
+    """``(dimension, index)`` for each index tensor of an indexing with several of them that
+    may be negative. OpenVINO read ``p[i, j]`` with a negative ``j`` from the previous row
+    (``tab[1, -1]`` gave ``tab[0, 3]``; one index tensor with negatives is right), found by
+    probing 12-03."""
+    from kiln.engines.ov_dtypes import may_be_negative
+    if node.op != "call_function" or node.target not in _INDEXING or len(node.args) < 2:
+        return []
+    indices = list(node.args[1])
+    if sum(i is not None for i in indices) < 2:
+        return []
+    return [(d, i) for d, i in enumerate(indices) if isinstance(i, torch.fx.Node) and may_be_negative(i)]
+
+
+def _counted_from_the_start(graph, node):
+    """Each index tensor that may be negative written as PyTorch reads it: ``where(i < 0, i + n, i)``."""
+    aten = torch.ops.aten
+    sizes = node.args[0].meta["val"].shape
+    indices = list(node.args[1])
+    for d, index in _negative_indices(node):
+        with graph.inserting_before(node):
+            negative = graph.call_function(aten.lt.Scalar, (index, 0))
+            wrapped = graph.call_function(aten.add.Tensor, (index, int(sizes[d])))
+            indices[d] = graph.call_function(aten.where.self, (negative, wrapped, index))
+    node.args = (node.args[0], indices, *node.args[2:])
 
 
 def decompose(gm: torch.fx.GraphModule, graph: torch.fx.Graph, chosen) -> torch.fx.GraphModule:
