@@ -7,6 +7,9 @@ Models (random weights, nothing downloaded):
   intermediate 1024, vocabulary 8192; batch 8, sequence 128; dropout on (0.1)
 * ``cnn``  - a small CNN (three conv + batch-norm + ReLU blocks, 32 -> 64 -> 64 channels,
   global pooling, a linear head); batch 32, 3x32x32
+* ``gpt2`` - ``GPT2LMHeadModel`` with 2 layers, hidden 128, 4 heads, vocabulary 1000, context
+  128; batch 8, sequence 64, its own language-modelling loss (dropout off). Not in ``all``:
+  until 12-03 its step ran op by op on the device (docs/device.md)
 
 Runners, all in one process, each on its own copy of the same weights, the same batches,
 AdamW (lr 1e-4), in fp32 and under bf16 autocast:
@@ -93,6 +96,18 @@ def make_case(name: str):
 
         def loss(m, inputs, labels):
             return F.cross_entropy(m(**inputs).logits.float(), labels)
+        return model, batches, loss
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, n_positions=128,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg)
+        ids = [torch.randint(0, 1000, (8, 64), generator=g) for _ in range(4)]
+        batches = [({"input_ids": t}, t.clone()) for t in ids]
+
+        def loss(m, inputs, labels):
+            return m(input_ids=inputs["input_ids"], labels=labels).loss.float()
         return model, batches, loss
     torch.manual_seed(0)
     model = SmallCNN()
@@ -442,7 +457,7 @@ def _child(args) -> int:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("bert", "cnn", "all"), default="all")
+    p.add_argument("--model", choices=("bert", "cnn", "gpt2", "all"), default="all")
     p.add_argument("--precision", choices=("fp32", "bf16", "all"), default="all")
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--warmup", type=int, default=3)
