@@ -9,6 +9,7 @@
   meta kernel does (the input's strides): until 12-03 ``transpose -> BatchNorm1d ->
   transpose -> Linear`` failed on the device with "view size is not compatible".
 """
+import contextlib
 import copy
 import warnings
 
@@ -19,6 +20,23 @@ import torch.nn.functional as F
 NAN, INF = float("nan"), float("inf")
 
 
+@contextlib.contextmanager
+def _compiling(mode, **options):
+    """The device in ``mode``, compiling in line with ``options``, its metrics and programs
+    fresh; any RuntimeWarning (a program running op by op) an error; back to the defaults after."""
+    from kiln.device import metrics, modes
+    metrics.clear()
+    modes.forget_compiled()
+    modes.set_mode(mode, background=False, **options)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)          # the program compiles
+            yield modes.device()
+    finally:
+        modes.wait_compiles()
+        modes.set_mode("eager", background="auto", engine=None)
+
+
 def _f(x, y):
     return torch.relu(x) * 2, x.amax(), torch.remainder(y, x.abs() + 1), F.gelu(x)
 
@@ -27,38 +45,29 @@ def _f(x, y):
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
 def test_nan_and_infinities_into_a_compiled_program_give_eagers_answers(engine, mode):
     from kiln.device import metrics, modes
-    dev = modes.device()
-    metrics.clear()
-    modes.forget_compiled()
-    modes.set_mode(mode, background=False, engine=engine)
-
-    def step(x, y):
-        out = _f(torch.tensor(x).to(dev), torch.tensor(y).to(dev))
-        if mode == "lazy":
-            modes.mark_step()
-        return [t.cpu() for t in out]
 
     good = ([1.0, -2.0, 3.0, 4.0], [3.0, 5.0, -7.0, 1.5])
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)          # the program compiles
-            for _ in range(3):                                      # seen, compiled, run
-                for got, want in zip(step(*good), _f(*map(torch.tensor, good))):
-                    torch.testing.assert_close(got, want)
-            assert metrics.counter_value("UncachedCompile") == 1
-            assert metrics.counter_value("NonfiniteEagerCalls") == 0
-            for x, y in (([NAN, -2.0, 3.0, 4.0], good[1]), (good[0], [3.0, INF, -INF, NAN]),
-                         ([INF, -INF, 3.0, 4.0], [3.0, 5.0, -7.0, 1.5])):
-                want = _f(torch.tensor(x), torch.tensor(y))
-                for got, w in zip(step(x, y), want):
-                    torch.testing.assert_close(got, w, equal_nan=True)
-            assert metrics.counter_value("NonfiniteEagerCalls") >= 2      # the two holding NaN ran op by op
-            for got, want in zip(step(*good), _f(*map(torch.tensor, good))):      # finite: compiled again
+    with _compiling(mode, engine=engine) as dev:
+        def step(x, y):
+            out = _f(torch.tensor(x).to(dev), torch.tensor(y).to(dev))
+            if mode == "lazy":
+                modes.mark_step()
+            return [t.cpu() for t in out]
+
+        for _ in range(3):                                          # seen, compiled, run
+            for got, want in zip(step(*good), _f(*map(torch.tensor, good))):
                 torch.testing.assert_close(got, want)
         assert metrics.counter_value("UncachedCompile") == 1
-    finally:
-        modes.wait_compiles()
-        modes.set_mode("eager", background="auto", engine=None)
+        assert metrics.counter_value("NonfiniteEagerCalls") == 0
+        for x, y in (([NAN, -2.0, 3.0, 4.0], good[1]), (good[0], [3.0, INF, -INF, NAN]),
+                     ([INF, -INF, 3.0, 4.0], [3.0, 5.0, -7.0, 1.5])):
+            want = _f(torch.tensor(x), torch.tensor(y))
+            for got, w in zip(step(x, y), want):
+                torch.testing.assert_close(got, w, equal_nan=True)
+        assert metrics.counter_value("NonfiniteEagerCalls") >= 2          # the two holding NaN ran op by op
+        for got, want in zip(step(*good), _f(*map(torch.tensor, good))):          # finite: compiled again
+            torch.testing.assert_close(got, want)
+        assert metrics.counter_value("UncachedCompile") == 1
 
 
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
@@ -112,25 +121,16 @@ def test_a_key_cached_onto_an_empty_tensor_compiles_on_inductor_in_lazy_mode():
     [2, 4, 8, 16] and strides (512, 8, 1, 32)"), so until 12-03 every GPT-2 and T5 training
     step on the device ran op by op."""
     from kiln.device import metrics, modes
-    dev = modes.device()
-    metrics.clear()
-    modes.forget_compiled()
-    modes.set_mode("lazy", background=False, engine="inductor", optlevel=1)
     q, k = torch.randn(2, 2, 7, 16), torch.randn(2, 7, 2, 16)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)          # the program compiles
-            for _ in range(2):
-                got = _scores(q.to(dev), k.to(dev))
-                modes.mark_step()
-                for g, w in zip(got, _scores(q, k)):
-                    assert g.is_contiguous() == w.is_contiguous()
-                    torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+    with _compiling("lazy", engine="inductor", optlevel=1) as dev:
+        for _ in range(2):
+            got = _scores(q.to(dev), k.to(dev))
+            modes.mark_step()
+            for g, w in zip(got, _scores(q, k)):
+                assert g.is_contiguous() == w.is_contiguous()
+                torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
         assert metrics.counter_value("UncachedCompile") == 1
         assert metrics.counter_value("EagerGraphs") == 0
-    finally:
-        modes.wait_compiles()
-        modes.set_mode("eager", background="auto", engine=None)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "eager"])

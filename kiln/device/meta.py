@@ -136,6 +136,9 @@ def _cpu_conv_layout(func, out, metas, kwargs):
     on zeros of the same strides, one sample of the batch (once per signature: cached). The
     batch is the outermost dimension in every layout the CPU picks, so the sample's strides
     are the whole batch's."""
+    tensors = [a for a in metas if isinstance(a, torch.Tensor)]
+    if all(t.stride() == _contiguous_strides(t.shape) for t in tensors):
+        return out          # plain contiguous tensors: the CPU's results are contiguous, as the meta kernel's
     batched = (0,) if func is aten.convolution.default else (0, 1)
 
     def zeros(i, a):
@@ -153,6 +156,14 @@ def _cpu_conv_layout(func, out, metas, kwargs):
     fixed = [_strided_as(o, c) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) else o
              for o, c in pairs]
     return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _strided_as(meta, cpu):

@@ -26,6 +26,8 @@ import operator
 
 import torch
 
+from kiln.engines.ov_dtypes import may_be_negative
+
 
 def prepared(partition):
     """The partition as OpenVINO's FX frontend should read it; the partition itself is
@@ -136,7 +138,6 @@ def _negative_indices(node) -> list:
     may be negative. OpenVINO read ``p[i, j]`` with a negative ``j`` from the previous row
     (``tab[1, -1]`` gave ``tab[0, 3]``; one index tensor with negatives is right), found by
     probing 12-03."""
-    from kiln.engines.ov_dtypes import may_be_negative
     if node.op != "call_function" or node.target not in _INDEXING or len(node.args) < 2:
         return []
     indices = list(node.args[1])
