@@ -218,15 +218,23 @@ def lone_in_cat(args, kwargs):
     if len(kept) != 1:
         return None
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    key = (dim, *((tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+    copies = _LONE_CATS.get(key)
+    if copies is None:          # cat's rules, worked out once per layout (67 us a call: every step's cache)
+        copies = _LONE_CATS[key] = _copies(tensors, kept[0], dim)
+    return kept[0] if copies else None
+
+
+_LONE_CATS: dict = {}
+
+
+def _copies(tensors, t, dim) -> bool:
     try:
-        out = torch.cat([torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                         for t in tensors], dim)
+        out = torch.cat([torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                         for x in tensors], dim)
     except (RuntimeError, IndexError, TypeError):
-        return None             # cat's own error, raised where it is run
-    (t,) = kept
-    if out.dtype != t.dtype or out.shape != t.shape or not out.is_contiguous():
-        return None
-    return t
+        return False            # cat's own error, raised where it is run
+    return out.dtype == t.dtype and out.shape == t.shape and out.is_contiguous()
 
 
 def functional_form(func, name, schema, args, kwargs):
