@@ -5,6 +5,7 @@ lookup, not a shape computation (:mod:`kiln.device.dispatch` records with it).""
 from __future__ import annotations
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from kiln.device import tensor as dt
 from kiln.device import trace as tr
@@ -137,7 +138,7 @@ def _cpu_conv_layout(func, out, metas, kwargs):
     batch is the outermost dimension in every layout the CPU picks, so the sample's strides
     are the whole batch's."""
     tensors = [a for a in metas if isinstance(a, torch.Tensor)]
-    if all(t.stride() == _contiguous_strides(t.shape) for t in tensors):
+    if all(t.stride() == tuple(make_contiguous_strides_for(t.shape)) for t in tensors):
         return out          # plain contiguous tensors: the CPU's results are contiguous, as the meta kernel's
     batched = (0,) if func is aten.convolution.default else (0, 1)
 
@@ -156,14 +157,6 @@ def _cpu_conv_layout(func, out, metas, kwargs):
     fixed = [_strided_as(o, c) if isinstance(o, torch.Tensor) and isinstance(c, torch.Tensor) else o
              for o, c in pairs]
     return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 def _strided_as(meta, cpu):
